@@ -1,0 +1,318 @@
+"""Model configuration: a frozen, validated dataclass with presets and a Hugging Face reader.
+
+`ModelConfig` describes the DiffusionGemma text backbone (a Gemma 4 MoE transformer used in two
+modes, causal "encoder" and bidirectional "denoiser"). It is hashable, so it can be a static
+argument of `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+SLIDING = "sliding"
+GLOBAL = "global"
+
+_DTYPES = ("float32", "bfloat16", "float16")
+MOE_DISPATCH = ("auto", "dense", "ragged", "capacity")
+DENOISE_WINDOWS = ("block", "band")
+
+
+def layer_pattern(num_layers: int, period: int = 6) -> tuple[str, ...]:
+    """`period - 1` sliding layers then one global layer, repeated; the last layer is global."""
+    types = [GLOBAL if (i + 1) % period == 0 else SLIDING for i in range(num_layers)]
+    types[-1] = GLOBAL
+    return tuple(types)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shapes, numerics and special ids of a DiffusionGemma text model.
+
+    Sliding ("local") layers use `head_dim` / `num_kv_heads` and a causal window of
+    `sliding_window` keys (itself + window-1 previous tokens). Global layers use
+    `global_head_dim` / `num_global_kv_heads`, have no V projection (V = v_norm(k_proj(x)))
+    and proportional partial RoPE.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int
+    global_head_dim: int
+    num_global_kv_heads: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    sliding_window: int
+    layer_types: tuple[str, ...] = ()
+    rope_theta_local: float = 10_000.0
+    rope_theta_global: float = 1_000_000.0
+    global_rope_proportion: float = 0.25
+    rms_norm_eps: float = 1e-6
+    final_logit_softcap: float = 30.0
+    max_position_embeddings: int = 262_144
+    canvas_length: int = 256
+    pad_id: int = 0
+    bos_id: int = 2
+    eos_ids: tuple[int, ...] = (1, 106, 50)
+    # Numerics and execution strategy (not part of the checkpoint).
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    moe_dispatch: str = "auto"
+    moe_capacity_factor: float = 2.0
+    denoise_window: str = "block"
+    name: str = "custom"
+
+    def __post_init__(self):
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", layer_pattern(self.num_layers))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
+        self._validate()
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self):
+        def bad(field, value, why):
+            raise ValueError(f"ModelConfig.{field}={value!r} is invalid: {why}")
+
+        for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "num_kv_heads",
+                  "global_head_dim", "num_global_kv_heads", "intermediate_size", "num_experts",
+                  "top_k", "moe_intermediate_size", "sliding_window", "canvas_length",
+                  "max_position_embeddings"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad(f, v, "must be a positive integer")
+        if len(self.layer_types) != self.num_layers:
+            bad("layer_types", self.layer_types,
+                f"needs one entry per layer ({self.num_layers}), got {len(self.layer_types)}")
+        for t in self.layer_types:
+            if t not in (SLIDING, GLOBAL):
+                bad("layer_types", t, f"each entry must be {SLIDING!r} or {GLOBAL!r}")
+        if self.num_heads % self.num_kv_heads:
+            bad("num_kv_heads", self.num_kv_heads, f"must divide num_heads={self.num_heads}")
+        if self.num_heads % self.num_global_kv_heads:
+            bad("num_global_kv_heads", self.num_global_kv_heads,
+                f"must divide num_heads={self.num_heads}")
+        for f in ("head_dim", "global_head_dim"):
+            if getattr(self, f) % 2:
+                bad(f, getattr(self, f), "must be even (rotary pairs dims i and i + head_dim/2)")
+        if self.top_k > self.num_experts:
+            bad("top_k", self.top_k, f"cannot exceed num_experts={self.num_experts}")
+        if not 0.0 <= self.global_rope_proportion <= 1.0:
+            bad("global_rope_proportion", self.global_rope_proportion, "must be in [0, 1]")
+        for f in ("rope_theta_local", "rope_theta_global", "rms_norm_eps", "final_logit_softcap"):
+            if not getattr(self, f) > 0:
+                bad(f, getattr(self, f), "must be > 0")
+        for f in ("dtype", "param_dtype"):
+            if getattr(self, f) not in _DTYPES:
+                bad(f, getattr(self, f), f"must be one of {_DTYPES}")
+        if self.moe_dispatch not in MOE_DISPATCH:
+            bad("moe_dispatch", self.moe_dispatch, f"must be one of {MOE_DISPATCH}")
+        if not self.moe_capacity_factor > 0:
+            bad("moe_capacity_factor", self.moe_capacity_factor, "must be > 0")
+        if self.denoise_window not in DENOISE_WINDOWS:
+            bad("denoise_window", self.denoise_window, f"must be one of {DENOISE_WINDOWS}")
+        for f in ("pad_id", "bos_id"):
+            v = getattr(self, f)
+            if not 0 <= v < self.vocab_size:
+                bad(f, v, f"must be a token id in [0, {self.vocab_size})")
+        for e in self.eos_ids:
+            if not 0 <= e < self.vocab_size:
+                bad("eos_ids", self.eos_ids, f"id {e} is outside [0, {self.vocab_size})")
+
+    # ------------------------------------------------------------------ derived
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def is_global(self, layer: int) -> bool:
+        return self.layer_types[layer] == GLOBAL
+
+    def layer_head_dim(self, layer: int) -> int:
+        return self.global_head_dim if self.is_global(layer) else self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        return self.num_global_kv_heads if self.is_global(layer) else self.num_kv_heads
+
+    @property
+    def embed_scale(self) -> float:
+        return math.sqrt(self.hidden_size)
+
+    def param_count(self) -> dict[str, int]:
+        """Total and per-token active parameter counts (text model)."""
+        d = self.hidden_size
+        emb = self.vocab_size * d
+        attn = 0
+        for i in range(self.num_layers):
+            hd, kv = self.layer_head_dim(i), self.layer_kv_heads(i)
+            n_kv_proj = 1 if self.is_global(i) else 2
+            attn += d * self.num_heads * hd * 2 + d * kv * hd * n_kv_proj + 2 * hd
+        dense = self.num_layers * 3 * d * self.intermediate_size
+        experts = self.num_layers * self.num_experts * 3 * d * self.moe_intermediate_size
+        router = self.num_layers * (d * self.num_experts + d + self.num_experts)
+        norms = self.num_layers * (7 * d + 2) + d
+        sc = 3 * d * self.intermediate_size + d
+        total = emb + attn + dense + experts + router + norms + sc
+        active = total - experts + experts * self.top_k // self.num_experts
+        return {"total": total, "active": active, "experts": experts, "embedding": emb}
+
+    # ------------------------------------------------------------------ presets
+    @staticmethod
+    def preset(name: str, **overrides) -> "ModelConfig":
+        """A named configuration. `ModelConfig.preset_names()` lists them."""
+        if name not in _PRESETS:
+            raise ValueError(f"unknown preset {name!r}; available presets: {', '.join(sorted(_PRESETS))}")
+        kw = dict(_PRESETS[name])
+        kw.update(overrides)
+        kw.setdefault("name", name)
+        return ModelConfig(**kw)
+
+    @staticmethod
+    def preset_names() -> list[str]:
+        return sorted(_PRESETS)
+
+    # ------------------------------------------------------------------ Hugging Face
+    @staticmethod
+    def from_hf(source: str | os.PathLike | Mapping[str, Any], **overrides) -> "ModelConfig":
+        """Build from a Hugging Face DiffusionGemma `config.json` (path, directory or dict).
+
+        Accepts both the released flat keys (`global_head_dim`, `num_global_key_value_heads`) and the
+        `per_layer_config` form that transformers >= 5.23 writes on save.
+        """
+        if isinstance(source, Mapping):
+            cfg = dict(source)
+        else:
+            path = os.fspath(source)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no config.json at {path!r}: pass a Hugging Face model directory")
+            with open(path) as f:
+                cfg = json.load(f)
+        text = cfg.get("text_config", cfg)
+        model_type = cfg.get("model_type", text.get("model_type"))
+        if model_type not in (None, "diffusion_gemma", "diffusion_gemma_text", "gemma4", "gemma4_text"):
+            raise ValueError(f"config.json has model_type={model_type!r}; expected a DiffusionGemma config")
+        try:
+            n_layers = int(text["num_hidden_layers"])
+            hf_types = text.get("layer_types")
+            types = tuple(GLOBAL if t == "full_attention" else SLIDING for t in hf_types) if hf_types \
+                else layer_pattern(n_layers)
+            head_dim = int(text["head_dim"])
+            kv = int(text["num_key_value_heads"])
+            g_head_dim = text.get("global_head_dim")
+            g_kv = text.get("num_global_key_value_heads")
+            plc = text.get("per_layer_config") or {}
+            for idx, lc in plc.items():
+                if types[int(idx)] == GLOBAL:
+                    g_head_dim = lc.get("head_dim", g_head_dim)
+                    g_kv = lc.get("num_key_value_heads", g_kv)
+            rope = text.get("rope_parameters") or {}
+            rl = rope.get("sliding_attention", {}) or {}
+            rg = rope.get("full_attention", {}) or {}
+            eos = text.get("eos_token_id", cfg.get("eos_token_id", 1))
+            eos = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+            kw = dict(
+                vocab_size=int(text["vocab_size"]),
+                hidden_size=int(text["hidden_size"]),
+                num_layers=n_layers,
+                num_heads=int(text["num_attention_heads"]),
+                head_dim=head_dim,
+                num_kv_heads=kv,
+                global_head_dim=int(g_head_dim if g_head_dim is not None else 512),
+                num_global_kv_heads=int(g_kv if g_kv is not None else kv),
+                intermediate_size=int(text["intermediate_size"]),
+                num_experts=int(text["num_experts"]),
+                top_k=int(text["top_k_experts"]),
+                moe_intermediate_size=int(text["moe_intermediate_size"]),
+                sliding_window=int(text["sliding_window"]),
+                layer_types=types,
+                rope_theta_local=float(rl.get("rope_theta", 10_000.0)),
+                rope_theta_global=float(rg.get("rope_theta", 1_000_000.0)),
+                global_rope_proportion=float(rg.get("partial_rotary_factor", 0.25)),
+                rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+                final_logit_softcap=float(text.get("final_logit_softcapping") or 30.0),
+                max_position_embeddings=int(text.get("max_position_embeddings", 262_144)),
+                canvas_length=int(cfg.get("canvas_length", 256)),
+                pad_id=int(text.get("pad_token_id", 0) or 0),
+                bos_id=int(text.get("bos_token_id", 2) if text.get("bos_token_id") is not None else 2),
+                eos_ids=tuple(int(e) for e in eos if e is not None),
+                name=str(cfg.get("_name_or_path") or "hf"),
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json is missing the field {e.args[0]!r} of a DiffusionGemma text config") from None
+        if rl.get("rope_type", "default") != "default" or rg.get("rope_type", "proportional") != "proportional":
+            raise ValueError(f"unsupported rope types {rl.get('rope_type')!r}/{rg.get('rope_type')!r}: "
+                             "DiffusionGemma uses 'default' on sliding and 'proportional' on full layers")
+        kw.update(overrides)
+        return ModelConfig(**kw)
+
+    def to_hf_text_config(self) -> dict[str, Any]:
+        """The `DiffusionGemmaTextConfig` kwargs describing this model (used by tests and converters)."""
+        return dict(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            global_head_dim=self.global_head_dim,
+            num_global_key_value_heads=self.num_global_kv_heads,
+            sliding_window=self.sliding_window,
+            layer_types=["full_attention" if t == GLOBAL else "sliding_attention" for t in self.layer_types],
+            num_experts=self.num_experts,
+            top_k_experts=self.top_k,
+            moe_intermediate_size=self.moe_intermediate_size,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": self.rope_theta_local},
+                "full_attention": {"rope_type": "proportional", "rope_theta": self.rope_theta_global,
+                                   "partial_rotary_factor": self.global_rope_proportion},
+            },
+            rms_norm_eps=self.rms_norm_eps,
+            final_logit_softcapping=self.final_logit_softcap,
+            max_position_embeddings=self.max_position_embeddings,
+            pad_token_id=self.pad_id,
+            bos_token_id=self.bos_id,
+            eos_token_id=list(self.eos_ids),
+            hidden_activation="gelu_pytorch_tanh",
+        )
+
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    # The released google/diffusiongemma-26B-A4B-it text model.
+    "diffusiongemma-26b-a4b": dict(
+        vocab_size=262_144, hidden_size=2816, num_layers=30, num_heads=16,
+        head_dim=256, num_kv_heads=8, global_head_dim=512, num_global_kv_heads=2,
+        intermediate_size=2112, num_experts=128, top_k=8, moe_intermediate_size=704,
+        sliding_window=1024, canvas_length=256, eos_ids=(1, 106, 50),
+        dtype="bfloat16", param_dtype="bfloat16",
+    ),
+    # The shared benchmark configuration (benchmarks/, performance issue).
+    "bench": dict(
+        vocab_size=32_768, hidden_size=512, num_layers=6, num_heads=8,
+        head_dim=64, num_kv_heads=4, global_head_dim=128, num_global_kv_heads=1,
+        intermediate_size=1024, num_experts=16, top_k=4, moe_intermediate_size=256,
+        sliding_window=256, canvas_length=256, eos_ids=(1,),
+    ),
+    # Small test models.
+    "tiny-2layer": dict(
+        vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
+        head_dim=16, num_kv_heads=2, global_head_dim=32, num_global_kv_heads=1,
+        intermediate_size=96, num_experts=4, top_k=2, moe_intermediate_size=32,
+        sliding_window=8, canvas_length=16, eos_ids=(1,),
+        layer_types=(SLIDING, GLOBAL),
+    ),
+    "tiny-6layer": dict(
+        vocab_size=256, hidden_size=64, num_layers=6, num_heads=4,
+        head_dim=16, num_kv_heads=2, global_head_dim=32, num_global_kv_heads=1,
+        intermediate_size=96, num_experts=8, top_k=2, moe_intermediate_size=32,
+        sliding_window=16, canvas_length=16, eos_ids=(1,),
+    ),
+}

@@ -1,0 +1,170 @@
+"""Functional entry points of the model: parameters and cache in, results and new cache out.
+
+These functions check their inputs when they are concrete (outside `jax.jit`) and raise a
+`ValueError` that names the problem; inside a trace they only check shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from dgemma_jax.config import ModelConfig
+from dgemma_jax.model.cache import KVCache
+from dgemma_jax.model.transformer import Transformer
+
+Params = Any
+
+
+def _model(config: ModelConfig) -> Transformer:
+    return Transformer(config)
+
+
+def _boxed_init(config: ModelConfig, rng):
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    from dgemma_jax.model.cache import init_cache
+
+    cache = init_cache(config, 1, 2)
+    return _model(config).init(rng, tokens, cache, method="init_all")["params"]
+
+
+def init_params(config: ModelConfig, rng: jax.Array | int = 0) -> Params:
+    """Random parameters (a nested dict of arrays in `config.param_dtype`)."""
+    if isinstance(rng, int):
+        rng = jax.random.key(rng)
+    return nn.meta.unbox(jax.jit(_boxed_init, static_argnums=0)(config, rng))
+
+
+def param_shapes(config: ModelConfig) -> Params:
+    """The parameter tree as `jax.ShapeDtypeStruct`s (nothing allocated)."""
+    return nn.meta.unbox(jax.eval_shape(functools.partial(_boxed_init, config), jax.random.key(0)))
+
+
+def logical_axes(config: ModelConfig) -> Params:
+    """The parameter tree with a `PartitionSpec` of logical axis names at every leaf."""
+    boxed = jax.eval_shape(functools.partial(_boxed_init, config), jax.random.key(0))
+    return nn.get_partition_spec(boxed)
+
+
+# ---------------------------------------------------------------------------- validation
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_tokens(config: ModelConfig, tokens, what: str = "tokens") -> jax.Array:
+    """Tokens must be an integer [B, T] array with ids in [0, vocab_size)."""
+    arr = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
+    if arr.ndim != 2:
+        raise ValueError(f"{what} must have shape [batch, length]; got shape {tuple(arr.shape)}. "
+                         f"Add a batch axis for a single sequence (e.g. tokens[None]).")
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise ValueError(f"{what} must be integer token ids; got dtype {arr.dtype}. Tokenize first.")
+    if _is_concrete(arr) and arr.size:
+        lo, hi = int(np.min(np.asarray(arr))), int(np.max(np.asarray(arr)))
+        if lo < 0 or hi >= config.vocab_size:
+            bad = hi if hi >= config.vocab_size else lo
+            raise ValueError(f"{what} contains id {bad}, outside the vocabulary [0, {config.vocab_size}). "
+                             "Check that the tokenizer matches the checkpoint.")
+    return jnp.asarray(arr, jnp.int32)
+
+
+def _check_cache(config: ModelConfig, cache: KVCache, batch: int):
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a KVCache from init_cache(); got {type(cache).__name__}")
+    if len(cache.keys) != config.num_layers:
+        raise ValueError(f"cache has {len(cache.keys)} layers but the model has {config.num_layers}; "
+                         "create it with init_cache(config, ...) for this config")
+    if cache.batch_size != batch:
+        raise ValueError(f"cache batch size {cache.batch_size} != input batch size {batch}")
+
+
+# ---------------------------------------------------------------------------- passes
+@functools.partial(jax.jit, static_argnames=("config", "logits_mode"))
+def _prefill(params, config, tokens, lengths, cache, logits_mode):
+    return _model(config).apply({"params": params}, tokens, cache.lengths, lengths, cache, logits_mode,
+                                method="encode")
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _denoise(params, config, canvas, cache, context_end, soft):
+    return _model(config).apply({"params": params}, canvas, context_end, cache, soft, method="denoise")
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _soft_embed(params, config, logits):
+    return _model(config).apply({"params": params}, logits, method="soft_embed")
+
+
+def prefill(params: Params, config: ModelConfig, tokens, lengths=None, cache: KVCache | None = None, *,
+            logits: str = "all"):
+    """Causal encoder pass: append tokens [B, T] to the cache at each row's current end.
+
+    lengths: [B] number of valid (right-padded) tokens per row, default T. Padding is never
+    written to the cache and never visible. cache: from `init_cache` (default: a new one of
+    exactly T slots). logits: "all" -> [B, T, V], "last" -> [B, V] at each row's last valid
+    token, "none" -> None. Returns (logits, new_cache).
+    """
+    tokens = check_tokens(config, tokens)
+    b, t = tokens.shape
+    if lengths is None:
+        lengths = jnp.full((b,), t, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must have shape [{b}] (one per row); got {tuple(lengths.shape)}")
+    if cache is None:
+        from dgemma_jax.model.cache import init_cache
+
+        cache = init_cache(config, b, t)
+    _check_cache(config, cache, b)
+    if logits not in ("all", "last", "none"):
+        raise ValueError(f"logits must be 'all', 'last' or 'none'; got {logits!r}")
+    if _is_concrete(lengths) and _is_concrete(cache.lengths):
+        ln, st = np.asarray(lengths), np.asarray(cache.lengths)
+        if (ln < 0).any() or (ln > t).any():
+            raise ValueError(f"lengths must be in [0, {t}]; got {ln.tolist()}")
+        if (ln + st > cache.max_length).any():
+            need = int((ln + st).max())
+            raise ValueError(f"the cache holds {cache.max_length} tokens per row but this pass needs {need} "
+                             f"(already committed {st.tolist()} + new {ln.tolist()}); create the cache with "
+                             f"init_cache(config, batch, max_length>={need}) or shorten the prompt")
+    return _prefill(params, config, tokens, lengths, cache, logits)
+
+
+def soft_embed(params: Params, config: ModelConfig, sc_logits) -> jax.Array:
+    """Self-conditioning soft embedding softmax_fp32(logits) @ E * sqrt(D): [B, L, V] -> [B, L, D]."""
+    return _soft_embed(params, config, sc_logits)
+
+
+def denoise(params: Params, config: ModelConfig, canvas, cache: KVCache, self_conditioning=None, *,
+            context_lengths=None) -> jax.Array:
+    """One bidirectional denoiser pass over canvas [B, L]; reads the cache, never writes it.
+
+    self_conditioning: None (first step, exactly zero), the previous step's tempered logits
+    [B, L, V], or the soft embeddings they give [B, L, D]. context_lengths: [B] committed tokens
+    visible to the canvas (default: cache.lengths); the canvas sits at positions
+    context_lengths[b] + j. Returns float32 logits [B, L, V].
+    """
+    canvas = check_tokens(config, canvas, "canvas")
+    b, l = canvas.shape
+    _check_cache(config, cache, b)
+    ctx = cache.lengths if context_lengths is None else jnp.asarray(context_lengths, jnp.int32)
+    soft = None
+    if self_conditioning is not None:
+        sc = jnp.asarray(self_conditioning)
+        if sc.ndim != 3 or sc.shape[:2] != (b, l):
+            raise ValueError(f"self_conditioning must be [batch={b}, canvas={l}, V or D]; got {tuple(sc.shape)}")
+        if sc.shape[-1] == config.vocab_size and sc.shape[-1] != config.hidden_size:
+            soft = soft_embed(params, config, sc)
+        elif sc.shape[-1] == config.hidden_size and sc.shape[-1] != config.vocab_size:
+            soft = sc
+        else:
+            raise ValueError(f"self_conditioning last axis {sc.shape[-1]} is neither vocab_size "
+                             f"{config.vocab_size} (logits) nor hidden_size {config.hidden_size} (soft embeddings)"
+                             + (" (they are equal: pass soft_embed(...) output explicitly)"
+                                if config.vocab_size == config.hidden_size else ""))
+    return _denoise(params, config, canvas, cache, ctx, soft)

@@ -1,0 +1,131 @@
+"""Gemma 4 attention in the two DiffusionGemma modes.
+
+* `encode` (causal): project the new tokens, write their K/V into the cache at each row's end,
+  attend causally (sliding layers: itself + window-1 previous tokens) over the cache.
+* `denoise` (bidirectional): the canvas attends to the read-only committed context in the cache
+  plus the whole canvas. The two key sets are attended separately and merged with one shared
+  softmax (log-sum-exp), so the cache is never concatenated or copied.
+
+No 1/sqrt(H) scaling and no logit softcap: the q/k RMSNorms take that role. Global layers have no
+V projection: K = rope(k_norm(x Wk)), V = v_norm(x Wk).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from dgemma_jax.config import ModelConfig
+from dgemma_jax.model import masks
+from dgemma_jax.model.cache import window_slice, write_tokens
+from dgemma_jax.model.layers import RMSNorm, apply_rope, param, rms_normalize, rope_inv_freq
+
+_NEG = -1e30
+
+
+def attend(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array | None]]) -> jax.Array:
+    """Softmax attention of q [B, T, N, H] over several key/value sets sharing one softmax.
+
+    parts: (k [B, S, K, H], v [B, S, K, H], mask [B, T or 1, S] bool or None). Query head n reads
+    kv head n // (N / K). Scores and the softmax are float32; fully masked rows give zeros.
+    """
+    b, t, n, h = q.shape
+    kh = parts[0][0].shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h)
+    scores = []
+    for k, _, mask in parts:
+        s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+        if mask is not None:
+            s = jnp.where(mask[:, None, None, :, :], s, _NEG)
+        scores.append(s)
+    m = scores[0].max(-1, keepdims=True)
+    for s in scores[1:]:
+        m = jnp.maximum(m, s.max(-1, keepdims=True))
+    m = jax.lax.stop_gradient(m)
+    num = jnp.zeros((b, kh, n // kh, t, h), jnp.float32)
+    den = jnp.zeros((b, kh, n // kh, t, 1), jnp.float32)
+    for s, (k, v, mask) in zip(scores, parts):
+        p = jnp.exp(s - m)
+        if mask is not None:
+            p = jnp.where(mask[:, None, None, :, :], p, 0.0)
+        den = den + p.sum(-1, keepdims=True)
+        num = num + jnp.einsum("bkgts,bskh->bkgth", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = num / jnp.maximum(den, 1e-30)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    layer: int
+
+    def setup(self):
+        cfg, i = self.cfg, self.layer
+        d, n = cfg.hidden_size, cfg.num_heads
+        self.head_dim = cfg.layer_head_dim(i)
+        self.kv_heads = cfg.layer_kv_heads(i)
+        self.is_global = cfg.is_global(i)
+        self.window = None if self.is_global else cfg.sliding_window
+        self.inv_freq = (rope_inv_freq(self.head_dim, cfg.rope_theta_global, cfg.global_rope_proportion)
+                         if self.is_global else rope_inv_freq(self.head_dim, cfg.rope_theta_local))
+        self.q = param(self, "q", (d, n, self.head_dim), ("embed", "heads", "head_dim"), cfg)
+        self.k = param(self, "k", (d, self.kv_heads, self.head_dim), ("embed", "kv_heads", "head_dim"), cfg)
+        if not self.is_global:
+            self.v = param(self, "v", (d, self.kv_heads, self.head_dim), ("embed", "kv_heads", "head_dim"), cfg)
+        self.o = param(self, "o", (n, self.head_dim, d), ("heads", "head_dim", "embed"), cfg)
+        self.q_norm = RMSNorm(cfg, axis_name="head_dim")
+        self.k_norm = RMSNorm(cfg, axis_name="head_dim")
+
+    def _qkv(self, x, positions):
+        dt = x.dtype
+        with jax.named_scope("qkv_proj"):
+            q = jnp.einsum("btd,dnh->btnh", x, self.q.astype(dt))
+            k_raw = jnp.einsum("btd,dkh->btkh", x, self.k.astype(dt))
+            v_raw = k_raw if self.is_global else jnp.einsum("btd,dkh->btkh", x, self.v.astype(dt))
+        q = apply_rope(self.q_norm(q), positions, self.inv_freq)
+        k = apply_rope(self.k_norm(k_raw), positions, self.inv_freq)
+        v = rms_normalize(v_raw, self.cfg.rms_norm_eps).astype(dt)
+        return q, k, v
+
+    def _out(self, y):
+        with jax.named_scope("o_proj"):
+            return jnp.einsum("btnh,nhd->btd", y, self.o.astype(y.dtype))
+
+    def encode(self, x, starts, num_new, cache_k, cache_v):
+        """x: [B, T, D] new tokens at positions starts[b] + t; returns (out, cache_k, cache_v)."""
+        t = x.shape[1]
+        positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        q, k, v = self._qkv(x, positions)
+        cache_k = write_tokens(cache_k, k, starts, num_new)
+        cache_v = write_tokens(cache_v, v, starts, num_new)
+        s = cache_k.shape[1]
+        size = (self.window - 1 + t) if self.window is not None else s
+        if size < s:  # sliding layer: only the last window-1 committed tokens + the new ones matter
+            w0 = jnp.clip(starts - (self.window - 1), 0, s - size)
+            keys, vals = window_slice(cache_k, w0, size), window_slice(cache_v, w0, size)
+            k_pos = w0[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :]
+        else:
+            keys, vals = cache_k, cache_v
+            k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (x.shape[0], s))
+        mask = masks.causal_mask(positions, k_pos, starts + num_new, self.window)
+        y = attend(q, [(keys, vals, mask)])
+        return self._out(y), cache_k, cache_v
+
+    def denoise(self, x, context_end, cache_k, cache_v):
+        """x: [B, L, D] canvas at positions context_end[b] + j; the cache is only read."""
+        b, l = x.shape[:2]
+        positions = context_end[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
+        q, k, v = self._qkv(x, positions)
+        s = cache_k.shape[1]
+        if self.window is not None and self.window - 1 < s:
+            size = self.window - 1
+            w0 = jnp.clip(context_end - size, 0, s - size)
+            keys, vals = window_slice(cache_k, w0, size), window_slice(cache_v, w0, size)
+            k_pos = w0[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :]
+        else:
+            keys, vals = cache_k, cache_v
+            k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))
+        ctx_mask = masks.denoise_context_mask(positions, k_pos, context_end, self.window,
+                                              self.cfg.denoise_window)
+        y = attend(q, [(keys, vals, ctx_mask), (k, v, None)])
+        return self._out(y)

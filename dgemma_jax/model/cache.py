@@ -1,0 +1,73 @@
+"""The KV cache: an explicit pytree passed in and returned, never mutated in place.
+
+Slot `s` of row `b` holds the key/value of the token at absolute position `s`. `lengths[b]` is the
+number of committed tokens of row `b`: slots `>= lengths[b]` are unused and never visible.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dgemma_jax.config import ModelConfig
+from dgemma_jax.model.layers import dtype_of
+
+
+@struct.dataclass
+class KVCache:
+    """keys[i], values[i]: [B, S, K_i, H_i] for layer i; lengths: [B] int32."""
+
+    keys: tuple
+    values: tuple
+    lengths: jax.Array
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_length(self) -> int:
+        return self.keys[0].shape[1]
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
+    """An empty cache for `batch_size` rows of up to `max_length` tokens (prompt + all canvases)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    if max_length > config.max_position_embeddings:
+        raise ValueError(f"max_length={max_length} exceeds the model's max_position_embeddings="
+                         f"{config.max_position_embeddings}")
+    dtype = dtype or dtype_of(config.dtype)
+    keys, values = [], []
+    for i in range(config.num_layers):
+        shape = (batch_size, max_length, config.layer_kv_heads(i), config.layer_head_dim(i))
+        keys.append(jnp.zeros(shape, dtype))
+        values.append(jnp.zeros(shape, dtype))
+    return KVCache(tuple(keys), tuple(values), jnp.zeros((batch_size,), jnp.int32))
+
+
+def cache_shape(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
+    """The cache as `jax.ShapeDtypeStruct`s (for AOT compilation; nothing is allocated)."""
+    return jax.eval_shape(lambda: init_cache(config, batch_size, max_length, dtype))
+
+
+def write_tokens(cache_kv: jax.Array, new_kv: jax.Array, starts: jax.Array, num_new: jax.Array) -> jax.Array:
+    """Write new_kv [B, T, K, H] into cache_kv [B, S, K, H] at slots starts[b] + t for t < num_new[b].
+
+    Padding tokens (t >= num_new[b]) and slots beyond the cache are dropped, never written.
+    """
+    b, t = new_kv.shape[:2]
+    s = cache_kv.shape[1]
+    offs = jnp.arange(t, dtype=jnp.int32)[None, :]
+    slots = starts[:, None] + offs
+    slots = jnp.where(offs < num_new[:, None], slots, s)  # out of range -> dropped
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+    return cache_kv.at[rows, slots].set(new_kv.astype(cache_kv.dtype), mode="drop")
+
+
+def window_slice(cache_kv: jax.Array, starts: jax.Array, size: int) -> jax.Array:
+    """Per-row slice cache_kv[b, starts[b] : starts[b] + size] -> [B, size, K, H]."""
+    return jax.vmap(lambda c, s0: jax.lax.dynamic_slice_in_dim(c, s0, size, axis=0))(cache_kv, starts)

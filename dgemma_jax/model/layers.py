@@ -1,0 +1,106 @@
+"""Small building blocks: RMSNorm, rotary embeddings, the gated GELU MLP, parameter helpers.
+
+Shapes use single letters: B batch, T tokens, D model width, N query heads, K kv heads,
+H head dim, F MLP hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from dgemma_jax.config import ModelConfig
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def dtype_of(name: str):
+    return DTYPES[name]
+
+
+def param(module: nn.Module, name: str, shape, axes: tuple, cfg: ModelConfig, init=None):
+    """Declare a parameter with logical axis names (mapped to mesh axes in `dgemma_jax.parallel`)."""
+    init = init or nn.initializers.normal(0.02)
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype_of(cfg.param_dtype))
+
+
+def ones_param(module: nn.Module, name: str, shape, axes: tuple, cfg: ModelConfig):
+    return param(module, name, shape, axes, cfg, init=nn.initializers.ones)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x * (mean(x^2) + eps)^-1/2 over the last axis, computed in float32, returned as float32."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """Gemma 4 RMSNorm: the weight multiplies directly (not 1 + w); math in float32."""
+
+    cfg: ModelConfig
+    with_scale: bool = True
+    axis_name: str = "norm"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = rms_normalize(x, self.cfg.rms_norm_eps)
+        if self.with_scale:
+            w = ones_param(self, "scale", (x.shape[-1],), (self.axis_name,), self.cfg)
+            y = y * w.astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------- rotary embeddings
+def rope_inv_freq(head_dim: int, theta: float, proportion: float = 1.0) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] in float32.
+
+    Proportional RoPE (global layers) rotates only `int(proportion * head_dim / 2)` pairs with
+    frequencies theta^(-2i/head_dim) (the exponent uses the FULL head_dim); the other pairs get
+    frequency 0, i.e. pass through unrotated. `proportion=1` is standard RoPE.
+    """
+    n_rot = int(proportion * head_dim // 2)
+    exps = np.arange(0, 2 * n_rot, 2, dtype=np.float32) / np.float32(head_dim)
+    inv = (1.0 / np.power(np.float32(theta), exps, dtype=np.float32)).astype(np.float32)
+    return np.concatenate([inv, np.zeros(head_dim // 2 - n_rot, np.float32)])
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Half-split (NeoX) rotary embedding: dim i rotates with dim i + H/2.
+
+    x: [B, T, heads, H]; positions: [B, T] int.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
+    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+# ---------------------------------------------------------------------------- MLP
+def gelu_tanh(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
+class GatedMLP(nn.Module):
+    """down(gelu_tanh(x Wg) * (x Wu)); gate and up stored stacked as [D, 2, F]."""
+
+    cfg: ModelConfig
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d = x.shape[-1]
+        gate_up = param(self, "gate_up", (d, 2, self.hidden), ("embed", None, "mlp"), self.cfg)
+        down = param(self, "down", (self.hidden, d), ("mlp", "embed"), self.cfg)
+        with jax.named_scope("dense_mlp"):
+            h = jnp.einsum("...d,dcf->...cf", x, gate_up.astype(x.dtype))
+            h = gelu_tanh(h[..., 0, :]) * h[..., 1, :]
+            return jnp.einsum("...f,fd->...d", h, down.astype(x.dtype))
+
+
+def softcap(logits: jax.Array, cap: float) -> jax.Array:
+    """cap * tanh(logits / cap) in float32."""
+    logits = logits.astype(jnp.float32)
+    return cap * jnp.tanh(logits / cap)

@@ -1,0 +1,63 @@
+"""Attention masks as pure functions over absolute positions.
+
+Every cache slot `s` holds the token at absolute position `s` of its row (no ring buffer), so masks
+compare positions. All masks are boolean, True = may attend.
+
+Causal encoder pass (prefill / commit), window W = 4, one row with 3 cached + 3 new tokens::
+
+    key pos ->   0 1 2 3 4 5
+    q pos 3      x x x x . .        sliding: q - W < k <= q  (itself + W-1 previous)
+    q pos 4      . x x x x .
+    q pos 5      . . x x x x
+
+Denoiser pass, context E = 5 committed tokens, W = 4, canvas of 3 (positions 5..7)::
+
+    "block" (the reference)             "band" (Google's JAX sampler)
+    ctx pos ->  0 1 2 3 4 | canvas      ctx pos ->  0 1 2 3 4 | canvas
+    row 0       . . x x x | x x x       row 0       . . x x x | x x x
+    row 1       . . x x x | x x x       row 1       . . . x x | x x x
+    row 2       . . x x x | x x x       row 2       . . . . x | x x x
+
+Global layers see every committed token in both modes. The canvas block is always fully visible.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def causal_mask(q_pos: jax.Array, k_pos: jax.Array, valid_end: jax.Array, window: int | None) -> jax.Array:
+    """Causal (optionally sliding) mask for the encoder pass.
+
+    q_pos: [B, T] query positions; k_pos: [B, S] positions held by the key slots;
+    valid_end: [B] one past the last valid position (slots at or beyond it are unused or padding).
+    Returns [B, T, S].
+    """
+    q = q_pos[:, :, None]
+    k = k_pos[:, None, :]
+    mask = (k <= q) & (k < valid_end[:, None, None]) & (k >= 0)
+    if window is not None:
+        mask &= k > q - window
+    return mask
+
+
+def denoise_context_mask(q_pos: jax.Array, k_pos: jax.Array, context_end: jax.Array,
+                         window: int | None, variant: str = "block") -> jax.Array:
+    """Which committed-context slots the canvas sees in the denoiser pass.
+
+    q_pos: [B, L] canvas positions (context_end + j); k_pos: [B, S]; context_end: [B] = E.
+    Global layers (window None): every k < E. Sliding "block": the same last W-1 committed tokens
+    [E-W+1, E) for every row. Sliding "band": row at position q sees (q-W, E).
+    Returns [B, L or 1, S].
+    """
+    e = context_end[:, None, None]
+    k = k_pos[:, None, :]
+    mask = (k < e) & (k >= 0)
+    if window is None:
+        return mask
+    if variant == "block":
+        return mask & (k > e - window)
+    if variant == "band":
+        return mask & (k > q_pos[:, :, None] - window)
+    raise ValueError(f"unknown denoise window variant {variant!r}; use 'block' or 'band'")

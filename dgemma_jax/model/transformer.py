@@ -1,0 +1,138 @@
+"""The DiffusionGemma transformer: one set of weights, two modes.
+
+Block (identical in both modes except for attention and the layer scalar)::
+
+    x1 = x + post_attn_norm(attn(pre_attn_norm(x)))
+    d  = post_dense_norm(dense_mlp(pre_dense_norm(x1)))
+    m  = post_moe_norm(moe(route on x1, experts on pre_moe_norm(x1)))
+    y  = (x1 + post_ffw_norm(d + m)) * layer_scalar          # encoder / decoder copy of the scalar
+
+Encoder mode: embed * sqrt(D) -> blocks (causal, writing the cache).
+Denoiser mode: RMSNorm_noscale(embed * sqrt(D) + sc_mlp(sc_norm(soft))) -> blocks (bidirectional
+over the canvas + read-only cache), where soft = softmax(previous tempered logits) @ E * sqrt(D)
+(exactly zero at the first step). Logits: softcap(final_norm(h) @ E^T), float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from dgemma_jax.config import ModelConfig
+from dgemma_jax.model.attention import Attention
+from dgemma_jax.model.cache import KVCache
+from dgemma_jax.model.layers import GatedMLP, RMSNorm, dtype_of, ones_param, param, rms_normalize, softcap
+from dgemma_jax.model.moe import MoE
+
+
+class Block(nn.Module):
+    cfg: ModelConfig
+    layer: int
+
+    def setup(self):
+        cfg = self.cfg
+        self.attn = Attention(cfg, self.layer)
+        self.pre_attn_norm = RMSNorm(cfg)
+        self.post_attn_norm = RMSNorm(cfg)
+        self.pre_dense_norm = RMSNorm(cfg)
+        self.post_dense_norm = RMSNorm(cfg)
+        self.pre_moe_norm = RMSNorm(cfg)
+        self.post_moe_norm = RMSNorm(cfg)
+        self.post_ffw_norm = RMSNorm(cfg)
+        self.dense_mlp = GatedMLP(cfg, cfg.intermediate_size)
+        self.moe = MoE(cfg)
+        self.encoder_scalar = ones_param(self, "encoder_scalar", (1,), (None,), cfg)
+        self.decoder_scalar = ones_param(self, "decoder_scalar", (1,), (None,), cfg)
+
+    def _ffw(self, x1, scalar):
+        d = self.post_dense_norm(self.dense_mlp(self.pre_dense_norm(x1)))
+        m = self.post_moe_norm(self.moe(x1, self.pre_moe_norm(x1)))
+        y = x1 + self.post_ffw_norm(d + m)
+        return (y.astype(jnp.float32) * scalar.astype(jnp.float32)).astype(x1.dtype)
+
+    def encode(self, x, starts, num_new, cache_k, cache_v):
+        a, cache_k, cache_v = self.attn.encode(self.pre_attn_norm(x), starts, num_new, cache_k, cache_v)
+        x1 = x + self.post_attn_norm(a)
+        return self._ffw(x1, self.encoder_scalar), cache_k, cache_v
+
+    def denoise(self, x, context_end, cache_k, cache_v):
+        a = self.attn.denoise(self.pre_attn_norm(x), context_end, cache_k, cache_v)
+        x1 = x + self.post_attn_norm(a)
+        return self._ffw(x1, self.decoder_scalar)
+
+
+class Transformer(nn.Module):
+    """Methods: `encode` (causal, writes the cache), `denoise` (bidirectional, reads it), `soft_embed`."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        cfg = self.cfg
+        self.embedding = param(self, "embedding", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg,
+                               init=nn.initializers.normal(1.0))
+        self.blocks = [Block(cfg, i) for i in range(cfg.num_layers)]
+        self.final_norm = RMSNorm(cfg)
+        self.sc_norm = RMSNorm(cfg)
+        self.sc_mlp = GatedMLP(cfg, cfg.intermediate_size)
+
+    # -------------------------------------------------------------- pieces
+    def _embed(self, tokens):
+        dt = dtype_of(self.cfg.dtype)
+        scale = jnp.asarray(self.cfg.embed_scale, jnp.float32).astype(dt)
+        return jnp.take(self.embedding, tokens, axis=0).astype(dt) * scale
+
+    def logits(self, h):
+        """Final norm -> tied head -> softcap, float32 [..., V]."""
+        h = self.final_norm(h)
+        out = jnp.einsum("...d,vd->...v", h, self.embedding.astype(h.dtype), preferred_element_type=jnp.float32)
+        return softcap(out, self.cfg.final_logit_softcap)
+
+    def soft_embed(self, sc_logits):
+        """softmax_fp32(logits) @ E * sqrt(D): [B, L, V] -> [B, L, D] (activation dtype)."""
+        dt = dtype_of(self.cfg.dtype)
+        probs = jax.nn.softmax(sc_logits.astype(jnp.float32), axis=-1)
+        emb = jnp.einsum("blv,vd->bld", probs.astype(self.embedding.dtype), self.embedding,
+                         preferred_element_type=jnp.float32)
+        return emb.astype(dt) * jnp.asarray(self.cfg.embed_scale, jnp.float32).astype(dt)
+
+    # -------------------------------------------------------------- modes
+    def encode(self, tokens, starts, num_new, cache: KVCache, logits_mode: str = "all"):
+        """Causal pass over tokens [B, T] written at cache slots starts[b] + t (t < num_new[b]).
+
+        Returns (logits or hidden, new cache). logits_mode: "all" [B,T,V], "last" [B,V] at each
+        row's last valid token, "none" (no head; returns None).
+        """
+        x = self._embed(tokens)
+        keys, values = list(cache.keys), list(cache.values)
+        for i, blk in enumerate(self.blocks):
+            x, keys[i], values[i] = blk.encode(x, starts, num_new, keys[i], values[i])
+        new_cache = KVCache(tuple(keys), tuple(values), (starts + num_new).astype(jnp.int32))
+        if logits_mode == "none":
+            return None, new_cache
+        if logits_mode == "last":
+            idx = jnp.clip(num_new - 1, 0, tokens.shape[1] - 1)
+            x = jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
+        return self.logits(x), new_cache
+
+    def denoise(self, canvas, context_end, cache: KVCache, soft_embedding=None):
+        """Bidirectional pass over canvas [B, L] at positions context_end[b] + j.
+
+        soft_embedding: [B, L, D] self-conditioning input (None = exactly zero). Returns [B, L, V].
+        """
+        e = self._embed(canvas)
+        if soft_embedding is None:
+            sc = jnp.zeros_like(e)
+        else:
+            sc = self.sc_mlp(self.sc_norm(soft_embedding.astype(e.dtype)))
+        x = rms_normalize(e + sc, self.cfg.rms_norm_eps).astype(e.dtype)
+        for i, blk in enumerate(self.blocks):
+            x = blk.denoise(x, context_end, cache.keys[i], cache.values[i])
+        return self.logits(x)
+
+    def init_all(self, tokens, cache: KVCache):
+        """Touches every parameter (used only by `init_params`)."""
+        n = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+        _, cache = self.encode(tokens, cache.lengths, n, cache, "none")
+        soft = self.soft_embed(jnp.zeros(tokens.shape + (self.cfg.vocab_size,), jnp.float32))
+        return self.denoise(tokens, cache.lengths, cache, soft)

@@ -1,0 +1,35 @@
+from setuptools import find_packages, setup
+
+JAX_VERSION = "0.10.2"
+
+setup(
+    name="dgemma_jax",
+    version="0.1.0",
+    description="DiffusionGemma (text diffusion with a Gemma 4 MoE) in JAX/Flax for TPUs",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["dgemma_jax", "dgemma_jax.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        f"jax=={JAX_VERSION}",
+        "flax==0.12.8",
+        "optax==0.2.8",
+        "orbax-checkpoint==0.12.8",
+        "ml-collections==1.1.0",
+        "numpy>=1.26",
+        "safetensors>=0.4",
+        "ml-dtypes",
+        "tokenizers>=0.20",
+        "sentencepiece>=0.2",
+        "tqdm",
+        "rich",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout"],
+        # The numerical reference: Hugging Face transformers' diffusion_gemma on CPU.
+        # torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
+        "ref": ["transformers==5.23.0", "torch==2.13.0"],
+        "tpu": [f"jax[tpu]=={JAX_VERSION}"],
+    },
+    entry_points={"console_scripts": ["dgemma=dgemma_jax.cli:main"]},
+)
