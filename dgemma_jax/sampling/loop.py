@@ -1,0 +1,139 @@
+"""Denoising one canvas: the step function and the `lax.while_loop` around it.
+
+The loop state carries the canvas, the self-conditioning soft embeddings [B, L, D] (not logits),
+the argmax history, per-row done flags and step counts. The KV cache and the parameters are
+operands: read, never carried, copied or written. Randomness is per row: step `s` of a row uses
+`fold_in(row_key, s)`, so a row's tokens do not depend on the other rows of its batch.
+
+One step (HF / SGLang / vLLM semantics, spec §3.2)::
+
+    logits = denoiser(canvas, cache, soft)          z = sanitize(logits / T(step))
+    sampled, argmax, H = one pass over z            accept = entropy bound on H
+    canvas = where(accept, sampled, fresh noise)    soft = softmax(z) @ E * sqrt(D)
+    done   = argmax stable vs history AND mean(H) < threshold (or step budget spent)
+
+Finished rows are frozen (canvas, soft, history, argmax, step count). The output is the last argmax.
+Pinned positions (infilling) hold the seed canvas's tokens in the canvas and in the argmax.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dgemma_jax.config import ModelConfig
+from dgemma_jax.model.cache import KVCache
+from dgemma_jax.model.transformer import Transformer
+from dgemma_jax.sampling import ops
+from dgemma_jax.sampling.config import SamplerConfig
+
+
+@struct.dataclass
+class LoopState:
+    step: jax.Array        # [] int32, 0-based index of the next step
+    canvas: jax.Array      # [B, L] int32, the next step's input canvas
+    soft: jax.Array        # [B, L, D] self-conditioning soft embeddings (zero before step 0)
+    history: jax.Array     # [B, S, L] int32 previous argmax canvases (-1 = none)
+    argmax: jax.Array      # [B, L] int32 latest argmax canvas (the output)
+    done: jax.Array        # [B] bool
+    steps: jax.Array       # [B] int32 denoiser passes made while the row was unfinished
+
+
+def row_keys(rng: jax.Array, batch: int) -> jax.Array:
+    """[B] per-row keys: split a single key, or pass [B] keys through unchanged."""
+    if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.wrap_key_data(rng) if rng.ndim >= 1 and rng.shape[-1] == 2 and rng.dtype == jnp.uint32 \
+            else jax.random.key(rng)
+    if rng.ndim == 0:
+        return jax.random.split(rng, batch)
+    if rng.shape != (batch,):
+        raise ValueError(f"rng must be one key or one key per row ([{batch}]); got shape {rng.shape}")
+    return rng
+
+
+def initial_canvas(keys: jax.Array, length: int, vocab_size: int) -> jax.Array:
+    """Uniform random tokens over the full vocabulary, one stream per row: [B, L] int32."""
+    return jax.vmap(lambda k: ops.uniform_tokens(jax.random.fold_in(k, 0x5eed), (length,), vocab_size))(keys)
+
+
+def init_state(config: ModelConfig, sampler: SamplerConfig, canvas: jax.Array,
+               done: jax.Array | None = None) -> LoopState:
+    b, l = canvas.shape
+    from dgemma_jax.model.layers import dtype_of
+
+    return LoopState(
+        step=jnp.zeros((), jnp.int32),
+        canvas=canvas.astype(jnp.int32),
+        soft=jnp.zeros((b, l, config.hidden_size), dtype_of(config.dtype)),
+        history=jnp.full((b, sampler.stability_threshold, l), -1, jnp.int32),
+        argmax=canvas.astype(jnp.int32),
+        done=jnp.zeros((b,), bool) if done is None else done,
+        steps=jnp.zeros((b,), jnp.int32),
+    )
+
+
+def _where_rows(mask, new, old):
+    return jnp.where(mask.reshape(mask.shape + (1,) * (new.ndim - 1)), new, old)
+
+
+def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, context_end: jax.Array,
+                 keys: jax.Array, state: LoopState, seed: jax.Array | None = None,
+                 pinned: jax.Array | None = None) -> LoopState:
+    """One denoising step for every unfinished row (pure; jit it or run it in a while_loop)."""
+    model = Transformer(config)
+    logits = model.apply({"params": params}, state.canvas, context_end, cache, state.soft, method="denoise")
+    z = ops.sanitize_logits(ops.apply_temperature(logits, sampler, state.step))
+    step_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, state.step)))(keys)  # [B, 2]
+    stats = jax.vmap(lambda zz, k: ops.sample_step_stats(zz, k))(z, step_keys[:, 0])
+    accept = ops.entropy_bound_accept(stats.entropy, sampler.entropy_bound)
+    noise = jax.vmap(lambda k: ops.uniform_tokens(k, z.shape[1:2], config.vocab_size))(step_keys[:, 1])
+    canvas = ops.renoise(stats.sampled, accept, noise)
+    argmax = stats.argmax
+    entropy = stats.entropy
+    if pinned is not None:
+        canvas = jnp.where(pinned, seed, canvas)
+        argmax = jnp.where(pinned, seed, argmax)
+        free = (~pinned).astype(jnp.float32)
+        mean_h = (entropy * free).sum(-1) / jnp.maximum(free.sum(-1), 1.0)
+    else:
+        mean_h = entropy.mean(-1)
+    stop = ops.stop_decision(argmax, state.history, mean_h, sampler)
+    soft = model.apply({"params": params}, z, method="soft_embed")
+    active = ~state.done
+    last = state.step + 1 >= sampler.max_denoising_steps
+    return LoopState(
+        step=state.step + 1,
+        canvas=_where_rows(active, canvas, state.canvas),
+        soft=_where_rows(active, soft, state.soft),
+        history=_where_rows(active, ops.push_history(state.history, argmax), state.history),
+        argmax=_where_rows(active, argmax, state.argmax),
+        done=state.done | stop | last,
+        steps=state.steps + active.astype(jnp.int32),
+    )
+
+
+def loop_running(state: LoopState, sampler: SamplerConfig) -> jax.Array:
+    return (state.step < sampler.max_denoising_steps) & ~jnp.all(state.done)
+
+
+def denoise_canvas(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, keys: jax.Array, *,
+                   canvas: jax.Array | None = None, pinned: jax.Array | None = None,
+                   done: jax.Array | None = None, context_end: jax.Array | None = None) -> LoopState:
+    """Denoise one canvas to completion in ONE `lax.while_loop` (traceable; jit the caller).
+
+    keys: [B] per-row keys for this canvas. canvas: optional seed canvas [B, L] (default uniform
+    noise); pinned: optional bool [B, L] positions held at the seed's tokens. done: rows that are
+    already finished (frozen from the start). Returns the final `LoopState`; `.argmax` is the output.
+    """
+    b = keys.shape[0]
+    ctx = cache.lengths if context_end is None else context_end
+    if canvas is None:
+        canvas = initial_canvas(keys, sampler.canvas_length, config.vocab_size)
+    state = init_state(config, sampler, canvas, done)
+    seed = canvas if pinned is not None else None
+    step = functools.partial(denoise_step, params, config, sampler, cache, ctx, keys, seed=seed, pinned=pinned)
+    del b
+    return jax.lax.while_loop(lambda s: loop_running(s, sampler), step, state)
