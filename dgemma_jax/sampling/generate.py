@@ -148,17 +148,21 @@ class StepEvent:
 
 
 class Pieces:
-    """The separately jitted programs used by the Python drivers (compiled once per shape)."""
+    """The separately jitted programs used by the Python drivers.
+
+    They are module-level jits with the configs as static arguments, so every `Pieces` (and every
+    `Engine`) with equal configs shares one compilation per input shape.
+    """
 
     def __init__(self, config: ModelConfig, sampler: SamplerConfig, donate: bool = True):
         self.config, self.sampler = config, sampler
-        dn = ("cache",) if donate else ()
-        self.prefill = jax.jit(functools.partial(prefill_prompt, config=config), donate_argnames=dn)
-        self.commit = jax.jit(functools.partial(commit, config=config), donate_argnames=dn)
-        self.canvas = jax.jit(functools.partial(_canvas_driver, config=config, sampler=sampler))
-        self.step = jax.jit(functools.partial(_step_driver, config=config, sampler=sampler))
-        self.start = jax.jit(functools.partial(_start_state, config=config, sampler=sampler))
-        self.finish = jax.jit(functools.partial(finish_canvas, sampler))
+        pre, com = (_prefill_donated, _commit_donated) if donate else (_prefill_jit, _commit_jit)
+        self.prefill = functools.partial(pre, config=config)
+        self.commit = functools.partial(com, config=config)
+        self.canvas = functools.partial(_canvas_jit, config=config, sampler=sampler)
+        self.step = functools.partial(_step_jit, config=config, sampler=sampler)
+        self.start = functools.partial(_start_jit, config=config, sampler=sampler)
+        self.finish = functools.partial(_finish_jit, sampler)
 
 
 def _canvas_driver(params, cache, keys, start, pinned, done, *, config, sampler):
@@ -173,6 +177,18 @@ def _step_driver(params, cache, keys, state, seed, pinned, *, config, sampler):
 def _start_state(keys, seed_canvas, done, *, config, sampler):
     canvas = initial_canvas(keys, sampler.canvas_length, config.vocab_size) if seed_canvas is None else seed_canvas
     return init_state(config, sampler, canvas, done)
+
+
+_prefill_jit = jax.jit(prefill_prompt, static_argnames=("config",))
+_prefill_donated = jax.jit(prefill_prompt, static_argnames=("config",), donate_argnames=("cache",))
+_commit_jit = jax.jit(commit, static_argnames=("config",))
+_commit_donated = jax.jit(commit, static_argnames=("config",), donate_argnames=("cache",))
+_canvas_jit = jax.jit(_canvas_driver, static_argnames=("config", "sampler"))
+_step_jit = jax.jit(_step_driver, static_argnames=("config", "sampler"))
+_start_jit = jax.jit(_start_state, static_argnames=("config", "sampler"))
+_finish_jit = jax.jit(finish_canvas, static_argnums=(0,))
+fused_jit = jax.jit(generate_fused, static_argnames=("config", "sampler", "max_new_tokens"),
+                    donate_argnames=("cache",))
 
 
 def _iterate(pieces: Pieces, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens, seed_canvas,

@@ -1,0 +1,196 @@
+"""Compiled entry points: prefill, denoise step, denoise canvas and the fused generate.
+
+The engine is the one place that knows about `jax.jit`, buffer donation, shardings and AOT
+compilation. Everything it runs is the pure code of `dgemma_jax.model` and `dgemma_jax.sampling`.
+
+    engine = Engine(config, params, SamplerConfig(...))
+    out = engine.generate(prompt_tokens, lengths, rng=0, max_new_tokens=512)
+    for event in engine.stream(prompt_tokens, lengths, rng=0, max_new_tokens=512): ...
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dgemma_jax.config import ModelConfig
+from dgemma_jax.model.api import check_tokens
+from dgemma_jax.model.cache import KVCache, init_cache
+from dgemma_jax.model.layers import dtype_of
+from dgemma_jax.sampling import generate as gen
+from dgemma_jax.sampling.config import SamplerConfig
+from dgemma_jax.sampling.loop import denoise_canvas, denoise_step, row_keys
+
+
+def _check_sampler(config: ModelConfig, sampler: SamplerConfig):
+    if not isinstance(sampler, SamplerConfig):
+        raise ValueError(f"sampler must be a SamplerConfig; got {type(sampler).__name__}")
+    bad = [e for e in sampler.eos_ids if e >= config.vocab_size]
+    if bad:
+        raise ValueError(f"SamplerConfig.eos_ids {bad} are outside the vocabulary [0, {config.vocab_size}); "
+                         "set eos_ids to the model's end-of-sequence ids")
+    if sampler.pad_id >= config.vocab_size:
+        raise ValueError(f"SamplerConfig.pad_id={sampler.pad_id} is outside the vocabulary [0, {config.vocab_size})")
+
+
+def prepare_inputs(config: ModelConfig, sampler: SamplerConfig, prompt_tokens, lengths, max_new_tokens: int,
+                   cache_length: int | None = None, seed_canvas=None, pinned=None):
+    """Validate generate() inputs on the host (before anything is compiled) and size the cache.
+
+    Returns (tokens [B, P] int32, lengths [B] int32, cache_length, seed_canvas, pinned).
+    """
+    _check_sampler(config, sampler)
+    tokens = check_tokens(config, prompt_tokens, "prompt_tokens")
+    b, p = tokens.shape
+    if lengths is None:
+        lengths = np.full((b,), p, np.int32)
+    lengths = np.asarray(lengths)
+    if lengths.shape != (b,) or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"lengths must be an integer array of shape [{b}]; got {lengths.dtype} {lengths.shape}")
+    if (lengths < 1).any() or (lengths > p).any():
+        raise ValueError(f"each prompt length must be in [1, {p}] (the padded prompt width); got {lengths.tolist()}")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer; got {max_new_tokens!r}")
+    n_canvas = gen.num_canvases(int(max_new_tokens), sampler.canvas_length)
+    need = int(lengths.max()) + (n_canvas - 1) * sampler.canvas_length
+    last_pos = int(lengths.max()) + n_canvas * sampler.canvas_length
+    if last_pos > config.max_position_embeddings:
+        raise ValueError(f"prompt ({int(lengths.max())} tokens) + {n_canvas} canvas(es) of {sampler.canvas_length} "
+                         f"reach position {last_pos}, beyond the model's max_position_embeddings="
+                         f"{config.max_position_embeddings}; shorten the prompt or lower max_new_tokens")
+    if cache_length is None:
+        cache_length = need
+    elif need > cache_length:
+        raise ValueError(f"the KV cache holds {cache_length} tokens per row but the prompt ({int(lengths.max())}) "
+                         f"plus {n_canvas - 1} committed canvas(es) of {sampler.canvas_length} need {need}; "
+                         f"raise cache_length to >= {need}, shorten the prompt or lower max_new_tokens "
+                         f"(= {max_new_tokens})")
+    if seed_canvas is not None:
+        seed_canvas = check_tokens(config, seed_canvas, "seed_canvas")
+        if seed_canvas.shape != (b, sampler.canvas_length):
+            raise ValueError(f"seed_canvas must have shape [{b}, {sampler.canvas_length}]; got {seed_canvas.shape}")
+    if pinned is not None:
+        if seed_canvas is None:
+            raise ValueError("pinned positions need a seed_canvas holding their tokens")
+        pinned = jnp.asarray(pinned)
+        if pinned.shape != seed_canvas.shape or pinned.dtype != jnp.bool_:
+            raise ValueError(f"pinned must be a bool array of shape {tuple(seed_canvas.shape)}; "
+                             f"got {pinned.dtype} {tuple(pinned.shape)}")
+    return tokens, jnp.asarray(lengths, jnp.int32), int(cache_length), seed_canvas, pinned
+
+
+class Engine:
+    """A model + sampler with compiled programs (built lazily, cached per input shape).
+
+    shardings: optional `dgemma_jax.parallel.Shardings` placing params, cache and activations on a
+    mesh; without it everything runs on the default device.
+    """
+
+    def __init__(self, config: ModelConfig, params: Any, sampler: SamplerConfig | None = None, *,
+                 shardings: Any | None = None, donate: bool = True):
+        self.config = config
+        self.params = params
+        self.sampler = sampler or SamplerConfig(canvas_length=config.canvas_length,
+                                                eos_ids=config.eos_ids, pad_id=config.pad_id)
+        _check_sampler(config, self.sampler)
+        self.shardings = shardings
+        self.donate = donate
+        self._fused = {}
+        self._pieces = None
+
+    # ------------------------------------------------------------------ programs
+    def fused_program(self, max_new_tokens: int, with_seed: bool = False):
+        """The jitted fused generate for `max_new_tokens` (cache donated)."""
+        if self.shardings is None:
+            return functools.partial(gen.fused_jit, config=self.config, sampler=self.sampler,
+                                     max_new_tokens=int(max_new_tokens))
+        key = (int(max_new_tokens), with_seed)
+        if key not in self._fused:
+            fn = functools.partial(gen.generate_fused, config=self.config, sampler=self.sampler,
+                                   max_new_tokens=int(max_new_tokens))
+            self._fused[key] = jax.jit(fn, donate_argnames=("cache",) if self.donate else (),
+                                       **self.shardings.generate_jit_kwargs(with_seed))
+        return self._fused[key]
+
+    @property
+    def pieces(self) -> gen.Pieces:
+        if self._pieces is None:
+            self._pieces = gen.Pieces(self.config, self.sampler, donate=self.donate)
+        return self._pieces
+
+    def new_cache(self, batch: int, length: int) -> KVCache:
+        if self.shardings is not None:
+            return self.shardings.init_cache(batch, length)
+        return init_cache(self.config, batch, length, dtype_of(self.config.dtype))
+
+    # ------------------------------------------------------------------ running
+    def generate(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
+                 seed_canvas=None, pinned=None, cache_length: int | None = None) -> gen.GenerateOutput:
+        """Generate with the fused program: prompt_tokens [B, P] (right-padded), lengths [B].
+
+        rng: an int seed, one key (split per row) or [B] keys (one stream per row: a row's output
+        then does not depend on its batch). Returns `GenerateOutput` (tokens [B, max_new_tokens]).
+        """
+        max_new_tokens = max_new_tokens or self.sampler.canvas_length
+        tokens, lengths, s, seed_canvas, pinned = prepare_inputs(
+            self.config, self.sampler, prompt_tokens, lengths, max_new_tokens, cache_length, seed_canvas, pinned)
+        keys = row_keys(jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng, tokens.shape[0])
+        cache = self.new_cache(tokens.shape[0], s)
+        fn = self.fused_program(max_new_tokens, seed_canvas is not None)
+        return fn(self.params, prompt_tokens=tokens, prompt_lengths=lengths, cache=cache, keys=keys,
+                  seed_canvas=seed_canvas, pinned=pinned)
+
+    def _iter(self, which, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length):
+        max_new_tokens = max_new_tokens or self.sampler.canvas_length
+        tokens, lengths, s, seed_canvas, pinned = prepare_inputs(
+            self.config, self.sampler, prompt_tokens, lengths, max_new_tokens, cache_length, seed_canvas, pinned)
+        keys = row_keys(jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng, tokens.shape[0])
+        cache = self.new_cache(tokens.shape[0], s)
+        return which(self.pieces, self.params, tokens, lengths, cache, keys, max_new_tokens, seed_canvas, pinned)
+
+    def stream(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
+               seed_canvas=None, pinned=None, cache_length: int | None = None) -> Iterator[gen.CanvasEvent]:
+        """Per-canvas driver: yields each finished canvas (same tokens as `generate`)."""
+        return self._iter(gen.iter_canvases, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned,
+                          cache_length)
+
+    def steps(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
+              seed_canvas=None, pinned=None, cache_length: int | None = None):
+        """Per-step driver: yields a `StepEvent` per denoising step and a `CanvasEvent` per canvas."""
+        return self._iter(gen.iter_steps, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned,
+                          cache_length)
+
+
+# ---------------------------------------------------------------------- functional API
+def generate(params, config: ModelConfig, prompt_tokens, lengths=None, sampler_config: SamplerConfig | None = None,
+             rng: Any = 0, *, max_new_tokens: int | None = None, seed_canvas=None, pinned=None,
+             cache_length: int | None = None) -> gen.GenerateOutput:
+    """Prefill + multi-canvas denoising, one compiled program. See `Engine.generate`."""
+    return Engine(config, params, sampler_config).generate(
+        prompt_tokens, lengths, rng=rng, max_new_tokens=max_new_tokens, seed_canvas=seed_canvas, pinned=pinned,
+        cache_length=cache_length)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampler"))
+def jit_denoise_step(params, config, sampler, cache, keys, state, seed=None, pinned=None):
+    """The separately jitted denoise step (one bidirectional pass + sampler update)."""
+    return denoise_step(params, config, sampler, cache, cache.lengths, keys, state, seed=seed, pinned=pinned)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampler"))
+def jit_denoise_canvas(params, config, sampler, cache, keys, canvas=None, pinned=None, done=None):
+    """One canvas denoised to completion in one `lax.while_loop`."""
+    return denoise_canvas(params, config, sampler, cache, keys, canvas=canvas, pinned=pinned, done=done)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "logits_mode"), donate_argnames=("cache",))
+def jit_prefill(params, config, tokens, lengths, cache, logits_mode="none"):
+    """The separately jitted prefill/commit pass, cache donated."""
+    from dgemma_jax.model.transformer import Transformer
+
+    return Transformer(config).apply({"params": params}, tokens, cache.lengths, lengths, cache, logits_mode,
+                                     method="encode")

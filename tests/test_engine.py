@@ -1,0 +1,185 @@
+"""The compiled engine: while_loop vs Python drivers, multi-canvas generation, infilling, batching."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dgemma_jax import ModelConfig, init_params
+from dgemma_jax.engine import Engine, jit_denoise_canvas, jit_denoise_step, prepare_inputs
+from dgemma_jax.sampling import SamplerConfig
+from dgemma_jax.sampling.generate import collect
+from dgemma_jax.sampling.loop import init_state, loop_running, row_keys
+
+CFG = ModelConfig.preset("tiny-6layer")
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, 0)
+
+
+def _prompts(b=3, p=20, seed=0):
+    rng = np.random.RandomState(seed)
+    return rng.randint(3, CFG.vocab_size, (b, p)).astype(np.int32), np.array([20, 13, 5][:b], np.int32)
+
+
+def _sampler(**kw):
+    base = dict(canvas_length=16, max_denoising_steps=6, eos_ids=(1,))
+    base.update(kw)
+    return SamplerConfig(**base)
+
+
+def _python_loop(params, sampler, cache, keys, canvas, pinned):
+    """Reference driver: the jitted step called from a host loop."""
+    state = init_state(CFG, sampler, canvas)
+    seed = canvas if pinned is not None else None
+    trajectory = []
+    while bool(loop_running(state, sampler)):
+        state = jit_denoise_step(params, CFG, sampler, cache, keys, state, seed, pinned)
+        trajectory.append(state)
+    return state, trajectory
+
+
+@pytest.mark.parametrize("early_stop", [False, True])
+def test_while_loop_equals_python_loop(params, early_stop):
+    sampler = _sampler()
+    tokens, lengths = _prompts()
+    eng = Engine(CFG, params, sampler)
+    cache = eng.pieces.prefill(params, tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
+                               cache=eng.new_cache(3, 40))
+    keys = row_keys(jax.random.key(3), 3)
+    canvas = jax.random.randint(jax.random.key(4), (3, 16), 0, CFG.vocab_size, jnp.int32)
+    pinned = None
+    if early_stop:
+        # Row 0 fully pinned: stable at step 2 with zero free entropy -> stops early while the others run on.
+        pinned = jnp.zeros((3, 16), bool).at[0].set(True).at[1, :8].set(True)
+    fused = jit_denoise_canvas(params, CFG, sampler, cache, keys, canvas, pinned)
+    ref, _ = _python_loop(params, sampler, cache, keys, canvas, pinned)
+    np.testing.assert_array_equal(np.asarray(fused.argmax), np.asarray(ref.argmax))
+    np.testing.assert_array_equal(np.asarray(fused.steps), np.asarray(ref.steps))
+    steps = np.asarray(fused.steps)
+    if early_stop:
+        assert steps[0] == 2 and steps[1] == steps[2] == sampler.max_denoising_steps
+    else:
+        assert (steps == sampler.max_denoising_steps).all()
+
+
+def test_pinned_positions_never_change(params):
+    sampler = _sampler(max_denoising_steps=8)
+    tokens, lengths = _prompts()
+    eng = Engine(CFG, params, sampler)
+    cache = eng.pieces.prefill(params, tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
+                               cache=eng.new_cache(3, 40))
+    keys = row_keys(jax.random.key(0), 3)
+    seed = jax.random.randint(jax.random.key(9), (3, 16), 0, CFG.vocab_size, jnp.int32)
+    pinned = jax.random.bernoulli(jax.random.key(10), 0.4, (3, 16))
+    _, traj = _python_loop(params, sampler, cache, keys, seed, pinned)
+    pin = np.asarray(pinned)
+    for st in traj:
+        np.testing.assert_array_equal(np.asarray(st.canvas)[pin], np.asarray(seed)[pin])
+        np.testing.assert_array_equal(np.asarray(st.argmax)[pin], np.asarray(seed)[pin])
+    # the free positions do move
+    assert (np.asarray(traj[-1].argmax)[~pin] != np.asarray(seed)[~pin]).any()
+
+
+def test_fixed_point_seed_stops_early(params):
+    """A seeded canvas that is already a fixed point (every position held) stops at the first
+    possible step (2: stability needs one previous argmax) instead of running the budget."""
+    sampler = _sampler(max_denoising_steps=20)
+    tokens, lengths = _prompts(1)
+    eng = Engine(CFG, params, sampler)
+    seed = np.random.RandomState(1).randint(3, CFG.vocab_size, (1, 16)).astype(np.int32)
+    out = eng.generate(tokens, lengths, rng=0, max_new_tokens=16, seed_canvas=seed,
+                       pinned=np.ones((1, 16), bool))
+    assert int(out.steps[0, 0]) == 2
+    np.testing.assert_array_equal(np.asarray(out.tokens), seed)
+
+
+def _eos_sampler(params, tokens, lengths):
+    """Pick an EOS id that occurs in row 0's first canvas (not first position) but nowhere in rows 1-2."""
+    sampler = _sampler(eos_ids=(1,))
+    out = Engine(CFG, params, sampler).generate(tokens, lengths, rng=5, max_new_tokens=48)
+    toks = np.asarray(out.tokens)
+    for cand in toks[0, 4:16]:
+        if cand not in toks[1:, :] and cand not in toks[0, :4]:
+            return _sampler(eos_ids=(int(cand),)), int(cand)
+    pytest.skip("no EOS candidate in this draw")
+
+
+def test_fused_equals_per_canvas_with_eos_and_exact_length(params):
+    tokens, lengths = _prompts()
+    sampler, eos = _eos_sampler(params, tokens, lengths)
+    eng = Engine(CFG, params, sampler)
+    max_new = 40  # 3 canvases of 16, trimmed to 40
+    fused = eng.generate(tokens, lengths, rng=5, max_new_tokens=max_new)
+    toks, steps, finished = collect(eng.stream(tokens, lengths, rng=5, max_new_tokens=max_new), 3, max_new, 16, 0)
+    assert fused.tokens.shape == (3, max_new)
+    np.testing.assert_array_equal(np.asarray(fused.tokens), toks)
+    np.testing.assert_array_equal(np.asarray(fused.steps), steps)
+    np.testing.assert_array_equal(np.asarray(fused.finished), finished)
+    # row 0 ends at its first EOS inside canvas 0: pad after it, no more canvases for it
+    row0 = toks[0]
+    first = int(np.argmax(row0 == eos))
+    assert row0[first] == eos and (row0[first + 1:] == sampler.pad_id).all()
+    assert finished[0] and steps[0, 1] == 0 and steps[0, 2] == 0
+    # the other rows ran all 3 canvases with real commits in between
+    assert (steps[1:] > 0).all()
+    assert int(fused.num_canvases) == 3
+    # per-step driver gives the same tokens too
+    ev_toks, ev_steps, _ = collect(eng.steps(tokens, lengths, rng=5, max_new_tokens=max_new), 3, max_new, 16, 0)
+    np.testing.assert_array_equal(ev_toks, toks)
+    np.testing.assert_array_equal(ev_steps, steps)
+
+
+def test_commit_changes_next_canvas(params):
+    """Canvas 2 depends on canvas 1 through the commit (the cache really grows between canvases)."""
+    tokens, lengths = _prompts()
+    eng = Engine(CFG, params, _sampler())
+    out = eng.generate(tokens, lengths, rng=1, max_new_tokens=32)
+    lens = np.asarray(out.cache.lengths)
+    np.testing.assert_array_equal(lens, lengths + 16)
+
+
+def test_row_independent_of_batch(params):
+    tokens, lengths = _prompts()
+    eng = Engine(CFG, params, _sampler())
+    keys = jax.random.split(jax.random.key(42), 3)
+    batch = eng.generate(tokens, lengths, rng=keys, max_new_tokens=32, cache_length=52)
+    for i in range(3):
+        # the row alone (same padded width, so one compilation serves all three)
+        alone_tokens = np.zeros_like(tokens[:1])
+        alone_tokens[0, : lengths[i]] = tokens[i, : lengths[i]]
+        alone = eng.generate(alone_tokens, lengths[i:i + 1], rng=keys[i:i + 1], max_new_tokens=32,
+                             cache_length=52)
+        np.testing.assert_array_equal(np.asarray(alone.tokens)[0], np.asarray(batch.tokens)[i])
+
+
+def test_capacity_errors_before_compiling():
+    sampler = _sampler()
+    tokens, lengths = _prompts()
+    with pytest.raises(ValueError, match="raise cache_length to >= 52"):
+        prepare_inputs(CFG, sampler, tokens, lengths, max_new_tokens=40, cache_length=30)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        prepare_inputs(CFG.replace(max_position_embeddings=40), sampler, tokens, lengths, max_new_tokens=40)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        prepare_inputs(CFG, sampler, tokens, lengths, max_new_tokens=0)
+    with pytest.raises(ValueError, match="prompt length"):
+        prepare_inputs(CFG, sampler, tokens, np.array([21, 3, 3]), max_new_tokens=8)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        prepare_inputs(CFG, _sampler(eos_ids=(999,)), tokens, lengths, max_new_tokens=8)
+    with pytest.raises(ValueError, match="seed_canvas"):
+        prepare_inputs(CFG, sampler, tokens, lengths, max_new_tokens=8, pinned=np.ones((3, 16), bool))
+
+
+def test_denoise_step_aot_compiles(params):
+    """The separately jitted pieces lower and compile ahead of time from shapes alone."""
+    from dgemma_jax import cache_shape, param_shapes
+
+    sampler = _sampler()
+    ps = param_shapes(CFG)
+    cache = cache_shape(CFG, 2, 64)
+    keys = jax.eval_shape(lambda: row_keys(jax.random.key(0), 2))
+    state = jax.eval_shape(lambda: init_state(CFG, sampler, jnp.zeros((2, 16), jnp.int32)))
+    compiled = jit_denoise_step.lower(ps, CFG, sampler, cache, keys, state).compile()
+    assert compiled.memory_analysis() is not None
