@@ -12,6 +12,7 @@ from .ops import sample_step_stats
 from .ops import sanitize_logits
 from .ops import stop_decision
 from .ops import temperature
+from .ops import temperature_table
 from .ops import tokens_per_forward
 from .ops import truncate_at_eos
 from .ops import uniform_tokens

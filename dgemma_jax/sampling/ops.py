@@ -41,6 +41,7 @@ __all__ = [
     "LOGIT_LIMIT",
     "DEFAULT_VOCAB_CHUNK",
     "temperature",
+    "temperature_table",
     "apply_temperature",
     "sanitize_logits",
     "sample_step_stats",
@@ -74,16 +75,30 @@ class StepStats(NamedTuple):
 # --------------------------------------------------------------------------
 
 
+def temperature_table(config: SamplerConfig) -> np.ndarray:
+    """Temperatures of all N steps, float32 [N], computed on the host.
+
+    Entry i = t_min + (t_max - t_min) * ((N - i) / N), evaluated in float32
+    in exactly HF's order: HF counts `cur_step` = N - i down from N to 1 as an
+    int32 tensor, so `cur_step / N` is a float32 division and both Python
+    constants are rounded to float32. (Done in NumPy because XLA rewrites a
+    division by a constant into a multiplication by its reciprocal, which is
+    off by one ulp for some steps.)
+    """
+    n_total = config.max_denoising_steps
+    remaining = np.arange(n_total, 0, -1, dtype=np.float32)
+    frac = remaining / np.float32(n_total)
+    span = np.float32(config.t_max - config.t_min)
+    return (np.float32(config.t_min) + span * frac).astype(np.float32)
+
+
 def temperature(config: SamplerConfig, step) -> jax.Array:
     """Linear temperature of denoising step `step` (0-based), float32.
 
     T = t_min + (t_max - t_min) * (N - step) / N, N = max_denoising_steps, so
-    step 0 gives t_max and step N-1 gives t_min + (t_max - t_min) / N.
-
-    HF counts `cur_step` = N - step down from N to 1 and evaluates
-    `t_min + (t_max - t_min) * (cur_step / N)` with `cur_step` an int32
-    tensor, i.e. in float32 with the two Python constants rounded to float32;
-    the same operation order is used here, so the result is bit-identical.
+    step 0 gives t_max and step N-1 gives t_min + (t_max - t_min) / N. The
+    values are bit-identical to HF's LinearTemperatureScheduleLogitsProcessor
+    (see `temperature_table`). Steps outside [0, N) are clipped into it.
 
     Args:
       config: the sampler config (static).
@@ -91,17 +106,16 @@ def temperature(config: SamplerConfig, step) -> jax.Array:
     Returns:
       float32 array with the shape of `step`.
     """
-    n_total = config.max_denoising_steps
-    remaining = (n_total - jnp.asarray(step, jnp.int32)).astype(jnp.float32)
-    frac = remaining / jnp.float32(n_total)
-    span = jnp.float32(config.t_max - config.t_min)
-    return jnp.float32(config.t_min) + span * frac
+    table = jnp.asarray(temperature_table(config))
+    index = jnp.clip(jnp.asarray(step, jnp.int32), 0, config.max_denoising_steps - 1)
+    return table[index]
 
 
 def apply_temperature(logits: jax.Array, config: SamplerConfig, step) -> jax.Array:
     """Tempered ("processed") logits: float32(logits) / temperature(step).
 
-    A true division, as HF does, not a multiplication by 1/T.
+    Written as a division like HF's, but XLA compiles x / T as x * (1 / T),
+    so values can differ from torch's by one float32 ulp (T itself is exact).
 
     Args:
       logits: [..., V] raw decoder logits, any float dtype.
@@ -154,55 +168,41 @@ DEFAULT_VOCAB_CHUNK = 16384
 
 
 class _Partial(NamedTuple):
-    # Running statistics over a prefix of the vocab, per position [B, L].
-    m: jax.Array  # max logit (-inf if none finite yet)
-    arg: jax.Array  # first index of the max logit
+    # Statistics of a vocab range, per position [B, L], relative to the
+    # global row max m.
     s: jax.Array  # sum exp(z - m)
     t: jax.Array  # sum exp(z - m) * (z - m)
-    gm: jax.Array  # max of z + g
-    garg: jax.Array  # first index of the max of z + g
+    arg: jax.Array  # first index of the max logit in the range
+    top: jax.Array  # max logit in the range
+    garg: jax.Array  # first index of the max of (z - m) + g in the range
+    gtop: jax.Array  # that max
 
 
-def _chunk_partial(z: jax.Array, g: jax.Array, offset) -> _Partial:
-    m = jnp.max(z, axis=-1)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    shifted = z - m_safe[..., None]
+def _chunk_partial(z: jax.Array, m: jax.Array, g: jax.Array, offset) -> _Partial:
+    shifted = z - m[..., None]  # <= 0, -inf for -inf logits
     w = jnp.exp(shifted)
-    s = jnp.sum(w, axis=-1)
-    t = jnp.sum(jnp.where(w > 0, w * shifted, 0.0), axis=-1)
-    y = z + g
+    y = shifted + g
     return _Partial(
-        m=m,
+        s=jnp.sum(w, axis=-1),
+        t=jnp.sum(jnp.where(w > 0, w * shifted, 0.0), axis=-1),
         arg=jnp.argmax(z, axis=-1).astype(jnp.int32) + offset,
-        s=s,
-        t=t,
-        gm=jnp.max(y, axis=-1),
+        top=jnp.max(z, axis=-1),
         garg=jnp.argmax(y, axis=-1).astype(jnp.int32) + offset,
+        gtop=jnp.max(y, axis=-1),
     )
 
 
 def _merge_partial(a: _Partial, b: _Partial) -> _Partial:
-    """Combines the statistics of a vocab prefix `a` with the next chunk `b`."""
-    m = jnp.maximum(a.m, b.m)
-
-    def rescale(p: _Partial):
-        c = jnp.exp(p.m - m)
-        # Re-express s, t relative to the new max; a chunk with no mass left
-        # (c == 0, e.g. all -inf) contributes exactly nothing.
-        s = jnp.where(c > 0, c * p.s, 0.0)
-        t = jnp.where(c > 0, c * (p.t + (p.m - m) * p.s), 0.0)
-        return s, t
-
-    sa, ta = rescale(a)
-    sb, tb = rescale(b)
-    take_b = b.gm > a.gm  # strict: the earlier (lower) index wins ties
+    """Combines the statistics of a vocab range `a` with the next range `b`."""
+    b_top = b.top > a.top  # strict: on ties the earlier (lower) id wins
+    b_gtop = b.gtop > a.gtop
     return _Partial(
-        m=m,
-        arg=jnp.where(b.m > a.m, b.arg, a.arg),
-        s=sa + sb,
-        t=ta + tb,
-        gm=jnp.where(take_b, b.gm, a.gm),
-        garg=jnp.where(take_b, b.garg, a.garg),
+        s=a.s + b.s,
+        t=a.t + b.t,
+        arg=jnp.where(b_top, b.arg, a.arg),
+        top=jnp.where(b_top, b.top, a.top),
+        garg=jnp.where(b_gtop, b.garg, a.garg),
+        gtop=jnp.where(b_gtop, b.gtop, a.gtop),
     )
 
 
@@ -223,25 +223,30 @@ def sample_step_stats(
       gumbel:   explicit Gumbel(0, 1) noise with the shape of z.
       uniform:  explicit U(0, 1) draws with the shape of z, turned into
                 Gumbel noise by -log(-log(u)) (u clipped into (0, 1)).
-    The sample is argmax(z + g) (Gumbel-max), distributed as softmax(z): the
-    same law as HF's `torch.multinomial(softmax(z))`, with a different RNG.
+    The sample is argmax((z - m) + g), m = max(z) (Gumbel-max, distributed as
+    softmax(z)): the same law as HF's `torch.multinomial(softmax(z))` with a
+    different RNG. Shifting by m first keeps the noise resolvable for huge
+    logits (e.g. several sanitized +inf, or a tiny temperature).
 
-    One online pass over the vocab, in chunks of `chunk_size` ids, keeps per
-    position the running max m and its first index, s = sum exp(z - m),
-    t = sum exp(z - m) (z - m), and the running max of z + g and its index.
-    At the end
+    Computation: one max reduction over the vocab, then one pass over vocab
+    chunks of `chunk_size` ids accumulating per position
+      s = sum exp(z - m),  t = sum exp(z - m) (z - m),
+    the first index of the max of z, and the first index of the max of
+    (z - m) + g. Then, in float32,
       H = log(s) - t / s   ( = logsumexp(z) - sum_v p_v z_v ),
-    in float32, with 0 * log 0 = 0 (a -inf logit contributes nothing). Since
-    s >= 1 and t <= 0, H >= 0. Peak extra memory is O(B * L * chunk_size)
-    (the noise of one chunk), never a full [B, L, V] temporary.
-    `chunk_size=None` (or >= V) processes the vocab as a single chunk. The
-    argmax and the sample do not depend on `chunk_size` for explicit noise;
-    ties go to the lowest id, as in jnp.argmax / torch.argmax.
+    with 0 * log 0 = 0 (a -inf logit contributes nothing); s >= 1 and
+    t <= 0, so H >= 0. With chunking, the extra memory is
+    O(B * L * chunk_size) (one chunk of noise and its reductions) instead of
+    several [B, L, V] temporaries (XLA materialises threefry bits for a
+    full-size draw). `chunk_size=None` (or >= V) uses a single chunk. Ties
+    go to the lowest id, as in jnp/torch argmax.
+    For explicit noise the results do not depend on `chunk_size` (entropy
+    up to float32 summation order).
 
     Args:
-      tempered_logits: float [B, L, V] (any leading dims). Must be finite or
-        -inf, with at least one finite value per row: run `sanitize_logits`
-        first when the model may produce NaN/+inf.
+      tempered_logits: float [B, L, V] (any leading dims). Finite or -inf,
+        with at least one finite value per row: run `sanitize_logits` first
+        when the model may produce NaN/+inf.
       key / gumbel / uniform: see above.
       chunk_size: static vocab chunk length.
     Returns:
@@ -257,35 +262,46 @@ def sample_step_stats(
     z = tempered_logits.astype(jnp.float32)
     vocab = z.shape[-1]
     chunk = vocab if chunk_size is None else max(1, min(int(chunk_size), vocab))
-    n_full, tail = divmod(vocab, chunk)
-
-    def noise(index, start, size):
-        if key is not None:
-            return jax.random.gumbel(
-                jax.random.fold_in(key, index), z.shape[:-1] + (size,), jnp.float32
-            )
-        src = gumbel if gumbel is not None else uniform
-        src = jnp.broadcast_to(src, z.shape)
-        piece = lax.dynamic_slice_in_dim(src, start, size, axis=-1)
-        if gumbel is not None:
-            return piece.astype(jnp.float32)
-        return _gumbel_from_uniform(piece)
+    n_chunks = -(-vocab // chunk)
+    ragged = vocab % chunk != 0
+    m = jnp.max(z, axis=-1)
 
     def partial_at(index):
-        start = index * chunk
+        # The last chunk of a ragged vocab is slid back to end at V; the ids it
+        # shares with the previous chunk are masked out (-inf: no mass, never
+        # the max), so every id is counted exactly once.
+        start = jnp.minimum(index * chunk, vocab - chunk)
         zc = lax.dynamic_slice_in_dim(z, start, chunk, axis=-1)
-        return _chunk_partial(zc, noise(index, start, chunk), start)
+        if key is not None:
+            g = jax.random.gumbel(
+                jax.random.fold_in(key, index), z.shape[:-1] + (chunk,), jnp.float32
+            )
+        else:
+            src = jnp.broadcast_to(gumbel if gumbel is not None else uniform, z.shape)
+            g = lax.dynamic_slice_in_dim(src, start, chunk, axis=-1)
+            g = g.astype(jnp.float32) if gumbel is not None else _gumbel_from_uniform(g)
+        if ragged:
+            ids = start + lax.broadcasted_iota(jnp.int32, zc.shape, zc.ndim - 1)
+            zc = jnp.where(ids >= index * chunk, zc, -jnp.inf)
+        return _chunk_partial(zc, m, g, start)
 
-    acc = partial_at(jnp.int32(0))
-    if n_full > 1:
+    if n_chunks == 1:
+        acc = partial_at(jnp.int32(0))
+    else:
+        lead = z.shape[:-1]
+        empty = _Partial(
+            s=jnp.zeros(lead, jnp.float32),
+            t=jnp.zeros(lead, jnp.float32),
+            arg=jnp.zeros(lead, jnp.int32),
+            top=jnp.full(lead, -jnp.inf, jnp.float32),
+            garg=jnp.zeros(lead, jnp.int32),
+            gtop=jnp.full(lead, -jnp.inf, jnp.float32),
+        )
+
         def body(carry, index):
             return _merge_partial(carry, partial_at(index)), None
 
-        acc, _ = lax.scan(body, acc, jnp.arange(1, n_full, dtype=jnp.int32))
-    if tail:
-        start = n_full * chunk
-        zc = z[..., start:]
-        acc = _merge_partial(acc, _chunk_partial(zc, noise(n_full, start, tail), start))
+        acc, _ = lax.scan(body, empty, jnp.arange(n_chunks, dtype=jnp.int32))
 
     entropy = jnp.log(acc.s) - acc.t / acc.s
     return StepStats(
@@ -340,10 +356,14 @@ def entropy_bound_accept(entropy: jax.Array, bound) -> jax.Array:
     back to canvas positions. The lowest-entropy position is always accepted.
 
     This is HF's `EntropyBoundSampler.accept_canvas` rule: non-strict <=,
-    ascending sort with ties in index order (torch's CPU sort is stable),
-    `C_k - h_k` evaluated in float32 from float32-rounded prefix sums, and
-    `bound` rounded to float32. With ties, the lower index of two equal
-    entropies is ranked first and can be accepted while the other is not.
+    `C_k - h_k` evaluated in float32 from prefix sums rounded to float32
+    once (torch's CPU cumsum accumulates float32 in float64), and `bound`
+    rounded to float32. One deliberate difference: HF ranks equal entropies
+    with `torch.sort(stable=False)`, whose order among equal keys is an
+    artifact of the algorithm (not stable on CPU for rows longer than 16,
+    different again on CUDA). We rank them by position, so when several
+    exactly-equal entropies straddle the cut-off we accept the lowest ids;
+    HF accepts the same number of them, possibly at other positions.
 
     Args:
       entropy: float [B, L] (any leading dims).
