@@ -112,20 +112,32 @@ class Engine:
         if key not in self._fused:
             fn = functools.partial(gen.generate_fused, config=self.config, sampler=self.sampler,
                                    max_new_tokens=int(max_new_tokens))
-            self._fused[key] = jax.jit(fn, donate_argnames=("cache",) if self.donate else (),
-                                       **self.shardings.generate_jit_kwargs(with_seed))
+            jitted = jax.jit(fn, donate_argnames=("cache",) if self.donate else ())
+
+            def run(*args, **kwargs):
+                with self.shardings.context():
+                    return jitted(*args, **kwargs)
+
+            run.lower = lambda *a, **k: _lower_in(self.shardings, jitted, *a, **k)
+            self._fused[key] = run
         return self._fused[key]
 
     @property
     def pieces(self) -> gen.Pieces:
         if self._pieces is None:
-            self._pieces = gen.Pieces(self.config, self.sampler, donate=self.donate)
+            self._pieces = gen.Pieces(self.config, self.sampler, donate=self.donate, shardings=self.shardings)
         return self._pieces
 
     def new_cache(self, batch: int, length: int) -> KVCache:
         if self.shardings is not None:
             return self.shardings.init_cache(batch, length)
         return init_cache(self.config, batch, length, dtype_of(self.config.dtype))
+
+    def _place(self, *arrays):
+        """Inputs as global (replicated) arrays on the mesh; unchanged without shardings."""
+        if self.shardings is None:
+            return arrays
+        return tuple(None if a is None else self.shardings.global_array(a) for a in arrays)
 
     # ------------------------------------------------------------------ running
     def generate(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
@@ -140,6 +152,7 @@ class Engine:
             self.config, self.sampler, prompt_tokens, lengths, max_new_tokens, cache_length, seed_canvas, pinned)
         keys = row_keys(jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng, tokens.shape[0])
         cache = self.new_cache(tokens.shape[0], s)
+        tokens, lengths, keys, seed_canvas, pinned = self._place(tokens, lengths, keys, seed_canvas, pinned)
         fn = self.fused_program(max_new_tokens, seed_canvas is not None)
         return fn(self.params, prompt_tokens=tokens, prompt_lengths=lengths, cache=cache, keys=keys,
                   seed_canvas=seed_canvas, pinned=pinned)
@@ -150,6 +163,7 @@ class Engine:
             self.config, self.sampler, prompt_tokens, lengths, max_new_tokens, cache_length, seed_canvas, pinned)
         keys = row_keys(jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng, tokens.shape[0])
         cache = self.new_cache(tokens.shape[0], s)
+        tokens, lengths, keys, seed_canvas, pinned = self._place(tokens, lengths, keys, seed_canvas, pinned)
         return which(self.pieces, self.params, tokens, lengths, cache, keys, max_new_tokens, seed_canvas, pinned)
 
     def stream(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
@@ -163,6 +177,11 @@ class Engine:
         """Per-step driver: yields a `StepEvent` per denoising step and a `CanvasEvent` per canvas."""
         return self._iter(gen.iter_steps, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned,
                           cache_length)
+
+
+def _lower_in(shardings, jitted, *args, **kwargs):
+    with shardings.context():
+        return jitted.lower(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------- functional API

@@ -81,6 +81,12 @@ def _check_cache(config: ModelConfig, cache: KVCache, batch: int):
                          "create it with init_cache(config, ...) for this config")
     if cache.batch_size != batch:
         raise ValueError(f"cache batch size {cache.batch_size} != input batch size {batch}")
+    for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
+        want = (batch, cache.max_length, config.layer_kv_heads(i), config.layer_head_dim(i))
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(f"cache layer {i} holds keys {tuple(k.shape)} / values {tuple(v.shape)} but this model "
+                             f"needs {want} [batch, max_length, kv_heads, head_dim]; create the cache with "
+                             "init_cache(config, ...) for this config")
 
 
 # ---------------------------------------------------------------------------- passes
@@ -153,6 +159,13 @@ def denoise(params: Params, config: ModelConfig, canvas, cache: KVCache, self_co
     b, l = canvas.shape
     _check_cache(config, cache, b)
     ctx = cache.lengths if context_lengths is None else jnp.asarray(context_lengths, jnp.int32)
+    if ctx.shape != (b,):
+        raise ValueError(f"context_lengths must have shape [{b}] (one per row); got {tuple(ctx.shape)}")
+    if _is_concrete(ctx) and _is_concrete(cache.lengths):
+        c, n = np.asarray(ctx), np.asarray(cache.lengths)
+        if (c < 0).any() or (c > n).any():
+            raise ValueError(f"context_lengths must be in [0, cache.lengths] per row (only committed tokens can "
+                             f"be visible); got {c.tolist()} with cache.lengths {n.tolist()}")
     soft = None
     if self_conditioning is not None:
         sc = jnp.asarray(self_conditioning)

@@ -20,6 +20,9 @@ from dgemma_jax.config import ModelConfig
 from dgemma_jax.model import masks
 from dgemma_jax.model.cache import window_slice, write_tokens
 from dgemma_jax.model.layers import RMSNorm, apply_rope, param, rms_normalize, rope_inv_freq
+from dgemma_jax.parallel.context import constrain
+
+CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
 
 _NEG = -1e30
 
@@ -98,6 +101,7 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, positions)
         cache_k = write_tokens(cache_k, k, starts, num_new)
         cache_v = write_tokens(cache_v, v, starts, num_new)
+        cache_k, cache_v = constrain(cache_k, CACHE_AXES), constrain(cache_v, CACHE_AXES)
         s = cache_k.shape[1]
         size = (self.window - 1 + t) if self.window is not None else s
         if size < s:  # sliding layer: only the last window-1 committed tokens + the new ones matter

@@ -25,6 +25,7 @@ from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.layers import gelu_tanh, ones_param, param, rms_normalize
+from dgemma_jax.parallel.context import constrain
 
 
 def route(h: jax.Array, w_router: jax.Array, router_scale: jax.Array, expert_scale: jax.Array, top_k: int,
@@ -42,7 +43,7 @@ def route(h: jax.Array, w_router: jax.Array, router_scale: jax.Array, expert_sca
 
 def _expert_ffn_dense(z, gate_up, down):
     """All experts on all tokens: z [N, D] -> [N, E, D]."""
-    h = jnp.einsum("nd,edcf->necf", z, gate_up)
+    h = constrain(jnp.einsum("nd,edcf->necf", z, gate_up), (None, "experts", None, "expert_mlp"))
     h = gelu_tanh(h[..., 0, :]) * h[..., 1, :]
     return jnp.einsum("nef,efd->ned", h, down)
 
@@ -93,9 +94,10 @@ def dispatch_capacity(z, weights, experts, gate_up, down, capacity: int):
         slot = jnp.where(fits, rank, capacity)
         token = jnp.arange(n * k) // k
         buf = jnp.zeros((e, capacity, d), z.dtype).at[flat, slot].set(z[token], mode="drop")
+        buf = constrain(buf, ("experts", None, "embed"))
         h = jnp.einsum("ecd,edgf->ecgf", buf, gate_up)
         h = gelu_tanh(h[..., 0, :]) * h[..., 1, :]
-        y = jnp.einsum("ecf,efd->ecd", h, down)
+        y = constrain(jnp.einsum("ecf,efd->ecd", h, down), ("experts", None, "embed"))
         out = y.at[flat, slot].get(mode="fill", fill_value=0)  # [n*k, d]
         out = out * weights.reshape(-1)[:, None].astype(out.dtype)
         return out.reshape(n, k, d).sum(1)

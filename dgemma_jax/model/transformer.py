@@ -24,6 +24,9 @@ from dgemma_jax.model.attention import Attention
 from dgemma_jax.model.cache import KVCache
 from dgemma_jax.model.layers import GatedMLP, RMSNorm, dtype_of, ones_param, param, rms_normalize, softcap
 from dgemma_jax.model.moe import MoE
+from dgemma_jax.parallel.context import constrain
+
+ACTIVATION_AXES = ("batch", "seq", "embed")
 
 
 class Block(nn.Module):
@@ -49,7 +52,8 @@ class Block(nn.Module):
         d = self.post_dense_norm(self.dense_mlp(self.pre_dense_norm(x1)))
         m = self.post_moe_norm(self.moe(x1, self.pre_moe_norm(x1)))
         y = x1 + self.post_ffw_norm(d + m)
-        return (y.astype(jnp.float32) * scalar.astype(jnp.float32)).astype(x1.dtype)
+        y = (y.astype(jnp.float32) * scalar.astype(jnp.float32)).astype(x1.dtype)
+        return constrain(y, ACTIVATION_AXES)
 
     def encode(self, x, starts, num_new, cache_k, cache_v):
         a, cache_k, cache_v = self.attn.encode(self.pre_attn_norm(x), starts, num_new, cache_k, cache_v)

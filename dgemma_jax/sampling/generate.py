@@ -154,15 +154,37 @@ class Pieces:
     `Engine`) with equal configs shares one compilation per input shape.
     """
 
-    def __init__(self, config: ModelConfig, sampler: SamplerConfig, donate: bool = True):
+    def __init__(self, config: ModelConfig, sampler: SamplerConfig, donate: bool = True, shardings=None):
         self.config, self.sampler = config, sampler
-        pre, com = (_prefill_donated, _commit_donated) if donate else (_prefill_jit, _commit_jit)
-        self.prefill = functools.partial(pre, config=config)
-        self.commit = functools.partial(com, config=config)
-        self.canvas = functools.partial(_canvas_jit, config=config, sampler=sampler)
-        self.step = functools.partial(_step_jit, config=config, sampler=sampler)
-        self.start = functools.partial(_start_jit, config=config, sampler=sampler)
-        self.finish = functools.partial(_finish_jit, sampler)
+        if shardings is None:
+            pre, com = (_prefill_donated, _commit_donated) if donate else (_prefill_jit, _commit_jit)
+            jits = dict(prefill=pre, commit=com, canvas=_canvas_jit, step=_step_jit, start=_start_jit,
+                        finish=_finish_jit)
+        else:  # private jits, traced inside the mesh's sharding context
+            dn = ("cache",) if donate else ()
+            jits = dict(
+                prefill=_in_context(shardings, jax.jit(prefill_prompt, static_argnames=("config",),
+                                                       donate_argnames=dn)),
+                commit=_in_context(shardings, jax.jit(commit, static_argnames=("config",), donate_argnames=dn)),
+                canvas=_in_context(shardings, jax.jit(_canvas_driver, static_argnames=("config", "sampler"))),
+                step=_in_context(shardings, jax.jit(_step_driver, static_argnames=("config", "sampler"))),
+                start=_in_context(shardings, jax.jit(_start_state, static_argnames=("config", "sampler"))),
+                finish=_in_context(shardings, jax.jit(finish_canvas, static_argnums=(0,))),
+            )
+        self.prefill = functools.partial(jits["prefill"], config=config)
+        self.commit = functools.partial(jits["commit"], config=config)
+        self.canvas = functools.partial(jits["canvas"], config=config, sampler=sampler)
+        self.step = functools.partial(jits["step"], config=config, sampler=sampler)
+        self.start = functools.partial(jits["start"], config=config, sampler=sampler)
+        self.finish = functools.partial(jits["finish"], sampler)
+
+
+def _in_context(shardings, fn):
+    def run(*args, **kwargs):
+        with shardings.context():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _canvas_driver(params, cache, keys, start, pinned, done, *, config, sampler):

@@ -1,0 +1,19 @@
+"""Meshes, logical-axis sharding rules, multi-host start-up and TPU AOT compilation.
+
+Submodules load lazily (the model imports `parallel.context`, which must stay dependency-free).
+"""
+
+import importlib
+
+_EXPORTS = {
+    "make_mesh": "mesh", "parse_mesh": "mesh",
+    "RULE_SETS": "rules", "rules_for": "rules", "spec_for": "rules",
+    "Shardings": "shardings", "fetch": "shardings",
+    "initialize": "distributed", "is_main_process": "distributed", "main_print": "distributed",
+}
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"dgemma_jax.parallel.{_EXPORTS[name]}"), name)
+    raise AttributeError(name)

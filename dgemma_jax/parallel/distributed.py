@@ -1,0 +1,40 @@
+"""Multi-host start-up: `jax.distributed.initialize()` and process-0-only output."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> None:
+    """Join a multi-process run when there is one.
+
+    Explicit arguments (or DGEMMA_COORDINATOR / DGEMMA_NUM_PROCESSES / DGEMMA_PROCESS_ID) start a
+    CPU/GPU cluster (gloo collectives on CPU); on a multi-host TPU VM slice jax auto-detects the
+    cluster. A single host needs nothing. Must run before any other jax call.
+    """
+    coordinator_address = coordinator_address or os.environ.get("DGEMMA_COORDINATOR")
+    if num_processes is None and os.environ.get("DGEMMA_NUM_PROCESSES"):
+        num_processes = int(os.environ["DGEMMA_NUM_PROCESSES"])
+    if process_id is None and os.environ.get("DGEMMA_PROCESS_ID"):
+        process_id = int(os.environ["DGEMMA_PROCESS_ID"])
+    if coordinator_address:
+        if num_processes is None or process_id is None:
+            raise ValueError("a coordinator address needs num_processes and process_id too "
+                             "(or DGEMMA_NUM_PROCESSES / DGEMMA_PROCESS_ID)")
+        jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                                   process_id=process_id)
+    elif os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") >= 1:
+        jax.distributed.initialize()  # multi-host TPU VM slice: auto-detected
+
+
+def is_main_process() -> bool:
+    return jax.process_index() == 0
+
+
+def main_print(*args, **kwargs) -> None:
+    """print() on process 0 only."""
+    if is_main_process():
+        print(*args, **kwargs)

@@ -1,0 +1,114 @@
+"""Sharding changes nothing: sharded == unsharded on several meshes of 8 fake CPU devices."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dgemma_jax import ModelConfig, cache_shape, init_params, param_shapes
+from dgemma_jax.engine import Engine
+from dgemma_jax.parallel import Shardings, make_mesh, parse_mesh, spec_for
+from dgemma_jax.parallel.rules import rules_for
+from dgemma_jax.sampling import SamplerConfig
+from dgemma_jax.sampling.loop import denoise_step, init_state, row_keys
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
+
+CFG = ModelConfig.preset("tiny-6layer", num_heads=8, num_kv_heads=4, num_global_kv_heads=2)
+SAMPLER = SamplerConfig(canvas_length=16, max_denoising_steps=4, eos_ids=(1,))
+TOKENS = np.random.RandomState(0).randint(3, CFG.vocab_size, (2, 20)).astype(np.int32)
+LENGTHS = np.array([20, 13], np.int32)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    params = init_params(CFG, 0)
+    out = Engine(CFG, params, SAMPLER).generate(TOKENS, LENGTHS, rng=0, max_new_tokens=32)
+    return params, np.asarray(out.tokens)
+
+
+@pytest.mark.parametrize("mesh_spec,rules", [("tensor=8", "latency"), ("expert=2,tensor=4", "latency"),
+                                             ("fsdp=8", "training"), ("data=2,expert=4", "serving")])
+def test_sharded_generate_equals_unsharded(reference, mesh_spec, rules):
+    params, ref_tokens = reference
+    sh = Shardings(CFG, make_mesh(mesh_spec), rules)
+    placed = sh.place_params(params)
+    out = Engine(CFG, placed, SAMPLER, shardings=sh).generate(TOKENS, LENGTHS, rng=0, max_new_tokens=32)
+    np.testing.assert_array_equal(np.asarray(out.tokens), ref_tokens)
+    # the parameters really are split
+    specs = {str(x.sharding.spec) for x in jax.tree.leaves(placed)}
+    assert any(s != "PartitionSpec()" for s in specs)
+
+
+def test_streaming_driver_sharded(reference):
+    params, ref_tokens = reference
+    sh = Shardings(CFG, make_mesh("expert=2,tensor=4"), "latency")
+    eng = Engine(CFG, sh.place_params(params), SAMPLER, shardings=sh)
+    from dgemma_jax.sampling.generate import collect
+
+    toks, _, _ = collect(eng.stream(TOKENS, LENGTHS, rng=0, max_new_tokens=32), 2, 32, 16, 0)
+    np.testing.assert_array_equal(toks, ref_tokens)
+
+
+def test_rules_and_mesh_parsing():
+    mesh = make_mesh("tensor=4,expert=2")
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 4, "expert": 2}
+    rules = rules_for("latency")
+    # divisible dims are split, indivisible ones replicated, a mesh axis is used once per array
+    assert spec_for((16, 64, 2, 32), ("experts", "embed", None, "expert_mlp"), rules, mesh) == \
+        jax.sharding.PartitionSpec("expert", None, None, "tensor")
+    assert spec_for((64, 2, 32), ("embed", "kv_heads", "head_dim"), rules, mesh) == \
+        jax.sharding.PartitionSpec(None, None, None)
+    with pytest.raises(ValueError, match="unknown mesh axis"):
+        parse_mesh("model=8", 8)
+    with pytest.raises(ValueError, match="multiply to the device count"):
+        parse_mesh("data=3,tensor=4", 8)
+    with pytest.raises(ValueError, match="unknown sharding rule set"):
+        rules_for("fastest")
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "dense"])
+def test_expert_parallelism_moves_no_expert_weights(dispatch):
+    """With experts over an 8-way `expert` axis the compiled step all-gathers no expert weights."""
+    cfg = CFG.replace(num_experts=8, moe_dispatch=dispatch)
+    sh = Shardings(cfg, make_mesh("expert=8"), "latency")
+    ps = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=n), param_shapes(cfg), sh.params)
+    assert ps["blocks_0"]["moe"]["gate_up"].sharding.spec[0] == "expert"
+    cache = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=n),
+                         cache_shape(cfg, 1, 64), sh.cache(1, 64))
+    keys = jax.eval_shape(lambda: row_keys(jax.random.key(0), 1))
+    state = jax.eval_shape(lambda: init_state(cfg, SAMPLER, jnp.zeros((1, 16), jnp.int32)))
+    step = jax.jit(lambda p, c, k, s: denoise_step(p, cfg, SAMPLER, c, c.lengths, k, s))
+    with sh.context():
+        hlo = step.lower(ps, cache, keys, state).compile().as_text()
+    one_expert = cfg.hidden_size * 2 * cfg.moe_intermediate_size
+    gathered = [int(np.prod([int(d) for d in m.group(1).split(",") if d]))
+                for m in re.finditer(r"= \w+\[([\d,]*)\][^=]*? all-gather\(", hlo)]
+    assert all(n < one_expert for n in gathered), f"all-gathers of {max(gathered)} elements (>= one expert)"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_process_distributed_equals_single_process(reference, tmp_path):
+    """Two processes (gloo on 127.0.0.1, 4 CPU devices each) on one global 8-device mesh produce the
+    same tokens as this single process."""
+    _, ref_tokens = reference
+    worker = os.path.join(os.path.dirname(__file__), "helpers", "mp_generate.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    port = _free_port()
+    multi = tmp_path / "multi.npy"
+    procs = [subprocess.Popen([sys.executable, worker, str(port), "2", str(i), str(multi)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+    outs = [p.communicate(timeout=400)[0].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    np.testing.assert_array_equal(np.load(multi), ref_tokens)
