@@ -38,9 +38,10 @@ def _check_sampler(config: ModelConfig, sampler: SamplerConfig):
 
 
 def prepare_inputs(config: ModelConfig, sampler: SamplerConfig, prompt_tokens, lengths, max_new_tokens: int,
-                   cache_length: int | None = None, seed_canvas=None, pinned=None):
+                   cache_length: int | None = None, seed_canvas=None, pinned=None, committed=None):
     """Validate generate() inputs on the host (before anything is compiled) and size the cache.
 
+    committed: [B] tokens already in a cache being continued (multi-turn), else 0.
     Returns (tokens [B, P] int32, lengths [B] int32, cache_length, seed_canvas, pinned).
     """
     _check_sampler(config, sampler)
@@ -56,16 +57,17 @@ def prepare_inputs(config: ModelConfig, sampler: SamplerConfig, prompt_tokens, l
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer; got {max_new_tokens!r}")
     n_canvas = gen.num_canvases(int(max_new_tokens), sampler.canvas_length)
-    need = int(lengths.max()) + (n_canvas - 1) * sampler.canvas_length
-    last_pos = int(lengths.max()) + n_canvas * sampler.canvas_length
+    ends = lengths + (0 if committed is None else np.asarray(committed))
+    need = int(ends.max()) + (n_canvas - 1) * sampler.canvas_length
+    last_pos = int(ends.max()) + n_canvas * sampler.canvas_length
     if last_pos > config.max_position_embeddings:
-        raise ValueError(f"prompt ({int(lengths.max())} tokens) + {n_canvas} canvas(es) of {sampler.canvas_length} "
+        raise ValueError(f"context ({int(ends.max())} tokens) + {n_canvas} canvas(es) of {sampler.canvas_length} "
                          f"reach position {last_pos}, beyond the model's max_position_embeddings="
                          f"{config.max_position_embeddings}; shorten the prompt or lower max_new_tokens")
     if cache_length is None:
         cache_length = need
     elif need > cache_length:
-        raise ValueError(f"the KV cache holds {cache_length} tokens per row but the prompt ({int(lengths.max())}) "
+        raise ValueError(f"the KV cache holds {cache_length} tokens per row but the context ({int(ends.max())}) "
                          f"plus {n_canvas - 1} committed canvas(es) of {sampler.canvas_length} need {need}; "
                          f"raise cache_length to >= {need}, shorten the prompt or lower max_new_tokens "
                          f"(= {max_new_tokens})")
@@ -141,17 +143,27 @@ class Engine:
 
     # ------------------------------------------------------------------ running
     def generate(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
-                 seed_canvas=None, pinned=None, cache_length: int | None = None) -> gen.GenerateOutput:
+                 seed_canvas=None, pinned=None, cache_length: int | None = None,
+                 cache: KVCache | None = None) -> gen.GenerateOutput:
         """Generate with the fused program: prompt_tokens [B, P] (right-padded), lengths [B].
 
         rng: an int seed, one key (split per row) or [B] keys (one stream per row: a row's output
-        then does not depend on its batch). Returns `GenerateOutput` (tokens [B, max_new_tokens]).
+        then does not depend on its batch). cache: continue an earlier cache (multi-turn chat: the
+        prompt is then only the new tokens; `out.cache` of a previous call holds everything
+        committed so far, i.e. all but the last canvas). Returns `GenerateOutput`.
         """
         max_new_tokens = max_new_tokens or self.sampler.canvas_length
+        committed = None if cache is None else np.asarray(cache.lengths)
+        if cache is not None:
+            cache_length = cache.max_length
         tokens, lengths, s, seed_canvas, pinned = prepare_inputs(
-            self.config, self.sampler, prompt_tokens, lengths, max_new_tokens, cache_length, seed_canvas, pinned)
+            self.config, self.sampler, prompt_tokens, lengths, max_new_tokens, cache_length, seed_canvas, pinned,
+            committed)
         keys = row_keys(jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng, tokens.shape[0])
-        cache = self.new_cache(tokens.shape[0], s)
+        if cache is None:
+            cache = self.new_cache(tokens.shape[0], s)
+        elif cache.batch_size != tokens.shape[0]:
+            raise ValueError(f"cache batch {cache.batch_size} != prompt batch {tokens.shape[0]}")
         tokens, lengths, keys, seed_canvas, pinned = self._place(tokens, lengths, keys, seed_canvas, pinned)
         fn = self.fused_program(max_new_tokens, seed_canvas is not None)
         return fn(self.params, prompt_tokens=tokens, prompt_lengths=lengths, cache=cache, keys=keys,

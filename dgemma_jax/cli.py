@@ -1,0 +1,181 @@
+"""The `dgemma` command: generate, chat, convert, train, bench, compile, inspect.
+
+Errors the user can fix (bad flags, missing checkpoints, prompts too long, ...) print one line
+`dgemma: error: ...` and exit with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+class UsageError(Exception):
+    """A problem with the user's input: reported in one line, exit code 2."""
+
+
+def _positive(kind):
+    def parse(s):
+        try:
+            v = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {s!r}") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {s!r}")
+        return v
+
+    return parse
+
+
+# ---------------------------------------------------------------------------- inspect
+def cmd_inspect(args) -> int:
+    from dgemma_jax.config import ModelConfig
+
+    if args.checkpoint:
+        from dgemma_jax.io.model_dir import load_config
+
+        cfg = load_config(args.checkpoint)
+    else:
+        cfg = ModelConfig.preset(args.preset)
+    counts = cfg.param_count()
+    bytes_per = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.param_dtype]
+    info = {
+        "name": cfg.name,
+        "layers": cfg.num_layers,
+        "layer_types": "".join("G" if t == "global" else "s" for t in cfg.layer_types),
+        "hidden": cfg.hidden_size,
+        "heads": cfg.num_heads,
+        "sliding_kv_heads x head_dim": f"{cfg.num_kv_heads} x {cfg.head_dim}",
+        "global_kv_heads x head_dim": f"{cfg.num_global_kv_heads} x {cfg.global_head_dim} (K=V)",
+        "window": cfg.sliding_window,
+        "experts": f"{cfg.num_experts} top-{cfg.top_k} x {cfg.moe_intermediate_size} + dense {cfg.intermediate_size}",
+        "vocab": cfg.vocab_size,
+        "canvas": cfg.canvas_length,
+        "params_total": counts["total"],
+        "params_active_per_token": counts["active"],
+        "param_dtype": cfg.param_dtype,
+        "memory_bytes": {cfg.param_dtype: counts["total"] * bytes_per,
+                         "float32": counts["total"] * 4, "bfloat16": counts["total"] * 2},
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for k, v in info.items():
+            if k == "memory_bytes":
+                v = ", ".join(f"{d}: {b / 1e9:.3f} GB" for d, b in v.items())
+            elif isinstance(v, int) and v > 10_000:
+                v = f"{v:,} ({v / 1e9:.3f} B)"
+            print(f"{k:>26}: {v}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- compile
+def cmd_compile(args) -> int:
+    from dgemma_jax.parallel import aot
+
+    if args.topology not in aot.TOPOLOGIES:
+        raise UsageError(f"unknown --topology {args.topology!r}; choose one of {', '.join(aot.TOPOLOGIES)}")
+    programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
+    bad = [p for p in programs if p not in ("prefill", "denoise_step", "commit", "generate")]
+    if bad:
+        raise UsageError(f"unknown program(s) {bad}; choose from prefill, denoise_step, commit, generate")
+    try:
+        report = aot.compile_report(args.preset, args.topology, mesh=args.mesh, rules=args.rules,
+                                    batch=args.batch, context=args.context, prompt=args.prompt,
+                                    steps_per_canvas=args.steps, programs=programs, dtype=args.dtype,
+                                    moe_dispatch=args.moe_dispatch)
+    except RuntimeError as e:
+        raise UsageError(str(e)) from None
+    _print_compile_report(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    if not report["fits"]:
+        print(f"dgemma: error: {aot.fix_hint(report)}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def _print_compile_report(r):
+    gb = 1e9
+    print(f"{r['preset']} on {r['topology']} ({r['chips']} chips, mesh {r['mesh']}, rules {r['rules']}), "
+          f"batch {r['batch']}, context {r['context']}, {r['dtype']}, moe {r['moe_dispatch']}")
+    print(f"{'program':>13} {'compile s':>9} {'args GB':>8} {'temp GB':>8} {'total GB':>8} {'limit GB':>8} "
+          f"{'GFLOP':>9} {'GB moved':>9} {'proj ms':>8}  fits")
+    for name, e in r["programs"].items():
+        if "error" in e:
+            print(f"{name:>13}  does not fit: {e['error']}")
+            continue
+        m = e["memory"]
+        print(f"{name:>13} {e['compile_seconds']:>9.1f} {m['argument_size_in_bytes'] / gb:>8.2f} "
+              f"{m['temp_size_in_bytes'] / gb:>8.2f} {e['total_bytes'] / gb:>8.2f} {r['hbm_limit_bytes'] / gb:>8.2f} "
+              f"{e['flops'] / 1e9:>9.1f} {e['bytes_accessed'] / gb:>9.2f} {1e3 * e['projected_seconds']:>8.2f}  "
+              f"{'yes' if e['fits'] else 'NO'}")
+    if "projection" in r:
+        p = r["projection"]
+        print(f"projected (TPU compiler cost analysis, not a measurement): denoise step {p['denoise_step_ms']:.2f} ms, "
+              f"{p['steps_per_canvas']} steps + commit = {p['per_canvas_ms']:.1f} ms per canvas, "
+              f"{p['tokens_per_second']:.0f} tokens/s")
+
+
+# ---------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    from dgemma_jax.config import ModelConfig
+
+    p = argparse.ArgumentParser(prog="dgemma", description="DiffusionGemma in JAX: generate, chat, convert, "
+                                "train, bench, compile, inspect")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    s = sub.add_parser("inspect", help="config, parameter counts (total/active), memory by dtype")
+    s.add_argument("--preset", default="diffusiongemma-26b-a4b", choices=ModelConfig.preset_names())
+    s.add_argument("--checkpoint", help="a Hugging Face or dgemma checkpoint directory")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_inspect)
+
+    s = sub.add_parser("compile", help="AOT-compile for a TPU topology from this machine: fit and projected speed")
+    s.add_argument("--preset", default="diffusiongemma-26b-a4b", choices=ModelConfig.preset_names())
+    s.add_argument("--topology", default="v5e-8", help="v5e-4/8/16, v6e-4/8/16, v5p-8/16, v4-8/16")
+    s.add_argument("--mesh", default="expert=4,tensor=2", help="axis=size list over data,fsdp,tensor,expert")
+    s.add_argument("--rules", default="latency", choices=["latency", "serving", "training"])
+    s.add_argument("--batch", type=_positive(int), default=1)
+    s.add_argument("--context", type=_positive(int), default=32768, help="KV cache tokens per row")
+    s.add_argument("--prompt", type=_positive(int), default=2048, help="tokens per prefill call")
+    s.add_argument("--steps", type=_positive(int), default=16, help="denoising steps per canvas for projections")
+    s.add_argument("--programs", default="prefill,denoise_step,commit,generate")
+    s.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    s.add_argument("--moe-dispatch", choices=["ragged", "capacity", "dense"], default=None)
+    s.add_argument("--out", help="write the report as JSON here")
+    s.set_defaults(fn=cmd_compile)
+
+    _add_more_commands(sub)
+    return p
+
+
+def _add_more_commands(sub):
+    try:
+        from dgemma_jax import cli_run
+    except ImportError:  # pragma: no cover
+        return
+    cli_run.add_commands(sub, _positive)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.fn(args) or 0)
+    except (UsageError, ValueError, FileNotFoundError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"dgemma: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""`dgemma` commands that run a model: generate, chat, convert, train, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from dgemma_jax.cli import UsageError
+
+BUNDLED = "bundled"
+
+
+# ---------------------------------------------------------------------------- loading
+def load_for_cli(checkpoint: str | None, dtype: str | None = None):
+    """-> (config, params, sampler | None, tokenizer); default: the bundled small model."""
+    if checkpoint in (None, "", BUNDLED):
+        try:
+            from dgemma_jax.training import load_bundled
+        except ImportError as e:
+            raise UsageError(f"the bundled model is not available ({e}); pass --checkpoint DIR") from None
+        cfg, params, sampler, tok = load_bundled()
+        return cfg, params, sampler, tok
+    from dgemma_jax.io.model_dir import load_model, load_model_tokenizer
+
+    cfg, params, sampler = load_model(checkpoint, dtype=dtype)
+    tok = load_model_tokenizer(checkpoint)
+    return cfg, params, sampler, tok
+
+
+def encode_prompt(tok, text: str) -> list[int]:
+    """BOS + the prompt's ids (the training layout of every model here)."""
+    try:
+        return list(tok.encode(text, add_bos=True))
+    except TypeError:  # a simple tokenizer without add_bos
+        return [tok.bos_id] + list(tok.encode(text))
+
+
+def decode(tok, ids) -> str:
+    ids = [int(i) for i in ids]
+    try:
+        return tok.decode(ids, skip_special=True)
+    except TypeError:
+        return tok.decode(ids)
+
+
+def sampler_from_args(args, config, base):
+    from dgemma_jax.sampling.config import SamplerConfig
+
+    s = base or SamplerConfig(canvas_length=config.canvas_length, eos_ids=config.eos_ids, pad_id=config.pad_id)
+    changes = {}
+    for flag, field in (("steps", "max_denoising_steps"), ("t_max", "t_max"), ("t_min", "t_min"),
+                        ("entropy_bound", "entropy_bound"), ("confidence", "confidence_threshold"),
+                        ("stability", "stability_threshold"), ("canvas_length", "canvas_length")):
+        v = getattr(args, flag, None)
+        if v is not None:
+            changes[field] = v
+    return s.replace(**changes) if changes else s
+
+
+def _seed_canvas(args, tok, sampler, batch_size: int):
+    """--seed-canvas TEXT: characters/tokens held fixed; --mask-char marks the free positions."""
+    if not args.seed_canvas:
+        return None, None
+    mask = args.mask_char
+    parts = args.seed_canvas
+    ids, pinned = [], []
+    buf = ""
+    for ch in parts + "\0":
+        if ch == mask or ch == "\0":
+            if buf:
+                piece = list(tok.encode(buf)) if not hasattr(tok, "sp") else list(tok.encode(buf))
+                ids += piece
+                pinned += [True] * len(piece)
+                buf = ""
+            if ch == mask:
+                ids.append(0)
+                pinned.append(False)
+        else:
+            buf += ch
+    if len(ids) > sampler.canvas_length:
+        raise UsageError(f"--seed-canvas has {len(ids)} tokens but the canvas holds {sampler.canvas_length}; "
+                         "shorten it or raise --canvas-length")
+    free = sampler.canvas_length - len(ids)
+    ids += [0] * free
+    pinned += [False] * free
+    return (np.array([ids] * batch_size, np.int32), np.array([pinned] * batch_size, bool))
+
+
+# ---------------------------------------------------------------------------- generate
+def _render_step(ev, tok, tty: bool, stream):
+    arg = ev.argmax[0]
+    settled = ev.canvas[0] == arg
+    if not tty:
+        frac = settled.mean()
+        stream.write(f"[canvas {ev.canvas_index} step {ev.step:>2} settled {frac:4.0%}] {decode(tok, arg)!r}\n")
+        return
+    out = []
+    for t, ok in zip(arg, settled):
+        s = decode(tok, [t]).replace("\n", "\\n")
+        out.append(f"\x1b[1m{s}\x1b[0m" if ok else f"\x1b[2m{s}\x1b[0m")
+    stream.write(f"\r\x1b[2K[{ev.canvas_index}:{ev.step:>2}] " + "".join(out))
+    stream.flush()
+
+
+def cmd_generate(args) -> int:
+    import jax
+
+    from dgemma_jax.engine import Engine
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt:
+        raise UsageError("empty prompt: pass --prompt TEXT or pipe text on stdin")
+    cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype)
+    sampler = sampler_from_args(args, cfg, sampler)
+    ids = encode_prompt(tok, prompt)
+    if args.max_prompt and len(ids) > args.max_prompt:
+        raise UsageError(f"the prompt is {len(ids)} tokens, longer than --max-prompt {args.max_prompt}")
+    engine = Engine(cfg, params, sampler)
+    tokens = np.array([ids], np.int32)
+    seed, pinned = _seed_canvas(args, tok, sampler, 1)
+    kw = dict(rng=args.seed, max_new_tokens=args.max_new_tokens, seed_canvas=seed, pinned=pinned)
+    t0 = time.perf_counter()
+    if args.show_steps:
+        from dgemma_jax.sampling.generate import CanvasEvent, collect
+
+        tty = sys.stdout.isatty() and not args.plain
+        events = []
+        for ev in engine.steps(tokens, None, **kw):
+            if isinstance(ev, CanvasEvent):
+                events.append(ev)
+                if tty:
+                    sys.stdout.write("\n")
+            else:
+                _render_step(ev, tok, tty, sys.stdout)
+        out_tokens, steps, _ = collect(events, 1, args.max_new_tokens, sampler.canvas_length, sampler.pad_id)
+    else:
+        out = engine.generate(tokens, None, **kw)
+        out_tokens, steps = np.asarray(out.tokens), np.asarray(out.steps)
+    jax.block_until_ready(out_tokens)
+    dt = time.perf_counter() - t0
+    text = decode(tok, out_tokens[0])
+    print(text)
+    ran = steps[0][steps[0] > 0]
+    n_tok = int((out_tokens[0] != sampler.pad_id).sum())
+    if not args.quiet:
+        tpf = n_tok / max(int(ran.sum()), 1)
+        print(f"[{len(ran)} canvas(es), steps per canvas {ran.tolist()}, tokens per forward pass {tpf:.2f}, "
+              f"{n_tok} tokens in {dt:.2f} s = {n_tok / dt:.1f} tokens/s incl. compilation]", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------- chat
+def cmd_chat(args) -> int:
+    from dgemma_jax.engine import Engine
+    from dgemma_jax.io.chat import history_without_thinking, render_chat, strip_thinking
+
+    cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype)
+    sampler = sampler_from_args(args, cfg, sampler)
+    engine = Engine(cfg, params, sampler)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    cache, cached_ids = None, []
+    interactive = sys.stdin.isatty()
+    turn = 0
+    while True:
+        if interactive:
+            sys.stdout.write("you> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        if line.strip() in ("/exit", "/quit"):
+            break
+        messages.append({"role": "user", "content": line})
+        text = render_chat(history_without_thinking(messages), add_generation_prompt=True,
+                           enable_thinking=args.thinking)
+        ids = list(tok.encode(text)) if not hasattr(tok, "chars") else encode_prompt(tok, line)
+        # reuse the cache when it holds a prefix of this conversation's tokens
+        if cache is not None and ids[:len(cached_ids)] == cached_ids and len(ids) > len(cached_ids):
+            new = ids[len(cached_ids):]
+        else:
+            cache, cached_ids, new = None, [], ids
+        out = engine.generate(np.array([new], np.int32), None, rng=args.seed + turn,
+                              max_new_tokens=args.max_new_tokens, cache=cache, cache_length=args.context)
+        gen = [int(t) for t in np.asarray(out.tokens)[0] if int(t) != sampler.pad_id]
+        reply = decode(tok, gen)
+        thought, answer = strip_thinking(reply)
+        print(("model> " if interactive else "") + answer.strip())
+        messages.append({"role": "assistant", "content": answer.strip()})
+        cache = out.cache
+        committed = int(np.asarray(cache.lengths)[0])
+        cached_ids = (cached_ids + new + gen)[:committed]
+        if thought:
+            cache, cached_ids = None, []  # thinking never goes back into the history
+        turn += 1
+    return 0
+
+
+# ---------------------------------------------------------------------------- convert
+def cmd_convert(args) -> int:
+    from dgemma_jax.io import convert
+
+    src_fmt = args.from_format or convert.detect_source(args.src)
+    n = convert.convert(args.src, args.dst, src_fmt, dtype=args.dtype, progress=not args.quiet)
+    print(f"converted {n} tensors from {src_fmt} at {args.src} to a dgemma_jax checkpoint at {args.dst}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- train / bench
+def cmd_train(args) -> int:
+    from dgemma_jax.training import train
+    from ml_collections import config_flags  # noqa: F401  (ml_collections is a dependency)
+
+    if not os.path.isfile(args.config):
+        raise UsageError(f"--config {args.config!r} does not exist (see configs/)")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dgemma_train_config", args.config)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if not hasattr(mod, "get_config"):
+        raise UsageError(f"{args.config} has no get_config() function")
+    cfg = mod.get_config()
+    for item in args.set or []:
+        key, _, val = item.partition("=")
+        if not key or not _:
+            raise UsageError(f"--set expects key=value, got {item!r}")
+        node, parts = cfg, key.split(".")
+        for p in parts[:-1]:
+            node = node[p]
+        old = node[parts[-1]]
+        node[parts[-1]] = type(old)(val) if old is not None and not isinstance(old, (list, tuple, dict)) else val
+    train(cfg)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(here, "benchmarks", "bench_cpu.py")
+    if not os.path.isfile(script):
+        raise UsageError("benchmarks/bench_cpu.py is not available in this installation (run from a source checkout)")
+    import runpy
+
+    sys.argv = [script] + (args.rest or [])
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+# ---------------------------------------------------------------------------- parser
+def add_commands(sub, positive):
+    def sampler_flags(s):
+        s.add_argument("--steps", type=positive(int), help="max denoising steps per canvas (default 48)")
+        s.add_argument("--t-max", type=positive(float), dest="t_max")
+        s.add_argument("--t-min", type=positive(float), dest="t_min")
+        s.add_argument("--entropy-bound", type=positive(float), dest="entropy_bound")
+        s.add_argument("--confidence", type=float, help="confidence threshold (mean entropy)")
+        s.add_argument("--stability", type=positive(int), help="stability threshold (steps)")
+        s.add_argument("--canvas-length", type=positive(int), dest="canvas_length")
+        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--max-new-tokens", type=positive(int), dest="max_new_tokens", default=256)
+        s.add_argument("--checkpoint", help="Hugging Face or dgemma_jax checkpoint directory (default: bundled)")
+        s.add_argument("--dtype", choices=["float32", "bfloat16"])
+
+    s = sub.add_parser("generate", help="prompt -> text")
+    s.add_argument("--prompt", help="the prompt (default: read stdin)")
+    s.add_argument("--show-steps", action="store_true", help="draw the canvas converging step by step")
+    s.add_argument("--plain", action="store_true", help="with --show-steps: one line per step, no colours")
+    s.add_argument("--seed-canvas", dest="seed_canvas", help="start canvas text; --mask-char marks free positions")
+    s.add_argument("--mask-char", dest="mask_char", default="_")
+    s.add_argument("--max-prompt", type=positive(int), dest="max_prompt", default=None)
+    s.add_argument("--quiet", action="store_true", help="no stats line")
+    sampler_flags(s)
+    s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("chat", help="interactive multi-turn chat (Gemma 4 chat template)")
+    s.add_argument("--system", default="")
+    s.add_argument("--thinking", action="store_true", help="enable thinking (never fed back into history)")
+    s.add_argument("--context", type=positive(int), default=4096, help="KV cache tokens")
+    sampler_flags(s)
+    s.set_defaults(fn=cmd_chat)
+
+    s = sub.add_parser("convert", help="Hugging Face safetensors or gemma-library orbax -> dgemma_jax checkpoint")
+    s.add_argument("src")
+    s.add_argument("dst")
+    s.add_argument("--from", dest="from_format", choices=["hf", "gemma"], default=None)
+    s.add_argument("--dtype", choices=["float32", "bfloat16"])
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(fn=cmd_convert)
+
+    s = sub.add_parser("train", help="train or fine-tune from an ml_collections recipe in configs/")
+    s.add_argument("--config", required=True)
+    s.add_argument("--set", action="append", help="override a config value: key.sub=value")
+    s.set_defaults(fn=cmd_train)
+
+    s = sub.add_parser("bench", help="run the CPU benchmarks (benchmarks/bench_cpu.py)")
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(fn=cmd_bench)

@@ -1,0 +1,156 @@
+"""Model directories: our orbax format, Hugging Face directories, and telling them apart.
+
+Our format (written atomically by orbax)::
+
+    <dir>/dgemma_model.json   {"format": "dgemma_jax.model", "version": 1, "config": {...},
+                               "sampler": {...} | null, "tokenizer": "<file name>" | null}
+    <dir>/params/             orbax StandardCheckpointer tree of the parameters
+    <dir>/<tokenizer file>    optional
+
+A Hugging Face directory has config.json + *.safetensors (see `dgemma_jax.io.hf`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Any
+
+import numpy as np
+
+from dgemma_jax.config import ModelConfig
+
+META = "dgemma_model.json"
+FORMAT = "dgemma_jax.model"
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """'dgemma' or 'hf'; raises FileNotFoundError / ValueError naming what is missing."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise ValueError(f"checkpoint {path!r} is a file; pass the checkpoint directory")
+    if os.path.isfile(os.path.join(path, META)):
+        return "dgemma"
+    if os.path.isfile(os.path.join(path, "config.json")):
+        if any(f.endswith(".safetensors") for f in os.listdir(path)):
+            return "hf"
+        raise ValueError(f"{path!r} has a config.json but no *.safetensors weights")
+    raise ValueError(f"{path!r} is not a checkpoint: expected {META} (dgemma_jax) or config.json + *.safetensors "
+                     "(Hugging Face)")
+
+
+def config_to_dict(cfg: ModelConfig) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()}
+
+
+def config_from_dict(d: dict) -> ModelConfig:
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+        raise ValueError(f"unknown ModelConfig field(s) in checkpoint metadata: {unknown}")
+    return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    fmt = detect_format(path)
+    if fmt == "hf":
+        return ModelConfig.from_hf(path)
+    return config_from_dict(_read_meta(path)["config"])
+
+
+def _read_meta(path) -> dict:
+    with open(os.path.join(os.fspath(path), META)) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path!r}: {META} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def save_model(path: str | os.PathLike, config: ModelConfig, params: Any, sampler=None,
+               tokenizer_file: str | None = None) -> None:
+    """Write params (orbax) + metadata (+ a copy of the tokenizer file) to `path`."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.fspath(path))
+    os.makedirs(path, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(path, "params"), params, force=True)
+    tok_name = None
+    if tokenizer_file:
+        tok_name = os.path.basename(tokenizer_file)
+        if os.path.abspath(tokenizer_file) != os.path.join(path, tok_name):
+            shutil.copyfile(tokenizer_file, os.path.join(path, tok_name))
+    meta = {"format": FORMAT, "version": 1, "config": config_to_dict(config),
+            "sampler": dataclasses.asdict(sampler) if sampler is not None else None, "tokenizer": tok_name}
+    tmp = os.path.join(path, META + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(tmp, os.path.join(path, META))
+
+
+def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None):
+    """Any supported checkpoint directory -> (ModelConfig, params, SamplerConfig | None)."""
+    from dgemma_jax.sampling.config import SamplerConfig
+
+    fmt = detect_format(path)
+    if fmt == "hf":
+        from dgemma_jax.io.hf import load_hf
+
+        cfg, params = load_hf(path, dtype=dtype, shardings=shardings)
+        return cfg, params, hf_sampler(path, cfg)
+    import jax
+    import orbax.checkpoint as ocp
+
+    from dgemma_jax.model.api import param_shapes
+
+    meta = _read_meta(path)
+    cfg = config_from_dict(meta["config"])
+    if dtype:
+        cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    abstract = param_shapes(cfg)
+    if shardings is not None:
+        abstract = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=n), abstract, shardings)
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            params = ckptr.restore(os.path.join(os.path.abspath(os.fspath(path)), "params"), abstract)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"checkpoint {os.fspath(path)!r} does not match its config: {e}") from None
+    sampler = SamplerConfig(**meta["sampler"]) if meta.get("sampler") else None
+    return cfg, params, sampler
+
+
+def hf_sampler(path, cfg: ModelConfig):
+    """The SamplerConfig of a Hugging Face directory's generation_config.json (None if absent)."""
+    from dgemma_jax.sampling.config import SamplerConfig
+
+    gen = os.path.join(os.fspath(path), "generation_config.json")
+    if not os.path.isfile(gen):
+        return None
+    with open(gen) as f:
+        d = json.load(f)
+    d = dict(d, eos_token_id=[e for e in np.atleast_1d(d.get("eos_token_id", [])).tolist() if e < cfg.vocab_size])
+    return SamplerConfig.from_hf_generation_config(d, canvas_length=cfg.canvas_length)
+
+
+def load_model_tokenizer(path: str | os.PathLike):
+    """The tokenizer stored with a checkpoint (ours: the file named in the metadata; HF: tokenizer.json/.model)."""
+    path = os.fspath(path)
+    if detect_format(path) == "dgemma":
+        name = _read_meta(path).get("tokenizer")
+        if not name:
+            raise FileNotFoundError(f"checkpoint {path!r} has no tokenizer; pass --tokenizer")
+        file = os.path.join(path, name)
+        with open(file) as f:
+            head = f.read(200)
+        if '"type": "char"' in head or '"type":"char"' in head:
+            from dgemma_jax.training.tokenizer import CharTokenizer
+
+            return CharTokenizer.load(file)
+        path = file
+    from dgemma_jax.io.tokenizer import load_tokenizer
+
+    return load_tokenizer(path)

@@ -1,0 +1,208 @@
+"""Ahead-of-time compilation for TPU topologies from a CPU machine ("compile-and-fit").
+
+With `jax[tpu]` installed, jax builds compile-only TPU devices for a named topology. We lower the
+engine's programs with every argument a `jax.ShapeDtypeStruct` carrying its sharding (nothing is
+allocated), compile them with the TPU compiler, and read per-chip memory and cost:
+
+    report = compile_report("diffusiongemma-26b-a4b", "v5e-8", mesh="expert=4,tensor=2", context=32768)
+
+`cost_analysis()` counts a loop body once, so per-step figures come from the step program and
+per-canvas projections multiply by the step count. Projections use the roofline of
+shared/spec/performance.md: time = max(flops / peak, bytes / bandwidth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dgemma_jax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    name: str                 # jax topology descriptor, e.g. "v5e:2x4"
+    chip_config: str
+    host_bounds: tuple[int, int, int]
+    chips: int
+    hbm_bytes: float          # per chip, as the compiler counts it
+    hbm_bw: float             # bytes/s per chip
+    bf16_flops: float         # peak FLOP/s per chip
+
+
+# user-facing name -> topology descriptor (performance.md §1 for bandwidth and peak)
+TOPOLOGIES: dict[str, Topology] = {
+    "v5e-1": Topology("v5e:1x1", "default", (1, 1, 1), 1, 15.75e9, 819e9, 197e12),
+    "v5e-4": Topology("v5e:2x2", "default", (2, 2, 1), 4, 15.75e9, 819e9, 197e12),
+    "v5e-8": Topology("v5e:2x4", "default", (2, 4, 1), 8, 15.75e9, 819e9, 197e12),
+    "v5e-16": Topology("v5e:4x4", "default", (2, 2, 1), 16, 15.75e9, 819e9, 197e12),
+    "v6e-1": Topology("v6e:1x1", "default", (1, 1, 1), 1, 31.25e9, 1640e9, 918e12),
+    "v6e-4": Topology("v6e:2x2", "default", (2, 2, 1), 4, 31.25e9, 1640e9, 918e12),
+    "v6e-8": Topology("v6e:2x4", "default", (2, 4, 1), 8, 31.25e9, 1640e9, 918e12),
+    "v6e-16": Topology("v6e:4x4", "default", (2, 2, 1), 16, 31.25e9, 1640e9, 918e12),
+    "v5p-8": Topology("v5:2x2x1", "megacore", (2, 2, 1), 4, 95.74e9, 2765e9, 459e12),
+    "v5p-16": Topology("v5:2x2x2", "megacore", (2, 2, 1), 8, 95.74e9, 2765e9, 459e12),
+    "v4-8": Topology("v4:2x2x1", "megacore_dense", (2, 2, 1), 4, 31.75e9, 1200e9, 275e12),
+    "v4-16": Topology("v4:2x2x2", "megacore_dense", (2, 2, 1), 8, 31.75e9, 1200e9, 275e12),
+}
+
+
+def topology(name: str) -> Topology:
+    if name not in TOPOLOGIES:
+        raise ValueError(f"unknown TPU topology {name!r}; known: {', '.join(TOPOLOGIES)}")
+    return TOPOLOGIES[name]
+
+
+def tpu_devices(name: str):
+    """Compile-only devices of the named topology (needs the `[tpu]` extra: jax[tpu])."""
+    topo = topology(name)
+    try:
+        from jax.experimental import topologies
+    except ImportError as e:  # pragma: no cover
+        raise RuntimeError("jax.experimental.topologies is unavailable in this jax") from e
+    try:
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=topo.name,
+                                            chip_config_name=topo.chip_config,
+                                            chips_per_host_bounds=topo.host_bounds, num_slices=1,
+                                            wrap=(False, False, False))
+    except Exception as e:
+        raise RuntimeError(f"cannot build compile-only TPU devices for {name} ({topo.name}): {e}. "
+                           "Install the TPU extra: pip install -e '.[tpu]'") from e
+    return desc.devices
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=n), tree, shardings)
+
+
+def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context: int, prompt: int):
+    """ShapeDtypeStructs (with shardings) for every program argument."""
+    from dgemma_jax.model.api import param_shapes
+    from dgemma_jax.model.cache import cache_shape
+    from dgemma_jax.sampling.loop import init_state, row_keys
+
+    rep = shardings.replicated
+    rep_tree = lambda t: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), t)  # noqa: E731
+    params = _abstract(param_shapes(config), shardings.params)
+    cache = _abstract(cache_shape(config, batch, context), shardings.cache(batch, context))
+    keys = rep_tree(jax.eval_shape(lambda: row_keys(jax.random.key(0), batch)))
+    state = rep_tree(jax.eval_shape(
+        lambda: init_state(config, sampler, jnp.zeros((batch, sampler.canvas_length), jnp.int32))))
+    tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32, sharding=rep)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rep)
+    canvas = jax.ShapeDtypeStruct((batch, sampler.canvas_length), jnp.int32, sharding=rep)
+    active = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=rep)
+    return dict(params=params, cache=cache, keys=keys, state=state, tokens=tokens, lengths=lengths,
+                canvas=canvas, active=active)
+
+
+def _programs(config, sampler, max_new_tokens):
+    from dgemma_jax.sampling import generate as gen
+    from dgemma_jax.sampling.loop import denoise_step
+
+    return {
+        "prefill": (jax.jit(functools.partial(gen.prefill_prompt, config=config), donate_argnames=("cache",)),
+                    lambda a: ((a["params"],), dict(tokens=a["tokens"], lengths=a["lengths"], cache=a["cache"]))),
+        "denoise_step": (jax.jit(lambda p, c, k, s: denoise_step(p, config, sampler, c, c.lengths, k, s)),
+                         lambda a: ((a["params"], a["cache"], a["keys"], a["state"]), {})),
+        "commit": (jax.jit(functools.partial(gen.commit, config=config), donate_argnames=("cache",)),
+                   lambda a: ((a["params"],), dict(cache=a["cache"], tokens=a["canvas"], active=a["active"]))),
+        "generate": (jax.jit(functools.partial(gen.generate_fused, config=config, sampler=sampler,
+                                               max_new_tokens=max_new_tokens), donate_argnames=("cache",)),
+                     lambda a: ((a["params"],), dict(prompt_tokens=a["tokens"], prompt_lengths=a["lengths"],
+                                                     cache=a["cache"], keys=a["keys"]))),
+    }
+
+
+def _cost(compiled) -> dict:
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    return {"flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0))}
+
+
+def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | None = None, rules: str = "latency",
+                   batch: int = 1, context: int = 32768, prompt: int = 2048, steps_per_canvas: int = 16,
+                   programs=("prefill", "denoise_step", "commit", "generate"), dtype: str | None = None,
+                   moe_dispatch: str | None = None, sampler=None, devices=None, max_new_tokens: int | None = None
+                   ) -> dict[str, Any]:
+    """Lower and compile the engine's programs for a TPU topology; per-chip memory, cost, projections.
+
+    context: KV cache capacity (prompt + committed canvases). prompt: tokens in one prefill call.
+    Returns a JSON-able dict; `fits` is False when any program exceeds the chip's HBM.
+    """
+    from dgemma_jax.parallel.mesh import make_mesh
+    from dgemma_jax.parallel.shardings import Shardings
+    from dgemma_jax.sampling.config import SamplerConfig
+
+    cfg = preset if isinstance(preset, ModelConfig) else ModelConfig.preset(preset)
+    if dtype:
+        cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    if moe_dispatch:
+        cfg = cfg.replace(moe_dispatch=moe_dispatch)
+    elif cfg.moe_dispatch == "auto":
+        cfg = cfg.replace(moe_dispatch="ragged")  # what "auto" resolves to on TPU
+    topo = topology(topology_name)
+    devs = devices if devices is not None else tpu_devices(topology_name)
+    sampler = sampler or SamplerConfig(canvas_length=cfg.canvas_length, max_denoising_steps=48,
+                                       eos_ids=tuple(e for e in cfg.eos_ids))
+    if context < prompt + sampler.canvas_length:
+        raise ValueError(f"context {context} must hold the prompt ({prompt}) plus a canvas ({sampler.canvas_length})")
+    max_new_tokens = max_new_tokens or max(sampler.canvas_length, context - prompt)
+    sh = Shardings(cfg, make_mesh(mesh, devices=devs), rules)
+    args = program_inputs(cfg, sampler, sh, batch, context, prompt)
+    report: dict[str, Any] = {
+        "preset": cfg.name, "topology": topology_name, "chips": len(devs), "mesh": dict(sh.mesh.shape),
+        "rules": rules, "batch": batch, "context": context, "prompt": prompt, "dtype": cfg.param_dtype,
+        "moe_dispatch": cfg.moe_dispatch, "hbm_limit_bytes": topo.hbm_bytes, "programs": {}, "fits": True,
+    }
+    for name in programs:
+        fn, make_args = _programs(cfg, sampler, max_new_tokens)[name]
+        pos, kw = make_args(args)
+        entry: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        try:
+            with sh.context():
+                lowered = fn.lower(*pos, **kw)
+            compiled = lowered.compile()
+        except Exception as e:  # the TPU compiler reports a program that does not fit
+            msg = str(e)
+            if "RESOURCE_EXHAUSTED" not in msg and "exceeds available HBM" not in msg:
+                raise
+            entry.update(fits=False, error=msg.strip().splitlines()[-1][:400])
+            report["fits"] = False
+            report["programs"][name] = entry
+            continue
+        entry["compile_seconds"] = round(time.perf_counter() - t0, 2)
+        m = compiled.memory_analysis()
+        mem = {k: int(getattr(m, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
+                                               "alias_size_in_bytes", "temp_size_in_bytes",
+                                               "generated_code_size_in_bytes")}
+        total = (mem["argument_size_in_bytes"] + mem["output_size_in_bytes"] - mem["alias_size_in_bytes"]
+                 + mem["temp_size_in_bytes"] + mem["generated_code_size_in_bytes"])
+        entry.update(memory=mem, total_bytes=total, fits=total <= topo.hbm_bytes, **_cost(compiled))
+        entry["projected_seconds"] = max(entry["flops"] / topo.bf16_flops, entry["bytes_accessed"] / topo.hbm_bw)
+        report["fits"] &= entry["fits"]
+        report["programs"][name] = entry
+    step = report["programs"].get("denoise_step", {})
+    commit = report["programs"].get("commit", {})
+    if "projected_seconds" in step:
+        per_canvas = steps_per_canvas * step["projected_seconds"] + commit.get("projected_seconds", 0.0)
+        report["projection"] = {
+            "label": "projection from the TPU compiler's cost_analysis, not a measurement",
+            "steps_per_canvas": steps_per_canvas,
+            "denoise_step_ms": 1e3 * step["projected_seconds"],
+            "per_canvas_ms": 1e3 * per_canvas,
+            "tokens_per_second": sampler.canvas_length / per_canvas if per_canvas else None,
+        }
+    return report
+
+
+def fix_hint(report: dict) -> str:
+    return (f"{report['preset']} does not fit on {report['topology']} with mesh {report['mesh']} at context "
+            f"{report['context']}: use more chips (a larger slice), a mesh that splits more of the model "
+            "(e.g. expert=4,tensor=2 instead of expert=8), a shorter --context, or a smaller --batch")
