@@ -74,7 +74,8 @@ class ModelConfig:
         if not self.layer_types:
             object.__setattr__(self, "layer_types", layer_pattern(self.num_layers))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
+        eos = (self.eos_ids,) if isinstance(self.eos_ids, int) else self.eos_ids
+        object.__setattr__(self, "eos_ids", tuple(int(e) for e in eos))
         self._validate()
 
     # ------------------------------------------------------------------ validation
@@ -199,13 +200,21 @@ class ModelConfig:
         model_type = cfg.get("model_type", text.get("model_type"))
         if model_type not in (None, "diffusion_gemma", "diffusion_gemma_text", "gemma4", "gemma4_text"):
             raise ValueError(f"config.json has model_type={model_type!r}; expected a DiffusionGemma config")
+        def req(key):  # a required integer field of the text config
+            if text.get(key) is None:
+                raise KeyError(key)
+            try:
+                return int(text[key])
+            except (TypeError, ValueError):
+                raise ValueError(f"config.json field {key!r}={text[key]!r} is not an integer") from None
+
         try:
-            n_layers = int(text["num_hidden_layers"])
+            n_layers = req("num_hidden_layers")
             hf_types = text.get("layer_types")
             types = tuple(GLOBAL if t == "full_attention" else SLIDING for t in hf_types) if hf_types \
                 else layer_pattern(n_layers)
-            head_dim = int(text["head_dim"])
-            kv = int(text["num_key_value_heads"])
+            head_dim = req("head_dim")
+            kv = req("num_key_value_heads")
             g_head_dim = text.get("global_head_dim")
             g_kv = text.get("num_global_key_value_heads")
             plc = text.get("per_layer_config") or {}
@@ -219,19 +228,19 @@ class ModelConfig:
             eos = text.get("eos_token_id", cfg.get("eos_token_id", 1))
             eos = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
             kw = dict(
-                vocab_size=int(text["vocab_size"]),
-                hidden_size=int(text["hidden_size"]),
+                vocab_size=req("vocab_size"),
+                hidden_size=req("hidden_size"),
                 num_layers=n_layers,
-                num_heads=int(text["num_attention_heads"]),
+                num_heads=req("num_attention_heads"),
                 head_dim=head_dim,
                 num_kv_heads=kv,
                 global_head_dim=int(g_head_dim if g_head_dim is not None else 512),
                 num_global_kv_heads=int(g_kv if g_kv is not None else kv),
-                intermediate_size=int(text["intermediate_size"]),
-                num_experts=int(text["num_experts"]),
-                top_k=int(text["top_k_experts"]),
-                moe_intermediate_size=int(text["moe_intermediate_size"]),
-                sliding_window=int(text["sliding_window"]),
+                intermediate_size=req("intermediate_size"),
+                num_experts=req("num_experts"),
+                top_k=req("top_k_experts"),
+                moe_intermediate_size=req("moe_intermediate_size"),
+                sliding_window=req("sliding_window"),
                 layer_types=types,
                 rope_theta_local=float(rl.get("rope_theta", 10_000.0)),
                 rope_theta_global=float(rg.get("rope_theta", 1_000_000.0)),
@@ -246,7 +255,8 @@ class ModelConfig:
                 name=str(cfg.get("_name_or_path") or "hf"),
             )
         except KeyError as e:
-            raise ValueError(f"config.json is missing the field {e.args[0]!r} of a DiffusionGemma text config") from None
+            raise ValueError(f"config.json is missing the field {e.args[0]!r} (or it is null) of a DiffusionGemma "
+                             "text config") from None
         if rl.get("rope_type", "default") != "default" or rg.get("rope_type", "proportional") != "proportional":
             raise ValueError(f"unsupported rope types {rl.get('rope_type')!r}/{rg.get('rope_type')!r}: "
                              "DiffusionGemma uses 'default' on sliding and 'proportional' on full layers")

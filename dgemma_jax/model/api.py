@@ -119,6 +119,8 @@ def prefill(params: Params, config: ModelConfig, tokens, lengths=None, cache: KV
     b, t = tokens.shape
     if lengths is None:
         lengths = jnp.full((b,), t, jnp.int32)
+    if not jnp.issubdtype(jnp.asarray(lengths).dtype, jnp.integer):
+        raise ValueError(f"lengths must be integers; got dtype {jnp.asarray(lengths).dtype}")
     lengths = jnp.asarray(lengths, jnp.int32)
     if lengths.shape != (b,):
         raise ValueError(f"lengths must have shape [{b}] (one per row); got {tuple(lengths.shape)}")
@@ -157,7 +159,11 @@ def denoise(params: Params, config: ModelConfig, canvas, cache: KVCache, self_co
     """
     canvas = check_tokens(config, canvas, "canvas")
     b, l = canvas.shape
+    if l == 0:
+        raise ValueError("canvas must hold at least one token; got shape (batch, 0)")
     _check_cache(config, cache, b)
+    if context_lengths is not None and not jnp.issubdtype(jnp.asarray(context_lengths).dtype, jnp.integer):
+        raise ValueError(f"context_lengths must be integers; got dtype {jnp.asarray(context_lengths).dtype}")
     ctx = cache.lengths if context_lengths is None else jnp.asarray(context_lengths, jnp.int32)
     if ctx.shape != (b,):
         raise ValueError(f"context_lengths must have shape [{b}] (one per row); got {tuple(ctx.shape)}")

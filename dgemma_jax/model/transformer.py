@@ -124,6 +124,13 @@ class Transformer(nn.Module):
 
         soft_embedding: [B, L, D] self-conditioning input (None = exactly zero). Returns [B, L, V].
         """
+        return self.logits(self._denoise_trunk(canvas, context_end, cache, soft_embedding))
+
+    def denoise_features(self, canvas, context_end, cache: KVCache, soft_embedding=None):
+        """The denoiser up to the final norm: [B, L, D] (the head is applied by the fused sampler)."""
+        return self.final_norm(self._denoise_trunk(canvas, context_end, cache, soft_embedding))
+
+    def _denoise_trunk(self, canvas, context_end, cache: KVCache, soft_embedding=None):
         e = self._embed(canvas)
         if soft_embedding is None:
             sc = jnp.zeros_like(e)
@@ -132,7 +139,7 @@ class Transformer(nn.Module):
         x = rms_normalize(e + sc, self.cfg.rms_norm_eps).astype(e.dtype)
         for i, blk in enumerate(self.blocks):
             x = blk.denoise(x, context_end, cache.keys[i], cache.values[i])
-        return self.logits(x)
+        return x
 
     def init_all(self, tokens, cache: KVCache):
         """Touches every parameter (used only by `init_params`)."""

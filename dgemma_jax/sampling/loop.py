@@ -7,9 +7,10 @@ operands: read, never carried, copied or written. Randomness is per row: step `s
 
 One step (HF / SGLang / vLLM semantics, spec §3.2)::
 
-    logits = denoiser(canvas, cache, soft)          z = sanitize(logits / T(step))
-    sampled, argmax, H = one pass over z            accept = entropy bound on H
-    canvas = where(accept, sampled, fresh noise)    soft = softmax(z) @ E * sqrt(D)
+    h = denoiser trunk(canvas, cache, soft)         z = sanitize(softcap(h E^T) / T(step))
+    sampled, argmax, H, soft = ONE pass over vocab chunks of z (never a [B, L, V] buffer;
+                               soft = softmax(z) @ E * sqrt(D), see sampling/fused.py)
+    accept = entropy bound on H                     canvas = where(accept, sampled, fresh noise)
     done   = argmax stable vs history AND mean(H) < threshold (or step budget spent)
 
 Finished rows are frozen (canvas, soft, history, argmax, step count). The output is the last argmax.
@@ -29,6 +30,7 @@ from dgemma_jax.model.cache import KVCache
 from dgemma_jax.model.transformer import Transformer
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
+from dgemma_jax.sampling.fused import head_sample_stats
 
 
 @struct.dataclass
@@ -84,12 +86,12 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
                  pinned: jax.Array | None = None) -> LoopState:
     """One denoising step for every unfinished row (pure; jit it or run it in a while_loop)."""
     model = Transformer(config)
-    logits = model.apply({"params": params}, state.canvas, context_end, cache, state.soft, method="denoise")
-    z = ops.sanitize_logits(ops.apply_temperature(logits, sampler, state.step))
+    h = model.apply({"params": params}, state.canvas, context_end, cache, state.soft, method="denoise_features")
     step_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, state.step)))(keys)  # [B, 2]
-    stats = jax.vmap(lambda zz, k: ops.sample_step_stats(zz, k))(z, step_keys[:, 0])
+    stats, soft = head_sample_stats(h, params["embedding"], config.final_logit_softcap,
+                                    ops.temperature(sampler, state.step), step_keys[:, 0], config.embed_scale)
     accept = ops.entropy_bound_accept(stats.entropy, sampler.entropy_bound)
-    noise = jax.vmap(lambda k: ops.uniform_tokens(k, z.shape[1:2], config.vocab_size))(step_keys[:, 1])
+    noise = jax.vmap(lambda k: ops.uniform_tokens(k, h.shape[1:2], config.vocab_size))(step_keys[:, 1])
     canvas = ops.renoise(stats.sampled, accept, noise)
     argmax = stats.argmax
     entropy = stats.entropy
@@ -101,7 +103,6 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
     else:
         mean_h = entropy.mean(-1)
     stop = ops.stop_decision(argmax, state.history, mean_h, sampler)
-    soft = model.apply({"params": params}, z, method="soft_embed")
     active = ~state.done
     last = state.step + 1 >= sampler.max_denoising_steps
     return LoopState(

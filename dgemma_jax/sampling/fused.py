@@ -1,0 +1,85 @@
+"""The denoising step's head and sampler fused into ONE pass over the vocabulary.
+
+From the final-normed hidden state h [B, L, D] and the tied embedding E [V, D], a `lax.scan` over
+vocab chunks computes, per chunk, logits = softcap(h E_c^T), z = sanitize(logits / T), and folds
+them into running (online-softmax) statistics:
+
+    m        running max of z                 arg    its first index (the argmax)
+    s        sum exp(z - m)                   t      sum exp(z - m) (z - m)      (entropy = log s - t / s)
+    gtop     running max of z + gumbel        garg   its index (the Gumbel-max sample)
+    acc      sum exp(z - m) E_v  [B, L, D]    (soft embedding = acc / s * sqrt(D))
+
+so no [B, L, V] buffer is ever materialised: peak extra memory is a few [B, L, chunk] tiles. The
+semantics equal `sampling.ops` (sanitize -> temperature -> sample/argmax/entropy, softmax @ E) up
+to float32 rounding; the separate ops remain the tested reference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dgemma_jax.sampling.ops import LOGIT_LIMIT, StepStats
+
+
+def vocab_chunk(vocab: int, target: int = 2048) -> int:
+    """The largest divisor of `vocab` that is <= target (and >= 256), else the whole vocab."""
+    if vocab <= target:
+        return vocab
+    for c in range(target, 255, -1):
+        if vocab % c == 0:
+            return c
+    return vocab
+
+
+def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperature: jax.Array, keys: jax.Array,
+                      embed_scale: float, chunk: int | None = None):
+    """h [B, L, D], embedding [V, D], temperature [] f32, keys [B] (one stream per row).
+
+    Returns (StepStats(sampled, argmax, entropy) each [B, L], soft embedding [B, L, D] in h.dtype).
+    """
+    b, l, d = h.shape
+    v = embedding.shape[0]
+    c = chunk or vocab_chunk(v)
+    n = v // c
+    table = embedding.reshape(n, c, d)
+    neg = jnp.float32(-LOGIT_LIMIT)
+    init = dict(
+        m=jnp.full((b, l), -jnp.inf, jnp.float32), s=jnp.zeros((b, l), jnp.float32),
+        t=jnp.zeros((b, l), jnp.float32), arg=jnp.zeros((b, l), jnp.int32),
+        gtop=jnp.full((b, l), -jnp.inf, jnp.float32), garg=jnp.zeros((b, l), jnp.int32),
+        acc=jnp.zeros((b, l, d), jnp.float32),
+    )
+
+    def body(carry, xs):
+        idx, e_c = xs
+        logits = jnp.einsum("bld,cd->blc", h, e_c.astype(h.dtype), preferred_element_type=jnp.float32)
+        logits = cap * jnp.tanh(logits / cap)
+        z = logits / temperature
+        z = jnp.where(jnp.isnan(z), neg, jnp.clip(z, -LOGIT_LIMIT, LOGIT_LIMIT))
+        cmax = z.max(-1)
+        carg = jnp.argmax(z, -1).astype(jnp.int32) + idx * c
+        m_new = jnp.maximum(carry["m"], cmax)
+        alpha = jnp.exp(carry["m"] - m_new)  # 0 at the first chunk (m = -inf)
+        shifted = z - m_new[..., None]
+        w = jnp.exp(shifted)
+        s = carry["s"] * alpha + w.sum(-1)
+        t = alpha * (carry["t"] + carry["s"] * (carry["m"] - m_new)) + (w * shifted).sum(-1)
+        t = jnp.where(jnp.isfinite(carry["m"]), t, (w * shifted).sum(-1))
+        acc = carry["acc"] * alpha[..., None] + jnp.einsum("blc,cd->bld", w, e_c.astype(jnp.float32))
+        g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, idx), (l, c), jnp.float32))(keys)
+        # Gumbel scores on the absolute scale z + g = ((z - m_new) + g) + m_new; adding g to the
+        # shifted logits keeps its precision when |z| is large
+        y = shifted + g
+        ymax = y.max(-1) + m_new
+        yarg = jnp.argmax(y, -1).astype(jnp.int32) + idx * c
+        take_c = cmax > carry["m"]
+        take_g = ymax > carry["gtop"]
+        return dict(m=m_new, s=s, t=t, arg=jnp.where(take_c, carg, carry["arg"]),
+                    gtop=jnp.where(take_g, ymax, carry["gtop"]), garg=jnp.where(take_g, yarg, carry["garg"]),
+                    acc=acc), None
+
+    out, _ = jax.lax.scan(body, init, (jnp.arange(n, dtype=jnp.int32), table))
+    entropy = jnp.log(out["s"]) - out["t"] / out["s"]
+    soft = (out["acc"] / out["s"][..., None]) * embed_scale
+    return StepStats(sampled=out["garg"], argmax=out["arg"], entropy=entropy), soft.astype(h.dtype)

@@ -1,0 +1,365 @@
+"""Bad inputs to the model passes and to the checkpoint loader fail early with a message naming the problem."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from dgemma_jax import KVCache, ModelConfig, denoise, init_cache, load_hf, param_shapes, prefill, save_hf
+
+NAME = "tiny-6layer"
+
+
+def _random_params(cfg, seed=0):
+    """Random parameters of the right shapes, without compiling the model (init_params is tested elsewhere)."""
+    rng = np.random.default_rng(seed)
+    shapes = param_shapes(cfg)
+    return jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.5, s.shape).astype(np.float32)), shapes)
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig.preset(NAME)
+    return cfg, _random_params(cfg)
+
+
+@pytest.fixture(scope="module")
+def filled(model):
+    """A cache of 2 rows x 48 slots holding 10 and 7 committed tokens."""
+    cfg, params = model
+    tokens = np.arange(20, dtype=np.int32).reshape(2, 10) + 3
+    _, cache = prefill(params, cfg, tokens, [10, 7], init_cache(cfg, 2, 48), logits="none")
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [10, 7])
+    return cache
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+def test_prefill_bad_tokens(model):
+    cfg, params = model
+    good = np.full((2, 5), 3, np.int32)
+    with pytest.raises(ValueError, match=r"tokens must be integer token ids; got dtype float32"):
+        prefill(params, cfg, good.astype(np.float32))
+    with pytest.raises(ValueError, match=r"tokens must be integer token ids; got dtype bool"):
+        prefill(params, cfg, good.astype(bool))
+    with pytest.raises(ValueError, match=r"tokens must have shape \[batch, length\]; got shape \(5,\)"):
+        prefill(params, cfg, good[0])
+    with pytest.raises(ValueError, match=r"tokens must have shape \[batch, length\]; got shape \(1, 2, 5\)"):
+        prefill(params, cfg, good[None])
+    bad = good.copy()
+    bad[1, 3] = cfg.vocab_size
+    v = cfg.vocab_size
+    with pytest.raises(ValueError, match=rf"tokens contains id {v}, outside the vocabulary \[0, {v}\)"):
+        prefill(params, cfg, bad)
+    bad[1, 3] = -4
+    with pytest.raises(ValueError, match=r"tokens contains id -4, outside the vocabulary"):
+        prefill(params, cfg, bad)
+    with pytest.raises(ValueError, match=r"tokens contains id 100000"):
+        prefill(params, cfg, jnp.asarray(good + 99997))  # jax arrays are checked too
+
+
+def test_prefill_bad_lengths(model):
+    cfg, params = model
+    tokens = np.full((2, 5), 3, np.int32)
+    with pytest.raises(ValueError, match=r"lengths must have shape \[2\] \(one per row\); got \(1,\)"):
+        prefill(params, cfg, tokens, [5])
+    with pytest.raises(ValueError, match=r"lengths must have shape \[2\].*got \(2, 1\)"):
+        prefill(params, cfg, tokens, [[5], [5]])
+    with pytest.raises(ValueError, match=r"lengths must be in \[0, 5\]; got \[5, 6\]"):
+        prefill(params, cfg, tokens, [5, 6])
+    with pytest.raises(ValueError, match=r"lengths must be in \[0, 5\]; got \[-1, 5\]"):
+        prefill(params, cfg, tokens, [-1, 5])
+    with pytest.raises(ValueError, match=r"lengths must be integers; got dtype float"):
+        prefill(params, cfg, tokens, [4.5, 5.0])
+
+
+def test_prefill_prompt_longer_than_cache(model):
+    cfg, params = model
+    tokens = np.full((2, 30), 3, np.int32)
+    cache = init_cache(cfg, 2, 24)
+    with pytest.raises(ValueError, match=r"cache holds 24 tokens.*needs 30.*max_length>=30"):
+        prefill(params, cfg, tokens, None, cache)
+    # only the valid tokens count: 24 fit exactly
+    with pytest.raises(ValueError, match=r"needs 25.*max_length>=25"):
+        prefill(params, cfg, tokens, [24, 25], cache)
+
+
+def test_prefill_continuation_overflows_cache(model, filled):
+    cfg, params = model
+    more = np.full((2, 40), 3, np.int32)
+    # row 0 has 10 committed + 39 new = 49 > 48
+    with pytest.raises(ValueError, match=r"holds 48 tokens.*needs 49.*already committed \[10, 7\].*max_length>=49"):
+        prefill(params, cfg, more, [39, 39], filled)
+
+
+def test_prefill_cache_from_another_config(model):
+    cfg, params = model
+    tokens = np.full((2, 5), 3, np.int32)
+    other = ModelConfig.preset("tiny-2layer")
+    with pytest.raises(ValueError, match=r"cache has 2 layers but the model has 6"):
+        prefill(params, cfg, tokens, None, init_cache(other, 2, 8))
+    # same layer count, different head shapes: must not surface as a broadcasting error inside jit
+    wide = cfg.replace(head_dim=32, global_head_dim=64)
+    with pytest.raises(ValueError, match=r"cache layer 0 .*needs \(2, 8, 2, 16\)"):
+        prefill(params, cfg, tokens, None, init_cache(wide, 2, 8))
+    more_kv = cfg.replace(num_global_kv_heads=2)
+    with pytest.raises(ValueError, match=r"cache layer 5 .*needs \(2, 8, 1, 32\)"):
+        prefill(params, cfg, tokens, None, init_cache(more_kv, 2, 8))
+    with pytest.raises(ValueError, match=r"cache must be a KVCache.*dict"):
+        prefill(params, cfg, tokens, None, {"keys": ()})
+
+
+def test_prefill_batch_mismatch(model):
+    cfg, params = model
+    with pytest.raises(ValueError, match=r"cache batch size 3 != input batch size 2"):
+        prefill(params, cfg, np.full((2, 5), 3, np.int32), None, init_cache(cfg, 3, 8))
+
+
+def test_prefill_bad_logits_mode(model):
+    cfg, params = model
+    with pytest.raises(ValueError, match=r"logits must be 'all', 'last' or 'none'; got 'first'"):
+        prefill(params, cfg, np.full((1, 5), 3, np.int32), logits="first")
+
+
+def test_init_cache_bad_args():
+    cfg = ModelConfig.preset(NAME)
+    with pytest.raises(ValueError, match="batch_size"):
+        init_cache(cfg, 0, 8)
+    with pytest.raises(ValueError, match="max_length"):
+        init_cache(cfg, 1, 0)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        init_cache(cfg.replace(max_position_embeddings=64), 1, 65)
+
+
+# ---------------------------------------------------------------------------------------------- denoise
+def test_denoise_bad_canvas(model, filled):
+    cfg, params = model
+    canvas = np.full((2, cfg.canvas_length), 3, np.int32)
+    with pytest.raises(ValueError, match=r"canvas must be integer token ids; got dtype float64"):
+        denoise(params, cfg, canvas.astype(np.float64), filled)
+    with pytest.raises(ValueError, match=r"canvas must have shape \[batch, length\]; got shape \(16,\)"):
+        denoise(params, cfg, canvas[0], filled)
+    bad = canvas.copy()
+    bad[0, 0] = cfg.vocab_size + 7
+    with pytest.raises(ValueError, match=rf"canvas contains id {cfg.vocab_size + 7}, outside the vocabulary"):
+        denoise(params, cfg, bad, filled)
+    bad[0, 0] = -1
+    with pytest.raises(ValueError, match=r"canvas contains id -1"):
+        denoise(params, cfg, bad, filled)
+    with pytest.raises(ValueError, match=r"canvas must hold at least one token"):
+        denoise(params, cfg, canvas[:, :0], filled)
+
+
+def test_denoise_batch_and_cache_mismatch(model, filled):
+    cfg, params = model
+    canvas = np.full((3, cfg.canvas_length), 3, np.int32)
+    with pytest.raises(ValueError, match=r"cache batch size 2 != input batch size 3"):
+        denoise(params, cfg, canvas, filled)
+    canvas = canvas[:2]
+    with pytest.raises(ValueError, match=r"cache has 2 layers but the model has 6"):
+        denoise(params, cfg, canvas, init_cache(ModelConfig.preset("tiny-2layer"), 2, 8))
+    with pytest.raises(ValueError, match=r"cache layer 0 .*needs"):
+        denoise(params, cfg, canvas, init_cache(cfg.replace(head_dim=32), 2, 8))
+    with pytest.raises(ValueError, match=r"cache must be a KVCache.*NoneType"):
+        denoise(params, cfg, canvas, None)
+
+
+def test_denoise_bad_self_conditioning(model, filled):
+    cfg, params = model
+    b, l = 2, cfg.canvas_length
+    canvas = np.full((b, l), 3, np.int32)
+    with pytest.raises(ValueError, match=rf"self_conditioning last axis 7 is neither vocab_size {cfg.vocab_size} "
+                                         rf"\(logits\) nor hidden_size {cfg.hidden_size}"):
+        denoise(params, cfg, canvas, filled, np.zeros((b, l, 7), np.float32))
+    with pytest.raises(ValueError, match=rf"self_conditioning must be \[batch=2, canvas={l}, V or D\]; "
+                                         rf"got \(2, {l - 1}, {cfg.hidden_size}\)"):
+        denoise(params, cfg, canvas, filled, np.zeros((b, l - 1, cfg.hidden_size), np.float32))
+    with pytest.raises(ValueError, match=r"self_conditioning must be .*got \(2, 16\)"):
+        denoise(params, cfg, canvas, filled, np.zeros((b, l), np.float32))
+    with pytest.raises(ValueError, match=r"self_conditioning must be .*got \(1, 16, 256\)"):
+        denoise(params, cfg, canvas, filled, np.zeros((1, l, cfg.vocab_size), np.float32))
+
+
+def test_denoise_bad_context_lengths(model, filled):
+    cfg, params = model
+    canvas = np.full((2, cfg.canvas_length), 3, np.int32)
+    with pytest.raises(ValueError, match=r"context_lengths must have shape \[2\] \(one per row\); got \(1,\)"):
+        denoise(params, cfg, canvas, filled, context_lengths=[3])
+    # more context than was committed would expose never-written cache slots
+    with pytest.raises(ValueError, match=r"context_lengths must be in \[0, cache.lengths\].*\[10, 8\].*\[10, 7\]"):
+        denoise(params, cfg, canvas, filled, context_lengths=[10, 8])
+    with pytest.raises(ValueError, match=r"context_lengths must be in .*\[-1, 7\]"):
+        denoise(params, cfg, canvas, filled, context_lengths=[-1, 7])
+    with pytest.raises(ValueError, match=r"context_lengths must be integers; got dtype float"):
+        denoise(params, cfg, canvas, filled, context_lengths=[3.0, 7.0])
+
+
+# ---------------------------------------------------------------------------------------------- load_hf
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cfg = ModelConfig.preset("tiny-2layer")
+    params = _random_params(cfg, seed=1)
+    path = tmp_path_factory.mktemp("ckpt")
+    save_hf(params, cfg, path)
+    return cfg, params, path
+
+
+def _copy(src, tmp_path, name="c"):
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_tensors(path, fn):
+    f = os.path.join(path, "model.safetensors")
+    tensors = dict(load_file(f))
+    fn(tensors)
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
+def test_load_hf_control(checkpoint):
+    """The unmodified checkpoint loads back exactly (so the failures below are caused by the edits)."""
+    cfg, params, path = checkpoint
+    cfg2, params2 = load_hf(path, dtype="float32")
+    assert cfg2.replace(name=cfg.name) == cfg
+    flat, flat2 = jax.tree.leaves_with_path(params), dict(jax.tree.leaves_with_path(params2))
+    assert len(flat) == len(flat2)
+    for k, v in flat:
+        np.testing.assert_array_equal(np.asarray(flat2[k]), np.asarray(v), err_msg=jax.tree_util.keystr(k))
+
+
+def test_load_hf_no_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_hf(tmp_path / "nothing-here")
+
+
+def test_load_hf_no_config(checkpoint, tmp_path):
+    path = _copy(checkpoint[2], tmp_path)
+    os.remove(path / "config.json")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_hf(path)
+
+
+def test_load_hf_no_safetensors(checkpoint, tmp_path):
+    path = _copy(checkpoint[2], tmp_path)
+    os.remove(path / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors files"):
+        load_hf(path)
+
+
+def test_load_hf_index_names_missing_shard(checkpoint, tmp_path):
+    path = _copy(checkpoint[2], tmp_path)
+    names = list(load_file(path / "model.safetensors"))
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "model-00002-of-00002.safetensors" for n in names}}))
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        load_hf(path)
+
+
+MISSING = ["model.decoder.layers.1.self_attn.k_proj.weight", "model.decoder.self_conditioning.pre_norm.weight",
+           "model.encoder.language_model.layers.0.layer_scalar", "model.decoder.layers.0.experts.gate_up_proj"]
+
+
+@pytest.mark.parametrize("name", MISSING)
+def test_load_hf_missing_tensor(checkpoint, tmp_path, name):
+    path = _copy(checkpoint[2], tmp_path)
+    _edit_tensors(path, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=r"1 missing tensor\(s\): " + name.replace(".", r"\.")):
+        load_hf(path)
+
+
+def test_load_hf_misshaped_tensor(checkpoint, tmp_path):
+    path = _copy(checkpoint[2], tmp_path)
+    name = "model.decoder.layers.0.router.proj.weight"
+
+    def edit(t):
+        t[name] = np.zeros((5, 64), np.float32)  # 5 experts instead of 4
+
+    _edit_tensors(path, edit)
+    with pytest.raises(ValueError, match=r"mis-shaped tensor\(s\): " + name.replace(".", r"\.")
+                       + r": file \(5, 64\) vs expected \(4, 64\)"):
+        load_hf(path)
+
+
+def test_load_hf_unexpected_tensor(checkpoint, tmp_path):
+    path = _copy(checkpoint[2], tmp_path)
+    # a V projection on the global (K = V) layer must not be silently dropped
+    extra = ["model.decoder.layers.1.self_attn.v_proj.weight", "model.decoder.layers.7.mlp.gate_proj.weight"]
+
+    def edit(t):
+        t[extra[0]] = np.zeros((32, 64), np.float32)
+        t[extra[1]] = np.zeros((96, 64), np.float32)
+
+    _edit_tensors(path, edit)
+    with pytest.raises(ValueError, match=r"2 unexpected tensor\(s\)") as info:
+        load_hf(path)
+    for name in extra:
+        assert name in str(info.value)
+
+
+def test_load_hf_reports_all_problems_at_once(checkpoint, tmp_path):
+    path = _copy(checkpoint[2], tmp_path)
+    rm, bad, extra = ("model.decoder.norm.weight", "model.decoder.embed_tokens.weight",
+                      "model.decoder.layers.0.self_attn.bogus")
+
+    def edit(t):
+        t.pop(rm)
+        t[bad] = np.zeros((127, 64), np.float32)
+        t[extra] = np.zeros((3,), np.float32)
+
+    _edit_tensors(path, edit)
+    with pytest.raises(ValueError) as info:
+        load_hf(path)
+    msg = str(info.value)
+    assert all(n in msg for n in (rm, bad, extra)), msg
+
+
+def test_load_hf_config_mismatch(checkpoint, tmp_path):
+    """config.json saying 3 layers for a 2-layer file: the missing layer's tensors are named."""
+    path = _copy(checkpoint[2], tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["num_hidden_layers"] = 3
+    cfg["text_config"]["layer_types"] = ["sliding_attention", "sliding_attention", "full_attention"]
+    cfg["text_config"]["per_layer_config"] = {"2": {"head_dim": 32, "num_key_value_heads": 1}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"missing tensor\(s\): .*model\.decoder\.layers\.2\."):
+        load_hf(path)
+
+
+def test_load_hf_config_missing_field(checkpoint, tmp_path):
+    path = _copy(checkpoint[2], tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["text_config"]["moe_intermediate_size"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        load_hf(path)
+
+
+def test_load_hf_bad_dtype(checkpoint):
+    with pytest.raises(ValueError, match="dtype"):
+        load_hf(checkpoint[2], dtype="float64")
+
+
+@pytest.mark.ref
+def test_load_hf_transformers_checkpoint_missing_tensor(tmp_path):
+    """The same on a checkpoint written by transformers' save_pretrained (HF harness)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    from dgemma_jax.testing import hf_reference as ref
+
+    path = tmp_path / "hf"
+    ref.save_reference(ref.build_preset("tiny-2layer", seed=3), path)
+    cfg, _ = load_hf(path)  # control: loads as is
+    assert cfg.num_layers == 2
+    name = "model.encoder.language_model.layers.1.layer_scalar"
+    _edit_tensors(path, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=r"missing tensor\(s\): " + name.replace(".", r"\.")):
+        load_hf(path)
+
+
+def test_kvcache_is_the_public_type(model, filled):
+    assert isinstance(filled, KVCache)
