@@ -16,6 +16,14 @@ class UsageError(Exception):
     """A problem with the user's input: reported in one line, exit code 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in ONE line (`dgemma: error: ...`) and exits with 2."""
+
+    def error(self, message):
+        where = f"{self.prog.split()[-1]}: " if " " in self.prog else ""
+        self.exit(2, f"dgemma: error: {where}{message} (see {self.prog} --help)\n")
+
+
 def _positive(kind):
     def parse(s):
         try:
@@ -56,8 +64,9 @@ def cmd_inspect(args) -> int:
         "params_total": counts["total"],
         "params_active_per_token": counts["active"],
         "param_dtype": cfg.param_dtype,
-        "memory_bytes": {cfg.param_dtype: counts["total"] * bytes_per,
-                         "float32": counts["total"] * 4, "bfloat16": counts["total"] * 2},
+        "memory_bytes": {"checkpoint (" + cfg.param_dtype + ")": counts["total"] * bytes_per,
+                         "float32": counts["total"] * 4, "bfloat16": counts["total"] * 2,
+                         "int8": counts["total"]},
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -65,7 +74,7 @@ def cmd_inspect(args) -> int:
         for k, v in info.items():
             if k == "memory_bytes":
                 v = ", ".join(f"{d}: {b / 1e9:.3f} GB" for d, b in v.items())
-            elif isinstance(v, int) and v > 10_000:
+            elif k.startswith("params_"):
                 v = f"{v:,} ({v / 1e9:.3f} B)"
             print(f"{k:>26}: {v}")
     return 0
@@ -124,9 +133,9 @@ def _print_compile_report(r):
 def build_parser() -> argparse.ArgumentParser:
     from dgemma_jax.config import ModelConfig
 
-    p = argparse.ArgumentParser(prog="dgemma", description="DiffusionGemma in JAX: generate, chat, convert, "
+    p = _Parser(prog="dgemma", description="DiffusionGemma in JAX: generate, chat, convert, "
                                 "train, bench, compile, inspect")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     s = sub.add_parser("inspect", help="config, parameter counts (total/active), memory by dtype")
     s.add_argument("--preset", default="diffusiongemma-26b-a4b", choices=ModelConfig.preset_names())

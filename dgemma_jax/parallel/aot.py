@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from typing import Any
 
@@ -61,6 +62,8 @@ def topology(name: str) -> Topology:
 def tpu_devices(name: str):
     """Compile-only devices of the named topology (needs the `[tpu]` extra: jax[tpu])."""
     topo = topology(name)
+    # compile-only use: several processes may load libtpu at once (no chips are claimed)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         from jax.experimental import topologies
     except ImportError as e:  # pragma: no cover

@@ -6,12 +6,17 @@ them into running (online-softmax) statistics:
 
     m        running max of z                 arg    its first index (the argmax)
     s        sum exp(z - m)                   t      sum exp(z - m) (z - m)      (entropy = log s - t / s)
-    gtop     running max of z + gumbel        garg   its index (the Gumbel-max sample)
-    acc      sum exp(z - m) E_v  [B, L, D]    (soft embedding = acc / s * sqrt(D))
+    sample   a draw from softmax(z) so far    acc    sum exp(z - m) E_v  [B, L, D]
+                                                     (soft embedding = acc / s * sqrt(D))
 
-so no [B, L, V] buffer is ever materialised: peak extra memory is a few [B, L, chunk] tiles. The
-semantics equal `sampling.ops` (sanitize -> temperature -> sample/argmax/entropy, softmax @ E) up
-to float32 rounding; the separate ops remain the tested reference.
+so no [B, L, V] buffer is ever materialised: peak extra memory is a few [B, L, chunk] tiles.
+
+Sampling is a streaming ("reservoir") categorical draw: chunk c replaces the running sample with
+probability S_c / (S_<c + S_c) (its share of the mass seen so far), and a token inside the chunk is
+picked by inverting its cumulative mass. The result is exactly distributed as softmax(z) while
+drawing only two uniforms per position and chunk (Gumbel-max would need one per vocab entry).
+The semantics equal `sampling.ops` (sanitize -> temperature -> sample/argmax/entropy,
+softmax @ E) up to float32 rounding and the random stream; the separate ops remain the reference.
 """
 
 from __future__ import annotations
@@ -47,8 +52,7 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
     init = dict(
         m=jnp.full((b, l), -jnp.inf, jnp.float32), s=jnp.zeros((b, l), jnp.float32),
         t=jnp.zeros((b, l), jnp.float32), arg=jnp.zeros((b, l), jnp.int32),
-        gtop=jnp.full((b, l), -jnp.inf, jnp.float32), garg=jnp.zeros((b, l), jnp.int32),
-        acc=jnp.zeros((b, l, d), jnp.float32),
+        sample=jnp.zeros((b, l), jnp.int32), acc=jnp.zeros((b, l, d), jnp.float32),
     )
 
     def body(carry, xs):
@@ -63,23 +67,21 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
         alpha = jnp.exp(carry["m"] - m_new)  # 0 at the first chunk (m = -inf)
         shifted = z - m_new[..., None]
         w = jnp.exp(shifted)
-        s = carry["s"] * alpha + w.sum(-1)
+        cum = jnp.cumsum(w, axis=-1)
+        s_c = cum[..., -1]
+        s_prev = carry["s"] * alpha
+        s = s_prev + s_c
         t = alpha * (carry["t"] + carry["s"] * (carry["m"] - m_new)) + (w * shifted).sum(-1)
         t = jnp.where(jnp.isfinite(carry["m"]), t, (w * shifted).sum(-1))
         acc = carry["acc"] * alpha[..., None] + jnp.einsum("blc,cd->bld", w, e_c.astype(jnp.float32))
-        g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, idx), (l, c), jnp.float32))(keys)
-        # Gumbel scores on the absolute scale z + g = ((z - m_new) + g) + m_new; adding g to the
-        # shifted logits keeps its precision when |z| is large
-        y = shifted + g
-        ymax = y.max(-1) + m_new
-        yarg = jnp.argmax(y, -1).astype(jnp.int32) + idx * c
-        take_c = cmax > carry["m"]
-        take_g = ymax > carry["gtop"]
-        return dict(m=m_new, s=s, t=t, arg=jnp.where(take_c, carg, carry["arg"]),
-                    gtop=jnp.where(take_g, ymax, carry["gtop"]), garg=jnp.where(take_g, yarg, carry["garg"]),
-                    acc=acc), None
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, idx), (2, l), jnp.float32))(keys)
+        inside = jnp.sum(cum < (u[:, 0] * s_c)[..., None], axis=-1).astype(jnp.int32)
+        inside = jnp.minimum(inside, c - 1) + idx * c
+        switch = u[:, 1] * s < s_c  # probability s_c / s of moving the sample into this chunk
+        return dict(m=m_new, s=s, t=t, arg=jnp.where(cmax > carry["m"], carg, carry["arg"]),
+                    sample=jnp.where(switch, inside, carry["sample"]), acc=acc), None
 
     out, _ = jax.lax.scan(body, init, (jnp.arange(n, dtype=jnp.int32), table))
     entropy = jnp.log(out["s"]) - out["t"] / out["s"]
     soft = (out["acc"] / out["s"][..., None]) * embed_scale
-    return StepStats(sampled=out["garg"], argmax=out["arg"], entropy=entropy), soft.astype(h.dtype)
+    return StepStats(sampled=out["sample"], argmax=out["arg"], entropy=entropy), soft.astype(h.dtype)
