@@ -12,8 +12,7 @@ import os
 import sys
 
 
-class UsageError(Exception):
-    """A problem with the user's input: reported in one line, exit code 2."""
+from dgemma_jax.errors import UsageError
 
 
 class _Parser(argparse.ArgumentParser):

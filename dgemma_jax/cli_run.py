@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from dgemma_jax.cli import UsageError
+from dgemma_jax.errors import UsageError
 
 BUNDLED = "bundled"
 
@@ -208,7 +208,7 @@ def cmd_convert(args) -> int:
     from dgemma_jax.io import convert
 
     src_fmt = args.from_format or convert.detect_source(args.src)
-    n = convert.convert(args.src, args.dst, src_fmt, dtype=args.dtype, progress=not args.quiet)
+    n = convert.convert(args.src, args.dst, src_fmt, dtype=args.dtype, preset=args.preset, progress=not args.quiet)
     print(f"converted {n} tensors from {src_fmt} at {args.src} to a dgemma_jax checkpoint at {args.dst}")
     return 0
 
@@ -290,6 +290,7 @@ def add_commands(sub, positive):
     s.add_argument("src")
     s.add_argument("dst")
     s.add_argument("--from", dest="from_format", choices=["hf", "gemma"], default=None)
+    s.add_argument("--preset", default=None, help="model preset of a gemma-layout checkpoint (default: the 26B)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_convert)
