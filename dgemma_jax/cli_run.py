@@ -187,12 +187,17 @@ def cmd_chat(args) -> int:
             new = ids[len(cached_ids):]
         else:
             cache, cached_ids, new = None, [], ids
+        reused = len(cached_ids)
         out = engine.generate(np.array([new], np.int32), None, rng=args.seed + turn,
-                              max_new_tokens=args.max_new_tokens, cache=cache, cache_length=args.context)
+                              max_new_tokens=args.max_new_tokens, cache=cache,
+                              cache_length=min(args.context, cfg.max_position_embeddings))
         gen = [int(t) for t in np.asarray(out.tokens)[0] if int(t) != sampler.pad_id]
         reply = decode(tok, gen)
         thought, answer = strip_thinking(reply)
-        print(("model> " if interactive else "") + answer.strip())
+        print(("model> " if interactive else "") + answer.strip(), flush=True)
+        if not args.quiet:
+            print(f"[turn {turn + 1}: reused {reused} cached tokens, prefilled {len(new)}, "
+                  f"steps {np.asarray(out.steps)[0][np.asarray(out.steps)[0] > 0].tolist()}]", file=sys.stderr)
         messages.append({"role": "assistant", "content": answer.strip()})
         cache = out.cache
         committed = int(np.asarray(cache.lengths)[0])
@@ -283,6 +288,7 @@ def add_commands(sub, positive):
     s.add_argument("--system", default="")
     s.add_argument("--thinking", action="store_true", help="enable thinking (never fed back into history)")
     s.add_argument("--context", type=positive(int), default=4096, help="KV cache tokens")
+    s.add_argument("--quiet", action="store_true", help="no per-turn stats")
     sampler_flags(s)
     s.set_defaults(fn=cmd_chat)
 

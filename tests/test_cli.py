@@ -140,3 +140,15 @@ def test_convert_gemma_layout(tmp_path):
     assert cfg2 == cfg
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_chat_two_turns_from_stdin_reuses_the_cache(hf_checkpoint):
+    r = dgemma("chat", "--checkpoint", str(hf_checkpoint), "--thinking", "--max-new-tokens", "32",
+               "--context", "512", stdin="w5 w6 w7\nw8 w9\n")
+    assert r.returncode == 0, r.stderr[-2000:]
+    replies = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert len(replies) == 2
+    stats = [ln for ln in r.stderr.splitlines() if ln.startswith("[turn")]
+    assert len(stats) == 2 and "reused 0 cached" in stats[0]
+    reused = int(stats[1].split("reused ")[1].split()[0])
+    assert reused > 16, stats  # the first turn's prompt + its committed canvas stay in the cache

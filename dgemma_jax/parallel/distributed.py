@@ -26,8 +26,15 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                              "(or DGEMMA_NUM_PROCESSES / DGEMMA_PROCESS_ID)")
         jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                    process_id=process_id)
-    elif os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") >= 1:
+    elif _multi_host_tpu():
         jax.distributed.initialize()  # multi-host TPU VM slice: auto-detected
+
+
+def _multi_host_tpu() -> bool:
+    """True on a TPU VM slice with several hosts (TPU_WORKER_HOSTNAMES lists more than one host)."""
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    names = [h for h in hosts.split(",") if h]
+    return len(names) > 1 and all(h.strip() and " " not in h.strip() for h in names)
 
 
 def is_main_process() -> bool:
