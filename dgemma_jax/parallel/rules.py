@@ -23,41 +23,25 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
 ACTIVATION_AXES = ("batch", "seq", "embed")
 
+# How the model itself is split (shared by every rule set): experts over `expert`, attention heads
+# and MLP / expert hidden units (and the vocabulary) over `tensor`.
+_MODEL_SPLIT = (
+    ("experts", "expert"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("expert_mlp", "tensor"),
+    ("vocab", "tensor"),
+)
+
 RULE_SETS: dict[str, tuple[tuple[str, str | tuple[str, ...] | None], ...]] = {
     # Single-user latency: weights resident and split, only activations move.
-    "latency": (
-        ("batch", "data"),
-        ("experts", "expert"),
-        ("heads", "tensor"),
-        ("kv_heads", "tensor"),
-        ("mlp", "tensor"),
-        ("expert_mlp", "tensor"),
-        ("vocab", "tensor"),
-        ("embed", None),
-    ),
+    "latency": (("batch", "data"),) + _MODEL_SPLIT + (("embed", None),),
     # Batch serving: rows over data/fsdp, model split as for latency.
-    "serving": (
-        ("batch", ("data", "fsdp")),
-        ("experts", "expert"),
-        ("heads", "tensor"),
-        ("kv_heads", "tensor"),
-        ("mlp", "tensor"),
-        ("expert_mlp", "tensor"),
-        ("vocab", "tensor"),
-        ("embed", None),
-    ),
+    "serving": (("batch", ("data", "fsdp")),) + _MODEL_SPLIT + (("embed", None),),
     # Training: FSDP (parameters split along `embed` over fsdp, batch over data+fsdp),
     # optionally combined with tensor and expert parallelism.
-    "training": (
-        ("batch", ("data", "fsdp")),
-        ("experts", "expert"),
-        ("heads", "tensor"),
-        ("kv_heads", "tensor"),
-        ("mlp", "tensor"),
-        ("expert_mlp", "tensor"),
-        ("vocab", "tensor"),
-        ("embed", "fsdp"),
-    ),
+    "training": (("batch", ("data", "fsdp")),) + _MODEL_SPLIT + (("embed", "fsdp"),),
 }
 
 
