@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -12,40 +11,8 @@ import numpy as np
 
 from dgemma_jax.errors import UsageError
 
-BUNDLED = "bundled"
-
-
-# ---------------------------------------------------------------------------- loading
-def load_for_cli(checkpoint: str | None, dtype: str | None = None):
-    """-> (config, params, sampler | None, tokenizer); default: the bundled small model."""
-    if checkpoint in (None, "", BUNDLED):
-        try:
-            from dgemma_jax.training import load_bundled
-        except ImportError as e:
-            raise UsageError(f"the bundled model is not available ({e}); pass --checkpoint DIR") from None
-        cfg, params, sampler, tok = load_bundled()
-        return cfg, params, sampler, tok
-    from dgemma_jax.io.model_dir import load_model, load_model_tokenizer
-
-    cfg, params, sampler = load_model(checkpoint, dtype=dtype)
-    tok = load_model_tokenizer(checkpoint)
-    return cfg, params, sampler, tok
-
-
-def encode_prompt(tok, text: str) -> list[int]:
-    """BOS + the prompt's ids (the training layout of every model here)."""
-    try:
-        return list(tok.encode(text, add_bos=True))
-    except TypeError:  # a simple tokenizer without add_bos
-        return [tok.bos_id] + list(tok.encode(text))
-
-
-def decode(tok, ids) -> str:
-    ids = [int(i) for i in ids]
-    try:
-        return tok.decode(ids, skip_special=True)
-    except TypeError:
-        return tok.decode(ids)
+from dgemma_jax.pipeline import decode, encode_prompt
+from dgemma_jax.pipeline import load_checkpoint as load_for_cli
 
 
 def sampler_from_args(args, config, base):
@@ -221,7 +188,6 @@ def cmd_convert(args) -> int:
 # ---------------------------------------------------------------------------- train / bench
 def cmd_train(args) -> int:
     from dgemma_jax.training import train
-    from ml_collections import config_flags  # noqa: F401  (ml_collections is a dependency)
 
     if not os.path.isfile(args.config):
         raise UsageError(f"--config {args.config!r} does not exist (see configs/)")

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dgemma_jax import ModelConfig, cache_shape, init_params, param_shapes
+from dgemma_jax import ModelConfig, cache_shape, param_shapes
 from dgemma_jax.model.layers import softcap
 from dgemma_jax.model.transformer import Transformer
 from dgemma_jax.sampling import SamplerConfig, ops

@@ -188,7 +188,6 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
     """
     import jax
     import jax.numpy as jnp
-    import ml_dtypes  # noqa: F401  (bfloat16 numpy dtype)
 
     path = os.fspath(path)
     if not os.path.isdir(path):

@@ -24,7 +24,6 @@ Global layers see every committed token in both modes. The canvas block is alway
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 
 def causal_mask(q_pos: jax.Array, k_pos: jax.Array, valid_end: jax.Array, window: int | None) -> jax.Array:

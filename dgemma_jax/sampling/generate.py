@@ -28,7 +28,7 @@ from dgemma_jax.model.cache import KVCache
 from dgemma_jax.model.transformer import Transformer
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.sampling.loop import LoopState, denoise_canvas, denoise_step, init_state, initial_canvas, loop_running
+from dgemma_jax.sampling.loop import denoise_canvas, denoise_step, init_state, initial_canvas, loop_running
 
 
 @struct.dataclass

@@ -1,0 +1,97 @@
+"""Text in, text out: a model, its tokenizer and a compiled engine in one object.
+
+    from dgemma_jax.pipeline import DiffusionGemma
+    dg = DiffusionGemma.from_pretrained("/path/to/checkpoint")   # HF or dgemma_jax dir; None = bundled model
+    dg.generate("s93421=")                     # -> text
+    dg.generate(["a12+34=", "s321="])          # -> list of texts (one batch)
+    dg.chat([{"role": "user", "content": "Hi!"}])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from dgemma_jax.errors import UsageError
+
+BUNDLED = "bundled"
+
+
+def load_checkpoint(checkpoint: str | None, dtype: str | None = None):
+    """-> (config, params, sampler | None, tokenizer); None or "bundled": the bundled small model."""
+    if checkpoint in (None, "", BUNDLED):
+        try:
+            from dgemma_jax.training import load_bundled
+        except ImportError as e:
+            raise UsageError(f"the bundled model is not available ({e}); pass a checkpoint directory") from None
+        return load_bundled()
+    from dgemma_jax.io.model_dir import load_model, load_model_tokenizer
+
+    cfg, params, sampler = load_model(checkpoint, dtype=dtype)
+    return cfg, params, sampler, load_model_tokenizer(checkpoint)
+
+
+def encode_prompt(tok, text: str) -> list[int]:
+    """BOS + the prompt's ids (the training layout of every model here)."""
+    try:
+        return list(tok.encode(text, add_bos=True))
+    except TypeError:  # a simple tokenizer without add_bos
+        return [tok.bos_id] + list(tok.encode(text))
+
+
+def decode(tok, ids) -> str:
+    ids = [int(i) for i in ids]
+    try:
+        return tok.decode(ids, skip_special=True)
+    except TypeError:
+        return tok.decode(ids)
+
+
+class DiffusionGemma:
+    """config + params + tokenizer + `Engine`; `.generate(text)`, `.chat(messages)`."""
+
+    def __init__(self, config, params, tokenizer, sampler=None, shardings=None):
+        from dgemma_jax.engine import Engine
+
+        self.config, self.params, self.tokenizer = config, params, tokenizer
+        self.engine = Engine(config, params, sampler, shardings=shardings)
+
+    @classmethod
+    def from_pretrained(cls, checkpoint: str | None = None, dtype: str | None = None, sampler=None,
+                        shardings=None) -> "DiffusionGemma":
+        cfg, params, saved_sampler, tok = load_checkpoint(checkpoint, dtype)
+        return cls(cfg, params, tok, sampler or saved_sampler, shardings)
+
+    @property
+    def sampler(self):
+        return self.engine.sampler
+
+    def encode_batch(self, texts: Sequence[str]):
+        ids = [encode_prompt(self.tokenizer, t) for t in texts]
+        width = max(len(x) for x in ids)
+        tokens = np.full((len(ids), width), self.config.pad_id, np.int32)
+        for i, x in enumerate(ids):
+            tokens[i, : len(x)] = x
+        return tokens, np.array([len(x) for x in ids], np.int32)
+
+    def generate(self, text: str | Sequence[str], max_new_tokens: int | None = None, seed: int = 0,
+                 **kw) -> Any:
+        """One prompt -> text, or a list of prompts -> list of texts (one batch, per-row rng)."""
+        single = isinstance(text, str)
+        tokens, lengths = self.encode_batch([text] if single else list(text))
+        out = self.engine.generate(tokens, lengths, rng=seed, max_new_tokens=max_new_tokens, **kw)
+        texts = [decode(self.tokenizer, row) for row in np.asarray(out.tokens)]
+        return texts[0] if single else texts
+
+    def chat(self, messages: Sequence[dict], max_new_tokens: int | None = None, enable_thinking: bool = False,
+             seed: int = 0) -> str:
+        """The assistant's answer (thinking stripped) to a Gemma 4 chat history."""
+        from dgemma_jax.io.chat import history_without_thinking, render_chat, strip_thinking
+
+        text = render_chat(history_without_thinking(list(messages)), add_generation_prompt=True,
+                           enable_thinking=enable_thinking)
+        ids = list(self.tokenizer.encode(text))
+        out = self.engine.generate(np.array([ids], np.int32), None, rng=seed, max_new_tokens=max_new_tokens)
+        gen = [int(t) for t in np.asarray(out.tokens)[0] if int(t) != self.sampler.pad_id]
+        return strip_thinking(decode(self.tokenizer, gen))[1].strip()
