@@ -152,3 +152,15 @@ def test_chat_two_turns_from_stdin_reuses_the_cache(hf_checkpoint):
     assert len(stats) == 2 and "reused 0 cached" in stats[0]
     reused = int(stats[1].split("reused ")[1].split()[0])
     assert reused > 16, stats  # the first turn's prompt + its committed canvas stay in the cache
+
+
+def test_pipeline_object(hf_checkpoint):
+    from dgemma_jax.pipeline import DiffusionGemma
+
+    dg = DiffusionGemma.from_pretrained(str(hf_checkpoint))
+    assert dg.sampler.max_denoising_steps == 4  # read from generation_config.json
+    one = dg.generate("w5 w6 w7", max_new_tokens=16, seed=3)
+    assert isinstance(one, str) and one == dg.generate("w5 w6 w7", max_new_tokens=16, seed=3)
+    two = dg.generate(["w5 w6 w7", "w9"], max_new_tokens=16, seed=3)
+    assert isinstance(two, list) and len(two) == 2 and all(isinstance(t, str) for t in two)
+    assert isinstance(dg.chat([{"role": "user", "content": "w5 w6"}], max_new_tokens=16), str)
