@@ -9,6 +9,8 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["dgemma_jax", "dgemma_jax.*"]),
+    include_package_data=True,
+    package_data={"dgemma_jax": ["assets/*/*", "assets/*/*/*", "assets/*/*/*/*", "assets/*/*/*/*/*"]},
     python_requires=">=3.10",
     install_requires=[
         f"jax=={JAX_VERSION}",
@@ -23,6 +25,7 @@ setup(
         "sentencepiece>=0.2",
         "tqdm",
         "rich",
+        "matplotlib",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout"],

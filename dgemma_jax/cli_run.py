@@ -187,28 +187,26 @@ def cmd_convert(args) -> int:
 
 # ---------------------------------------------------------------------------- train / bench
 def cmd_train(args) -> int:
-    from dgemma_jax.training import train
+    import json
+
+    from dgemma_jax.training import load_config, main
 
     if not os.path.isfile(args.config):
         raise UsageError(f"--config {args.config!r} does not exist (see configs/)")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("dgemma_train_config", args.config)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    if not hasattr(mod, "get_config"):
-        raise UsageError(f"{args.config} has no get_config() function")
-    cfg = mod.get_config()
+    overrides = {}
     for item in args.set or []:
-        key, _, val = item.partition("=")
-        if not key or not _:
-            raise UsageError(f"--set expects key=value, got {item!r}")
-        node, parts = cfg, key.split(".")
-        for p in parts[:-1]:
-            node = node[p]
-        old = node[parts[-1]]
-        node[parts[-1]] = type(old)(val) if old is not None and not isinstance(old, (list, tuple, dict)) else val
-    train(cfg)
+        key, eq, val = item.partition("=")
+        if not key or not eq:
+            raise UsageError(f"--set expects key=value (e.g. train.num_steps=100), got {item!r}")
+        try:
+            overrides[key] = json.loads(val)
+        except json.JSONDecodeError:
+            overrides[key] = val
+    try:
+        config = load_config(args.config, overrides)
+    except (KeyError, AttributeError) as e:
+        raise UsageError(f"bad --config/--set: {e}") from None
+    main(config)
     return 0
 
 

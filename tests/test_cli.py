@@ -164,3 +164,23 @@ def test_pipeline_object(hf_checkpoint):
     two = dg.generate(["w5 w6 w7", "w9"], max_new_tokens=16, seed=3)
     assert isinstance(two, list) and len(two) == 2 and all(isinstance(t, str) for t in two)
     assert isinstance(dg.chat([{"role": "user", "content": "w5 w6"}], max_new_tokens=16), str)
+
+
+# ------------------------------------------------------------------ the bundled model (default checkpoint)
+def test_generate_with_the_bundled_model():
+    r = dgemma("generate", "--prompt", "s9350814272=", "--max-new-tokens", "24")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "0122345789"
+    assert "canvas(es)" in r.stderr and "tokens per forward pass" in r.stderr
+
+
+def test_bundled_show_steps_and_errors():
+    r = dgemma("generate", "--prompt", "s31415926535=", "--max-new-tokens", "24", "--show-steps")
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1] == "".join(sorted("31415926535"))
+    assert any(ln.startswith("[canvas 1 step") for ln in lines)
+    msg = _one_line_error(dgemma("generate", "--prompt", "s" + "1" * 300 + "="))
+    assert "max_position_embeddings" in msg
+    msg = _one_line_error(dgemma("generate", "--prompt", "hello"))
+    assert "not in the vocabulary" in msg

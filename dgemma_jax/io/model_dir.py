@@ -70,15 +70,32 @@ def _read_meta(path) -> dict:
     return meta
 
 
+def save_params(path: str | os.PathLike, params: Any) -> None:
+    """A parameter tree alone, as an orbax checkpoint (atomic: orbax writes then renames)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.abspath(os.fspath(path)), params, force=True)
+
+
+def load_params(path: str | os.PathLike, abstract_params: Any = None) -> Any:
+    """Restore `save_params` output; `abstract_params` fixes shapes, dtypes and shardings."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        if abstract_params is None:
+            return ckptr.restore(os.path.abspath(os.fspath(path)))
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_params)
+        return ckptr.restore(os.path.abspath(os.fspath(path)), target)
+
+
 def save_model(path: str | os.PathLike, config: ModelConfig, params: Any, sampler=None,
                tokenizer_file: str | None = None) -> None:
     """Write params (orbax) + metadata (+ a copy of the tokenizer file) to `path`."""
-    import orbax.checkpoint as ocp
-
     path = os.path.abspath(os.fspath(path))
     os.makedirs(path, exist_ok=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(path, "params"), params, force=True)
+    save_params(os.path.join(path, "params"), params)
     tok_name = None
     if tokenizer_file:
         tok_name = os.path.basename(tokenizer_file)
@@ -103,7 +120,6 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None
         cfg, params = load_hf(path, dtype=dtype, shardings=shardings)
         return cfg, params, hf_sampler(path, cfg)
     import jax
-    import orbax.checkpoint as ocp
 
     from dgemma_jax.model.api import param_shapes
 
@@ -114,11 +130,10 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None
     abstract = param_shapes(cfg)
     if shardings is not None:
         abstract = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=n), abstract, shardings)
-    with ocp.StandardCheckpointer() as ckptr:
-        try:
-            params = ckptr.restore(os.path.join(os.path.abspath(os.fspath(path)), "params"), abstract)
-        except (ValueError, KeyError) as e:
-            raise ValueError(f"checkpoint {os.fspath(path)!r} does not match its config: {e}") from None
+    try:
+        params = load_params(os.path.join(os.fspath(path), "params"), abstract)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"checkpoint {os.fspath(path)!r} does not match its config: {e}") from None
     sampler = SamplerConfig(**meta["sampler"]) if meta.get("sampler") else None
     return cfg, params, sampler
 

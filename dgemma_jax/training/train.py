@@ -1,0 +1,380 @@
+"""The training driver: `train(config)` runs a recipe (an ml_collections ConfigDict, see configs/).
+
+    from dgemma_jax.training import train
+    from configs import train_bundled
+    summary = train(train_bundled.get_config())
+
+Work directory (config.train.workdir)::
+
+    config.json         the resolved recipe
+    checkpoints/<step>  orbax: params (or adapters), optimizer state, step, rng, iterator position
+    metrics.jsonl       one line per logged step (loss, diffusion_loss, ar_loss, grad_norm, lr, ...)
+    eval.jsonl          one line per evaluation (real sampler: exact match, steps, tokens/forward)
+    loss_curve.png      losses (and eval accuracy) vs step
+    export/             final inference params (LoRA merged) in orbax format, if train.export
+    summary.json        final numbers
+
+Re-running with the same workdir resumes from the latest checkpoint and continues exactly (the data
+order depends only on (seed, batch index), the rng is in the checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dgemma_jax.config import ModelConfig
+from dgemma_jax.sampling.config import SamplerConfig
+from dgemma_jax.training import data as data_lib
+from dgemma_jax.training import lora as lora_lib
+from dgemma_jax.training.checkpoint import Checkpointer, save_params
+from dgemma_jax.training.objective import ObjectiveConfig
+from dgemma_jax.training.optim import make_optimizer
+from dgemma_jax.training.plots import plot_loss_curve, read_jsonl
+from dgemma_jax.training.step import LoraSpec, init_train_state, make_train_step, model_params
+
+
+def _d(cfg) -> dict:
+    """ConfigDict / dict / None -> plain dict."""
+    if cfg is None:
+        return {}
+    return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+
+
+def _tuples(d: dict) -> dict:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+
+# ---------------------------------------------------------------------------- builders
+def build_tokenizer(dc: dict):
+    kind = dc.get("tokenizer", "tasks")
+    if kind == "tasks":
+        from dgemma_jax.training.tasks import task_tokenizer
+
+        return task_tokenizer()
+    if kind == "char":
+        from dgemma_jax.training.tokenizer import CharTokenizer
+
+        return CharTokenizer(dc["chars"])
+    if kind == "char_file":
+        from dgemma_jax.training.tokenizer import CharTokenizer
+
+        return CharTokenizer.load(dc["tokenizer_path"])
+    if kind == "hf":
+        return HFTokenizer(dc["tokenizer_path"])
+    raise ValueError(f"unknown data.tokenizer {kind!r}: use 'tasks', 'char', 'char_file' or 'hf'")
+
+
+class HFTokenizer:
+    """A `tokenizers` JSON tokenizer (e.g. the released tokenizer.json) with encode/decode."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        self.tok = Tokenizer.from_file(path)
+        self.bos_id, self.eos_id, self.pad_id = 2, 1, 0
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        return self.tok.decode([i for i in ids if i != self.pad_id])
+
+
+def build_model_and_params(mc: dict, ic: dict, vocab_size: int | None):
+    """(ModelConfig, params) from the recipe's model + init sections."""
+    kind = ic.get("kind", "random")
+    overrides = _tuples(dict(mc.get("overrides", {})))
+    if kind == "hf":
+        from dgemma_jax.io.hf import load_hf
+
+        cfg, params = load_hf(ic["path"], dtype=mc.get("param_dtype"))
+        return cfg.replace(**overrides) if overrides else cfg, params
+    if kind == "bundled":  # the config comes with the checkpoint; overrides change execution knobs
+        from dgemma_jax.training.bundled import load_bundled
+
+        cfg, params, _, _ = load_bundled(ic.get("name") or None, ic.get("path") or None)
+        return cfg.replace(**overrides) if overrides else cfg, params
+    if mc.get("preset"):
+        cfg = ModelConfig.preset(mc["preset"], **overrides)
+    elif kind == "orbax" and os.path.exists(os.path.join(ic["path"], "..", "model_config.json")):
+        with open(os.path.join(ic["path"], "..", "model_config.json")) as f:
+            cfg = ModelConfig(**{**json.load(f), **overrides})
+    else:
+        cfg = ModelConfig(**overrides)
+    if vocab_size is not None and cfg.vocab_size < vocab_size:
+        raise ValueError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's {vocab_size}")
+    if kind == "orbax":  # params saved by save_params (e.g. a run's export/ or an asset's params/)
+        from dgemma_jax.model.api import param_shapes
+        from dgemma_jax.training.checkpoint import load_params
+
+        return cfg, load_params(ic["path"], param_shapes(cfg))
+    if kind != "random":
+        raise ValueError(f"unknown init.kind {kind!r}: use 'random', 'hf', 'orbax' or 'bundled'")
+    from dgemma_jax.model.api import init_params
+
+    params = init_params(cfg, int(ic.get("seed", 0)))
+    std = ic.get("embedding_std")
+    if std:  # from-scratch: unit-RMS inputs after the sqrt(D) scale, O(1) initial logits
+        params = dict(params)
+        params["embedding"] = (jax.random.normal(jax.random.key(int(ic.get("seed", 0)) + 1),
+                                                 params["embedding"].shape, jnp.float32) * std
+                               ).astype(params["embedding"].dtype)
+    return cfg, params
+
+
+def build_source(dc: dict, tokenizer, layout: data_lib.Layout, batch_size: int, seed: int):
+    kind = dc.get("kind", "tasks")
+    if kind == "tasks":
+        from dgemma_jax.training.tasks import TaskMix
+
+        return data_lib.TaskSource(TaskMix.from_config(dc["tasks"]), tokenizer, layout, batch_size, seed)
+    if kind == "jsonl":
+        return data_lib.JsonlSource(dc["path"], tokenizer.encode, layout, batch_size, seed,
+                                    dc.get("prompt_key", "prompt"), dc.get("response_key", "response"),
+                                    dc.get("bos_id"))
+    if kind == "raw_text":
+        with open(dc["path"]) as f:
+            docs = [tokenizer.encode(d) for d in f.read().split(dc.get("separator", "\n\n")) if d.strip()]
+        return data_lib.RawTextSource(docs, layout, batch_size, seed, int(dc.get("min_prompt", 1)),
+                                      dc.get("bos_id"))
+    raise ValueError(f"unknown data.kind {kind!r}: use 'tasks', 'jsonl' or 'raw_text'")
+
+
+def sampler_from(ec: dict, cfg: ModelConfig) -> SamplerConfig:
+    sc = dict(ec.get("sampler", {}))
+    sc.setdefault("canvas_length", cfg.canvas_length)
+    sc.setdefault("eos_ids", cfg.eos_ids)
+    sc.setdefault("pad_id", cfg.pad_id)
+    return SamplerConfig(**_tuples(sc))
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.generic, jax.Array)):
+        return np.asarray(x).item()
+    return x
+
+
+def _truncate_jsonl(path: str, max_step: int) -> None:
+    rows = [r for r in read_jsonl(path) if r.get("step", 0) <= max_step]
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+# ---------------------------------------------------------------------------- run
+class Run:
+    """Everything a recipe builds (model, data, optimizer, state, step function); `train` drives it."""
+
+    def __init__(self, config):
+        self.config = config
+        mc, ic, dc = _d(config.model), _d(config.get("init")), _d(config.data)
+        oc, lc, tc, ec = _d(config.optimizer), _d(config.get("lora")), _d(config.train), _d(config.get("eval"))
+        self.tc, self.ec, self.dc = tc, ec, dc
+        if tc.get("compilation_cache_dir"):
+            jax.config.update("jax_compilation_cache_dir", tc["compilation_cache_dir"])
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        self.tokenizer = build_tokenizer(dc)
+        self.model_config, base = build_model_and_params(mc, ic, getattr(self.tokenizer, "vocab_size", None))
+        cfg = self.model_config
+        L = cfg.canvas_length
+        self.layout = data_lib.Layout(int(dc["prompt_length"]), int(dc["num_canvases"]), L,
+                                      eos_id=cfg.eos_ids[0], pad_id=cfg.pad_id)
+        self.seed = int(tc.get("seed", 0))
+        self.source = build_source(dc, self.tokenizer, self.layout, int(dc["batch_size"]), int(dc.get("seed", 0)))
+        self.obj = ObjectiveConfig(canvas_length=L, **_d(config.get("objective")))
+        self.num_steps = int(tc["num_steps"])
+        freeze = list(oc.pop("freeze", ()) or ())
+        if oc.pop("freeze_router", False):
+            freeze.append(lora_lib.ROUTER_PATTERN)
+        self.lora = None
+        if lc.get("enabled", False):
+            self.lora = LoraSpec(int(lc["rank"]), float(lc.get("alpha", lc["rank"])), tuple(lc["groups"]))
+            self.frozen = base
+            trainable = lora_lib.init_lora(cfg, base, jax.random.key(self.seed + 7), self.lora.rank,
+                                           self.lora.groups)
+            freeze = []  # adapters only; the base (router included) never changes
+        else:
+            self.frozen = None
+            trainable = base
+        self.optimizer, self.schedule = make_optimizer(total_steps=self.num_steps, freeze=tuple(freeze), **oc)
+        self.state = init_train_state(trainable, self.optimizer, self.seed)
+        self.step_fn = make_train_step(cfg, self.obj, self.optimizer, schedule=self.schedule, lora=self.lora)
+        self.sampler = sampler_from(ec, cfg)
+
+    def inference_params(self, state=None):
+        state = state or self.state
+        return model_params(self.model_config, state.params, self.frozen, self.lora)
+
+    def eval_pairs(self) -> list[tuple[str, str]]:
+        """Held-out (prompt, answer) strings: the task source with the eval seed (tasks data only)."""
+        if self.dc.get("kind", "tasks") != "tasks":
+            return []
+        from dgemma_jax.training.tasks import TaskMix
+
+        mix = TaskMix.from_config(self.dc["tasks"])
+        rng = np.random.default_rng([int(self.ec.get("seed", 12345)), 99])
+        return [mix.sample(rng) for _ in range(int(self.ec.get("num_examples", 100)))]
+
+    def evaluate(self, state=None) -> dict[str, Any]:
+        from dgemma_jax.training.evaluate import evaluate_exact_match
+
+        pairs = self.eval_pairs()
+        if not pairs:
+            return {}
+        return evaluate_exact_match(
+            self.model_config, self.inference_params(state), self.sampler, self.tokenizer, pairs,
+            prompt_width=self.layout.prompt_length, max_new_tokens=self.layout.response_capacity,
+            batch_size=int(self.ec.get("batch_size", 100)), seed=int(self.ec.get("seed", 12345)))
+
+
+def train(config) -> dict[str, Any]:
+    """Run (or resume) a recipe to config.train.num_steps; returns the summary dict."""
+    run = Run(config)
+    tc = run.tc
+    workdir = os.path.abspath(tc["workdir"])
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(_jsonable(_d(config)), f, indent=1)
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    eval_path = os.path.join(workdir, "eval.jsonl")
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=tc.get("max_to_keep", 3))
+    it = data_lib.DataIterator(run.source)
+    state = run.state
+    start = 0
+    if ckpt.latest_step() is not None:
+        state, dstate = ckpt.restore(jax.eval_shape(lambda: state))
+        it.set_state(dstate)
+        start = int(state.step)
+        _truncate_jsonl(metrics_path, start)
+        _truncate_jsonl(eval_path, start)
+    log_every = int(tc.get("log_every", 10))
+    ckpt_every = int(tc.get("checkpoint_every", 500))
+    eval_every = int(tc.get("eval_every", 0))
+    time_limit = float(tc.get("time_limit_s", 0) or 0)
+    throttle = float(tc.get("throttle_s", 0) or 0)  # sleep per step: lets tests kill a run mid-way
+    bar = _progress(tc, start, run.num_steps)
+    t0 = time.time()
+    train_time = float(_prev_train_time(metrics_path))
+    step = start
+    stopped_early = False
+    with open(metrics_path, "a") as mf:
+        while step < run.num_steps:
+            batch = next(it)
+            state, m = run.step_fn(state, run.frozen, batch)
+            step += 1
+            if throttle:
+                jax.block_until_ready(m)
+                time.sleep(throttle)
+            if step % log_every == 0 or step == run.num_steps:
+                m = {k: float(v) for k, v in jax.device_get(m).items()}
+                elapsed = train_time + time.time() - t0
+                mf.write(json.dumps({"step": step, "time_s": round(elapsed, 3), **m}) + "\n")
+                mf.flush()
+                if bar is not None:
+                    bar.set_postfix(loss=f"{m['loss']:.4f}", acc=f"{m['canvas_token_acc']:.3f}")
+            if bar is not None:
+                bar.update(1)
+            if step % ckpt_every == 0 and step < run.num_steps:
+                ckpt.save(step, state, it.get_state())
+            if eval_every and step % eval_every == 0 and step < run.num_steps:
+                _log_eval(run, state, step, eval_path, bar)
+            if time_limit and train_time + time.time() - t0 > time_limit:
+                stopped_early = True
+                break
+    if bar is not None:
+        bar.close()
+    train_seconds = train_time + time.time() - t0
+    if step not in ckpt.all_steps():
+        ckpt.save(step, state, it.get_state(), force=True)
+    ckpt.close()
+    summary: dict[str, Any] = {"steps": step, "train_seconds": round(train_seconds, 1),
+                               "stopped_by_time_limit": stopped_early}
+    rows = read_jsonl(metrics_path)
+    if rows:
+        summary["final_metrics"] = rows[-1]
+    if run.ec and tc.get("final_eval", True):
+        summary["eval"] = _log_eval(run, state, step, eval_path, None)
+    if tc.get("export", False):
+        save_params(os.path.join(workdir, "export"), jax.device_get(run.inference_params(state)))
+    summary["loss_curve"] = plot_loss_curve(metrics_path, os.path.join(workdir, "loss_curve.png"),
+                                            eval_path=eval_path)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(_jsonable(summary), f, indent=1)
+    run.state = state
+    summary["run"] = run
+    return summary
+
+
+def _prev_train_time(metrics_path: str) -> float:
+    rows = read_jsonl(metrics_path)
+    return rows[-1].get("time_s", 0.0) if rows else 0.0
+
+
+def _log_eval(run: Run, state, step: int, eval_path: str, bar) -> dict[str, Any]:
+    r = run.evaluate(state)
+    if not r:
+        return r
+    row = {"step": step, **{k: v for k, v in r.items() if k != "samples"}}
+    with open(eval_path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    msg = (f"eval step {step}: exact match {r['accuracy']:.3f} on {r['n']}, steps/canvas "
+           f"{r['mean_steps_per_canvas']:.2f}, tokens/forward {r['tokens_per_forward']:.2f}")
+    if bar is not None:
+        bar.write(msg)
+    else:
+        print(msg, flush=True)
+    return r
+
+
+def _progress(tc: dict, start: int, total: int):
+    if not tc.get("progress", True):
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, mininterval=2.0)
+
+
+def load_config(path: str, overrides: dict[str, Any] | None = None):
+    """`get_config()` of a recipe file (e.g. configs/train_bundled.py), with dotted-key overrides
+    such as {"train.num_steps": 10}."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_recipe_{abs(hash(path))}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg = mod.get_config()
+    for key, value in (overrides or {}).items():
+        node = cfg
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return cfg
+
+
+def main(config) -> dict[str, Any]:
+    """CLI entry: train, print the summary (without the Run object), return it."""
+    summary = train(config)
+    printable = {k: v for k, v in summary.items() if k != "run"}
+    if "eval" in printable:
+        printable["eval"] = {k: v for k, v in printable["eval"].items() if k != "samples"}
+    print(json.dumps(_jsonable(printable), indent=1))
+    return summary

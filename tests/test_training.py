@@ -1,0 +1,211 @@
+"""Training: corruption statistics, canvas layout, the block mask (leakage), self-conditioning off,
+LoRA (only adapters change; merged = base + adapters)."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dgemma_jax.config import ModelConfig
+from dgemma_jax.model.api import init_params
+from dgemma_jax.training import lora as lora_lib
+from dgemma_jax.training.corruption import corrupt, sample_t
+from dgemma_jax.training.data import Layout, TaskSource, chunk_example
+from dgemma_jax.training.objective import ObjectiveConfig, gather_canvas, loss_fn
+from dgemma_jax.training.optim import make_optimizer
+from dgemma_jax.training.step import LoraSpec, init_train_state, make_train_step
+from dgemma_jax.training.tasks import Task, TaskMix, task_tokenizer
+from dgemma_jax.training.train import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    rc = load_config(os.path.join(ROOT, "configs", "train_tiny.py"))
+    cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in rc.model.overrides.to_dict().items()})
+    params = init_params(cfg, 0)
+    lay = Layout(prompt_length=12, num_canvases=3, canvas_length=cfg.canvas_length)
+    src = TaskSource(TaskMix([Task("sort", 8, 9)]), task_tokenizer(), lay, batch_size=4, seed=3)
+    return cfg, params, lay, src
+
+
+# ---------------------------------------------------------------------------- corruption
+def test_corruption_statistics():
+    v, b, l = 18, 6, 4096
+    x = jax.random.randint(jax.random.key(0), (b, l), 0, v)
+    t = jnp.asarray([1e-3, 0.1, 0.3, 0.5, 0.9, 1.0])
+    noisy, replaced = corrupt(jax.random.key(1), x, t, v)
+    frac = np.asarray(replaced.mean(-1))
+    np.testing.assert_allclose(frac, np.asarray(t), atol=0.03)       # replaced fraction ~ t
+    changed = np.asarray((noisy != x).mean(-1))
+    np.testing.assert_allclose(changed, np.asarray(t) * (1 - 1 / v), atol=0.03)
+    # t = eps keeps (almost) everything; t = 0 exactly keeps everything
+    assert changed[0] < 0.005
+    same, _ = corrupt(jax.random.key(2), x, jnp.zeros((b,)), v)
+    assert (np.asarray(same) == np.asarray(x)).all()
+    # t = 1: every position replaced, tokens uniform over the whole vocab, independent of x
+    assert bool(replaced[-1].all())
+    counts = np.bincount(np.asarray(noisy[-1]), minlength=v)
+    expected = l / v
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 45.0, chi2                                          # df = 17, p ~ 3e-4
+    assert abs(float((noisy[-1] == x[-1]).mean()) - 1 / v) < 0.02
+    ts = np.asarray(sample_t(jax.random.key(3), 20000, 1e-3))
+    assert ts.min() >= 1e-3 and ts.max() <= 1.0 and abs(ts.mean() - 0.5005) < 0.01
+
+
+def test_canvas_layout():
+    lay = Layout(prompt_length=3, num_canvases=3, canvas_length=4, eos_id=1, pad_id=0)
+    toks, length, plen, n = chunk_example([2, 7], [10, 11, 12, 13, 14], lay)
+    assert (plen, n, length) == (2, 2, 10)
+    np.testing.assert_array_equal(toks, [2, 7, 10, 11, 12, 13, 14, 1, 1, 1, 0, 0, 0, 0, 0])
+    # a response filling whole canvases still gets an EOS canvas
+    toks, length, plen, n = chunk_example([2], [5, 5, 5, 5], lay)
+    assert n == 2 and list(toks[5:9]) == [1, 1, 1, 1]
+    # long prompts keep their end; long responses are cut at C * L
+    toks, length, plen, n = chunk_example([2, 3, 4, 5, 6], list(range(3, 20)), lay)
+    assert plen == 3 and list(toks[:3]) == [4, 5, 6] and n == 3 and length == 15 and 1 not in toks[3:]
+
+
+# ---------------------------------------------------------------------------- leakage
+def test_block_mask_leakage(tiny):
+    """The selected canvas's prediction ignores its own clean copy and later canvases, and depends
+    on earlier canvases and the prompt (through both decoder passes and self-conditioning)."""
+    cfg, params, lay, src = tiny
+    batch = {k: jnp.asarray(v) for k, v in src.batch(0).items()}
+    assert (np.asarray(batch["num_canvases"]) == 3).all()            # 8-9 digits + EOS = 3 canvases of 4
+    b, L = batch["tokens"].shape[0], lay.canvas_length
+    sel = jnp.ones((b,), jnp.int32)                                  # the middle canvas
+    noisy = jax.random.randint(jax.random.key(5), (b, L), 0, cfg.vocab_size)
+    obj = ObjectiveConfig(canvas_length=L, sc_prob=0.5, ar_weight=1.0)
+    target = gather_canvas(batch["tokens"], batch["prompt_lengths"] + L, L)   # fixed targets
+
+    @jax.jit
+    def run(tokens):
+        bt = dict(batch, tokens=tokens)
+        _, m = loss_fn(params, bt, jax.random.key(0), config=cfg, obj=obj, canvas_override=sel,
+                       t_override=jnp.full((b,), 0.5), noise_override=noisy, sc_override=jnp.asarray([1, 0, 1, 0], bool),
+                       return_logits=True)
+        lp = jax.nn.log_softmax(m["logits"], -1)
+        ce = -jnp.take_along_axis(lp, target[..., None], -1)[..., 0]
+        return m["logits"], ce.mean()
+
+    plen = np.asarray(batch["prompt_lengths"])
+    base_logits, base_loss = run(batch["tokens"])
+
+    def edit(canvas_index=None, prompt=False):
+        t = np.array(batch["tokens"])
+        for r in range(b):
+            if prompt:
+                sl = slice(1, plen[r])
+            else:
+                s0 = plen[r] + canvas_index * L
+                sl = slice(s0, s0 + L)
+            t[r, sl] = (t[r, sl] + 5) % cfg.vocab_size
+        return jnp.asarray(t)
+
+    for changed in (edit(1), edit(2)):            # its own clean copy, a later canvas
+        logits, loss = run(changed)
+        np.testing.assert_array_equal(np.asarray(logits), np.asarray(base_logits))
+        assert float(loss) == float(base_loss)
+    for changed in (edit(0), edit(prompt=True)):  # an earlier canvas, the prompt
+        logits, loss = run(changed)
+        diff = np.abs(np.asarray(logits) - np.asarray(base_logits)).max(axis=(1, 2))
+        assert (diff > 1e-4).all(), diff
+        assert float(loss) != float(base_loss)
+
+
+def test_self_conditioning_off_is_exactly_zero(tiny):
+    cfg, params, lay, src = tiny
+    from dgemma_jax.model.transformer import Transformer
+    from dgemma_jax.training.objective import encoder_pass
+
+    batch = {k: jnp.asarray(v) for k, v in src.batch(1).items()}
+    b, L = batch["tokens"].shape[0], lay.canvas_length
+    sel = jnp.zeros((b,), jnp.int32)
+    noisy = jax.random.randint(jax.random.key(6), (b, L), 0, cfg.vocab_size)
+    obj = ObjectiveConfig(canvas_length=L, sc_prob=0.5, ar_weight=0.0)
+
+    @jax.jit
+    def run(sc_on):
+        _, m = loss_fn(params, batch, jax.random.key(0), config=cfg, obj=obj, canvas_override=sel,
+                       t_override=jnp.full((b,), 0.5), noise_override=noisy, sc_override=sc_on, return_logits=True)
+        model = Transformer(cfg)
+        _, cache = encoder_pass(model, params, batch["tokens"], batch["lengths"], False)
+        ref = model.apply({"params": params}, noisy, batch["prompt_lengths"], cache, None, method="denoise")
+        return m["logits"], ref
+
+    off, ref = run(jnp.zeros((b,), bool))
+    on, _ = run(jnp.ones((b,), bool))
+    off_err = np.abs(np.asarray(off) - np.asarray(ref)).max()    # float noise between two programs
+    on_diff = np.abs(np.asarray(on) - np.asarray(ref)).max()
+    assert off_err < 1e-4 and on_diff > 100 * max(off_err, 1e-6), (off_err, on_diff)
+    assert gather_canvas(batch["tokens"], batch["prompt_lengths"], L).shape == (b, L)
+
+
+# ---------------------------------------------------------------------------- LoRA
+def test_lora_changes_only_adapters_and_merges(tiny):
+    cfg, params, lay, src = tiny
+    groups = ("attention", "mlp", "experts", "self_conditioning")
+    spec = LoraSpec(rank=2, alpha=4.0, groups=groups)
+    adapters = lora_lib.init_lora(cfg, params, jax.random.key(1), spec.rank, groups)
+    merged0 = lora_lib.merge(cfg, params, adapters, spec.alpha, spec.rank)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), merged0, params)
+
+    opt, sched = make_optimizer(peak_lr=1e-2, end_lr=1e-3, warmup_steps=1, total_steps=3)
+    state = init_train_state(adapters, opt, 0)
+    step = make_train_step(cfg, ObjectiveConfig(canvas_length=lay.canvas_length), opt, schedule=sched, lora=spec)
+    base_copy = jax.tree_util.tree_map(np.array, params)
+    for i in range(3):
+        state, m = step(state, params, src.batch(i))
+        assert np.isfinite(float(m["loss"]))
+    # the base never changes; every adapter B moved away from zero
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), params, base_copy)
+    trained = jax.device_get(state.params)
+    leaves = lora_lib._lora_leaves(trained)
+    assert len(leaves) == len(lora_lib.target_paths(cfg, groups))
+    for p, ab in leaves.items():
+        assert np.abs(ab["b"]).max() > 0, p
+    # merged == base + (alpha / r) A @ B, recomputed here independently
+    merged = jax.device_get(lora_lib.merge(cfg, params, trained, spec.alpha, spec.rank))
+    flat_m = {lora_lib.path_str(k): v for k, v in jax.tree_util.tree_flatten_with_path(merged)[0]}
+    flat_b = {lora_lib.path_str(k): v for k, v in jax.tree_util.tree_flatten_with_path(base_copy)[0]}
+    assert "blocks_0/attn/q" in leaves and "blocks_1/moe/gate_up" in leaves and "sc_mlp/down" in leaves
+    assert not any("router" in p or "norm" in p or p == "embedding" for p in leaves)
+    for p, w in flat_b.items():
+        if p in leaves:
+            a, bm = leaves[p]["a"], leaves[p]["b"]
+            want = w + (spec.alpha / spec.rank) * np.einsum("...ir,...ro->...io", a, bm).reshape(w.shape)
+            np.testing.assert_allclose(flat_m[p], want, rtol=1e-6, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(flat_m[p], w)
+
+
+def test_sources_are_deterministic_and_resumable(tmp_path):
+    import json as _json
+
+    from dgemma_jax.training.data import DataIterator, JsonlSource, RawTextSource
+
+    lay = Layout(prompt_length=6, num_canvases=2, canvas_length=4)
+    tok = task_tokenizer()
+    path = tmp_path / "sft.jsonl"
+    with open(path, "w") as f:
+        for i in range(5):
+            f.write(_json.dumps({"prompt": f"s{i}{i + 1}=", "response": f"{i}{i + 1}"}) + "\n")
+    js = JsonlSource(str(path), tok.encode, lay, batch_size=3, seed=1, bos_id=tok.bos_id)
+    seen = [tuple(r) for i in range(5) for r in js.batch(i)["tokens"].tolist()]
+    assert len(set(seen[:5])) == 5 and len(set(seen[5:10])) == 5          # each epoch is a permutation
+    raw = RawTextSource([tok.encode("0123456789" * 3)], lay, batch_size=4, seed=2, min_prompt=2)
+    it = DataIterator(raw)
+    first = [next(it) for _ in range(3)]
+    state = it.get_state()
+    after = next(it)
+    it2 = DataIterator(raw)
+    it2.set_state(state)
+    np.testing.assert_array_equal(next(it2)["tokens"], after["tokens"])
+    np.testing.assert_array_equal(DataIterator(raw).__next__()["tokens"], first[0]["tokens"])
+    b = first[1]
+    assert (b["prompt_lengths"] >= 2).all() and (b["lengths"] <= lay.total_length).all()
