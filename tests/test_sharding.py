@@ -147,3 +147,20 @@ def test_sharded_training_loss_and_grads_equal_unsharded(reference, mesh_spec):
         worst = max(worst, err / max(np.abs(b).max(), floor))
         assert err <= 5e-3 * np.abs(b).max() + floor
     print(f"{mesh_spec}: loss {float(loss1):.6f} vs {float(loss0):.6f}, worst leaf max|dgrad| / max(max|grad|, floor) {worst:.1e}")
+
+
+def test_load_hf_straight_into_shards(reference, tmp_path):
+    """Each checkpoint tensor is placed directly into its device shards (no full replicated copy)."""
+    from dgemma_jax import load_hf, save_hf
+
+    params, _ = reference
+    save_hf(params, CFG, tmp_path)
+    sh = Shardings(CFG, make_mesh("expert=2,tensor=4"), "latency")
+    cfg2, loaded = load_hf(tmp_path, dtype="float32", shardings=sh.params)
+    assert cfg2.num_heads == CFG.num_heads
+    for (path, a), s, b in zip(jax.tree_util.tree_flatten_with_path(loaded)[0], jax.tree.leaves(sh.params),
+                               jax.tree.leaves(params)):
+        assert a.sharding == s, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    gate_up = loaded["blocks_0"]["moe"]["gate_up"]
+    assert gate_up.addressable_shards[0].data.shape[0] == CFG.num_experts // 2  # only this device's experts
