@@ -85,9 +85,10 @@ def cmd_compile(args) -> int:
     if args.topology not in aot.TOPOLOGIES:
         raise UsageError(f"unknown --topology {args.topology!r}; choose one of {', '.join(aot.TOPOLOGIES)}")
     programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
-    bad = [p for p in programs if p not in ("prefill", "denoise_step", "commit", "generate")]
+    known = ("prefill", "denoise_step", "commit", "generate", "lora_step")
+    bad = [p for p in programs if p not in known]
     if bad:
-        raise UsageError(f"unknown program(s) {bad}; choose from prefill, denoise_step, commit, generate")
+        raise UsageError(f"unknown program(s) {bad}; choose from {', '.join(known)}")
     try:
         report = aot.compile_report(args.preset, args.topology, mesh=args.mesh, rules=args.rules,
                                     batch=args.batch, context=args.context, prompt=args.prompt,
@@ -150,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--context", type=_positive(int), default=32768, help="KV cache tokens per row")
     s.add_argument("--prompt", type=_positive(int), default=2048, help="tokens per prefill call")
     s.add_argument("--steps", type=_positive(int), default=16, help="denoising steps per canvas for projections")
-    s.add_argument("--programs", default="prefill,denoise_step,commit,generate")
+    s.add_argument("--programs", default="prefill,denoise_step,commit,generate",
+                   help="comma list of prefill, denoise_step, commit, generate, lora_step (a LoRA training "
+                        "step on a batch of --batch rows of --prompt + canvases up to --context; use --rules training)")
     s.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     s.add_argument("--moe-dispatch", choices=["ragged", "capacity", "dense"], default=None)
     s.add_argument("--out", help="write the report as JSON here")

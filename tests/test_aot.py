@@ -42,3 +42,13 @@ def test_program_that_does_not_fit_exits_nonzero_with_the_fix():
 def test_unknown_topology_is_a_usage_error():
     r = _run("--preset", "tiny-6layer", "--topology", "v9-8")
     assert r.returncode == 2 and "unknown --topology" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_lora_training_step_compiles_for_v5e_8(tmp_path):
+    out = tmp_path / "lora.json"
+    r = _run("--preset", "tiny-6layer", "--topology", "v5e-8", "--mesh", "fsdp=4,tensor=2", "--rules", "training",
+             "--batch", "8", "--context", "64", "--prompt", "16", "--programs", "lora_step", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    step = rep["programs"]["lora_step"]
+    assert step["fits"] and step["flops"] > 0 and rep["rules"] == "training"

@@ -122,6 +122,35 @@ def _programs(config, sampler, max_new_tokens):
     }
 
 
+def lora_step_program(config: ModelConfig, shardings, batch: int, prompt: int, num_canvases: int, rank: int = 16,
+                      groups=("attention", "mlp")):
+    """(jitted LoRA train step, abstract args) for `config` on `shardings` (the "training" rules).
+
+    The base weights are frozen and FSDP/tensor/expert-sharded; adapters and optimizer state are
+    replicated (they are small); the batch is split over data/fsdp.
+    """
+    from dgemma_jax.model.api import param_shapes
+    from dgemma_jax.training import lora as lora_lib
+    from dgemma_jax.training.objective import ObjectiveConfig
+    from dgemma_jax.training.optim import make_optimizer
+    from dgemma_jax.training.step import LoraSpec, init_train_state, make_train_step
+
+    rep = shardings.replicated
+    frozen = _abstract(param_shapes(config), shardings.params)
+    adapters = jax.eval_shape(lambda p: lora_lib.init_lora(config, p, jax.random.key(0), rank, groups),
+                              param_shapes(config))
+    optimizer, schedule = make_optimizer()
+    state = jax.eval_shape(lambda a: init_train_state(a, optimizer, 0), adapters)
+    state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), state)
+    t = prompt + num_canvases * config.canvas_length
+    data = {"tokens": (batch, t), "lengths": (batch,), "prompt_lengths": (batch,), "num_canvases": (batch,)}
+    data = {k: jax.ShapeDtypeStruct(v, jnp.int32, sharding=shardings.named(v, ("batch",) + (None,) * (len(v) - 1)))
+            for k, v in data.items()}
+    obj = ObjectiveConfig(canvas_length=config.canvas_length)
+    step = make_train_step(config, obj, optimizer, schedule=schedule, lora=LoraSpec(rank, 2.0 * rank, tuple(groups)))
+    return step, (state, frozen, data)
+
+
 def _cost(compiled) -> dict:
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
@@ -164,8 +193,12 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         "moe_dispatch": cfg.moe_dispatch, "hbm_limit_bytes": topo.hbm_bytes, "programs": {}, "fits": True,
     }
     for name in programs:
-        fn, make_args = _programs(cfg, sampler, max_new_tokens)[name]
-        pos, kw = make_args(args)
+        if name == "lora_step":
+            fn, pos = lora_step_program(cfg, sh, batch, prompt, max(1, (context - prompt) // cfg.canvas_length))
+            kw = {}
+        else:
+            fn, make_args = _programs(cfg, sampler, max_new_tokens)[name]
+            pos, kw = make_args(args)
         entry: dict[str, Any] = {}
         t0 = time.perf_counter()
         try:
