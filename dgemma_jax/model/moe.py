@@ -103,17 +103,39 @@ def dispatch_capacity(z, weights, experts, gate_up, down, capacity: int):
         return out.reshape(n, k, d).sum(1)
 
     def fallback(_):  # an expert overflowed: run a dropless path for this step
-        if jax.default_backend() == "cpu":  # ragged_dot is slow on CPU; all-experts is ~2x faster
+        if target_backend() == "cpu":  # ragged_dot is slow on CPU; all-experts is ~2x faster
             return dispatch_dense(z, weights, experts, gate_up, down)
         return dispatch_ragged(z, weights, experts, gate_up, down)
 
     return jax.lax.cond(jnp.all(fits), buffered, fallback, None)
 
 
+_TARGET_BACKEND: list[str] = []
+
+
+def target_backend() -> str:
+    """The platform programs are being built for: the default backend, unless an AOT compile for
+    another platform (e.g. TPU from a CPU machine) set it with `compiling_for`."""
+    return _TARGET_BACKEND[-1] if _TARGET_BACKEND else jax.default_backend()
+
+
+class compiling_for:
+    """Context manager: trace MoE dispatch choices for `platform` (used by AOT compilation)."""
+
+    def __init__(self, platform: str):
+        self.platform = platform
+
+    def __enter__(self):
+        _TARGET_BACKEND.append(self.platform)
+
+    def __exit__(self, *exc):
+        _TARGET_BACKEND.pop()
+
+
 def resolve_dispatch(name: str) -> str:
     if name != "auto":
         return name
-    return "capacity" if jax.default_backend() == "cpu" else "ragged"
+    return "capacity" if target_backend() == "cpu" else "ragged"
 
 
 class MoE(nn.Module):

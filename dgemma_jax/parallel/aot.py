@@ -202,7 +202,9 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         entry: dict[str, Any] = {}
         t0 = time.perf_counter()
         try:
-            with sh.context():
+            from dgemma_jax.model.moe import compiling_for
+
+            with sh.context(), compiling_for("tpu"):
                 lowered = fn.lower(*pos, **kw)
             compiled = lowered.compile()
         except Exception as e:  # the TPU compiler reports a program that does not fit
