@@ -40,7 +40,7 @@ def _seed_canvas(args, tok, sampler, batch_size: int):
     for ch in parts + "\0":
         if ch == mask or ch == "\0":
             if buf:
-                piece = list(tok.encode(buf)) if not hasattr(tok, "sp") else list(tok.encode(buf))
+                piece = list(tok.encode(buf))
                 ids += piece
                 pinned += [True] * len(piece)
                 buf = ""

@@ -153,6 +153,14 @@ class Engine:
         committed so far, i.e. all but the last canvas). Returns `GenerateOutput`.
         """
         max_new_tokens = max_new_tokens or self.sampler.canvas_length
+        tokens, lengths, keys, cache, seed_canvas, pinned = self._prepare(
+            prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache)
+        fn = self.fused_program(max_new_tokens, seed_canvas is not None)
+        return fn(self.params, prompt_tokens=tokens, prompt_lengths=lengths, cache=cache, keys=keys,
+                  seed_canvas=seed_canvas, pinned=pinned)
+
+    def _prepare(self, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache=None):
+        """Validate on the host, make per-row keys and the cache, place inputs on the mesh."""
         committed = None if cache is None else np.asarray(cache.lengths)
         if cache is not None:
             cache_length = cache.max_length
@@ -165,17 +173,12 @@ class Engine:
         elif cache.batch_size != tokens.shape[0]:
             raise ValueError(f"cache batch {cache.batch_size} != prompt batch {tokens.shape[0]}")
         tokens, lengths, keys, seed_canvas, pinned = self._place(tokens, lengths, keys, seed_canvas, pinned)
-        fn = self.fused_program(max_new_tokens, seed_canvas is not None)
-        return fn(self.params, prompt_tokens=tokens, prompt_lengths=lengths, cache=cache, keys=keys,
-                  seed_canvas=seed_canvas, pinned=pinned)
+        return tokens, lengths, keys, cache, seed_canvas, pinned
 
     def _iter(self, which, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length):
         max_new_tokens = max_new_tokens or self.sampler.canvas_length
-        tokens, lengths, s, seed_canvas, pinned = prepare_inputs(
-            self.config, self.sampler, prompt_tokens, lengths, max_new_tokens, cache_length, seed_canvas, pinned)
-        keys = row_keys(jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng, tokens.shape[0])
-        cache = self.new_cache(tokens.shape[0], s)
-        tokens, lengths, keys, seed_canvas, pinned = self._place(tokens, lengths, keys, seed_canvas, pinned)
+        tokens, lengths, keys, cache, seed_canvas, pinned = self._prepare(
+            prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length)
         return which(self.pieces, self.params, tokens, lengths, cache, keys, max_new_tokens, seed_canvas, pinned)
 
     def stream(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,

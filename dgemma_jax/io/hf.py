@@ -146,11 +146,6 @@ class SafetensorsDir:
         return self._handles[self.where[name]].get_tensor(name)
 
 
-def _to_numpy(x) -> np.ndarray:
-    x = np.asarray(x)
-    return x
-
-
 def _set(tree: dict, path: tuple, value):
     for p in path[:-1]:
         tree = tree.setdefault(p, {})

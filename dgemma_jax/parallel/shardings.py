@@ -80,9 +80,6 @@ class Shardings:
         sharding = self.replicated if logical is None else self.named(host.shape, logical)
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
-    def generate_jit_kwargs(self, with_seed: bool) -> dict:
-        return {}
-
 
 def fetch(x) -> np.ndarray:
     """A (replicated or sharded) global array as a host numpy array, on every process."""
