@@ -67,6 +67,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     moe_dispatch: str = "auto"
     moe_capacity_factor: float = 2.0
+    moe_shard_rows_factor: float = 1.25
     denoise_window: str = "block"
     name: str = "custom"
 
@@ -118,6 +119,8 @@ class ModelConfig:
             bad("moe_dispatch", self.moe_dispatch, f"must be one of {MOE_DISPATCH}")
         if not self.moe_capacity_factor > 0:
             bad("moe_capacity_factor", self.moe_capacity_factor, "must be > 0")
+        if not self.moe_shard_rows_factor > 0:
+            bad("moe_shard_rows_factor", self.moe_shard_rows_factor, "must be > 0")
         if self.denoise_window not in DENOISE_WINDOWS:
             bad("denoise_window", self.denoise_window, f"must be one of {DENOISE_WINDOWS}")
         for f in ("pad_id", "bos_id"):

@@ -9,7 +9,7 @@ from dgemma_jax import ModelConfig, cache_shape, param_shapes
 from dgemma_jax.model.layers import softcap
 from dgemma_jax.model.transformer import Transformer
 from dgemma_jax.sampling import SamplerConfig, ops
-from dgemma_jax.sampling.fused import head_sample_stats, vocab_chunk
+from dgemma_jax.sampling.fused import head_sample_stats, head_sample_stats_full, vocab_chunk
 from dgemma_jax.sampling.loop import denoise_step, init_state, row_keys
 
 
@@ -20,12 +20,16 @@ def _setup(v=1000, d=32, l=24, b=2, seed=0):
     return h, emb
 
 
-@pytest.mark.parametrize("chunk", [None, 250, 1000])
+
+@pytest.mark.parametrize("chunk", [None, 250, 1000, "full"])
 def test_fused_matches_reference_ops(chunk):
     h, emb = _setup()
     t = jnp.float32(0.6)
     keys = jax.random.split(jax.random.key(0), h.shape[0])
-    stats, soft = head_sample_stats(h, emb, 30.0, t, keys, 5.0, chunk=chunk)
+    if chunk == "full":
+        stats, soft = head_sample_stats_full(h, emb, 30.0, t, keys, 5.0)
+    else:
+        stats, soft = head_sample_stats(h, emb, 30.0, t, keys, 5.0, chunk=chunk)
     logits = softcap(jnp.einsum("bld,vd->blv", h, emb), 30.0)
     z = ops.sanitize_logits(logits / t)
     ref = ops.sample_step_stats(z, jax.random.key(1))
@@ -36,25 +40,34 @@ def test_fused_matches_reference_ops(chunk):
     assert ((np.asarray(stats.sampled) >= 0) & (np.asarray(stats.sampled) < emb.shape[0])).all()
 
 
-def test_fused_sampling_follows_softmax():
-    """Gumbel-max draws across chunks follow softmax(z): many positions share one distribution."""
+@pytest.mark.parametrize("variant", ["chunked", "full"])
+def test_fused_sampling_follows_softmax(variant):
+    """Streaming draws across chunks (and Gumbel-max over the full vocab) follow softmax(z): many
+    positions share one distribution."""
     v, d, l = 12, 8, 20000
     rng = np.random.default_rng(3)
     emb = jnp.asarray(rng.normal(size=(v, d)), jnp.float32)
     h = jnp.broadcast_to(jnp.asarray(rng.normal(size=(d,)) * 0.5, jnp.float32), (1, l, d))
-    stats, _ = head_sample_stats(h, emb, 30.0, jnp.float32(0.8), jax.random.split(jax.random.key(5), 1), 1.0,
-                                 chunk=4)
+    keys = jax.random.split(jax.random.key(5), 1)
+    if variant == "full":
+        stats, _ = head_sample_stats_full(h, emb, 30.0, jnp.float32(0.8), keys, 1.0)
+    else:
+        stats, _ = head_sample_stats(h, emb, 30.0, jnp.float32(0.8), keys, 1.0, chunk=4)
     p = np.asarray(jax.nn.softmax(softcap(h[0, 0] @ emb.T, 30.0) / 0.8))
     freq = np.bincount(np.asarray(stats.sampled).ravel(), minlength=v) / l
     chi2 = float((((freq - p) ** 2) / p).sum() * l)
     assert chi2 < 40.0, f"chi-square {chi2:.1f} over {v - 1} dof"
 
 
-def test_fused_non_finite_hidden_state_gives_valid_ids():
+@pytest.mark.parametrize("variant", ["chunked", "full"])
+def test_fused_non_finite_hidden_state_gives_valid_ids(variant):
     h, emb = _setup(v=300)
     h = h.at[0, :3].set(jnp.nan).at[1, 5].set(jnp.inf)
-    stats, soft = head_sample_stats(h, emb, 30.0, jnp.float32(0.5), jax.random.split(jax.random.key(0), 2), 1.0,
-                                    chunk=100)
+    keys = jax.random.split(jax.random.key(0), 2)
+    if variant == "full":
+        stats, soft = head_sample_stats_full(h, emb, 30.0, jnp.float32(0.5), keys, 1.0)
+    else:
+        stats, soft = head_sample_stats(h, emb, 30.0, jnp.float32(0.5), keys, 1.0, chunk=100)
     for x in (stats.sampled, stats.argmax):
         x = np.asarray(x)
         assert ((x >= 0) & (x < 300)).all()

@@ -24,6 +24,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 # (gemma path inside a layer, our path inside a block, gemma -> ours)
 _T = lambda *perm: (lambda x: np.transpose(x, perm))  # noqa: E731
 _ID = lambda x: x  # noqa: E731
+
+
+def _merge_gate_up(x):
+    """Expert gate/up [E, D, 2, F] -> our [E, D, 2F] (gate columns, then up columns)."""
+    return x.reshape(x.shape[0], x.shape[1], -1)
+
 LAYER_TABLE: list[tuple[str, tuple, Callable]] = [
     ("pre_attention_norm/scale", ("pre_attn_norm", "scale"), _ID),
     ("post_attention_norm/scale", ("post_attn_norm", "scale"), _ID),
@@ -36,7 +42,7 @@ LAYER_TABLE: list[tuple[str, tuple, Callable]] = [
     ("mlp2/linear", ("dense_mlp", "down"), _ID),
     ("post_ffw2_norm/scale", ("post_dense_norm", "scale"), _ID),
     ("pre_ffw_norm/scale", ("pre_moe_norm", "scale"), _ID),
-    ("mlp/gating_einsum/w", ("moe", "gate_up"), _T(0, 3, 1, 2)),
+    ("mlp/gating_einsum/w", ("moe", "gate_up"), lambda x: _merge_gate_up(np.transpose(x, (0, 3, 1, 2)))),
     ("mlp/linear/w", ("moe", "down"), _ID),
     ("mlp/router_logits/w", ("moe", "router"), _ID),
     ("mlp/router_scale", ("moe", "router_scale"), _ID),
@@ -158,7 +164,7 @@ def params_to_gemma(params: dict, cfg: ModelConfig) -> dict:
             elif theirs == "mlp2/gating_einsum":
                 x = np.transpose(x, (1, 2, 0))
             elif theirs == "mlp/gating_einsum/w":
-                x = np.transpose(x, (0, 2, 3, 1))
+                x = np.transpose(x.reshape(x.shape[0], x.shape[1], 2, -1), (0, 2, 3, 1))
             put(pre + theirs, x)
         k = np.transpose(np.asarray(blk["attn"]["k"]), (1, 0, 2))
         if cfg.is_global(i):

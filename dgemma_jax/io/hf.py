@@ -85,7 +85,7 @@ def name_table(cfg: ModelConfig) -> list[Entry]:
             Entry((blk, "moe", "router"), pre + "router.proj.weight", (d, e), (e, d), None, (1, 0)),
             Entry((blk, "moe", "router_scale"), pre + "router.scale", (d,), (d,)),
             Entry((blk, "moe", "expert_scale"), pre + "router.per_expert_scale", (e,), (e,)),
-            Entry((blk, "moe", "gate_up"), pre + "experts.gate_up_proj", (e, d, 2, fi), (e, 2 * fi, d),
+            Entry((blk, "moe", "gate_up"), pre + "experts.gate_up_proj", (e, d, 2 * fi), (e, 2 * fi, d),
                   (e, 2, fi, d), (0, 3, 1, 2)),
             Entry((blk, "moe", "down"), pre + "experts.down_proj", (e, fi, d), (e, d, fi), None, (0, 2, 1)),
             Entry((blk, "decoder_scalar"), pre + "layer_scalar", (1,), (1,)),

@@ -83,11 +83,50 @@ def load_params(path: str | os.PathLike, abstract_params: Any = None) -> Any:
     import jax
     import orbax.checkpoint as ocp
 
+    path = os.path.abspath(os.fspath(path))
     with ocp.StandardCheckpointer() as ckptr:
         if abstract_params is None:
-            return ckptr.restore(os.path.abspath(os.fspath(path)))
+            return _upgrade(ckptr.restore(path))
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_params)
-        return ckptr.restore(os.path.abspath(os.fspath(path)), target)
+        stored = getattr(ckptr.metadata(path), "item_metadata", None)
+        old = _old_gate_up_paths(stored) if stored is not None else []
+        if not old:
+            return ckptr.restore(path, target)
+        # a checkpoint from before the expert gate/up merge: restore those leaves in their stored
+        # [E, D, 2, F] shape, then merge them and place them as the target asks
+        for blk in old:
+            leaf = target[blk]["moe"]["gate_up"]
+            target[blk]["moe"]["gate_up"] = jax.ShapeDtypeStruct(
+                tuple(stored[blk]["moe"]["gate_up"].shape), leaf.dtype)
+        out = ckptr.restore(path, target)
+        for blk in old:
+            want = abstract_params[blk]["moe"]["gate_up"]
+            merged = jax.numpy.reshape(out[blk]["moe"]["gate_up"], want.shape)
+            sharding = getattr(want, "sharding", None)
+            out[blk]["moe"]["gate_up"] = jax.device_put(merged, sharding) if sharding is not None else merged
+        return out
+
+
+def _old_gate_up_paths(tree) -> list[str]:
+    """Blocks whose expert gate_up is stored in the old [E, D, 2, F] layout."""
+    try:
+        return [k for k, v in tree.items() if k.startswith("blocks_") and len(v["moe"]["gate_up"].shape) == 4]
+    except (AttributeError, KeyError, TypeError):
+        return []
+
+
+def _upgrade(params):
+    """Merge an old-layout expert gate_up [E, D, 2, F] into [E, D, 2F] (untargeted restores)."""
+    for k in _old_gate_up_paths(jax_shapes(params)):
+        g = params[k]["moe"]["gate_up"]
+        params[k]["moe"]["gate_up"] = g.reshape(g.shape[0], g.shape[1], -1)
+    return params
+
+
+def jax_shapes(tree):
+    import jax
+
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
 def save_model(path: str | os.PathLike, config: ModelConfig, params: Any, sampler=None,

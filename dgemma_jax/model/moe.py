@@ -17,6 +17,7 @@ Dispatch strategies (all dropless, all equal to the dense oracle):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -25,7 +26,7 @@ from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.layers import gelu_tanh, ones_param, param, rms_normalize
-from dgemma_jax.parallel.context import constrain
+from dgemma_jax.parallel.context import constrain, expert_parallel
 
 
 def route(h: jax.Array, w_router: jax.Array, router_scale: jax.Array, expert_scale: jax.Array, top_k: int,
@@ -41,38 +42,78 @@ def route(h: jax.Array, w_router: jax.Array, router_scale: jax.Array, expert_sca
     return w, idx.astype(jnp.int32)
 
 
+def _gated(h, f):
+    """[..., 2F] gate and up halves -> gelu_tanh(gate) * up [..., F]."""
+    return gelu_tanh(h[..., :f]) * h[..., f:]
+
+
 def _expert_ffn_dense(z, gate_up, down):
     """All experts on all tokens: z [N, D] -> [N, E, D]."""
-    h = constrain(jnp.einsum("nd,edcf->necf", z, gate_up), (None, "experts", None, "expert_mlp"))
-    h = gelu_tanh(h[..., 0, :]) * h[..., 1, :]
-    return jnp.einsum("nef,efd->ned", h, down)
+    h = constrain(jnp.einsum("nd,edf->nef", z, gate_up), (None, "experts", None))
+    return jnp.einsum("nef,efd->ned", _gated(h, down.shape[1]), down)
 
 
-def dispatch_dense(z, weights, experts, gate_up, down):
+def _local_pairs(weights, experts, valid, num_experts):
+    """Pairs this shard's experts serve: ids clamped in range and weights zeroed where not `valid`."""
+    if valid is None:
+        return weights, experts
+    return jnp.where(valid, weights, 0.0), jnp.where(valid, experts, 0)
+
+
+def dispatch_dense(z, weights, experts, gate_up, down, valid=None):
     n, e = z.shape[0], gate_up.shape[0]
+    weights, experts = _local_pairs(weights, experts, valid, e)
     combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights)
     y = _expert_ffn_dense(z, gate_up, down)
     return jnp.einsum("ned,ne->nd", y, combine.astype(y.dtype))
 
 
-def _sorted_pairs(experts, num_experts):
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    return order, sizes
+def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | None = None):
+    """Grouped matmuls over the (token, expert) pairs sorted by expert; dropless.
 
-
-def dispatch_ragged(z, weights, experts, gate_up, down):
+    valid: optional bool [N, k], the pairs this shard serves (the rest are sorted last and skipped).
+    rows: process the sorted pairs in blocks of `rows` (a `lax.scan` whose blocks past the last
+    valid pair are skipped at run time), so an expert shard holding ~1/X of the pairs does ~1/X of
+    the work, without dropping any pair when its share is larger.
+    """
     n, k = experts.shape
-    e, d, _, f = gate_up.shape
-    order, sizes = _sorted_pairs(experts, e)
-    token = order // k
-    xs = z[token]
-    h = jax.lax.ragged_dot(xs, gate_up.reshape(e, d, 2 * f), sizes)
-    h = gelu_tanh(h[:, :f]) * h[:, f:]
-    y = jax.lax.ragged_dot(h, down, sizes)
-    y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
-    return jnp.zeros((n, d), y.dtype).at[token].add(y)
+    e, d, f = down.shape[0], z.shape[1], down.shape[1]
+    flat = experts.reshape(-1)
+    ok = jnp.ones_like(flat, bool) if valid is None else valid.reshape(-1)
+    key = jnp.where(ok, flat, e)  # pairs of other shards sort after every local expert
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.zeros((e,), jnp.int32).at[key].add(1, mode="drop")
+    total = n * k if valid is None else jnp.sum(sizes)
+    w_sorted = weights.reshape(-1)[order]
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+
+    def block(lo, length):
+        idx = jax.lax.dynamic_slice_in_dim(order, lo, length)
+        token = idx // k
+        in_block = jnp.clip(jnp.minimum(ends, lo + length) - jnp.maximum(starts, lo), 0, length).astype(jnp.int32)
+        h = _gated(jax.lax.ragged_dot(z[token], gate_up, in_block), f)
+        y = jax.lax.ragged_dot(h, down, in_block)
+        live = (lo + jnp.arange(length)) < total  # rows past the groups are not defined outputs
+        wgt = jax.lax.dynamic_slice_in_dim(w_sorted, lo, length)
+        y = jnp.where(live[:, None], y * wgt[:, None].astype(y.dtype), 0)
+        return jnp.zeros((n, d), jnp.float32).at[token].add(y.astype(jnp.float32))
+
+    if rows is None or rows >= n * k:
+        return block(0, n * k).astype(z.dtype)
+    nblocks = -(-n * k // rows)
+    pad = nblocks * rows - n * k
+    if pad:  # padded slots are never live (they sit past `total`)
+        order = jnp.concatenate([order, jnp.zeros((pad,), order.dtype)])
+        w_sorted = jnp.concatenate([w_sorted, jnp.zeros((pad,), w_sorted.dtype)])
+
+    def body(acc, i):
+        lo = i * rows
+        part = jax.lax.cond(lo < total, lambda: block(lo, rows), lambda: jnp.zeros((n, d), jnp.float32))
+        return acc + part, None
+
+    out, _ = jax.lax.scan(body, jnp.zeros((n, d), jnp.float32), jnp.arange(nblocks, dtype=jnp.int32))
+    return out.astype(z.dtype)
 
 
 def capacity_for(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
@@ -81,22 +122,22 @@ def capacity_for(num_tokens: int, top_k: int, num_experts: int, factor: float) -
     return min(cap, num_tokens)
 
 
-def dispatch_capacity(z, weights, experts, gate_up, down, capacity: int):
+def dispatch_capacity(z, weights, experts, gate_up, down, capacity: int, valid=None):
     n, k = experts.shape
-    e, d, _, f = gate_up.shape
+    e, d = gate_up.shape[:2]
     flat = experts.reshape(-1)
-    # rank of each (token, choice) pair inside its expert, in token order
-    onehot = jax.nn.one_hot(flat, e, dtype=jnp.int32)
-    rank = (jnp.cumsum(onehot, axis=0) - onehot)[jnp.arange(n * k), flat]
-    fits = rank < capacity
+    ok = jnp.ones_like(flat, bool) if valid is None else valid.reshape(-1)
+    # rank of each (token, choice) pair inside its expert, in token order (other shards' pairs: none)
+    onehot = jax.nn.one_hot(jnp.where(ok, flat, e), e, dtype=jnp.int32)
+    rank = (jnp.cumsum(onehot, axis=0) - onehot)[jnp.arange(n * k), jnp.where(ok, flat, 0)]
+    fits = (rank < capacity) | ~ok
 
     def buffered(_):
-        slot = jnp.where(fits, rank, capacity)
+        slot = jnp.where(ok & fits, rank, capacity)
         token = jnp.arange(n * k) // k
         buf = jnp.zeros((e, capacity, d), z.dtype).at[flat, slot].set(z[token], mode="drop")
         buf = constrain(buf, ("experts", None, "embed"))
-        h = jnp.einsum("ecd,edgf->ecgf", buf, gate_up)
-        h = gelu_tanh(h[..., 0, :]) * h[..., 1, :]
+        h = _gated(jnp.einsum("ecd,edf->ecf", buf, gate_up), down.shape[1])
         y = constrain(jnp.einsum("ecf,efd->ecd", h, down), ("experts", None, "embed"))
         out = y.at[flat, slot].get(mode="fill", fill_value=0)  # [n*k, d]
         out = out * weights.reshape(-1)[:, None].astype(out.dtype)
@@ -104,10 +145,33 @@ def dispatch_capacity(z, weights, experts, gate_up, down, capacity: int):
 
     def fallback(_):  # an expert overflowed: run a dropless path for this step
         if target_backend() == "cpu":  # ragged_dot is slow on CPU; all-experts is ~2x faster
-            return dispatch_dense(z, weights, experts, gate_up, down)
-        return dispatch_ragged(z, weights, experts, gate_up, down)
+            return dispatch_dense(z, weights, experts, gate_up, down, valid)
+        return dispatch_ragged(z, weights, experts, gate_up, down, valid)
 
     return jax.lax.cond(jnp.all(fits), buffered, fallback, None)
+
+
+def dispatch(strategy: str, cfg: ModelConfig, z, weights, experts, gate_up, down, offset=0, shards: int = 1):
+    """Run `strategy` on the experts held here: gate_up/down hold experts [offset, offset + E_local).
+
+    z [N, D]; weights/experts [N, k] with GLOBAL expert ids. `shards` is the number of expert shards
+    (1 = all experts local); pairs routed to other shards contribute nothing here.
+    """
+    e_local = gate_up.shape[0]
+    valid = None
+    if shards > 1:
+        local = experts - offset
+        valid = (local >= 0) & (local < e_local)
+        experts = jnp.where(valid, local, 0)
+    if strategy == "dense":
+        return dispatch_dense(z, weights, experts, gate_up, down, valid).astype(jnp.float32)
+    if strategy == "ragged":
+        rows = None
+        if shards > 1:  # blocks of ~factor x this shard's expected share of the pairs
+            rows = -(-int(math.ceil(cfg.moe_shard_rows_factor * z.shape[0] * cfg.top_k / shards)) // 8) * 8
+        return dispatch_ragged(z, weights, experts, gate_up, down, valid, rows).astype(jnp.float32)
+    cap = capacity_for(z.shape[0], cfg.top_k, cfg.num_experts, cfg.moe_capacity_factor)
+    return dispatch_capacity(z, weights, experts, gate_up, down, cap, valid).astype(jnp.float32)
 
 
 _TARGET_BACKEND: list[str] = []
@@ -150,7 +214,10 @@ class MoE(nn.Module):
         w_router = param(self, "router", (d, e), ("embed", "experts_router"), cfg)
         router_scale = ones_param(self, "router_scale", (d,), ("norm",), cfg)
         expert_scale = ones_param(self, "expert_scale", (e,), ("experts_router",), cfg)
-        gate_up = param(self, "gate_up", (e, d, 2, f), ("experts", "embed", None, "expert_mlp"), cfg)
+        # gate and up side by side in one [E, D, 2F] kernel (gate columns first, as HF's gate_up_proj):
+        # the grouped-matmul kernels want the output dimension minor and a multiple of 128, which
+        # a separate size-2 axis would break (TPU layouts pad it, and every step would copy).
+        gate_up = param(self, "gate_up", (e, d, 2 * f), ("experts", "embed", "expert_gate_up"), cfg)
         down = param(self, "down", (e, f, d), ("experts", "expert_mlp", "embed"), cfg)
 
         shape = z.shape
@@ -161,11 +228,5 @@ class MoE(nn.Module):
         gate_up, down = gate_up.astype(z.dtype), down.astype(z.dtype)
         strategy = resolve_dispatch(cfg.moe_dispatch)
         with jax.named_scope(f"experts_{strategy}"):
-            if strategy == "dense":
-                y = dispatch_dense(zf, weights, experts, gate_up, down)
-            elif strategy == "ragged":
-                y = dispatch_ragged(zf, weights, experts, gate_up, down)
-            else:
-                cap = capacity_for(zf.shape[0], cfg.top_k, e, cfg.moe_capacity_factor)
-                y = dispatch_capacity(zf, weights, experts, gate_up, down, cap)
+            y = expert_parallel(functools.partial(dispatch, strategy, cfg), zf, weights, experts, gate_up, down)
         return y.reshape(shape).astype(z.dtype)

@@ -227,6 +227,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         report["fits"] &= entry["fits"]
         report["programs"][name] = entry
     step = report["programs"].get("denoise_step", {})
+    if "flops" in step:
+        _add_efficiency(step, cfg, sh, topo, batch, context)
     commit = report["programs"].get("commit", {})
     if "projected_seconds" in step:
         per_canvas = steps_per_canvas * step["projected_seconds"] + commit.get("projected_seconds", 0.0)
@@ -234,10 +236,24 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
             "label": "projection from the TPU compiler's cost_analysis, not a measurement",
             "steps_per_canvas": steps_per_canvas,
             "denoise_step_ms": 1e3 * step["projected_seconds"],
+            "roofline_step_ms": 1e3 * step.get("roofline_floor_seconds", float("nan")),
             "per_canvas_ms": 1e3 * per_canvas,
             "tokens_per_second": sampler.canvas_length / per_canvas if per_canvas else None,
         }
     return report
+
+
+def _add_efficiency(entry: dict, cfg: ModelConfig, sh, topo: Topology, batch: int, context: int):
+    """The step's counted FLOPs and bytes against what it must do (parallel/roofline.py)."""
+    from dgemma_jax.parallel import roofline
+
+    chips = sh.mesh.devices.size
+    useful = roofline.denoise_step_flops(cfg, batch, context) / chips
+    need = roofline.denoise_step_bytes_per_chip(cfg, sh, batch, context)
+    floor = max(useful / topo.bf16_flops, need["total"] / topo.hbm_bw)
+    entry.update(useful_flops=useful, required_bytes=need["total"], required_param_bytes=need["params"],
+                 required_cache_bytes=need["cache"], flops_ratio=entry["flops"] / useful,
+                 bytes_ratio=entry["bytes_accessed"] / need["total"], roofline_floor_seconds=floor)
 
 
 def fix_hint(report: dict) -> str:

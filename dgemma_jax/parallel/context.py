@@ -11,6 +11,7 @@ import contextlib
 import threading
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 _STATE = threading.local()
@@ -20,6 +21,17 @@ _STATE = threading.local()
 def sharding_context(mesh, rules):
     prev = getattr(_STATE, "ctx", None)
     _STATE.ctx = (mesh, rules)
+    try:
+        yield
+    finally:
+        _STATE.ctx = prev
+
+
+@contextlib.contextmanager
+def _suspended():
+    """No logical constraints while tracing a per-shard (shard_map) body."""
+    prev = getattr(_STATE, "ctx", None)
+    _STATE.ctx = None
     try:
         yield
     finally:
@@ -39,3 +51,53 @@ def constrain(x: jax.Array, logical: tuple) -> jax.Array:
 
     mesh, rules = ctx
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(x.shape, logical, rules, mesh)))
+
+
+def _axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def expert_parallel(fn, z, weights, experts, gate_up, down):
+    """Run the MoE dispatch `fn` per shard: each device serves only the experts (and expert hidden
+    units) it holds and the outputs are summed over those mesh axes.
+
+    fn(z, weights, experts, gate_up, down, offset=, shards=) -> [N, D] float32 partial output for the
+    local experts [offset, offset + E_local). Tokens (z [N, D], weights / experts [N, k]) are split
+    like the batch and replicated over the model axes, so no expert weight ever moves (with FSDP the
+    weights' `embed` dimension is gathered per layer, as for every FSDP layer). Each expert is whole
+    on one shard (gate_up [E, D, 2F] keeps gate and up side by side). Without a sharding context
+    this is just `fn(...)` with all experts local.
+    """
+    ctx = active()
+    if ctx is None:
+        return fn(z, weights, experts, gate_up, down)
+    from jax.sharding import PartitionSpec as P
+
+    from dgemma_jax.parallel.rules import spec_for
+
+    mesh, rules = ctx
+    tok = _axes(spec_for(z.shape[:1], ("batch",), rules, mesh)[0])
+    ex = tuple(a for a in _axes(spec_for(gate_up.shape[:1], ("experts",), rules, mesh)[0]) if a not in tok)
+    if not (tok or ex):
+        return fn(z, weights, experts, gate_up, down)
+    shards = 1
+    for a in ex:
+        shards *= mesh.shape[a]
+    e_local = gate_up.shape[0] // shards
+    spec = lambda axes: (axes if len(axes) != 1 else axes[0]) if axes else None  # noqa: E731
+
+    def body(z, weights, experts, gate_up, down):
+        index = jnp.zeros((), jnp.int32)
+        for a in ex:
+            index = index * mesh.shape[a] + jax.lax.axis_index(a)
+        y = fn(z, weights, experts, gate_up, down, offset=index * e_local, shards=shards)
+        return jax.lax.psum(y, ex) if ex else y
+
+    t = spec(tok)
+    with _suspended():
+        return jax.shard_map(
+            body, mesh=mesh, check_vma=False,
+            in_specs=(P(t, None), P(t, None), P(t, None), P(spec(ex), None, None), P(spec(ex), None, None)),
+            out_specs=P(t, None))(z, weights, experts, gate_up, down)

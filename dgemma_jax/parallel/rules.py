@@ -23,15 +23,18 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
 ACTIVATION_AXES = ("batch", "seq", "embed")
 
-# How the model itself is split (shared by every rule set): experts over `expert`, attention heads
-# and MLP / expert hidden units (and the vocabulary) over `tensor`.
+# How the model itself is split (shared by every rule set): whole experts over `expert` (then
+# `tensor`); attention heads, dense-MLP hidden units and the vocabulary over `tensor` (then
+# `expert`). Every model axis splits every layer, so on an expert-parallel mesh the non-expert
+# weights and their work are split too instead of being replicated on every expert shard, and on a
+# tensor-parallel mesh the experts are spread instead of replicated. Experts are never cut inside
+# (their hidden units stay together: the grouped-matmul kernels need them whole).
 _MODEL_SPLIT = (
-    ("experts", "expert"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("expert_mlp", "tensor"),
-    ("vocab", "tensor"),
+    ("experts", ("expert", "tensor")),
+    ("heads", ("tensor", "expert")),
+    ("kv_heads", ("tensor", "expert")),
+    ("mlp", ("tensor", "expert")),
+    ("vocab", ("tensor", "expert")),
 )
 
 RULE_SETS: dict[str, tuple[tuple[str, str | tuple[str, ...] | None], ...]] = {

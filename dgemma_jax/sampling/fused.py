@@ -17,6 +17,12 @@ picked by inverting its cumulative mass. The result is exactly distributed as so
 drawing only two uniforms per position and chunk (Gumbel-max would need one per vocab entry).
 The semantics equal `sampling.ops` (sanitize -> temperature -> sample/argmax/entropy,
 softmax @ E) up to float32 rounding and the random stream; the separate ops remain the reference.
+
+On accelerators `head_sample_stats_full` does the same in plain full-vocabulary reductions over
+ONE [B, L, V] float32 tile (vocab-sharded under a mesh: the per-chip tile is V / shards wide, and
+the reductions become small all-reduces), with Gumbel-max sampling. A sequential scan over vocab
+chunks would make the partitioner gather the vocab-sharded embedding. `head_step` picks the
+variant for the backend being compiled for: the scan on CPU, the full pass elsewhere.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dgemma_jax.parallel.context import constrain
 from dgemma_jax.sampling.ops import LOGIT_LIMIT, StepStats
 
 
@@ -85,3 +92,32 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
     entropy = jnp.log(out["s"]) - out["t"] / out["s"]
     soft = (out["acc"] / out["s"][..., None]) * embed_scale
     return StepStats(sampled=out["sample"], argmax=out["arg"], entropy=entropy), soft.astype(h.dtype)
+
+
+def head_sample_stats_full(h: jax.Array, embedding: jax.Array, cap: float, temperature: jax.Array,
+                           keys: jax.Array, embed_scale: float):
+    """`head_sample_stats` as full-vocabulary reductions (the accelerator variant, same contract)."""
+    logits = jnp.einsum("bld,vd->blv", h, embedding.astype(h.dtype), preferred_element_type=jnp.float32)
+    logits = constrain(logits, ("batch", "seq", "vocab"))
+    z = (cap * jnp.tanh(logits / cap)) / temperature
+    z = jnp.where(jnp.isnan(z), -LOGIT_LIMIT, jnp.clip(z, -LOGIT_LIMIT, LOGIT_LIMIT))
+    m = z.max(-1, keepdims=True)
+    w = jnp.exp(z - m)
+    s = w.sum(-1)
+    entropy = jnp.log(s) - (w * (z - m)).sum(-1) / s
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[1:], jnp.float32))(keys)
+    gumbel = constrain(gumbel, ("batch", "seq", "vocab"))
+    stats = StepStats(sampled=jnp.argmax(z + gumbel, -1).astype(jnp.int32), argmax=jnp.argmax(z, -1).astype(jnp.int32),
+                      entropy=entropy)
+    probs = (w / s[..., None]).astype(h.dtype)
+    soft = jnp.einsum("blv,vd->bld", probs, embedding.astype(h.dtype), preferred_element_type=jnp.float32)
+    return stats, (soft * embed_scale).astype(h.dtype)
+
+
+def head_step(h, embedding, cap, temperature, keys, embed_scale):
+    """The denoising step's fused head for the backend being compiled for (see the module doc)."""
+    from dgemma_jax.model.moe import target_backend
+
+    if target_backend() == "cpu":
+        return head_sample_stats(h, embedding, cap, temperature, keys, embed_scale)
+    return head_sample_stats_full(h, embedding, cap, temperature, keys, embed_scale)

@@ -30,7 +30,7 @@ from dgemma_jax.model.cache import KVCache
 from dgemma_jax.model.transformer import Transformer
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.sampling.fused import head_sample_stats
+from dgemma_jax.sampling.fused import head_step
 
 
 @struct.dataclass
@@ -88,7 +88,7 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
     model = Transformer(config)
     h = model.apply({"params": params}, state.canvas, context_end, cache, state.soft, method="denoise_features")
     step_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, state.step)))(keys)  # [B, 2]
-    stats, soft = head_sample_stats(h, params["embedding"], config.final_logit_softcap,
+    stats, soft = head_step(h, params["embedding"], config.final_logit_softcap,
                                     ops.temperature(sampler, state.step), step_keys[:, 0], config.embed_scale)
     accept = ops.entropy_bound_accept(stats.entropy, sampler.entropy_bound)
     noise = jax.vmap(lambda k: ops.uniform_tokens(k, h.shape[1:2], config.vocab_size))(step_keys[:, 1])

@@ -7,7 +7,7 @@ Every linear weight of the model is an einsum kernel with logical axis names (se
 * if the last axis is "embed" the kernel writes the residual stream: out = that axis, in = the rest
   (attention o [N, H, D], MLP down [F, D], expert down [E, F, D]);
 * otherwise in = the first non-batch axis, out = the rest (q [D, N, H], k/v [D, K, H],
-  gate_up [D, 2, F], expert gate_up [E, D, 2, F]).
+  gate_up [D, 2, F], expert gate_up [E, D, 2F]).
 
 A: [*batch, in, r] (random, std 1/sqrt(in)), B: [*batch, r, out] (zeros), so a fresh adapter is
 exactly the base model. Groups (regular expressions over the "/"-joined parameter path):
