@@ -363,3 +363,21 @@ def test_load_hf_transformers_checkpoint_missing_tensor(tmp_path):
 
 def test_kvcache_is_the_public_type(model, filled):
     assert isinstance(filled, KVCache)
+
+
+def test_params_saved_with_the_old_expert_layout_load_merged(tmp_path):
+    """Checkpoints written before the expert gate/up merge ([E, D, 2, F]) load into today's
+    [E, D, 2F] layout, targeted (shapes/shardings given) or not, with gate columns first."""
+    from dgemma_jax import init_params
+    from dgemma_jax.io.model_dir import load_params, save_params
+
+    cfg = ModelConfig.preset("tiny-2layer")
+    params = init_params(cfg, 3)
+    e, d, two_f = params["blocks_0"]["moe"]["gate_up"].shape
+    old = jax.tree.map(lambda x: x, params)
+    for i in range(cfg.num_layers):  # the old layout: [E, D, 2, F] with [:, :, 0] = gate, [:, :, 1] = up
+        old[f"blocks_{i}"]["moe"]["gate_up"] = params[f"blocks_{i}"]["moe"]["gate_up"].reshape(e, d, 2, two_f // 2)
+    save_params(tmp_path / "old", old)
+    for loaded in (load_params(tmp_path / "old", param_shapes(cfg)), load_params(tmp_path / "old")):
+        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
