@@ -69,6 +69,7 @@ class ModelConfig:
     moe_capacity_factor: float = 2.0
     moe_shard_rows_factor: float = 1.25
     denoise_window: str = "block"
+    remat: bool = False  # recompute each block in the backward pass (training memory)
     name: str = "custom"
 
     def __post_init__(self):
@@ -121,6 +122,8 @@ class ModelConfig:
             bad("moe_capacity_factor", self.moe_capacity_factor, "must be > 0")
         if not self.moe_shard_rows_factor > 0:
             bad("moe_shard_rows_factor", self.moe_shard_rows_factor, "must be > 0")
+        if not isinstance(self.remat, bool):
+            bad("remat", self.remat, "must be True or False")
         if self.denoise_window not in DENOISE_WINDOWS:
             bad("denoise_window", self.denoise_window, f"must be one of {DENOISE_WINDOWS}")
         for f in ("pad_id", "bos_id"):

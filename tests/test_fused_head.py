@@ -40,7 +40,7 @@ def test_fused_matches_reference_ops(chunk):
     assert ((np.asarray(stats.sampled) >= 0) & (np.asarray(stats.sampled) < emb.shape[0])).all()
 
 
-@pytest.mark.parametrize("variant", ["chunked", "full"])
+@pytest.mark.parametrize("variant", ["chunked", "chunked12", "full"])
 def test_fused_sampling_follows_softmax(variant):
     """Streaming draws across chunks (and Gumbel-max over the full vocab) follow softmax(z): many
     positions share one distribution."""
@@ -51,8 +51,8 @@ def test_fused_sampling_follows_softmax(variant):
     keys = jax.random.split(jax.random.key(5), 1)
     if variant == "full":
         stats, _ = head_sample_stats_full(h, emb, 30.0, jnp.float32(0.8), keys, 1.0)
-    else:
-        stats, _ = head_sample_stats(h, emb, 30.0, jnp.float32(0.8), keys, 1.0, chunk=4)
+    else:  # chunks of 4 (sub-blocks of 2) or one chunk of 12 (4 sub-blocks of 3)
+        stats, _ = head_sample_stats(h, emb, 30.0, jnp.float32(0.8), keys, 1.0, chunk=12 if variant == "chunked12" else 4)
     p = np.asarray(jax.nn.softmax(softcap(h[0, 0] @ emb.T, 30.0) / 0.8))
     freq = np.bincount(np.asarray(stats.sampled).ravel(), minlength=v) / l
     chi2 = float((((freq - p) ** 2) / p).sum() * l)

@@ -130,9 +130,10 @@ def test_padding_is_invisible(model, data, batched):
     np.testing.assert_allclose(d_ab[0], d_a2[0], rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(d_ab[1], d_b2[0], rtol=1e-3, atol=1e-3)
     # the partner row (its canvas and its context length) does not reach row A at all
+    # (same program shape; only float32 rounding differs, ~1e-5 on logits of magnitude ~10)
     both_a = jax.tree.map(lambda x: jnp.concatenate([x[:1], x[:1]]), cache_ab)
     d_aa = np.asarray(denoise(params, cfg, np.stack([canvas[0], canvas[0]]), both_a))
-    assert _maxdiff(d_aa[0], d_ab[0]) <= 1e-5 and _maxdiff(d_aa[1], d_ab[0]) <= 1e-5
+    assert _maxdiff(d_aa[0], d_ab[0]) <= 5e-5 and _maxdiff(d_aa[1], d_ab[0]) <= 5e-5
     # whereas a leak would be large: swapping the contexts changes the result
     d_swap = np.asarray(denoise(params, cfg, canvas[::-1], cache_ab))
     assert _maxdiff(d_swap[0], d_ab[1]) > 1e-2
@@ -171,7 +172,9 @@ def test_denoise_leaves_cache_and_zero_self_conditioning(model, data, batched):
     mean_emb = emb.mean(0) * np.sqrt(d)
     soft0 = np.asarray(soft_embed(params, cfg, jnp.zeros((b, l, v), jnp.float32)))
     np.testing.assert_allclose(soft0, np.broadcast_to(mean_emb, (b, l, d)), rtol=1e-4, atol=1e-5)
-    out_mean = denoise(params, cfg, canvas, cache, jnp.asarray(np.broadcast_to(mean_emb, (b, l, d)), jnp.float32))
+    # and logits passed to denoise go through exactly that soft embedding (the same float32 input;
+    # a float64 mean differs by rounding, which the denoiser amplifies ~100x over 6 layers)
+    out_mean = denoise(params, cfg, canvas, cache, jnp.asarray(soft0))
     np.testing.assert_allclose(np.asarray(out_mean), np.asarray(out_zero_logits), rtol=1e-4, atol=1e-4)
 
 

@@ -36,26 +36,29 @@ def attend(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array | Non
     b, t, n, h = q.shape
     kh = parts[0][0].shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
+    # scores laid out [B, K, T, G, S]: the natural output order of the batched matmul (batch B, K;
+    # free T, G of q; free S of k), so no score-sized transposes are needed
     scores = []
     for k, _, mask in parts:
-        s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+        s = jnp.einsum("btkgh,bskh->bktgs", qg, k, preferred_element_type=jnp.float32)
         if mask is not None:
-            s = jnp.where(mask[:, None, None, :, :], s, _NEG)
+            s = jnp.where(mask[:, None, :, None, :], s, _NEG)
         scores.append(s)
     m = scores[0].max(-1, keepdims=True)
     for s in scores[1:]:
         m = jnp.maximum(m, s.max(-1, keepdims=True))
-    m = jax.lax.stop_gradient(m)
-    num = jnp.zeros((b, kh, n // kh, t, h), jnp.float32)
-    den = jnp.zeros((b, kh, n // kh, t, 1), jnp.float32)
+    # a row with every key masked keeps m >= NEG / 10, so its exp(NEG - m) terms are exactly 0
+    m = jax.lax.stop_gradient(jnp.maximum(m, 0.1 * _NEG))
+    num = jnp.zeros((b, kh, t, n // kh, h), jnp.float32)
+    den = jnp.zeros((b, kh, t, n // kh), jnp.float32)
     for s, (k, v, mask) in zip(scores, parts):
         p = jnp.exp(s - m)
-        if mask is not None:
-            p = jnp.where(mask[:, None, None, :, :], p, 0.0)
-        den = den + p.sum(-1, keepdims=True)
-        num = num + jnp.einsum("bkgts,bskh->bkgth", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = num / jnp.maximum(den, 1e-30)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
+        # the row sums as a matrix-vector product (a second plain reduction over the score tile
+        # is several times slower on XLA:CPU)
+        den = den + jnp.einsum("bktgs,s->bktg", p, jnp.ones((p.shape[-1],), jnp.float32))
+        num = num + jnp.einsum("bktgs,bskh->bktgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = num / jnp.maximum(den, 1e-30)[..., None]
+    return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h).astype(q.dtype)
 
 
 class Attention(nn.Module):

@@ -2,7 +2,8 @@
 
 Router: r = rms_normalize(h) * router_scale * D^-1/2; p = softmax(r Wr) over ALL experts in float32;
 top-k of p; renormalise the k weights to sum 1; multiply by per_expert_scale[expert].
-Each expert: down_e(gelu_tanh(z G_e) * (z U_e)), z = the pre-MoE-normed input.
+Each expert: down_e(gelu_tanh(z G_e) * (z U_e)), z = the pre-MoE-normed input. The kernels are
+gate_up [E, D, 2F] (gate columns, then up columns) and down [E, F, D].
 
 Dispatch strategies (all dropless, all equal to the dense oracle):
 * "dense"    every token through every expert, weighted by the (mostly zero) combine weights.
@@ -13,6 +14,12 @@ Dispatch strategies (all dropless, all equal to the dense oracle):
              if any expert overflows its buffer the step falls back to a dropless path under
              `lax.cond` ("dense" on CPU, "ragged" elsewhere), so nothing is ever dropped. Fast on CPU.
 * "auto"     "capacity" on CPU, "ragged" elsewhere.
+
+Under a sharding context the dispatch runs per expert shard (`parallel.context.expert_parallel`,
+a `shard_map`): each device serves only the pairs routed to the experts it holds and the partial
+outputs are summed, so expert weights never move. A shard's "ragged" pairs run in blocks of
+`moe_shard_rows_factor` x its expected share (a scan whose empty blocks are skipped), so each
+shard does ~1/shards of the grouped-matmul work yet drops nothing when its share is larger.
 """
 
 from __future__ import annotations
@@ -133,14 +140,15 @@ def dispatch_capacity(z, weights, experts, gate_up, down, capacity: int, valid=N
     fits = (rank < capacity) | ~ok
 
     def buffered(_):
-        slot = jnp.where(ok & fits, rank, capacity)
-        token = jnp.arange(n * k) // k
-        buf = jnp.zeros((e, capacity, d), z.dtype).at[flat, slot].set(z[token], mode="drop")
-        buf = constrain(buf, ("experts", None, "embed"))
+        # gather (not scatter) the buffers: slot -> the pair it holds (or a zero row)
+        slot = jnp.where(ok & fits, flat * capacity + rank, e * capacity)
+        pair = jnp.full((e * capacity + 1,), n * k, jnp.int32).at[slot].set(jnp.arange(n * k, dtype=jnp.int32))
+        rows = jnp.concatenate([z, jnp.zeros((1, d), z.dtype)])
+        buf = constrain(rows[pair[:-1] // k].reshape(e, capacity, d), ("experts", None, "embed"))
         h = _gated(jnp.einsum("ecd,edf->ecf", buf, gate_up), down.shape[1])
         y = constrain(jnp.einsum("ecf,efd->ecd", h, down), ("experts", None, "embed"))
-        out = y.at[flat, slot].get(mode="fill", fill_value=0)  # [n*k, d]
-        out = out * weights.reshape(-1)[:, None].astype(out.dtype)
+        y = jnp.concatenate([y.reshape(e * capacity, d), jnp.zeros((1, d), y.dtype)])
+        out = y[slot] * weights.reshape(-1)[:, None].astype(y.dtype)  # [n*k, d]
         return out.reshape(n, k, d).sum(1)
 
     def fallback(_):  # an expert overflowed: run a dropless path for this step

@@ -75,7 +75,8 @@ class Transformer(nn.Module):
         cfg = self.cfg
         self.embedding = param(self, "embedding", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg,
                                init=nn.initializers.normal(1.0))
-        self.blocks = [Block(cfg, i) for i in range(cfg.num_layers)]
+        block = nn.remat(Block, methods=["encode", "denoise"], static_argnums=()) if cfg.remat else Block
+        self.blocks = [block(cfg, i) for i in range(cfg.num_layers)]
         self.final_norm = RMSNorm(cfg)
         self.sc_norm = RMSNorm(cfg)
         self.sc_mlp = GatedMLP(cfg, cfg.intermediate_size)

@@ -135,6 +135,7 @@ def lora_step_program(config: ModelConfig, shardings, batch: int, prompt: int, n
     from dgemma_jax.training.optim import make_optimizer
     from dgemma_jax.training.step import LoraSpec, init_train_state, make_train_step
 
+    config = config.replace(remat=True)  # keep one layer's activations, not all 30
     rep = shardings.replicated
     frozen = _abstract(param_shapes(config), shardings.params)
     adapters = jax.eval_shape(lambda p: lora_lib.init_lora(config, p, jax.random.key(0), rank, groups),

@@ -44,6 +44,14 @@ def vocab_chunk(vocab: int, target: int = 2048) -> int:
     return vocab
 
 
+def _sub_block(c: int) -> int:
+    """Sub-block length for the in-chunk draw: the divisor of c nearest sqrt(c) (from below)."""
+    for d in range(int(c ** 0.5), 0, -1):
+        if c % d == 0:
+            return d
+    return 1
+
+
 def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperature: jax.Array, keys: jax.Array,
                       embed_scale: float, chunk: int | None = None):
     """h [B, L, D], embedding [V, D], temperature [] f32, keys [B] (one stream per row).
@@ -62,6 +70,13 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
         sample=jnp.zeros((b, l), jnp.int32), acc=jnp.zeros((b, l, d), jnp.float32),
     )
 
+    sub = _sub_block(c)
+    nsub = c // sub
+    # [c, nsub] 0/1 matrix: per-sub-block sums and the chunk's other row sums run as matrix
+    # products (XLA:CPU runs a second plain row reduction over the same tile several times slower)
+    members = (jnp.arange(c)[:, None] // sub == jnp.arange(nsub)[None, :]).astype(jnp.float32)
+    iota = jnp.arange(c, dtype=jnp.int32)
+
     def body(carry, xs):
         idx, e_c = xs
         logits = jnp.einsum("bld,cd->blc", h, e_c.astype(h.dtype), preferred_element_type=jnp.float32)
@@ -69,21 +84,30 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
         z = logits / temperature
         z = jnp.where(jnp.isnan(z), neg, jnp.clip(z, -LOGIT_LIMIT, LOGIT_LIMIT))
         cmax = z.max(-1)
-        carg = jnp.argmax(z, -1).astype(jnp.int32) + idx * c
+        carg = jnp.min(jnp.where(z == cmax[..., None], iota, c), -1) + idx * c  # first index of the max
         m_new = jnp.maximum(carry["m"], cmax)
         alpha = jnp.exp(carry["m"] - m_new)  # 0 at the first chunk (m = -inf)
         shifted = z - m_new[..., None]
         w = jnp.exp(shifted)
-        cum = jnp.cumsum(w, axis=-1)
-        s_c = cum[..., -1]
+        sub_mass = jnp.einsum("blc,cs->bls", w, members)
+        s_c = sub_mass.sum(-1)
         s_prev = carry["s"] * alpha
         s = s_prev + s_c
-        t = alpha * (carry["t"] + carry["s"] * (carry["m"] - m_new)) + (w * shifted).sum(-1)
-        t = jnp.where(jnp.isfinite(carry["m"]), t, (w * shifted).sum(-1))
+        wz = jnp.einsum("blc,c->bl", w * shifted, jnp.ones((c,), jnp.float32))
+        t = alpha * (carry["t"] + carry["s"] * (carry["m"] - m_new)) + wz
+        t = jnp.where(jnp.isfinite(carry["m"]), t, wz)
         acc = carry["acc"] * alpha[..., None] + jnp.einsum("blc,cd->bld", w, e_c.astype(jnp.float32))
+        # a draw inside the chunk by inverting its cumulative mass: first the sub-block, then the
+        # token inside it (two short cumulative sums instead of one over the whole chunk)
         u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, idx), (2, l), jnp.float32))(keys)
-        inside = jnp.sum(cum < (u[:, 0] * s_c)[..., None], axis=-1).astype(jnp.int32)
-        inside = jnp.minimum(inside, c - 1) + idx * c
+        target = u[:, 0] * s_c
+        cum_sub = jnp.cumsum(sub_mass, axis=-1)
+        j = jnp.minimum(jnp.sum(cum_sub < target[..., None], axis=-1), nsub - 1).astype(jnp.int32)
+        before = jnp.take_along_axis(cum_sub - sub_mass, j[..., None], -1)[..., 0]
+        w_sub = jnp.take_along_axis(w.reshape(b, l, nsub, sub), j[..., None, None], 2)[..., 0, :]
+        cum_in = jnp.cumsum(w_sub, axis=-1)
+        inside = jnp.minimum(jnp.sum(cum_in < (target - before)[..., None], axis=-1), sub - 1).astype(jnp.int32)
+        inside = j * sub + inside + idx * c
         switch = u[:, 1] * s < s_c  # probability s_c / s of moving the sample into this chunk
         return dict(m=m_new, s=s, t=t, arg=jnp.where(cmax > carry["m"], carg, carry["arg"]),
                     sample=jnp.where(switch, inside, carry["sample"]), acc=acc), None
