@@ -66,7 +66,7 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     moe_dispatch: str = "auto"
-    moe_capacity_factor: float = 2.0
+    moe_capacity_factor: float = 1.25
     moe_shard_rows_factor: float = 1.25
     denoise_window: str = "block"
     remat: bool = False  # recompute each block in the backward pass (training memory)

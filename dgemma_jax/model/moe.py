@@ -10,9 +10,10 @@ Dispatch strategies (all dropless, all equal to the dense oracle):
              The oracle; also fine for tiny expert counts.
 * "ragged"   sort token-expert pairs by expert and run `lax.ragged_dot` grouped matmuls
              (the TPU/GPU path).
-* "capacity" scatter pairs into per-expert buffers of `capacity` rows and run one batched matmul;
-             if any expert overflows its buffer the step falls back to a dropless path under
-             `lax.cond` ("dense" on CPU, "ragged" elsewhere), so nothing is ever dropped. Fast on CPU.
+* "capacity" gather pairs into per-expert buffers of `moe_capacity_factor` x the mean load and run
+             one batched matmul; pairs that overflow go through a second buffer tier of the same
+             size, run only when needed (`lax.cond`), and pairs beyond that through a dropless
+             fallback ("dense" on CPU, "ragged" elsewhere), so nothing is ever dropped. Fast on CPU.
 * "auto"     "capacity" on CPU, "ragged" elsewhere.
 
 Under a sharding context the dispatch runs per expert shard (`parallel.context.expert_parallel`,
@@ -29,6 +30,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
@@ -129,34 +131,52 @@ def capacity_for(num_tokens: int, top_k: int, num_experts: int, factor: float) -
     return min(cap, num_tokens)
 
 
-def dispatch_capacity(z, weights, experts, gate_up, down, capacity: int, valid=None):
+def dispatch_capacity(z, weights, experts, gate_up, down, capacity, valid=None):
+    """Per-expert buffers, dropless. `capacity`: rows per expert, or a tuple of tiers.
+
+    Pairs whose rank inside their expert (in token order) falls in tier i's range go through tier
+    i's buffers; a tier runs only if some pair reaches it (`lax.cond`), and pairs beyond the last
+    tier take the dropless fallback ("dense" on CPU, "ragged" elsewhere). So a typical step pays
+    for the first tier only and a skewed step still drops nothing.
+    """
     n, k = experts.shape
     e, d = gate_up.shape[:2]
+    caps = (int(capacity),) if isinstance(capacity, (int, np.integer)) else tuple(int(c) for c in capacity)
     flat = experts.reshape(-1)
     ok = jnp.ones_like(flat, bool) if valid is None else valid.reshape(-1)
     # rank of each (token, choice) pair inside its expert, in token order (other shards' pairs: none)
     onehot = jax.nn.one_hot(jnp.where(ok, flat, e), e, dtype=jnp.int32)
     rank = (jnp.cumsum(onehot, axis=0) - onehot)[jnp.arange(n * k), jnp.where(ok, flat, 0)]
-    fits = (rank < capacity) | ~ok
+    rows = jnp.concatenate([z, jnp.zeros((1, d), z.dtype)])
 
-    def buffered(_):
+    def buffered(lo, cap):
         # gather (not scatter) the buffers: slot -> the pair it holds (or a zero row)
-        slot = jnp.where(ok & fits, flat * capacity + rank, e * capacity)
-        pair = jnp.full((e * capacity + 1,), n * k, jnp.int32).at[slot].set(jnp.arange(n * k, dtype=jnp.int32))
-        rows = jnp.concatenate([z, jnp.zeros((1, d), z.dtype)])
-        buf = constrain(rows[pair[:-1] // k].reshape(e, capacity, d), ("experts", None, "embed"))
+        mine = ok & (rank >= lo) & (rank < lo + cap)
+        slot = jnp.where(mine, flat * cap + rank - lo, e * cap)
+        pair = jnp.full((e * cap + 1,), n * k, jnp.int32).at[slot].set(jnp.arange(n * k, dtype=jnp.int32))
+        buf = constrain(rows[pair[:-1] // k].reshape(e, cap, d), ("experts", None, "embed"))
         h = _gated(jnp.einsum("ecd,edf->ecf", buf, gate_up), down.shape[1])
         y = constrain(jnp.einsum("ecf,efd->ecd", h, down), ("experts", None, "embed"))
-        y = jnp.concatenate([y.reshape(e * capacity, d), jnp.zeros((1, d), y.dtype)])
+        y = jnp.concatenate([y.reshape(e * cap, d), jnp.zeros((1, d), y.dtype)])
         out = y[slot] * weights.reshape(-1)[:, None].astype(y.dtype)  # [n*k, d]
         return out.reshape(n, k, d).sum(1)
 
-    def fallback(_):  # an expert overflowed: run a dropless path for this step
+    def fallback(lo):  # pairs beyond every tier: a dropless path for just those pairs
+        rest = (ok & (rank >= lo)).reshape(n, k)
         if target_backend() == "cpu":  # ragged_dot is slow on CPU; all-experts is ~2x faster
-            return dispatch_dense(z, weights, experts, gate_up, down, valid)
-        return dispatch_ragged(z, weights, experts, gate_up, down, valid)
+            return dispatch_dense(z, weights, experts, gate_up, down, rest)
+        return dispatch_ragged(z, weights, experts, gate_up, down, rest)
 
-    return jax.lax.cond(jnp.all(fits), buffered, fallback, None)
+    def from_tier(i, lo):
+        if i == len(caps):
+            return fallback(lo)
+        out = buffered(lo, caps[i])
+        hi = lo + caps[i]
+        more = jax.lax.cond(jnp.any(ok & (rank >= hi)), lambda: from_tier(i + 1, hi).astype(out.dtype),
+                            lambda: jnp.zeros_like(out))
+        return out + more
+
+    return from_tier(0, 0)
 
 
 def dispatch(strategy: str, cfg: ModelConfig, z, weights, experts, gate_up, down, offset=0, shards: int = 1):
@@ -179,7 +199,7 @@ def dispatch(strategy: str, cfg: ModelConfig, z, weights, experts, gate_up, down
             rows = -(-int(math.ceil(cfg.moe_shard_rows_factor * z.shape[0] * cfg.top_k / shards)) // 8) * 8
         return dispatch_ragged(z, weights, experts, gate_up, down, valid, rows).astype(jnp.float32)
     cap = capacity_for(z.shape[0], cfg.top_k, cfg.num_experts, cfg.moe_capacity_factor)
-    return dispatch_capacity(z, weights, experts, gate_up, down, cap, valid).astype(jnp.float32)
+    return dispatch_capacity(z, weights, experts, gate_up, down, (cap, cap), valid).astype(jnp.float32)
 
 
 _TARGET_BACKEND: list[str] = []
