@@ -8,6 +8,11 @@ chat template (prompt text should already contain the template and BOS; set bos_
 
 The train step takes in/out shardings (dgemma_jax.training.step.make_train_step); the driver that
 builds the mesh is the lead's `dgemma train` CLI. Set init.path, data.path, data.tokenizer_path.
+
+Fit, checked with the TPU compiler (benchmarks/results/aot_26b_lora_v5p-8.json): batch 8 x 1280
+tokens on v5p-8 with mesh expert=4 and the "training" rules, remat on, needs 42.7 of 95.7 GB per
+chip. Reproduce: dgemma compile --preset diffusiongemma-26b-a4b --topology v5p-8 --mesh expert=4
+--rules training --batch 8 --context 1280 --prompt 1024 --programs lora_step
 """
 
 import ml_collections
@@ -16,12 +21,12 @@ import ml_collections
 def get_config():
     c = ml_collections.ConfigDict()
     c.model = ml_collections.ConfigDict(dict(preset="", param_dtype="bfloat16",
-                                             overrides=dict(canvas_length=256, dtype="bfloat16")))
+                                             overrides=dict(canvas_length=256, dtype="bfloat16", remat=True)))
     c.init = ml_collections.ConfigDict(dict(kind="hf", path="/path/to/diffusiongemma-26B-A4B-it"))
     c.data = ml_collections.ConfigDict(dict(
         kind="jsonl", path="/path/to/train.jsonl", tokenizer="hf",
         tokenizer_path="/path/to/diffusiongemma-26B-A4B-it/tokenizer.json", bos_id=None,
-        prompt_length=768, num_canvases=2, batch_size=16, seed=0))
+        prompt_length=768, num_canvases=2, batch_size=8, seed=0))
     c.objective = ml_collections.ConfigDict(dict(t_eps=1e-3, sc_prob=0.5, ar_weight=1.0, ar_on_prompt=True,
                                                  weighting="none"))
     c.optimizer = ml_collections.ConfigDict(dict(
