@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("compile", help="AOT-compile for a TPU topology from this machine: fit and projected speed")
     s.add_argument("--preset", default="diffusiongemma-26b-a4b", choices=ModelConfig.preset_names())
     s.add_argument("--topology", default="v5e-8", help="v5e-4/8/16, v6e-4/8/16, v5p-8/16, v4-8/16")
-    s.add_argument("--mesh", default="expert=4,tensor=2", help="axis=size list over data,fsdp,tensor,expert")
+    s.add_argument("--mesh", default=None,
+                   help="axis=size list over data,fsdp,tensor,expert (default: every chip on expert)")
     s.add_argument("--rules", default="latency", choices=["latency", "serving", "training"])
     s.add_argument("--batch", type=_positive(int), default=1)
     s.add_argument("--context", type=_positive(int), default=32768, help="KV cache tokens per row")

@@ -28,6 +28,18 @@ def test_small_config_compiles_for_v5e_8(tmp_path):
         assert 0 < p["total_bytes"] < rep["hbm_limit_bytes"]
     assert rep["projection"]["per_canvas_ms"] > rep["projection"]["denoise_step_ms"]
     assert "projected" in r.stdout and "not a measurement" in r.stdout
+    # the step is held against what it must do: useful FLOPs and required bytes per chip
+    step = rep["programs"]["denoise_step"]
+    assert step["useful_flops"] > 0 and step["required_bytes"] > step["required_param_bytes"] > 0
+    assert step["flops_ratio"] == pytest.approx(step["flops"] / step["useful_flops"])
+    assert 0 < rep["projection"]["roofline_step_ms"] <= rep["projection"]["denoise_step_ms"]
+
+
+def test_default_mesh_puts_every_chip_on_the_model(tmp_path):
+    from dgemma_jax.parallel.aot import compile_report
+
+    rep = compile_report("tiny-2layer", "v5e-4", context=64, prompt=16, programs=("denoise_step",))
+    assert rep["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 4} and rep["fits"]
 
 
 def test_program_that_does_not_fit_exits_nonzero_with_the_fix():

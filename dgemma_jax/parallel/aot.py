@@ -4,7 +4,7 @@ With `jax[tpu]` installed, jax builds compile-only TPU devices for a named topol
 engine's programs with every argument a `jax.ShapeDtypeStruct` carrying its sharding (nothing is
 allocated), compile them with the TPU compiler, and read per-chip memory and cost:
 
-    report = compile_report("diffusiongemma-26b-a4b", "v5e-8", mesh="expert=4,tensor=2", context=32768)
+    report = compile_report("diffusiongemma-26b-a4b", "v5e-8", mesh="expert=8", context=32768)
 
 `cost_analysis()` counts a loop body once, so per-step figures come from the step program and
 per-canvas projections multiply by the step count. Projections use the roofline of
@@ -186,6 +186,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
     if context < prompt + sampler.canvas_length:
         raise ValueError(f"context {context} must hold the prompt ({prompt}) plus a canvas ({sampler.canvas_length})")
     max_new_tokens = max_new_tokens or max(sampler.canvas_length, context - prompt)
+    if mesh is None:  # every chip on the model: whole experts, heads, vocab all split len(devs) ways
+        mesh = f"expert={len(devs)}"
     sh = Shardings(cfg, make_mesh(mesh, devices=devs), rules)
     args = program_inputs(cfg, sampler, sh, batch, context, prompt)
     report: dict[str, Any] = {
@@ -260,4 +262,5 @@ def _add_efficiency(entry: dict, cfg: ModelConfig, sh, topo: Topology, batch: in
 def fix_hint(report: dict) -> str:
     return (f"{report['preset']} does not fit on {report['topology']} with mesh {report['mesh']} at context "
             f"{report['context']}: use more chips (a larger slice), a mesh that splits more of the model "
-            "(e.g. expert=4,tensor=2 instead of expert=8), a shorter --context, or a smaller --batch")
+            "(every chip on the model axes, e.g. expert=8 rather than data=2,expert=4), a shorter --context, "
+            "or a smaller --batch")
