@@ -192,6 +192,14 @@ class Run:
         self.tokenizer = build_tokenizer(dc)
         self.model_config, base = build_model_and_params(mc, ic, getattr(self.tokenizer, "vocab_size", None))
         cfg = self.model_config
+        # train.mesh (e.g. "fsdp=8" or "expert=4"): parameters placed in their shards, the batch split
+        # over data/fsdp, the step traced under the rule set's logical constraints (train.rules)
+        self.shardings = None
+        if tc.get("mesh"):
+            from dgemma_jax.parallel import Shardings, make_mesh
+
+            self.shardings = Shardings(cfg, make_mesh(tc["mesh"]), tc.get("rules", "training"))
+            base = self.shardings.place_params(base)
         L = cfg.canvas_length
         self.layout = data_lib.Layout(int(dc["prompt_length"]), int(dc["num_canvases"]), L,
                                       eos_id=cfg.eos_ids[0], pad_id=cfg.pad_id)
@@ -214,8 +222,24 @@ class Run:
             trainable = base
         self.optimizer, self.schedule = make_optimizer(total_steps=self.num_steps, freeze=tuple(freeze), **oc)
         self.state = init_train_state(trainable, self.optimizer, self.seed)
+        if self.shardings is not None:  # counters, keys, adapters and their moments: replicated
+            n = self.shardings.mesh.devices.size
+            self.state = jax.tree.map(lambda x: x if len(x.sharding.device_set) == n
+                                      else jax.device_put(x, self.shardings.replicated), self.state)
         self.step_fn = make_train_step(cfg, self.obj, self.optimizer, schedule=self.schedule, lora=self.lora)
+        if self.shardings is not None:
+            self.step_fn = self._sharded(self.step_fn)
         self.sampler = sampler_from(ec, cfg)
+
+    def _sharded(self, step_fn):
+        sh = self.shardings
+
+        def run(state, frozen, batch):
+            batch = {k: sh.global_array(v, ("batch",) + (None,) * (np.ndim(v) - 1)) for k, v in batch.items()}
+            with sh.context():  # traced (once) with the mesh's constraints and expert-parallel MoE
+                return step_fn(state, frozen, batch)
+
+        return run
 
     def inference_params(self, state=None):
         state = state or self.state
@@ -258,7 +282,8 @@ def train(config) -> dict[str, Any]:
     state = run.state
     start = 0
     if ckpt.latest_step() is not None:
-        state, dstate = ckpt.restore(jax.eval_shape(lambda: state))
+        state, dstate = ckpt.restore(jax.tree.map(  # restored straight into the state's shardings
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), state))
         it.set_state(dstate)
         start = int(state.step)
         _truncate_jsonl(metrics_path, start)
