@@ -117,16 +117,10 @@ def _old_gate_up_paths(tree) -> list[str]:
 
 def _upgrade(params):
     """Merge an old-layout expert gate_up [E, D, 2, F] into [E, D, 2F] (untargeted restores)."""
-    for k in _old_gate_up_paths(jax_shapes(params)):
+    for k in _old_gate_up_paths(params):
         g = params[k]["moe"]["gate_up"]
         params[k]["moe"]["gate_up"] = g.reshape(g.shape[0], g.shape[1], -1)
     return params
-
-
-def jax_shapes(tree):
-    import jax
-
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
 def save_model(path: str | os.PathLike, config: ModelConfig, params: Any, sampler=None,

@@ -62,7 +62,7 @@ def _expert_ffn_dense(z, gate_up, down):
     return jnp.einsum("nef,efd->ned", _gated(h, down.shape[1]), down)
 
 
-def _local_pairs(weights, experts, valid, num_experts):
+def _local_pairs(weights, experts, valid):
     """Pairs this shard's experts serve: ids clamped in range and weights zeroed where not `valid`."""
     if valid is None:
         return weights, experts
@@ -71,7 +71,7 @@ def _local_pairs(weights, experts, valid, num_experts):
 
 def dispatch_dense(z, weights, experts, gate_up, down, valid=None):
     n, e = z.shape[0], gate_up.shape[0]
-    weights, experts = _local_pairs(weights, experts, valid, e)
+    weights, experts = _local_pairs(weights, experts, valid)
     combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights)
     y = _expert_ffn_dense(z, gate_up, down)
     return jnp.einsum("ned,ne->nd", y, combine.astype(y.dtype))

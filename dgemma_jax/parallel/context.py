@@ -18,24 +18,17 @@ _STATE = threading.local()
 
 
 @contextlib.contextmanager
+def _holding(ctx):
+    prev = getattr(_STATE, "ctx", None)
+    _STATE.ctx = ctx
+    try:
+        yield
+    finally:
+        _STATE.ctx = prev
+
+
 def sharding_context(mesh, rules):
-    prev = getattr(_STATE, "ctx", None)
-    _STATE.ctx = (mesh, rules)
-    try:
-        yield
-    finally:
-        _STATE.ctx = prev
-
-
-@contextlib.contextmanager
-def _suspended():
-    """No logical constraints while tracing a per-shard (shard_map) body."""
-    prev = getattr(_STATE, "ctx", None)
-    _STATE.ctx = None
-    try:
-        yield
-    finally:
-        _STATE.ctx = prev
+    return _holding((mesh, rules))
 
 
 def active():
@@ -60,8 +53,8 @@ def _axes(entry) -> tuple:
 
 
 def expert_parallel(fn, z, weights, experts, gate_up, down):
-    """Run the MoE dispatch `fn` per shard: each device serves only the experts (and expert hidden
-    units) it holds and the outputs are summed over those mesh axes.
+    """Run the MoE dispatch `fn` per shard: each device serves only the experts it holds and the
+    outputs are summed over those mesh axes.
 
     fn(z, weights, experts, gate_up, down, offset=, shards=) -> [N, D] float32 partial output for the
     local experts [offset, offset + E_local). Tokens (z [N, D], weights / experts [N, k]) are split
@@ -96,7 +89,7 @@ def expert_parallel(fn, z, weights, experts, gate_up, down):
         return jax.lax.psum(y, ex) if ex else y
 
     t = spec(tok)
-    with _suspended():
+    with _holding(None):  # no logical constraints inside the per-shard body
         return jax.shard_map(
             body, mesh=mesh, check_vma=False,
             in_specs=(P(t, None), P(t, None), P(t, None), P(spec(ex), None, None), P(spec(ex), None, None)),

@@ -30,8 +30,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dgemma_jax.model.layers import softcap
 from dgemma_jax.parallel.context import constrain
-from dgemma_jax.sampling.ops import LOGIT_LIMIT, StepStats
+from dgemma_jax.sampling.ops import StepStats, sanitize_logits
 
 
 def vocab_chunk(vocab: int, target: int = 2048) -> int:
@@ -63,7 +64,6 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
     c = chunk or vocab_chunk(v)
     n = v // c
     table = embedding.reshape(n, c, d)
-    neg = jnp.float32(-LOGIT_LIMIT)
     init = dict(
         m=jnp.full((b, l), -jnp.inf, jnp.float32), s=jnp.zeros((b, l), jnp.float32),
         t=jnp.zeros((b, l), jnp.float32), arg=jnp.zeros((b, l), jnp.int32),
@@ -80,9 +80,7 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
     def body(carry, xs):
         idx, e_c = xs
         logits = jnp.einsum("bld,cd->blc", h, e_c.astype(h.dtype), preferred_element_type=jnp.float32)
-        logits = cap * jnp.tanh(logits / cap)
-        z = logits / temperature
-        z = jnp.where(jnp.isnan(z), neg, jnp.clip(z, -LOGIT_LIMIT, LOGIT_LIMIT))
+        z = sanitize_logits(softcap(logits, cap) / temperature)
         cmax = z.max(-1)
         carg = jnp.min(jnp.where(z == cmax[..., None], iota, c), -1) + idx * c  # first index of the max
         m_new = jnp.maximum(carry["m"], cmax)
@@ -123,8 +121,7 @@ def head_sample_stats_full(h: jax.Array, embedding: jax.Array, cap: float, tempe
     """`head_sample_stats` as full-vocabulary reductions (the accelerator variant, same contract)."""
     logits = jnp.einsum("bld,vd->blv", h, embedding.astype(h.dtype), preferred_element_type=jnp.float32)
     logits = constrain(logits, ("batch", "seq", "vocab"))
-    z = (cap * jnp.tanh(logits / cap)) / temperature
-    z = jnp.where(jnp.isnan(z), -LOGIT_LIMIT, jnp.clip(z, -LOGIT_LIMIT, LOGIT_LIMIT))
+    z = sanitize_logits(softcap(logits, cap) / temperature)
     m = z.max(-1, keepdims=True)
     w = jnp.exp(z - m)
     s = w.sum(-1)
