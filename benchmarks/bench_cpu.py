@@ -483,6 +483,13 @@ def jax_pieces(cfg, params, prompt, quick, res):
         return model.apply({"params": params}, canvas, cache.lengths, cache, soft, method="denoise")
 
     @jax.jit
+    def forward_with_sc(params, canvas, cache, soft, temp):
+        """The model's whole forward as the reference's forward computes it: trunk, head logits, and
+        the next step's self-conditioning input softmax(logits / T) @ E (materialised [B, L, V])."""
+        logits = model.apply({"params": params}, canvas, cache.lengths, cache, soft, method="denoise")
+        return logits, model.apply({"params": params}, logits / temp, method="soft_embed")
+
+    @jax.jit
     def head_sampler(h, embedding, temp, keys):
         return head_sample_stats(h, embedding, cfg.final_logit_softcap, temp, keys, cfg.embed_scale)
 
@@ -510,6 +517,10 @@ def jax_pieces(cfg, params, prompt, quick, res):
     h = jax.block_until_ready(trunk(*margs))
     jax.block_until_ready(trunk_head(*margs))
     temp = ops.temperature(sampler, 3)
+    fargs = margs + (temp,)
+    comp, compile_["forward_with_sc"] = aot(forward_with_sc, *fargs)
+    memory["forward_with_sc"], cost["forward_with_sc"] = xla_memory(comp), xla_cost(comp)
+    jax.block_until_ready(forward_with_sc(*fargs))
     skeys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, 3)))(keys)
     hargs = (h, params["embedding"], temp, skeys[:, 0])
     comp, compile_["head_sampler_pass"] = aot(head_sampler, *hargs)
@@ -535,12 +546,13 @@ def jax_pieces(cfg, params, prompt, quick, res):
     # differences between pieces are taken between calls made seconds apart.
     rounds = 1 if quick else 2
     n_iter = 8 if quick else STEPS
-    names = ("denoise_step", "trunk_plus_head_logits", "trunk", "head_sampler_pass", "sampler_rest")
+    names = ("denoise_step", "trunk_plus_head_logits", "forward_with_sc", "trunk", "head_sampler_pass",
+             "sampler_rest")
     rec = {k: [] for k in ("denoise_canvas",) + names}
     samples = {k: [] for k in names}
     for r in range(rounds):
         log(f"jax: interleaved round {r + 1}/{rounds}: {'canvas loop, ' if not quick else ''}{n_iter} x "
-            f"[step, trunk + head, trunk, head/sampler pass, sampler rest]")
+            f"[step, trunk + head, forward with SC, trunk, head/sampler pass, sampler rest]")
         if not quick:
             t, fs = timed(jit_denoise_canvas, params, cfg, sampler, base, keys)
             assert int(fs.steps[0]) == STEPS
@@ -551,6 +563,7 @@ def jax_pieces(cfg, params, prompt, quick, res):
             t, st = timed(jit_denoise_step, params, cfg, sampler, base, keys, st)
             per["denoise_step"].append(t)
             per["trunk_plus_head_logits"].append(timed(trunk_head, *margs)[0])
+            per["forward_with_sc"].append(timed(forward_with_sc, *fargs)[0])
             per["trunk"].append(timed(trunk, *margs)[0])
             per["head_sampler_pass"].append(timed(head_sampler, *hargs)[0])
             per["sampler_rest"].append(sum(timed(sampler_rest, *rargs)[0] for _ in range(5)) / 5)
@@ -847,6 +860,7 @@ def derive(res):
         p = j["pieces"]
         step_sep = p["denoise_step"]["min_s"]
         math_s = p["trunk_plus_head_logits"]["min_s"]
+        fwd_s = p["forward_with_sc"]["min_s"] if "forward_with_sc" in p else None  # older JSONs lack it
         trunk_s, hs_s, rest_s = p["trunk"]["min_s"], p["head_sampler_pass"]["min_s"], p["sampler_rest"]["min_s"]
         xc = j["xla_cost"]
         xla_step = xc["denoise_step"].get("flops", 0)
@@ -865,6 +879,8 @@ def derive(res):
             "head_sampler_pass_s": hs_s, "sampler_rest_s": rest_s,
             "model_math_trunk_plus_head_s": math_s,
             "loop_overhead_vs_model_math_pct": 100 * (fused_step / math_s - 1),
+            "model_forward_with_sc_s": fwd_s,
+            "loop_overhead_vs_forward_with_sc_pct": (100 * (fused_step / fwd_s - 1)) if fwd_s else None,
             "loop_overhead_vs_sum_of_pieces_pct": 100 * (fused_step / (trunk_s + hs_s + rest_s) - 1),
             "fused_vs_separately_jitted_step_pct": 100 * (fused_step / step_sep - 1),
             "step_gflops": step_flops / fused_step / 1e9,
@@ -1036,6 +1052,9 @@ def markdown(res):
         row("sampler rest (entropy-bound accept, renoise, stop test, history)", dj["sampler_rest_s"], 0)
         row("model math alone: trunk + head logits (jitted `denoise`)", dj["model_math_trunk_plus_head_s"],
             fl["trunk"] + fl["head_logits"])
+        if dj.get("model_forward_with_sc_s"):
+            row("model forward as the reference computes it: trunk + head logits + SC softmax(logits / T) @ E "
+                "(jitted, materialised)", dj["model_forward_with_sc_s"], fl["total"])
         row("separately jitted step (`jit_denoise_step`, Python loop)", dj["step_separately_jitted_s"],
             fl["total"])
         if dj["step_fused_source"].startswith("jit_denoise_canvas"):
@@ -1049,6 +1068,12 @@ def markdown(res):
                  f"embedding); vs the sum of its pieces (trunk + fused head/sampler pass + sampler rest): "
                  f"{dj['loop_overhead_vs_sum_of_pieces_pct']:+.1f}%; fused loop vs the separately jitted step: "
                  f"{dj['fused_vs_separately_jitted_step_pct']:+.1f}%.")
+        if dj.get("loop_overhead_vs_forward_with_sc_pct") is not None:
+            L.append("")
+            L.append(f"Fused loop per step vs the model's whole forward as the reference computes it (trunk, head "
+                     f"logits and the next step's SC soft embedding, jitted once, no sampler): "
+                     f"{dj['loop_overhead_vs_forward_with_sc_pct']:+.1f}% (the loop adds sampling, entropy, "
+                     f"acceptance, renoising and the stop test, and saves the [B, L, V] buffers).")
         L.append("")
         mp = res["matmul_peak"]
         L.append(f"Machine f32 matmul peak: JAX {mp['jax_best_gflops']:.1f} GFLOP/s, torch "

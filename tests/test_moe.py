@@ -131,11 +131,11 @@ def test_dispatch_strategies_equal_dense_oracle(n, e, k):
         np.testing.assert_allclose(out, ref, rtol=TOL, atol=TOL, err_msg=name)
 
 
-@pytest.mark.parametrize("tiers", [8, (8, 8), (4, 2, 2)])
+@pytest.mark.parametrize("levels", [8, (8, 16), (4, 8, 12)])
 @pytest.mark.parametrize("n,e,k", [(64, 8, 2), (20, 4, 1)])
-def test_capacity_overflow_falls_back_dropless(n, e, k, tiers):
-    """Skewed routing: expert 0 is every token's first choice, so it gets n > 8 tokens: the pairs
-    past the first tier go through the later tiers, the rest through the dropless fallback."""
+def test_capacity_overflow_takes_a_larger_buffer(n, e, k, levels):
+    """Skewed routing: expert 0 is every token's first choice, so it gets n > 16 tokens, more than
+    any requested buffer size: the dispatch must pick the token-count buffer and drop nothing."""
     rng = np.random.default_rng(n + e + k)
     d, f = 24, 16
     z = rng.normal(size=(n, d)).astype(np.float32)
@@ -145,9 +145,9 @@ def test_capacity_overflow_falls_back_dropless(n, e, k, tiers):
     weights = rng.uniform(0.1, 1.5, (n, k)).astype(np.float32)
     capacity = 8
     load = np.bincount(experts.reshape(-1), minlength=e)
-    assert load.max() > 16  # precondition: some expert overflows every tier
+    assert load.max() > 16  # precondition: some expert overflows every requested size
     ref = np.asarray(_dense(z, weights, experts, gate_up, down))
-    out = np.asarray(_capacity(z, weights, experts, gate_up, down, tiers))
+    out = np.asarray(_capacity(z, weights, experts, gate_up, down, levels))
     np.testing.assert_allclose(out, ref, rtol=TOL, atol=TOL)
     # a buffered pass that dropped the overflow would be visibly different
     dropped = ref.copy()
@@ -159,8 +159,8 @@ def test_capacity_overflow_falls_back_dropless(n, e, k, tiers):
     assert np.abs(out - dropped).max() > 1e-3
 
 
-def test_capacity_exact_fit_no_fallback():
-    """Loads exactly at capacity take the buffered path and still equal the oracle."""
+def test_capacity_exact_fit_and_middle_level():
+    """Loads exactly at a buffer size fit it; a load between two sizes takes the larger one."""
     rng = np.random.default_rng(5)
     n, e, k, d, f = 16, 4, 2, 24, 16
     z = rng.normal(size=(n, d)).astype(np.float32)
@@ -171,6 +171,24 @@ def test_capacity_exact_fit_no_fallback():
     ref = np.asarray(_dense(z, weights, experts, gate_up, down))
     out = np.asarray(_capacity(z, weights, experts, gate_up, down, 8))
     np.testing.assert_allclose(out, ref, rtol=TOL, atol=TOL)
+    experts[[1, 3]] = [0, 2]  # expert 0 now has 10 pairs: sizes (4, 8) are too small, 12 fits, 16 = n unused
+    assert np.bincount(experts.reshape(-1)).max() == 10
+    ref = np.asarray(_dense(z, weights, experts, gate_up, down))
+    for levels in ((4, 8, 12), (12,), (4, 8)):
+        out = np.asarray(_capacity(z, weights, experts, gate_up, down, levels))
+        np.testing.assert_allclose(out, ref, rtol=TOL, atol=TOL, err_msg=str(levels))
+    # the choice is made at run time: the compiled program holds one branch per size (+ the token count)
+    hlo = jax.jit(moe.dispatch_capacity, static_argnums=5).lower(z, weights, experts, gate_up, down,
+                                                                  (4, 8, 12)).as_text()
+    assert "case" in hlo or "conditional" in hlo
+
+
+def test_capacity_levels():
+    assert moe.capacity_levels(256, 4, 16, 1.25) == (80, 104, 128, 256)
+    assert moe.capacity_levels(16, 2, 4, 1.25) == (16,)  # tiny: every size rounds up to the token count
+    for n in (1, 7, 64, 300, 4096):
+        lv = moe.capacity_levels(n, 4, 16, 1.25)
+        assert list(lv) == sorted(set(lv)) and lv[-1] == n and all(1 <= c <= n for c in lv)
 
 
 @pytest.mark.parametrize("strategy", ["ragged", "capacity", "dense"])

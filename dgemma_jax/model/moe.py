@@ -10,10 +10,10 @@ Dispatch strategies (all dropless, all equal to the dense oracle):
              The oracle; also fine for tiny expert counts.
 * "ragged"   sort token-expert pairs by expert and run `lax.ragged_dot` grouped matmuls
              (the TPU/GPU path).
-* "capacity" gather pairs into per-expert buffers of `moe_capacity_factor` x the mean load and run
-             one batched matmul; pairs that overflow go through a second buffer tier of the same
-             size, run only when needed (`lax.cond`), and pairs beyond that through a dropless
-             fallback ("dense" on CPU, "ragged" elsewhere), so nothing is ever dropped. Fast on CPU.
+* "capacity" gather pairs into per-expert buffers and run one batched matmul. The buffer size is
+             picked per call (`lax.switch`) as the smallest of `moe_capacity_factor` x the mean
+             load x (1, 1.3, 1.6) and the token count that holds the busiest expert, so nothing
+             is ever dropped and each expert's weights are read once. Fast on CPU.
 * "auto"     "capacity" on CPU, "ragged" elsewhere.
 
 Under a sharding context the dispatch runs per expert shard (`parallel.context.expert_parallel`,
@@ -131,52 +131,54 @@ def capacity_for(num_tokens: int, top_k: int, num_experts: int, factor: float) -
     return min(cap, num_tokens)
 
 
-def dispatch_capacity(z, weights, experts, gate_up, down, capacity, valid=None):
-    """Per-expert buffers, dropless. `capacity`: rows per expert, or a tuple of tiers.
+# buffer sizes tried, as multiples of `moe_capacity_factor` x the mean load (the token count always follows)
+CAPACITY_STEPS = (1.0, 1.3, 1.6)
 
-    Pairs whose rank inside their expert (in token order) falls in tier i's range go through tier
-    i's buffers; a tier runs only if some pair reaches it (`lax.cond`), and pairs beyond the last
-    tier take the dropless fallback ("dense" on CPU, "ragged" elsewhere). So a typical step pays
-    for the first tier only and a skewed step still drops nothing.
+
+def capacity_levels(num_tokens: int, top_k: int, num_experts: int, factor: float) -> tuple[int, ...]:
+    """The per-expert buffer sizes the capacity dispatch chooses from, ascending; the last is
+    `num_tokens`, the most pairs one expert can get (a token picks each expert at most once)."""
+    levels = {capacity_for(num_tokens, top_k, num_experts, factor * m) for m in CAPACITY_STEPS}
+    return tuple(sorted(levels | {num_tokens}))
+
+
+def dispatch_capacity(z, weights, experts, gate_up, down, capacity, valid=None):
+    """Per-expert buffers, dropless. `capacity`: rows per expert, or a tuple of candidate sizes.
+
+    The busiest expert's load picks the smallest size that holds it (`lax.switch`), and one batched
+    matmul runs at that size, so every expert's weights are read once per call. The token count is
+    always a candidate (the largest load possible), so nothing is ever dropped; a typical step pays
+    for the first size only.
     """
     n, k = experts.shape
     e, d = gate_up.shape[:2]
     caps = (int(capacity),) if isinstance(capacity, (int, np.integer)) else tuple(int(c) for c in capacity)
+    caps = tuple(sorted(set(min(c, n) for c in caps) | {n}))
     flat = experts.reshape(-1)
     ok = jnp.ones_like(flat, bool) if valid is None else valid.reshape(-1)
     # rank of each (token, choice) pair inside its expert, in token order (other shards' pairs: none)
     onehot = jax.nn.one_hot(jnp.where(ok, flat, e), e, dtype=jnp.int32)
-    rank = (jnp.cumsum(onehot, axis=0) - onehot)[jnp.arange(n * k), jnp.where(ok, flat, 0)]
+    counts = jnp.cumsum(onehot, axis=0)
+    rank = (counts - onehot)[jnp.arange(n * k), jnp.where(ok, flat, 0)]
     rows = jnp.concatenate([z, jnp.zeros((1, d), z.dtype)])
+    wgt = jnp.where(ok, weights.reshape(-1), 0.0)
 
-    def buffered(lo, cap):
+    def buffered(cap):
         # gather (not scatter) the buffers: slot -> the pair it holds (or a zero row)
-        mine = ok & (rank >= lo) & (rank < lo + cap)
-        slot = jnp.where(mine, flat * cap + rank - lo, e * cap)
+        slot = jnp.where(ok, flat * cap + rank, e * cap)
         pair = jnp.full((e * cap + 1,), n * k, jnp.int32).at[slot].set(jnp.arange(n * k, dtype=jnp.int32))
         buf = constrain(rows[pair[:-1] // k].reshape(e, cap, d), ("experts", None, "embed"))
         h = _gated(jnp.einsum("ecd,edf->ecf", buf, gate_up), down.shape[1])
         y = constrain(jnp.einsum("ecf,efd->ecd", h, down), ("experts", None, "embed"))
         y = jnp.concatenate([y.reshape(e * cap, d), jnp.zeros((1, d), y.dtype)])
-        out = y[slot] * weights.reshape(-1)[:, None].astype(y.dtype)  # [n*k, d]
+        out = y[slot] * wgt[:, None].astype(y.dtype)  # [n*k, d]
         return out.reshape(n, k, d).sum(1)
 
-    def fallback(lo):  # pairs beyond every tier: a dropless path for just those pairs
-        rest = (ok & (rank >= lo)).reshape(n, k)
-        if target_backend() == "cpu":  # ragged_dot is slow on CPU; all-experts is ~2x faster
-            return dispatch_dense(z, weights, experts, gate_up, down, rest)
-        return dispatch_ragged(z, weights, experts, gate_up, down, rest)
-
-    def from_tier(i, lo):
-        if i == len(caps):
-            return fallback(lo)
-        out = buffered(lo, caps[i])
-        hi = lo + caps[i]
-        more = jax.lax.cond(jnp.any(ok & (rank >= hi)), lambda: from_tier(i + 1, hi).astype(out.dtype),
-                            lambda: jnp.zeros_like(out))
-        return out + more
-
-    return from_tier(0, 0)
+    if len(caps) == 1:
+        return buffered(caps[0])
+    busiest = counts[-1].max()
+    level = jnp.sum(jnp.asarray(caps[:-1], jnp.int32) < busiest)
+    return jax.lax.switch(level, [functools.partial(buffered, c) for c in caps])
 
 
 def dispatch(strategy: str, cfg: ModelConfig, z, weights, experts, gate_up, down, offset=0, shards: int = 1):
@@ -198,8 +200,8 @@ def dispatch(strategy: str, cfg: ModelConfig, z, weights, experts, gate_up, down
         if shards > 1:  # blocks of ~factor x this shard's expected share of the pairs
             rows = -(-int(math.ceil(cfg.moe_shard_rows_factor * z.shape[0] * cfg.top_k / shards)) // 8) * 8
         return dispatch_ragged(z, weights, experts, gate_up, down, valid, rows).astype(jnp.float32)
-    cap = capacity_for(z.shape[0], cfg.top_k, cfg.num_experts, cfg.moe_capacity_factor)
-    return dispatch_capacity(z, weights, experts, gate_up, down, (cap, cap), valid).astype(jnp.float32)
+    levels = capacity_levels(z.shape[0], cfg.top_k, cfg.num_experts, cfg.moe_capacity_factor)
+    return dispatch_capacity(z, weights, experts, gate_up, down, levels, valid).astype(jnp.float32)
 
 
 _TARGET_BACKEND: list[str] = []

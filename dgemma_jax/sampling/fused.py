@@ -45,9 +45,9 @@ def vocab_chunk(vocab: int, target: int = 2048) -> int:
     return vocab
 
 
-def _sub_block(c: int) -> int:
-    """Sub-block length for the in-chunk draw: the divisor of c nearest sqrt(c) (from below)."""
-    for d in range(int(c ** 0.5), 0, -1):
+def _sub_block(c: int, target: int = 64) -> int:
+    """Sub-block length for the in-chunk draw: the largest divisor of c that is <= target."""
+    for d in range(min(c, target), 0, -1):
         if c % d == 0:
             return d
     return 1
@@ -63,7 +63,6 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
     v = embedding.shape[0]
     c = chunk or vocab_chunk(v)
     n = v // c
-    table = embedding.reshape(n, c, d)
     init = dict(
         m=jnp.full((b, l), -jnp.inf, jnp.float32), s=jnp.zeros((b, l), jnp.float32),
         t=jnp.zeros((b, l), jnp.float32), arg=jnp.zeros((b, l), jnp.int32),
@@ -72,13 +71,12 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
 
     sub = _sub_block(c)
     nsub = c // sub
-    # [c, nsub] 0/1 matrix: per-sub-block sums and the chunk's other row sums run as matrix
-    # products (XLA:CPU runs a second plain row reduction over the same tile several times slower)
-    members = (jnp.arange(c)[:, None] // sub == jnp.arange(nsub)[None, :]).astype(jnp.float32)
     iota = jnp.arange(c, dtype=jnp.int32)
 
-    def body(carry, xs):
-        idx, e_c = xs
+    def body(carry, idx):
+        # the chunk's rows sliced inside the body (scanning over a reshaped table as `xs` made
+        # XLA:CPU copy every chunk first)
+        e_c = jax.lax.dynamic_slice_in_dim(embedding, idx * c, c)
         logits = jnp.einsum("bld,cd->blc", h, e_c.astype(h.dtype), preferred_element_type=jnp.float32)
         z = sanitize_logits(softcap(logits, cap) / temperature)
         cmax = z.max(-1)
@@ -87,7 +85,9 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
         alpha = jnp.exp(carry["m"] - m_new)  # 0 at the first chunk (m = -inf)
         shifted = z - m_new[..., None]
         w = jnp.exp(shifted)
-        sub_mass = jnp.einsum("blc,cs->bls", w, members)
+        # short contiguous sums fuse into the exp pass; the chunk's full row sums run as matrix-vector
+        # products (a second plain row reduction over the same tile is several times slower on XLA:CPU)
+        sub_mass = w.reshape(b, l, nsub, sub).sum(-1)
         s_c = sub_mass.sum(-1)
         s_prev = carry["s"] * alpha
         s = s_prev + s_c
@@ -110,7 +110,7 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
         return dict(m=m_new, s=s, t=t, arg=jnp.where(cmax > carry["m"], carg, carry["arg"]),
                     sample=jnp.where(switch, inside, carry["sample"]), acc=acc), None
 
-    out, _ = jax.lax.scan(body, init, (jnp.arange(n, dtype=jnp.int32), table))
+    out, _ = jax.lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
     entropy = jnp.log(out["s"]) - out["t"] / out["s"]
     soft = (out["acc"] / out["s"][..., None]) * embed_scale
     return StepStats(sampled=out["sample"], argmax=out["arg"], entropy=entropy), soft.astype(h.dtype)
