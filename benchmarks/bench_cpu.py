@@ -823,21 +823,26 @@ def parity_check(hf, ctx, threads, reps):
     import torch
 
     probe = {str(threads): [], "1": []}
+    repeat = {str(threads): 0.0, "1": 0.0}  # the reference's own run-to-run spread, per thread count
     for _ in range(reps):
         for nt in (threads, 1):
             torch.set_num_threads(nt)
             t0 = now()
-            denoiser_logits(hf, hc, canvas)
+            again = denoiser_logits(hf, hc, canvas)
             probe[str(nt)].append(now() - t0)
+            repeat[str(nt)] = max(repeat[str(nt)], float(np.abs(again - ref).max()))
     torch.set_num_threads(threads)
     soft0 = jnp.zeros((1, CANVAS, cfg.hidden_size), jnp.float32)
-    ours = np.asarray(ctx["trunk_head"](ctx["params"], jnp.asarray(canvas[None], jnp.int32), ctx["base"], soft0)[0])
+    runs = [np.asarray(ctx["trunk_head"](ctx["params"], jnp.asarray(canvas[None], jnp.int32), ctx["base"], soft0)[0])
+            for _ in range(2)]
+    ours = runs[0]
     diff = np.abs(ours - ref)
     per_pos = diff.max(-1)
     return {"max_abs_logit_diff": float(diff.max()), "mean_abs_logit_diff": float(diff.mean()),
             "median_position_max_diff": float(np.median(per_pos)),
             "positions_with_max_diff_over_0.01": int((per_pos > 0.01).sum()), "positions": int(per_pos.size),
             "logit_std": float(ref.std()), "argmax_agreement": float((ours.argmax(-1) == ref.argmax(-1)).mean()),
+            "hf_repeat_max_diff_by_threads": repeat, "jax_repeat_max_diff": float(np.abs(runs[1] - runs[0]).max()),
             "hf_decoder_pass_thread_probe": {k: summary(v) for k, v in probe.items()}}
 
 
@@ -997,6 +1002,11 @@ def markdown(res):
                  f"of {p['positions']} positions exceed 0.01 (overall max {p['max_abs_logit_diff']:.2f}, logit std "
                  f"{p['logit_std']:.2f}; isolated positions, possibly near-tie top-4 routing decisions: not "
                  f"verified); argmax agreement {100 * p['argmax_agreement']:.1f}%.")
+        if "hf_repeat_max_diff_by_threads" in p:
+            rep = p["hf_repeat_max_diff_by_threads"]
+            L.append(f"Repeatability: the same pass repeated gives max |logit difference| "
+                     f"{', '.join(f'{v:.1e} at {k} torch thread(s)' for k, v in rep.items())} on the transformers "
+                     f"side and {p['jax_repeat_max_diff']:.1e} on the dgemma_jax side.")
     L.append("")
     dj, dh, r = d.get("jax"), d.get("hf"), d.get("ratio_hf_over_jax", {})
     if dj and dh:
