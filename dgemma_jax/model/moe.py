@@ -168,11 +168,13 @@ def dispatch_capacity(z, weights, experts, gate_up, down, capacity, valid=None):
         slot = jnp.where(ok, flat * cap + rank, e * cap)
         pair = jnp.full((e * cap + 1,), n * k, jnp.int32).at[slot].set(jnp.arange(n * k, dtype=jnp.int32))
         buf = constrain(rows[pair[:-1] // k].reshape(e, cap, d), ("experts", None, "embed"))
-        h = _gated(jnp.einsum("ecd,edf->ecf", buf, gate_up), down.shape[1])
+        # each slot's combine weight scales its hidden row (F wide, fused into the gating) rather than
+        # its output row (D wide, a separate pass)
+        w_slot = jnp.concatenate([wgt, jnp.zeros((1,), wgt.dtype)])[pair[:-1]].reshape(e, cap, 1)
+        h = _gated(jnp.einsum("ecd,edf->ecf", buf, gate_up), down.shape[1]) * w_slot.astype(buf.dtype)
         y = constrain(jnp.einsum("ecf,efd->ecd", h, down), ("experts", None, "embed"))
         y = jnp.concatenate([y.reshape(e * cap, d), jnp.zeros((1, d), y.dtype)])
-        out = y[slot] * wgt[:, None].astype(y.dtype)  # [n*k, d]
-        return out.reshape(n, k, d).sum(1)
+        return y[slot].reshape(n, k, d).sum(1)
 
     if len(caps) == 1:
         return buffered(caps[0])
