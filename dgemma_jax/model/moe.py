@@ -161,7 +161,7 @@ def dispatch_capacity(z, weights, experts, gate_up, down, capacity, valid=None):
     counts = jnp.cumsum(onehot, axis=0)
     rank = (counts - onehot)[jnp.arange(n * k), jnp.where(ok, flat, 0)]
     rows = jnp.concatenate([z, jnp.zeros((1, d), z.dtype)])
-    wgt = jnp.where(ok, weights.reshape(-1), 0.0)
+    wgt = weights.reshape(-1)  # a pair outside `ok` never holds a slot, so its weight is never read
 
     def buffered(cap):
         # gather (not scatter) the buffers: slot -> the pair it holds (or a zero row)

@@ -85,8 +85,9 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
         alpha = jnp.exp(carry["m"] - m_new)  # 0 at the first chunk (m = -inf)
         shifted = z - m_new[..., None]
         w = jnp.exp(shifted)
-        # short contiguous sums fuse into the exp pass; the chunk's full row sums run as matrix-vector
-        # products (a second plain row reduction over the same tile is several times slower on XLA:CPU)
+        # per-sub-block masses: short contiguous sums that fuse into the exp pass; the chunk total is a
+        # sum over these few values, and the entropy term below a matrix-vector product (a second plain
+        # row reduction over the whole tile is several times slower on XLA:CPU)
         sub_mass = w.reshape(b, l, nsub, sub).sum(-1)
         s_c = sub_mass.sum(-1)
         s_prev = carry["s"] * alpha
