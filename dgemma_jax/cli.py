@@ -111,7 +111,7 @@ def _print_compile_report(r):
     print(f"{r['preset']} on {r['topology']} ({r['chips']} chips, mesh {r['mesh']}, rules {r['rules']}), "
           f"batch {r['batch']}, context {r['context']}, {r['dtype']}, moe {r['moe_dispatch']}")
     print(f"{'program':>13} {'compile s':>9} {'args GB':>8} {'temp GB':>8} {'total GB':>8} {'limit GB':>8} "
-          f"{'GFLOP':>9} {'GB moved':>9} {'proj ms':>8}  fits")
+          f"{'GFLOP':>9} {'GB counted':>10} {'GB HBM':>8} {'proj ms':>8}  fits")
     for name, e in r["programs"].items():
         if "error" in e:
             print(f"{name:>13}  does not fit: {e['error']}")
@@ -119,7 +119,8 @@ def _print_compile_report(r):
         m = e["memory"]
         print(f"{name:>13} {e['compile_seconds']:>9.1f} {m['argument_size_in_bytes'] / gb:>8.2f} "
               f"{m['temp_size_in_bytes'] / gb:>8.2f} {e['total_bytes'] / gb:>8.2f} {r['hbm_limit_bytes'] / gb:>8.2f} "
-              f"{e['flops'] / 1e9:>9.1f} {e['bytes_accessed'] / gb:>9.2f} {1e3 * e['projected_seconds']:>8.2f}  "
+              f"{e['flops'] / 1e9:>9.1f} {e['bytes_accessed'] / gb:>10.2f} {e['hbm_bytes'] / gb:>8.2f} "
+              f"{1e3 * e['projected_seconds']:>8.2f}  "
               f"{'yes' if e['fits'] else 'NO'}")
     if "projection" in r:
         p = r["projection"]

@@ -70,6 +70,10 @@ class ModelConfig:
     moe_shard_rows_factor: float = 1.25
     denoise_window: str = "block"
     remat: bool = False  # recompute each block in the backward pass (training memory)
+    # keys per block when attending over a longer key set (the global layers over a long cache):
+    # blocks are merged by log-sum-exp, so no [heads, tokens, keys] score array larger than one
+    # block is ever live (on TPU such blocks stay in on-chip memory instead of round-tripping HBM)
+    attn_key_block: int = 4096
     name: str = "custom"
 
     def __post_init__(self):
@@ -122,6 +126,8 @@ class ModelConfig:
             bad("moe_capacity_factor", self.moe_capacity_factor, "must be > 0")
         if not self.moe_shard_rows_factor > 0:
             bad("moe_shard_rows_factor", self.moe_shard_rows_factor, "must be > 0")
+        if not (isinstance(self.attn_key_block, int) and self.attn_key_block >= 1):
+            bad("attn_key_block", self.attn_key_block, "must be a positive int")
         if not isinstance(self.remat, bool):
             bad("remat", self.remat, "must be True or False")
         if self.denoise_window not in DENOISE_WINDOWS:

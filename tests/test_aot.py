@@ -25,6 +25,7 @@ def test_small_config_compiles_for_v5e_8(tmp_path):
     for name in ("denoise_step", "commit", "generate"):
         p = rep["programs"][name]
         assert p["fits"] and p["flops"] > 0 and p["bytes_accessed"] > 0
+        assert 0 < p["hbm_bytes"] <= p["bytes_accessed"]
         assert 0 < p["total_bytes"] < rep["hbm_limit_bytes"]
     assert rep["projection"]["per_canvas_ms"] > rep["projection"]["denoise_step_ms"]
     assert "projected" in r.stdout and "not a measurement" in r.stdout
@@ -32,6 +33,7 @@ def test_small_config_compiles_for_v5e_8(tmp_path):
     step = rep["programs"]["denoise_step"]
     assert step["useful_flops"] > 0 and step["required_bytes"] > step["required_param_bytes"] > 0
     assert step["flops_ratio"] == pytest.approx(step["flops"] / step["useful_flops"])
+    assert step["hbm_bytes_ratio"] == pytest.approx(step["hbm_bytes"] / step["required_bytes"])
     assert 0 < rep["projection"]["roofline_step_ms"] <= rep["projection"]["denoise_step_ms"]
 
 
@@ -64,3 +66,64 @@ def test_lora_training_step_compiles_for_v5e_8(tmp_path):
     rep = json.loads(out.read_text())
     step = rep["programs"]["lora_step"]
     assert step["fits"] and step["flops"] > 0 and rep["rules"] == "training"
+
+
+def _tpu_compiled(fn, *args):
+    import jax
+
+    from dgemma_jax.parallel.aot import tpu_devices
+
+    dev = tpu_devices("v5e-1")[0]
+    shard = jax.sharding.SingleDeviceSharding(dev)
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shard) for a in args]
+    return jax.jit(fn).lower(*specs).compile()
+
+
+def test_hbm_traffic_counts_what_crosses_hbm():
+    """The HBM count of small TPU programs whose traffic is known: a matmul reads its operands and
+    writes its result once; a slice taken inside a fusion reads the slice, not the whole array."""
+    import jax
+    import jax.numpy as jnp
+
+    from dgemma_jax.parallel.hbm_traffic import hbm_traffic
+
+    x = jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16)
+    compiled = _tpu_compiled(lambda x, w: x @ w, x, w)
+    need = 2 * (256 * 4096 + 4096 * 8192 + 256 * 8192)
+    got = hbm_traffic(compiled.as_text())["total"]
+    assert need <= got <= 1.1 * need, (got, need)
+    counted = compiled.cost_analysis()
+    counted = (counted[0] if isinstance(counted, (list, tuple)) else counted)["bytes accessed"]
+    assert counted >= got
+
+    # 1/16 of a long [rows, 1024] array, sliced at a run-time offset, times a small matrix
+    cache = jax.ShapeDtypeStruct((65536, 1024), jnp.bfloat16)
+    small = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+    start = jax.ShapeDtypeStruct((), jnp.int32)
+    compiled = _tpu_compiled(lambda c, m, s: jax.lax.dynamic_slice_in_dim(c, s, 4096) @ m, cache, small, start)
+    need = 2 * (4096 * 1024 + 1024 * 1024 + 4096 * 1024)
+    got = hbm_traffic(compiled.as_text())["total"]
+    assert need * 0.99 <= got <= 1.5 * need, (got, need)  # far below the whole array (128 MiB)
+
+
+def test_hbm_traffic_reads_loops_and_branches_like_cost_analysis():
+    """A loop body counts once and a conditional its largest branch; a module without an ENTRY is
+    an error that says so."""
+    import jax
+    import jax.numpy as jnp
+
+    from dgemma_jax.parallel.hbm_traffic import hbm_traffic
+
+    w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((128, 4096), jnp.bfloat16)
+    one = hbm_traffic(_tpu_compiled(lambda x, w: x @ w, x, w).as_text())["total"]
+    loop = hbm_traffic(_tpu_compiled(
+        lambda x, w: jax.lax.fori_loop(0, 4, lambda i, y: (y @ w).astype(y.dtype), x), x, w).as_text())["total"]
+    assert 0.9 * one <= loop <= 2.0 * one  # not 4x
+    flag = jax.ShapeDtypeStruct((), jnp.bool_)
+    branch = hbm_traffic(_tpu_compiled(
+        lambda f, x, w: jax.lax.cond(f, lambda: x @ w, lambda: x @ w[:, ::-1] + 1), flag, x, w).as_text())["total"]
+    assert 0.9 * one <= branch <= 2.0 * one  # the larger branch, not both
+    with pytest.raises(ValueError, match="no ENTRY"):
+        hbm_traffic("HloModule m\n")

@@ -178,6 +178,55 @@ def test_denoise_leaves_cache_and_zero_self_conditioning(model, data, batched):
     np.testing.assert_allclose(np.asarray(out_mean), np.asarray(out_zero_logits), rtol=1e-4, atol=1e-4)
 
 
+def test_kv_head_replicas_change_nothing(model, data, batched):
+    """A cache that stores each kv head r times (what a mesh splitting the query heads more ways than
+    the kv heads uses) gives the same prefill logits, the same denoiser logits, and holds each kv
+    head in r adjacent copies."""
+    cfg, params = model
+    ref_logits, ref_cache = batched
+    a, b, garbage, canvas = data
+    tokens, lengths = _batch(a, b, garbage)
+    reps = tuple(cfg.num_heads // cfg.layer_kv_heads(i) for i in range(cfg.num_layers))  # (2, ..., 4)
+    assert set(reps) == {2, 4}
+    logits, cache = prefill(params, cfg, tokens, lengths, init_cache(cfg, 2, M, kv_replicas=reps))
+    np.testing.assert_allclose(np.asarray(logits), ref_logits, rtol=1e-5, atol=1e-5)  # only the matmul shapes differ
+    for i, r in enumerate(reps):
+        assert cache.keys[i].shape[2] == cfg.layer_kv_heads(i) * r
+        for kv_ref, kv in ((ref_cache.keys[i], cache.keys[i]), (ref_cache.values[i], cache.values[i])):
+            np.testing.assert_allclose(np.asarray(kv), np.repeat(np.asarray(kv_ref), r, axis=2), rtol=0, atol=1e-6)
+    out = denoise(params, cfg, canvas, cache)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(denoise(params, cfg, canvas, ref_cache)),
+                               rtol=0, atol=1e-4)
+
+
+def test_key_blocks_change_nothing(model, data, batched):
+    """Attention over key blocks merged by log-sum-exp (what long caches use) gives the same
+    prefill and denoiser logits as one softmax, with blocks that end mid-window and rows whose
+    blocks past their length are fully masked."""
+    cfg, params = model
+    ref_logits, ref_cache = batched
+    a, b, garbage, canvas = data
+    tokens, lengths = _batch(a, b, garbage)
+    small = cfg.replace(attn_key_block=7)  # 46 cache slots -> 7 blocks; row B's last 4 blocks are empty
+    logits, cache = prefill(params, small, tokens, lengths, init_cache(small, 2, M))
+    np.testing.assert_allclose(np.asarray(logits), ref_logits, rtol=1e-5, atol=1e-5)
+    for x, y in zip(cache.keys + cache.values, ref_cache.keys + ref_cache.values):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(denoise(params, small, canvas, cache)),
+                               np.asarray(denoise(params, cfg, canvas, ref_cache)), rtol=1e-4, atol=1e-4)
+
+
+def test_attend_blocks_fully_masked_rows_are_zero():
+    from dgemma_jax.model.attention import attend
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((1, 3, 4, 8), (1, 10, 2, 8), (1, 10, 2, 8)))
+    mask = jnp.asarray(np.array([[[True] * 10, [False] * 10, [True] * 3 + [False] * 7]]))
+    whole, blocks = attend(q, [(k, v, mask)]), attend(q, [(k, v, mask)], key_block=4)
+    np.testing.assert_allclose(np.asarray(blocks), np.asarray(whole), rtol=1e-6, atol=1e-6)
+    assert np.all(np.asarray(blocks)[0, 1] == 0) and np.abs(np.asarray(blocks)[0, 2]).max() > 0.1
+
+
 # ---------------------------------------------------------------------------------------------- (c) chunked prefill
 def test_chunked_prefill_equals_one_shot(model, data, batched):
     cfg, params = model

@@ -133,6 +133,10 @@ def test_init_cache_bad_args():
         init_cache(cfg, 1, 0)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         init_cache(cfg.replace(max_position_embeddings=64), 1, 65)
+    with pytest.raises(ValueError, match="kv_replicas has 2 entries"):
+        init_cache(cfg, 1, 8, kv_replicas=(1, 2))
+    with pytest.raises(ValueError, match=r"kv_replicas\[0\]=3 must .* divide the layer's query-group size 2"):
+        init_cache(cfg, 1, 8, kv_replicas=(3,) + (1,) * (cfg.num_layers - 1))
 
 
 # ---------------------------------------------------------------------------------------------- denoise

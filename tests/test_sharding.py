@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dgemma_jax import ModelConfig, cache_shape, init_params, param_shapes
+from dgemma_jax import ModelConfig, init_params, param_shapes
 from dgemma_jax.engine import Engine
 from dgemma_jax.parallel import Shardings, make_mesh, parse_mesh, spec_for
 from dgemma_jax.parallel.rules import rules_for
@@ -91,6 +91,26 @@ def test_rules_and_mesh_parsing():
         rules_for("fastest")
 
 
+def test_kv_replicas_give_each_device_its_kv_head():
+    """When the query heads split more ways than a layer's kv heads, the cache stores each kv head
+    r times so that every device holds exactly the one kv head its query heads read."""
+    for mesh_spec, rules, want in [("tensor=8", "latency", (2,) * 5 + (4,)),
+                                   ("expert=2,tensor=4", "latency", (2,) * 5 + (4,)),
+                                   ("tensor=4", "latency", (1,) * 5 + (2,)),
+                                   ("fsdp=8", "training", (1,) * 6)]:
+        devices = jax.devices()[:int(np.prod([int(p.split("=")[1]) for p in mesh_spec.split(",")]))]
+        sh = Shardings(CFG, make_mesh(mesh_spec, devices=devices), rules)
+        assert sh.kv_replicas == want, mesh_spec
+        shapes, shards = sh.cache_shape(1, 64), sh.cache(1, 64)
+        q_per_device = sh.named((CFG.num_heads,), ("heads",)).shard_shape((CFG.num_heads,))[0]
+        for i in range(CFG.num_layers):
+            heads = shapes.keys[i].shape[2]
+            assert heads == CFG.layer_kv_heads(i) * want[i]
+            per_device = shards.keys[i].shard_shape(shapes.keys[i].shape)[2]
+            # a device's kv heads serve exactly its query heads (none sliced out, none extra)
+            assert per_device * (CFG.num_heads // heads) == q_per_device, (mesh_spec, i)
+
+
 @pytest.mark.parametrize("dispatch", ["capacity", "dense"])
 def test_expert_parallelism_moves_no_expert_weights(dispatch):
     """With experts over an 8-way `expert` axis the compiled step all-gathers no expert weights."""
@@ -99,7 +119,7 @@ def test_expert_parallelism_moves_no_expert_weights(dispatch):
     ps = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=n), param_shapes(cfg), sh.params)
     assert ps["blocks_0"]["moe"]["gate_up"].sharding.spec[0] == "expert"
     cache = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=n),
-                         cache_shape(cfg, 1, 64), sh.cache(1, 64))
+                         sh.cache_shape(1, 64), sh.cache(1, 64))
     keys = jax.eval_shape(lambda: row_keys(jax.random.key(0), 1))
     state = jax.eval_shape(lambda: init_state(cfg, SAMPLER, jnp.zeros((1, 16), jnp.int32)))
     step = jax.jit(lambda p, c, k, s: denoise_step(p, cfg, SAMPLER, c, c.lengths, k, s))

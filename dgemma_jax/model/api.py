@@ -15,7 +15,7 @@ import numpy as np
 from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model.cache import KVCache
+from dgemma_jax.model.cache import KVCache, check_replicas
 from dgemma_jax.model.transformer import Transformer
 
 Params = Any
@@ -79,13 +79,14 @@ def _check_cache(config: ModelConfig, cache: KVCache, batch: int):
     if len(cache.keys) != config.num_layers:
         raise ValueError(f"cache has {len(cache.keys)} layers but the model has {config.num_layers}; "
                          "create it with init_cache(config, ...) for this config")
+    check_replicas(config, cache.kv_replicas)
     if cache.batch_size != batch:
         raise ValueError(f"cache batch size {cache.batch_size} != input batch size {batch}")
     for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
-        want = (batch, cache.max_length, config.layer_kv_heads(i), config.layer_head_dim(i))
+        want = (batch, cache.max_length, config.layer_kv_heads(i) * cache.replicas(i), config.layer_head_dim(i))
         if tuple(k.shape) != want or tuple(v.shape) != want:
             raise ValueError(f"cache layer {i} holds keys {tuple(k.shape)} / values {tuple(v.shape)} but this model "
-                             f"needs {want} [batch, max_length, kv_heads, head_dim]; create the cache with "
+                             f"needs {want} [batch, max_length, kv_heads (x replicas), head_dim]; create the cache with "
                              "init_cache(config, ...) for this config")
 
 

@@ -27,23 +27,20 @@ CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
 _NEG = -1e30
 
 
-def attend(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array | None]]) -> jax.Array:
+def attend(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array | None]],
+           key_block: int | None = None) -> jax.Array:
     """Softmax attention of q [B, T, N, H] over several key/value sets sharing one softmax.
 
     parts: (k [B, S, K, H], v [B, S, K, H], mask [B, T or 1, S] bool or None). Query head n reads
     kv head n // (N / K). Scores and the softmax are float32; fully masked rows give zeros.
+    key_block: a part with more keys than this is attended block by block (see `_attend_blocks`).
     """
+    if key_block is not None and any(k.shape[1] > key_block for k, _, _ in parts):
+        return _attend_blocks(q, parts, key_block)
     b, t, n, h = q.shape
     kh = parts[0][0].shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
-    # scores laid out [B, K, T, G, S]: the natural output order of the batched matmul (batch B, K;
-    # free T, G of q; free S of k), so no score-sized transposes are needed
-    scores = []
-    for k, _, mask in parts:
-        s = jnp.einsum("btkgh,bskh->bktgs", qg, k, preferred_element_type=jnp.float32)
-        if mask is not None:
-            s = jnp.where(mask[:, None, :, None, :], s, _NEG)
-        scores.append(s)
+    scores = [_scores(qg, k, mask) for k, _, mask in parts]
     m = scores[0].max(-1, keepdims=True)
     for s in scores[1:]:
         m = jnp.maximum(m, s.max(-1, keepdims=True))
@@ -52,13 +49,56 @@ def attend(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array | Non
     num = jnp.zeros((b, kh, t, n // kh, h), jnp.float32)
     den = jnp.zeros((b, kh, t, n // kh), jnp.float32)
     for s, (k, v, mask) in zip(scores, parts):
-        p = jnp.exp(s - m)
-        # the row sums as a matrix-vector product (a second plain reduction over the score tile
-        # is several times slower on XLA:CPU)
-        den = den + jnp.einsum("bktgs,s->bktg", p, jnp.ones((p.shape[-1],), jnp.float32))
-        num = num + jnp.einsum("bktgs,bskh->bktgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        p_num, p_den = _weighted(s, m, v)
+        num, den = num + p_num, den + p_den
+    return _finish(num, den, q)
+
+
+def _scores(qg, k, mask):
+    # scores laid out [B, K, T, G, S]: the natural output order of the batched matmul (batch B, K;
+    # free T, G of q; free S of k), so no score-sized transposes are needed
+    s = jnp.einsum("btkgh,bskh->bktgs", qg, k, preferred_element_type=jnp.float32)
+    return s if mask is None else jnp.where(mask[:, None, :, None, :], s, _NEG)
+
+
+def _weighted(s, m, v):
+    """exp(s - m) times v, and its row sums (as a matrix-vector product: a second plain reduction
+    over the score tile is several times slower on XLA:CPU)."""
+    p = jnp.exp(s - m)
+    den = jnp.einsum("bktgs,s->bktg", p, jnp.ones((p.shape[-1],), jnp.float32))
+    num = jnp.einsum("bktgs,bskh->bktgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return num, den
+
+
+def _finish(num, den, q):
+    b, t, n, h = q.shape
     out = num / jnp.maximum(den, 1e-30)[..., None]
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h).astype(q.dtype)
+
+
+def _attend_blocks(q, parts, key_block):
+    """`attend` over key blocks of at most `key_block` keys: each block's softmax statistics (its
+    max, exp-sum and weighted values) are computed on their own and merged by log-sum-exp, so one
+    block's scores are the largest score array alive. Same result as one softmax, up to rounding."""
+    b, t, n, h = q.shape
+    kh = parts[0][0].shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h)
+    stats = []
+    for k, v, mask in parts:
+        for lo in range(0, k.shape[1], key_block):
+            hi = min(lo + key_block, k.shape[1])
+            s = _scores(qg, k[:, lo:hi], None if mask is None else mask[..., lo:hi])
+            m = jax.lax.stop_gradient(jnp.maximum(s.max(-1, keepdims=True), 0.1 * _NEG))
+            stats.append((m, *_weighted(s, m, v[:, lo:hi])))
+    top = stats[0][0]
+    for m, _, _ in stats[1:]:
+        top = jnp.maximum(top, m)
+    num = jnp.zeros((b, kh, t, n // kh, h), jnp.float32)
+    den = jnp.zeros((b, kh, t, n // kh), jnp.float32)
+    for m, p_num, p_den in stats:
+        scale = jnp.exp(m - top)  # a fully masked block has m = NEG / 10: scale 0 unless all are
+        num, den = num + p_num * scale, den + p_den * scale[..., 0]
+    return _finish(num, den, q)
 
 
 class Attention(nn.Module):
@@ -93,6 +133,15 @@ class Attention(nn.Module):
         v = rms_normalize(v_raw, self.cfg.rms_norm_eps).astype(dt)
         return q, k, v
 
+    def _replicate(self, k, v, cache_k):
+        """k, v [B, T, K, H] -> [B, T, K r, H] when the cache stores each kv head r times (its head
+        count says so, see model/cache.py): the keys then line up head for head with the cache."""
+        r = cache_k.shape[2] // self.kv_heads
+        if r == 1:
+            return k, v
+        k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+        return constrain(k, CACHE_AXES), constrain(v, CACHE_AXES)
+
     def _out(self, y):
         with jax.named_scope("o_proj"):
             return jnp.einsum("btnh,nhd->btd", y, self.o.astype(y.dtype))
@@ -102,6 +151,7 @@ class Attention(nn.Module):
         t = x.shape[1]
         positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         q, k, v = self._qkv(x, positions)
+        k, v = self._replicate(k, v, cache_k)
         cache_k = write_tokens(cache_k, k, starts, num_new)
         cache_v = write_tokens(cache_v, v, starts, num_new)
         cache_k, cache_v = constrain(cache_k, CACHE_AXES), constrain(cache_v, CACHE_AXES)
@@ -115,7 +165,7 @@ class Attention(nn.Module):
             keys, vals = cache_k, cache_v
             k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (x.shape[0], s))
         mask = masks.causal_mask(positions, k_pos, starts + num_new, self.window)
-        y = attend(q, [(keys, vals, mask)])
+        y = attend(q, [(keys, vals, mask)], self.cfg.attn_key_block)
         return self._out(y), cache_k, cache_v
 
     def denoise(self, x, context_end, cache_k, cache_v):
@@ -123,6 +173,7 @@ class Attention(nn.Module):
         b, l = x.shape[:2]
         positions = context_end[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
         q, k, v = self._qkv(x, positions)
+        k, v = self._replicate(k, v, cache_k)
         s = cache_k.shape[1]
         if self.window is not None and self.window - 1 < s:
             size = self.window - 1
@@ -134,5 +185,5 @@ class Attention(nn.Module):
             k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))
         ctx_mask = masks.denoise_context_mask(positions, k_pos, context_end, self.window,
                                               self.cfg.denoise_window)
-        y = attend(q, [(keys, vals, ctx_mask), (k, v, None)])
+        y = attend(q, [(keys, vals, ctx_mask), (k, v, None)], self.cfg.attn_key_block)
         return self._out(y)

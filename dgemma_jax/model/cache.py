@@ -2,6 +2,12 @@
 
 Slot `s` of row `b` holds the key/value of the token at absolute position `s`. `lengths[b]` is the
 number of committed tokens of row `b`: slots `>= lengths[b]` are unused and never visible.
+
+KV-head replicas: layer i may store each of its K_i kv heads r_i times in a row (cache head j holds
+kv head j // r_i), so that a mesh splitting the query heads more ways than there are kv heads gives
+every device exactly the kv head its query heads read (no per-step slicing of a replicated cache;
+the same trick as tensor-parallel serving engines use). r_i must divide the query-group size
+N / K_i. The attention infers r_i from the cache's head count; the math is unchanged.
 """
 
 from __future__ import annotations
@@ -16,11 +22,16 @@ from dgemma_jax.model.layers import dtype_of
 
 @struct.dataclass
 class KVCache:
-    """keys[i], values[i]: [B, S, K_i, H_i] for layer i; lengths: [B] int32."""
+    """keys[i], values[i]: [B, S, K_i r_i, H_i] for layer i; lengths: [B] int32; kv_replicas: the
+    r_i (static; None = 1 everywhere)."""
 
     keys: tuple
     values: tuple
     lengths: jax.Array
+    kv_replicas: tuple | None = struct.field(pytree_node=False, default=None)
+
+    def replicas(self, layer: int) -> int:
+        return 1 if self.kv_replicas is None else self.kv_replicas[layer]
 
     @property
     def batch_size(self) -> int:
@@ -31,8 +42,26 @@ class KVCache:
         return self.keys[0].shape[1]
 
 
-def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
-    """An empty cache for `batch_size` rows of up to `max_length` tokens (prompt + all canvases)."""
+def check_replicas(config: ModelConfig, kv_replicas) -> tuple[int, ...]:
+    """Per-layer kv-head replica counts (None = 1 everywhere), validated against the config."""
+    if kv_replicas is None:
+        return (1,) * config.num_layers
+    reps = tuple(int(r) for r in kv_replicas)
+    if len(reps) != config.num_layers:
+        raise ValueError(f"kv_replicas has {len(reps)} entries but the model has {config.num_layers} layers")
+    for i, r in enumerate(reps):
+        group = config.num_heads // config.layer_kv_heads(i)
+        if r < 1 or group % r:
+            raise ValueError(f"kv_replicas[{i}]={r} must be >= 1 and divide the layer's query-group size "
+                             f"{group} (num_heads / kv_heads)")
+    return reps
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None, kv_replicas=None) -> KVCache:
+    """An empty cache for `batch_size` rows of up to `max_length` tokens (prompt + all canvases).
+
+    kv_replicas: optional per-layer replica counts of the kv heads (see the module docstring; the
+    sharded engine picks them from its mesh, `Shardings.kv_replicas`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_length < 1:
@@ -41,17 +70,18 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
         raise ValueError(f"max_length={max_length} exceeds the model's max_position_embeddings="
                          f"{config.max_position_embeddings}")
     dtype = dtype or dtype_of(config.dtype)
+    reps = check_replicas(config, kv_replicas)
     keys, values = [], []
     for i in range(config.num_layers):
-        shape = (batch_size, max_length, config.layer_kv_heads(i), config.layer_head_dim(i))
+        shape = (batch_size, max_length, config.layer_kv_heads(i) * reps[i], config.layer_head_dim(i))
         keys.append(jnp.zeros(shape, dtype))
         values.append(jnp.zeros(shape, dtype))
-    return KVCache(tuple(keys), tuple(values), jnp.zeros((batch_size,), jnp.int32))
+    return KVCache(tuple(keys), tuple(values), jnp.zeros((batch_size,), jnp.int32), reps)
 
 
-def cache_shape(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
+def cache_shape(config: ModelConfig, batch_size: int, max_length: int, dtype=None, kv_replicas=None) -> KVCache:
     """The cache as `jax.ShapeDtypeStruct`s (for AOT compilation; nothing is allocated)."""
-    return jax.eval_shape(lambda: init_cache(config, batch_size, max_length, dtype))
+    return jax.eval_shape(lambda: init_cache(config, batch_size, max_length, dtype, kv_replicas))
 
 
 def write_tokens(cache_kv: jax.Array, new_kv: jax.Array, starts: jax.Array, num_new: jax.Array) -> jax.Array:

@@ -112,7 +112,7 @@ class Transformer(nn.Module):
         keys, values = list(cache.keys), list(cache.values)
         for i, blk in enumerate(self.blocks):
             x, keys[i], values[i] = blk.encode(x, starts, num_new, keys[i], values[i])
-        new_cache = KVCache(tuple(keys), tuple(values), (starts + num_new).astype(jnp.int32))
+        new_cache = cache.replace(keys=tuple(keys), values=tuple(values), lengths=(starts + num_new).astype(jnp.int32))
         if logits_mode == "none":
             return None, new_cache
         if logits_mode == "last":

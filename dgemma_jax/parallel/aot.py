@@ -8,7 +8,9 @@ allocated), compile them with the TPU compiler, and read per-chip memory and cos
 
 `cost_analysis()` counts a loop body once, so per-step figures come from the step program and
 per-canvas projections multiply by the step count. Projections use the roofline of
-shared/spec/performance.md: time = max(flops / peak, bytes / bandwidth).
+shared/spec/performance.md: time = max(flops / peak, bytes / bandwidth), with the bytes the
+program moves through HBM (`hbm_traffic`: cost_analysis's byte count also includes reads of what
+the compiler staged on chip; both are reported).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.parallel.hbm_traffic import hbm_traffic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,13 +89,12 @@ def _abstract(tree, shardings):
 def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context: int, prompt: int):
     """ShapeDtypeStructs (with shardings) for every program argument."""
     from dgemma_jax.model.api import param_shapes
-    from dgemma_jax.model.cache import cache_shape
     from dgemma_jax.sampling.loop import init_state, row_keys
 
     rep = shardings.replicated
     rep_tree = lambda t: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), t)  # noqa: E731
     params = _abstract(param_shapes(config), shardings.params)
-    cache = _abstract(cache_shape(config, batch, context), shardings.cache(batch, context))
+    cache = _abstract(shardings.cache_shape(batch, context), shardings.cache(batch, context))
     keys = rep_tree(jax.eval_shape(lambda: row_keys(jax.random.key(0), batch)))
     state = rep_tree(jax.eval_shape(
         lambda: init_state(config, sampler, jnp.zeros((batch, sampler.canvas_length), jnp.int32))))
@@ -226,7 +228,13 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         total = (mem["argument_size_in_bytes"] + mem["output_size_in_bytes"] - mem["alias_size_in_bytes"]
                  + mem["temp_size_in_bytes"] + mem["generated_code_size_in_bytes"])
         entry.update(memory=mem, total_bytes=total, fits=total <= topo.hbm_bytes, **_cost(compiled))
-        entry["projected_seconds"] = max(entry["flops"] / topo.bf16_flops, entry["bytes_accessed"] / topo.hbm_bw)
+        traffic = hbm_traffic(compiled.as_text())
+        entry["hbm_bytes"] = traffic["total"]
+        entry["hbm_bytes_by_op"] = {k: v for k, v in traffic["by_op"].items() if v >= 1e6}
+        # bandwidth is spent on HBM traffic; cost_analysis also counts on-chip (VMEM) reads
+        entry["projected_seconds"] = max(entry["flops"] / topo.bf16_flops, entry["hbm_bytes"] / topo.hbm_bw)
+        entry["projected_seconds_cost_analysis_bytes"] = max(entry["flops"] / topo.bf16_flops,
+                                                             entry["bytes_accessed"] / topo.hbm_bw)
         report["fits"] &= entry["fits"]
         report["programs"][name] = entry
     step = report["programs"].get("denoise_step", {})
@@ -256,7 +264,8 @@ def _add_efficiency(entry: dict, cfg: ModelConfig, sh, topo: Topology, batch: in
     floor = max(useful / topo.bf16_flops, need["total"] / topo.hbm_bw)
     entry.update(useful_flops=useful, required_bytes=need["total"], required_param_bytes=need["params"],
                  required_cache_bytes=need["cache"], flops_ratio=entry["flops"] / useful,
-                 bytes_ratio=entry["bytes_accessed"] / need["total"], roofline_floor_seconds=floor)
+                 bytes_ratio=entry["bytes_accessed"] / need["total"], hbm_bytes_ratio=entry["hbm_bytes"] / need["total"],
+                 roofline_floor_seconds=floor)
 
 
 def fix_hint(report: dict) -> str:

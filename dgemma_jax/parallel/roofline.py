@@ -63,13 +63,12 @@ def _keys_read(config: ModelConfig, layer: int, context: int) -> int:
 def denoise_step_bytes_per_chip(config: ModelConfig, shardings, batch: int, context: int) -> dict[str, float]:
     """{"params", "cache", "total"}: bytes one chip must read for one step (its shards)."""
     from dgemma_jax.model.api import param_shapes
-    from dgemma_jax.model.cache import cache_shape
 
     def shard_bytes(leaf, sharding):
         return math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
 
     params = sum(jax.tree.leaves(jax.tree.map(shard_bytes, param_shapes(config), shardings.params)))
-    shapes, cshard = cache_shape(config, batch, context), shardings.cache(batch, context)
+    shapes, cshard = shardings.cache_shape(batch, context), shardings.cache(batch, context)
     cache = 0.0
     for i in range(config.num_layers):
         frac = _keys_read(config, i, context) / context

@@ -45,15 +45,42 @@ class Shardings:
         """Trace programs inside this so the model's logical constraints map onto the mesh."""
         return sharding_context(self.mesh, self.rules)
 
-    def cache(self, batch: int, length: int) -> KVCache:
+    @functools.cached_property
+    def kv_replicas(self) -> tuple[int, ...]:
+        """Per layer, how many times the cache stores each kv head (model/cache.py).
+
+        When the mesh splits the query heads s ways but a layer has fewer kv heads than that (the
+        26B's 2 global kv heads on 8 chips), a plain cache would be replicated and every step would
+        slice each device's kv head out of it. Storing each kv head r times (K r divisible by s, r
+        dividing the query-group size) gives every device exactly its kv head instead: less memory
+        per device and no per-step copy. 1 where the kv heads already split like the query heads.
+        """
         c = self.config
-        keys = tuple(self.named((batch, length, c.layer_kv_heads(i), c.layer_head_dim(i)), CACHE_AXES)
+        q_split = _splits(self.named((c.num_heads,), ("heads",)))
+        reps = []
+        for i in range(c.num_layers):
+            kv, group = c.layer_kv_heads(i), c.num_heads // c.layer_kv_heads(i)
+            fits = [r for r in range(1, group + 1)
+                    if group % r == 0 and _splits(self.named((kv * r,), ("kv_heads",))) == q_split]
+            reps.append(fits[0] if fits else 1)
+        return tuple(reps)
+
+    def cache(self, batch: int, length: int) -> KVCache:
+        c, reps = self.config, self.kv_replicas
+        keys = tuple(self.named((batch, length, c.layer_kv_heads(i) * reps[i], c.layer_head_dim(i)), CACHE_AXES)
                      for i in range(c.num_layers))
-        return KVCache(keys, keys, self.named((batch,), ("batch",)))
+        return KVCache(keys, keys, self.named((batch,), ("batch",)), reps)
+
+    def cache_shape(self, batch: int, length: int) -> KVCache:
+        """The sharded cache's shapes (`jax.ShapeDtypeStruct`s, nothing allocated)."""
+        from dgemma_jax.model.cache import cache_shape
+
+        return cache_shape(self.config, batch, length, dtype_of(self.config.dtype), self.kv_replicas)
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty cache created directly in its shards."""
-        fn = jax.jit(functools.partial(init_cache, self.config, batch, length, dtype_of(self.config.dtype)),
+        fn = jax.jit(functools.partial(init_cache, self.config, batch, length, dtype_of(self.config.dtype),
+                                       self.kv_replicas),
                      out_shardings=self.cache(batch, length))
         return fn()
 
@@ -79,6 +106,15 @@ class Shardings:
         host = np.asarray(x)
         sharding = self.replicated if logical is None else self.named(host.shape, logical)
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def _splits(sharding: NamedSharding) -> int:
+    """How many ways a 1-D sharding splits its array."""
+    axes = sharding.spec[0] if len(sharding.spec) else None
+    if axes is None:
+        return 1
+    axes = (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([sharding.mesh.shape[a] for a in axes]))
 
 
 def fetch(x) -> np.ndarray:

@@ -1,0 +1,132 @@
+"""HBM traffic of a compiled TPU program, read from its HLO's memory spaces.
+
+`cost_analysis()["bytes accessed"]` adds up every operand and result of every op, wherever it
+lives. The TPU compiler stages weights and small activations through on-chip VMEM (memory space
+S(1) in the compiled module's layouts): an async `copy-start` / `slice-start` moves them from HBM
+once, and the fusions then read the VMEM copy. cost_analysis counts such a weight once for the
+transfer and again for every read, so it overstates what the chip's HBM must deliver (a weight
+prefetched by the model's grouped matmul counts ~3x its size).
+
+`hbm_traffic(hlo_text)` counts only HBM: for each op of the entry computation (and of the loop
+bodies and conditional branches it runs), the operands and results whose layout has no memory-space
+annotation; a transfer counts its bytes on the HBM side; a fusion operand that the fusion only
+slices or gathers counts the rows it takes, not the whole array. Like cost_analysis, a loop body
+counts once (per-step figures come from the step program); a conditional counts its largest
+branch. This is our reading of the compiler's output, not a hardware measurement.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+             "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+# dtype[dims]{layout}; the layout may hold tiling "(8,128)" and a memory space "S(1)"
+_ARRAY = re.compile(r"\b(" + "|".join(_ITEMSIZE) + r")\[([0-9,]*)\](\{[^{}]*\})?")
+_INST = re.compile(r"^(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*?)\)(, .*)?$")
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
+_NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+               "replica-id", "iota"}
+_SLICING = {"dynamic-slice", "slice", "gather"}
+
+
+def _arrays(type_text: str) -> list[tuple[int, bool]]:
+    """(bytes, on_chip) for every array in an HLO type (a tuple type lists several)."""
+    out = []
+    for dtype, dims, layout in _ARRAY.findall(type_text):
+        n = 1
+        for d in dims.split(","):
+            if d:
+                n *= int(d)
+        out.append((n * _ITEMSIZE[dtype], bool(re.search(r"S\([1-9]\d*\)", layout or ""))))
+    return out
+
+
+def _hbm(type_text: str) -> int:
+    return sum(b for b, on_chip in _arrays(type_text) if not on_chip)
+
+
+def _parse(text: str):
+    comps: dict[str, list[tuple]] = {}
+    entry, cur = None, None
+    for line in text.splitlines():
+        if not line.startswith(" "):
+            m = _HEADER.match(line)
+            if m:
+                cur = m.group(2)
+                comps[cur] = []
+                entry = cur if m.group(1) else entry
+            continue
+        m = _INST.match(line.strip())
+        if cur is not None and m:
+            name, typ, op, args, rest = m.groups()
+            comps[cur].append((name, typ, op, re.findall(r"%([\w.\-]+)", args), rest or ""))
+    if entry is None:
+        raise ValueError("no ENTRY computation in this HLO text")
+    return comps, entry
+
+
+def hbm_traffic(hlo_text: str) -> dict:
+    """{"total": bytes, "by_op": {op kind: bytes}} of HBM reads + writes (see the module docstring)."""
+    comps, entry = _parse(hlo_text)
+    param_index = {m.group(1): int(m.group(2))  # instruction names are unique in a module
+                   for m in re.finditer(r"^\s*%([\w.\-]+) = .*? parameter\((\d+)\)", hlo_text, re.M)}
+
+    def read_of(comp: str, param: str, full: int) -> int:
+        """Bytes computation `comp` reads of its parameter `param`: the slices, when all it does with
+        the parameter is slice or gather it (looking through nested fusions)."""
+        total = 0
+        for _, typ, op, args, rest in comps.get(comp, []):
+            if param not in args:
+                continue
+            if op in _SLICING and args[0] == param and param not in args[1:]:
+                total += sum(b for b, _ in _arrays(typ))
+            elif op == "fusion" and (inner := re.search(r"calls=%?([\w.\-]+)", rest)):
+                nested = {param_index.get(n): n for n, _, o, _, _ in comps.get(inner.group(1), []) if o == "parameter"}
+                for j, a in enumerate(args):
+                    if a == param:
+                        total += read_of(inner.group(1), nested.get(j, ""), full)
+            else:
+                return full
+        return min(total, full)
+
+    def operand_bytes(shapes, op, args, rest):
+        sizes = [_hbm(shapes.get(a, "")) for a in args]
+        called = re.search(r"calls=%?([\w.\-]+)", rest)
+        if op != "fusion" or not called:
+            return sum(sizes)
+        params = {param_index.get(n): n for n, _, o, _, _ in comps.get(called.group(1), []) if o == "parameter"}
+        return sum(read_of(called.group(1), params[j], size) if size and j in params else size
+                   for j, size in enumerate(sizes))
+
+    def walk(comp: str) -> Counter:
+        shapes = {name: typ for name, typ, *_ in comps[comp]}
+        out: Counter = Counter()
+        for name, typ, op, args, rest in comps[comp]:
+            if op == "while":
+                out += walk(re.search(r"body=%?([\w.\-]+)", rest).group(1))
+            elif op == "conditional":
+                m = re.search(r"branch_computations=\{([^}]*)\}", rest)
+                names = ([b.strip().lstrip("%") for b in m.group(1).split(",")] if m else
+                         [re.search(k + r"=%?([\w.\-]+)", rest).group(1)
+                          for k in ("true_computation", "false_computation")])
+                out += max((walk(b) for b in names), key=lambda c: sum(c.values()))
+            elif op == "call":
+                out += walk(re.search(r"to_apply=%?([\w.\-]+)", rest).group(1))
+            elif op in _NO_TRAFFIC or op.endswith("-done"):
+                continue
+            elif op in ("copy-start", "slice-start"):
+                # the moved bytes, on whichever sides are HBM; the result types are
+                # (destination, source, context) for a copy, ((source), destination, context) for a slice
+                source = _arrays(shapes.get(args[0], ""))
+                parts = _arrays(typ)
+                dest = parts[:1] if op == "copy-start" else parts[len(source):][:1]
+                if source and dest:
+                    out[op] += dest[0][0] * ((not source[0][1]) + (not dest[0][1]))
+            else:
+                out[op] += _hbm(typ) + operand_bytes(shapes, op, args, rest)
+        return out
+
+    by_op = walk(entry)
+    return {"total": float(sum(by_op.values())), "by_op": {k: float(v) for k, v in by_op.most_common()}}
