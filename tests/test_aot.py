@@ -91,8 +91,11 @@ def test_hbm_traffic_counts_what_crosses_hbm():
     w = jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16)
     compiled = _tpu_compiled(lambda x, w: x @ w, x, w)
     need = 2 * (256 * 4096 + 4096 * 8192 + 256 * 8192)
-    got = hbm_traffic(compiled.as_text())["total"]
+    traffic = hbm_traffic(compiled.as_text())
+    got = traffic["total"]
     assert need <= got <= 1.1 * need, (got, need)
+    assert sum(traffic["by_scope"].values()) == pytest.approx(got) == pytest.approx(sum(traffic["by_op"].values()))
+    assert any("dot_general" in scope for scope in traffic["by_scope"])
     counted = compiled.cost_analysis()
     counted = (counted[0] if isinstance(counted, (list, tuple)) else counted)["bytes accessed"]
     assert counted >= got

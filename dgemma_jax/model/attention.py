@@ -79,17 +79,29 @@ def _finish(num, den, q):
 def _attend_blocks(q, parts, key_block):
     """`attend` over key blocks of at most `key_block` keys: each block's softmax statistics (its
     max, exp-sum and weighted values) are computed on their own and merged by log-sum-exp, so one
-    block's scores are the largest score array alive. Same result as one softmax, up to rounding."""
+    block's scores are the largest score array alive, and a block that no query sees is skipped.
+    Same result as one softmax, up to rounding."""
     b, t, n, h = q.shape
     kh = parts[0][0].shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
+    def block_stats(k, v, mask):
+        s = _scores(qg, k, mask)
+        m = jax.lax.stop_gradient(jnp.maximum(s.max(-1, keepdims=True), 0.1 * _NEG))
+        return (m, *_weighted(s, m, v))
+
+    def empty(k, v, mask):  # what a fully masked block gives, without reading its keys
+        return (jnp.full((b, kh, t, n // kh, 1), 0.1 * _NEG, jnp.float32),
+                jnp.zeros((b, kh, t, n // kh, h), jnp.float32), jnp.zeros((b, kh, t, n // kh), jnp.float32))
+
     stats = []
     for k, v, mask in parts:
         for lo in range(0, k.shape[1], key_block):
             hi = min(lo + key_block, k.shape[1])
-            s = _scores(qg, k[:, lo:hi], None if mask is None else mask[..., lo:hi])
-            m = jax.lax.stop_gradient(jnp.maximum(s.max(-1, keepdims=True), 0.1 * _NEG))
-            stats.append((m, *_weighted(s, m, v[:, lo:hi])))
+            blk = (k[:, lo:hi], v[:, lo:hi], None if mask is None else mask[..., lo:hi])
+            if mask is None:
+                stats.append(block_stats(*blk))
+            else:  # blocks no query sees (the unused end of a long cache) are skipped at run time
+                stats.append(jax.lax.cond(jnp.any(blk[2]), block_stats, empty, *blk))
     top = stats[0][0]
     for m, _, _ in stats[1:]:
         top = jnp.maximum(top, m)

@@ -28,6 +28,10 @@ from dgemma_jax.config import ModelConfig
 from dgemma_jax.parallel.hbm_traffic import hbm_traffic
 
 
+PROJECTION_LABEL = ("projection from the TPU compiler (cost_analysis FLOPs, the compiled program's HBM traffic), "
+                    "not a measurement")
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
     name: str                 # jax topology descriptor, e.g. "v5e:2x4"
@@ -244,7 +248,7 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
     if "projected_seconds" in step:
         per_canvas = steps_per_canvas * step["projected_seconds"] + commit.get("projected_seconds", 0.0)
         report["projection"] = {
-            "label": "projection from the TPU compiler's cost_analysis, not a measurement",
+            "label": PROJECTION_LABEL,
             "steps_per_canvas": steps_per_canvas,
             "denoise_step_ms": 1e3 * step["projected_seconds"],
             "roofline_step_ms": 1e3 * step.get("roofline_floor_seconds", float("nan")),

@@ -67,8 +67,16 @@ def _parse(text: str):
     return comps, entry
 
 
+def _scope(op: str, rest: str) -> str:
+    """The op's source scope (its `op_name` metadata, layer numbers folded: blocks_N)."""
+    m = re.search(r'op_name="([^"]*)"', rest)
+    name = re.sub(r"^jit\([^)]*\)/", "", m.group(1)) if m else op
+    return re.sub(r"blocks_\d+", "blocks_N", name)
+
+
 def hbm_traffic(hlo_text: str) -> dict:
-    """{"total": bytes, "by_op": {op kind: bytes}} of HBM reads + writes (see the module docstring)."""
+    """HBM reads + writes (see the module docstring): {"total": bytes, "by_op": {op kind: bytes},
+    "by_scope": {source scope (layers folded): bytes}}."""
     comps, entry = _parse(hlo_text)
     param_index = {m.group(1): int(m.group(2))  # instruction names are unique in a module
                    for m in re.finditer(r"^\s*%([\w.\-]+) = .*? parameter\((\d+)\)", hlo_text, re.M)}
@@ -123,10 +131,16 @@ def hbm_traffic(hlo_text: str) -> dict:
                 parts = _arrays(typ)
                 dest = parts[:1] if op == "copy-start" else parts[len(source):][:1]
                 if source and dest:
-                    out[op] += dest[0][0] * ((not source[0][1]) + (not dest[0][1]))
+                    out[(op, _scope(op, rest))] += dest[0][0] * ((not source[0][1]) + (not dest[0][1]))
             else:
-                out[op] += _hbm(typ) + operand_bytes(shapes, op, args, rest)
+                out[(op, _scope(op, rest))] += _hbm(typ) + operand_bytes(shapes, op, args, rest)
         return out
 
-    by_op = walk(entry)
-    return {"total": float(sum(by_op.values())), "by_op": {k: float(v) for k, v in by_op.most_common()}}
+    counts = walk(entry)
+    by_op: Counter = Counter()
+    by_scope: Counter = Counter()
+    for (op, scope), v in counts.items():
+        by_op[op] += v
+        by_scope[scope] += v
+    return {"total": float(sum(counts.values())), "by_op": {k: float(v) for k, v in by_op.most_common()},
+            "by_scope": {k: float(v) for k, v in by_scope.most_common()}}
