@@ -257,3 +257,24 @@ def test_train_cli_on_a_mesh_matches_one_device_and_resumes(tmp_path):
     _, resumed = run(tmp_path / "mesh", 4, "fsdp=2,expert=2")  # from the step-2 checkpoint
     assert sorted(resumed) == [1, 2, 3, 4] and np.isfinite(resumed[4])
     np.testing.assert_allclose(resumed[3], sharded[3], rtol=1e-5)  # steps 3 re-run from the checkpoint
+
+
+def test_only_process_zero_writes_the_run_files(tmp_path, monkeypatch):
+    """Multi-host: every process trains, but only process 0 writes config / metrics / summary / plot /
+    export (a shared run directory is not written by every host at once); checkpoints are orbax's,
+    which coordinates the processes itself."""
+    import importlib
+
+    train_mod = importlib.import_module("dgemma_jax.training.train")  # the module (the package exports a function)
+
+    over = {"train.num_steps": 2, "train.checkpoint_every": 1, "train.export": True, "train.final_eval": False}
+    lead = train_mod.train(load_config(os.path.join(ROOT, "configs", "train_tiny.py"),
+                                       {**over, "train.workdir": str(tmp_path / "lead")}))
+    monkeypatch.setattr(train_mod, "is_main_process", lambda: False)
+    other = train_mod.train(load_config(os.path.join(ROOT, "configs", "train_tiny.py"),
+                                        {**over, "train.workdir": str(tmp_path / "other")}))
+    written = {p.name for p in (tmp_path / "lead").iterdir()}
+    assert {"config.json", "metrics.jsonl", "summary.json", "export", "checkpoints"} <= written
+    assert {p.name for p in (tmp_path / "other").iterdir()} == {"checkpoints"}
+    for a, b in zip(jax.tree.leaves(other["run"].state.params), jax.tree.leaves(lead["run"].state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same training either way

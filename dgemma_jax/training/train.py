@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.parallel.distributed import is_main_process
+from dgemma_jax.parallel.shardings import fetch
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.training import data as data_lib
 from dgemma_jax.training import lora as lora_lib
@@ -272,9 +274,13 @@ def train(config) -> dict[str, Any]:
     run = Run(config)
     tc = run.tc
     workdir = os.path.abspath(tc["workdir"])
+    # multi-host: every process trains (and evaluates) in lockstep; process 0 alone writes the run's
+    # files and shows progress (orbax coordinates the checkpoints across processes itself)
+    lead = is_main_process()
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(_jsonable(_d(config)), f, indent=1)
+    if lead:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(_jsonable(_d(config)), f, indent=1)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     eval_path = os.path.join(workdir, "eval.jsonl")
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=tc.get("max_to_keep", 3))
@@ -286,19 +292,20 @@ def train(config) -> dict[str, Any]:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), state))
         it.set_state(dstate)
         start = int(state.step)
-        _truncate_jsonl(metrics_path, start)
-        _truncate_jsonl(eval_path, start)
+        if lead:
+            _truncate_jsonl(metrics_path, start)
+            _truncate_jsonl(eval_path, start)
     log_every = int(tc.get("log_every", 10))
     ckpt_every = int(tc.get("checkpoint_every", 500))
     eval_every = int(tc.get("eval_every", 0))
     time_limit = float(tc.get("time_limit_s", 0) or 0)
     throttle = float(tc.get("throttle_s", 0) or 0)  # sleep per step: lets tests kill a run mid-way
-    bar = _progress(tc, start, run.num_steps)
+    bar = _progress(tc, start, run.num_steps) if lead else None
     t0 = time.time()
     train_time = float(_prev_train_time(metrics_path))
     step = start
     stopped_early = False
-    with open(metrics_path, "a") as mf:
+    with open(metrics_path if lead else os.devnull, "a") as mf:
         while step < run.num_steps:
             batch = next(it)
             state, m = run.step_fn(state, run.frozen, batch)
@@ -318,8 +325,8 @@ def train(config) -> dict[str, Any]:
             if step % ckpt_every == 0 and step < run.num_steps:
                 ckpt.save(step, state, it.get_state())
             if eval_every and step % eval_every == 0 and step < run.num_steps:
-                _log_eval(run, state, step, eval_path, bar)
-            if time_limit and train_time + time.time() - t0 > time_limit:
+                _log_eval(run, state, step, eval_path, bar, lead)
+            if time_limit and _all_agree(train_time + time.time() - t0 > time_limit):
                 stopped_early = True
                 break
     if bar is not None:
@@ -334,13 +341,16 @@ def train(config) -> dict[str, Any]:
     if rows:
         summary["final_metrics"] = rows[-1]
     if run.ec and tc.get("final_eval", True):
-        summary["eval"] = _log_eval(run, state, step, eval_path, None)
+        summary["eval"] = _log_eval(run, state, step, eval_path, None, lead)
     if tc.get("export", False):
-        save_params(os.path.join(workdir, "export"), jax.device_get(run.inference_params(state)))
-    summary["loss_curve"] = plot_loss_curve(metrics_path, os.path.join(workdir, "loss_curve.png"),
-                                            eval_path=eval_path)
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(_jsonable(summary), f, indent=1)
+        host = jax.tree.map(fetch, run.inference_params(state))  # a collective: every process joins
+        if lead:
+            save_params(os.path.join(workdir, "export"), host)
+    if lead:
+        summary["loss_curve"] = plot_loss_curve(metrics_path, os.path.join(workdir, "loss_curve.png"),
+                                                eval_path=eval_path)
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(_jsonable(summary), f, indent=1)
     run.state = state
     summary["run"] = run
     return summary
@@ -351,9 +361,18 @@ def _prev_train_time(metrics_path: str) -> float:
     return rows[-1].get("time_s", 0.0) if rows else 0.0
 
 
-def _log_eval(run: Run, state, step: int, eval_path: str, bar) -> dict[str, Any]:
+def _all_agree(flag: bool) -> bool:
+    """Process 0's decision, on every process (a run's processes must stop at the same step)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
+def _log_eval(run: Run, state, step: int, eval_path: str, bar, lead: bool = True) -> dict[str, Any]:
     r = run.evaluate(state)
-    if not r:
+    if not r or not lead:
         return r
     row = {"step": step, **{k: v for k, v in r.items() if k != "samples"}}
     with open(eval_path, "a") as f:
