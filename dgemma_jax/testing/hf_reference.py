@@ -379,7 +379,7 @@ def cache_lengths(cache: DynamicCache) -> list[dict[str, Any]]:
 
 
 def _as_batch(x: np.ndarray | torch.Tensor, ndim: int) -> tuple[torch.Tensor, bool]:
-    t = torch.as_tensor(np.asarray(x))
+    t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x))  # a writable copy of an array
     if t.ndim == ndim - 1:
         return t.unsqueeze(0), True
     if t.ndim != ndim:
