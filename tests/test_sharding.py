@@ -111,6 +111,26 @@ def test_kv_replicas_give_each_device_its_kv_head():
             assert per_device * (CFG.num_heads // heads) == q_per_device, (mesh_spec, i)
 
 
+def test_kv_replicas_remove_the_per_step_cache_slice():
+    """The compiled denoise step on tensor=8 slices no whole-length K/V out of the cache; with the
+    replicas turned off (a replicated global cache) it does, once per global K and V."""
+    def cache_slices(sh):
+        ab = lambda t, s: jax.tree.map(lambda a, n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=n), t, s)  # noqa: E731
+        ps, cache = ab(param_shapes(CFG), sh.params), ab(sh.cache_shape(1, 64), sh.cache(1, 64))
+        keys = jax.eval_shape(lambda: row_keys(jax.random.key(0), 1))
+        state = jax.eval_shape(lambda: init_state(CFG, SAMPLER, jnp.zeros((1, 16), jnp.int32)))
+        step = jax.jit(lambda p, c, k, s: denoise_step(p, CFG, SAMPLER, c, c.lengths, k, s))
+        with sh.context():
+            hlo = step.lower(ps, cache, keys, state).compile().as_text()
+        return re.findall(r"= f32\[1,64,\d+,\d+\]\S* dynamic-slice\(", hlo)  # all 64 slots of some heads
+
+    sh = Shardings(CFG, make_mesh("tensor=8"), "latency")
+    assert sh.kv_replicas[-1] == 4 and cache_slices(sh) == []
+    plain = Shardings(CFG, make_mesh("tensor=8"), "latency")
+    plain.__dict__["kv_replicas"] = (1,) * CFG.num_layers  # override the cached property: no replicas
+    assert len(cache_slices(plain)) >= 2
+
+
 @pytest.mark.parametrize("dispatch", ["capacity", "dense"])
 def test_expert_parallelism_moves_no_expert_weights(dispatch):
     """With experts over an 8-way `expert` axis the compiled step all-gathers no expert weights."""

@@ -84,6 +84,7 @@ def _attend_blocks(q, parts, key_block):
     b, t, n, h = q.shape
     kh = parts[0][0].shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
+
     def block_stats(k, v, mask):
         s = _scores(qg, k, mask)
         m = jax.lax.stop_gradient(jnp.maximum(s.max(-1, keepdims=True), 0.1 * _NEG))

@@ -48,7 +48,9 @@ def _hbm(type_text: str) -> int:
 
 
 def _parse(text: str):
+    """({computation: [(name, type, op, operand names, rest)]}, entry name, {parameter name: index})."""
     comps: dict[str, list[tuple]] = {}
+    index: dict[str, int] = {}
     entry, cur = None, None
     for line in text.splitlines():
         if not line.startswith(" "):
@@ -62,9 +64,11 @@ def _parse(text: str):
         if cur is not None and m:
             name, typ, op, args, rest = m.groups()
             comps[cur].append((name, typ, op, re.findall(r"%([\w.\-]+)", args), rest or ""))
+            if op == "parameter":
+                index[name] = int(args)
     if entry is None:
         raise ValueError("no ENTRY computation in this HLO text")
-    return comps, entry
+    return comps, entry, index
 
 
 def _scope(op: str, rest: str) -> str:
@@ -77,9 +81,10 @@ def _scope(op: str, rest: str) -> str:
 def hbm_traffic(hlo_text: str) -> dict:
     """HBM reads + writes (see the module docstring): {"total": bytes, "by_op": {op kind: bytes},
     "by_scope": {source scope (layers folded): bytes}}."""
-    comps, entry = _parse(hlo_text)
-    param_index = {m.group(1): int(m.group(2))  # instruction names are unique in a module
-                   for m in re.finditer(r"^\s*%([\w.\-]+) = .*? parameter\((\d+)\)", hlo_text, re.M)}
+    comps, entry, param_index = _parse(hlo_text)  # instruction names are unique in a module
+
+    def params_of(comp: str) -> dict[int, str]:
+        return {param_index[n]: n for n, _, op, _, _ in comps.get(comp, []) if op == "parameter"}
 
     def read_of(comp: str, param: str, full: int) -> int:
         """Bytes computation `comp` reads of its parameter `param`: the slices, when all it does with
@@ -91,7 +96,7 @@ def hbm_traffic(hlo_text: str) -> dict:
             if op in _SLICING and args[0] == param and param not in args[1:]:
                 total += sum(b for b, _ in _arrays(typ))
             elif op == "fusion" and (inner := re.search(r"calls=%?([\w.\-]+)", rest)):
-                nested = {param_index.get(n): n for n, _, o, _, _ in comps.get(inner.group(1), []) if o == "parameter"}
+                nested = params_of(inner.group(1))
                 for j, a in enumerate(args):
                     if a == param:
                         total += read_of(inner.group(1), nested.get(j, ""), full)
@@ -104,7 +109,7 @@ def hbm_traffic(hlo_text: str) -> dict:
         called = re.search(r"calls=%?([\w.\-]+)", rest)
         if op != "fusion" or not called:
             return sum(sizes)
-        params = {param_index.get(n): n for n, _, o, _, _ in comps.get(called.group(1), []) if o == "parameter"}
+        params = params_of(called.group(1))
         return sum(read_of(called.group(1), params[j], size) if size and j in params else size
                    for j, size in enumerate(sizes))
 

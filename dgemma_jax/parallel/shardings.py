@@ -21,7 +21,7 @@ from dgemma_jax.model.api import logical_axes, param_shapes
 from dgemma_jax.model.cache import KVCache, init_cache
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.parallel.context import sharding_context
-from dgemma_jax.parallel.rules import CACHE_AXES, rules_for, spec_for
+from dgemma_jax.parallel.rules import CACHE_AXES, _axis_size, rules_for, spec_for
 
 
 class Shardings:
@@ -56,12 +56,15 @@ class Shardings:
         per device and no per-step copy. 1 where the kv heads already split like the query heads.
         """
         c = self.config
-        q_split = _splits(self.named((c.num_heads,), ("heads",)))
+
+        def splits(size, name):  # how many ways the mesh splits a dimension of this size and name
+            return _axis_size(self.mesh, spec_for((size,), (name,), self.rules, self.mesh)[0])
+
+        q_split = splits(c.num_heads, "heads")
         reps = []
         for i in range(c.num_layers):
             kv, group = c.layer_kv_heads(i), c.num_heads // c.layer_kv_heads(i)
-            fits = [r for r in range(1, group + 1)
-                    if group % r == 0 and _splits(self.named((kv * r,), ("kv_heads",))) == q_split]
+            fits = [r for r in range(1, group + 1) if group % r == 0 and splits(kv * r, "kv_heads") == q_split]
             reps.append(fits[0] if fits else 1)
         return tuple(reps)
 
@@ -106,15 +109,6 @@ class Shardings:
         host = np.asarray(x)
         sharding = self.replicated if logical is None else self.named(host.shape, logical)
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
-
-
-def _splits(sharding: NamedSharding) -> int:
-    """How many ways a 1-D sharding splits its array."""
-    axes = sharding.spec[0] if len(sharding.spec) else None
-    if axes is None:
-        return 1
-    axes = (axes,) if isinstance(axes, str) else axes
-    return int(np.prod([sharding.mesh.shape[a] for a in axes]))
 
 
 def fetch(x) -> np.ndarray:
