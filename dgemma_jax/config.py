@@ -18,6 +18,7 @@ GLOBAL = "global"
 
 _DTYPES = ("float32", "bfloat16", "float16")
 MOE_DISPATCH = ("auto", "dense", "ragged", "capacity")
+ATTN_KERNELS = ("auto", "xla", "splash")
 DENOISE_WINDOWS = ("block", "band")
 
 
@@ -74,6 +75,10 @@ class ModelConfig:
     # blocks are merged by log-sum-exp, so no [heads, tokens, keys] score array larger than one
     # block is ever live (on TPU such blocks stay in on-chip memory instead of round-tripping HBM)
     attn_key_block: int = 4096
+    # how the denoiser's canvas attends to the cache where the mask allows (global layers, "block"
+    # sliding windows): "auto" = the fused Pallas kernel (model/flash.py) when compiling for TPU and
+    # XLA elsewhere; "xla" = always XLA; "splash" = the kernel on any backend (interpreted off TPU)
+    attn_kernel: str = "auto"
     name: str = "custom"
 
     def __post_init__(self):
@@ -128,6 +133,8 @@ class ModelConfig:
             bad("moe_shard_rows_factor", self.moe_shard_rows_factor, "must be > 0")
         if not (isinstance(self.attn_key_block, int) and self.attn_key_block >= 1):
             bad("attn_key_block", self.attn_key_block, "must be a positive int")
+        if self.attn_kernel not in ATTN_KERNELS:
+            bad("attn_kernel", self.attn_kernel, f"must be one of {ATTN_KERNELS}")
         if not isinstance(self.remat, bool):
             bad("remat", self.remat, "must be True or False")
         if self.denoise_window not in DENOISE_WINDOWS:

@@ -44,6 +44,25 @@ def test_default_mesh_puts_every_chip_on_the_model(tmp_path):
     assert rep["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 4} and rep["fits"]
 
 
+def test_tpu_step_attends_to_the_cache_through_the_kernel():
+    """Compiled for TPU, the global layer's cache attention is the Pallas kernel (model/flash.py),
+    run per head shard; its FLOPs, which the compiler cannot see, are counted from its shapes and
+    account for what the compiler no longer counts."""
+    from dgemma_jax import ModelConfig
+    from dgemma_jax.parallel.aot import compile_report
+
+    cfg = ModelConfig.preset("tiny-6layer", global_head_dim=128, canvas_length=128)
+    reps = {mode: compile_report(cfg.replace(attn_kernel=mode), "v5e-8", mesh="expert=4,tensor=2", context=256,
+                                 prompt=16, programs=("denoise_step",))["programs"]["denoise_step"]
+            for mode in ("auto", "xla")}
+    kernel, xla = reps["auto"], reps["xla"]
+    # one global layer; 4 query heads over tensor=2: 2 per chip; 128 canvas queries, 256 slots, head_dim 128
+    assert kernel["kernel_flops"] == 4 * 1 * 128 * 2 * 128 * 256
+    assert kernel["flops"] == kernel["compiler_flops"] + kernel["kernel_flops"]
+    assert xla["kernel_flops"] == 0 and xla["flops"] == xla["compiler_flops"]
+    assert kernel["flops"] == pytest.approx(xla["flops"], rel=0.02)
+
+
 def test_program_that_does_not_fit_exits_nonzero_with_the_fix():
     r = _run("--preset", "bench", "--topology", "v5e-1", "--mesh", "", "--batch", "64", "--context", "200000",
              "--prompt", "16", "--programs", "commit")

@@ -145,6 +145,7 @@ BAD = [
     (dict(moe_dispatch="sparse"), "moe_dispatch"),
     (dict(moe_capacity_factor=0.0), "moe_capacity_factor"),
     (dict(attn_key_block=0), "attn_key_block"),
+    (dict(attn_kernel="pallas"), "attn_kernel"),
     (dict(denoise_window="diagonal"), "denoise_window"),
     (dict(eos_ids=(1, 256)), "eos_ids"),
     (dict(eos_ids=(-1,)), "eos_ids"),

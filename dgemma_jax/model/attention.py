@@ -17,10 +17,10 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model import masks
+from dgemma_jax.model import flash, masks
 from dgemma_jax.model.cache import window_slice, write_tokens
 from dgemma_jax.model.layers import RMSNorm, apply_rope, param, rms_normalize, rope_inv_freq
-from dgemma_jax.parallel.context import constrain
+from dgemma_jax.parallel.context import constrain, head_parallel
 
 CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
 
@@ -28,15 +28,17 @@ _NEG = -1e30
 
 
 def attend(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array | None]],
-           key_block: int | None = None) -> jax.Array:
+           key_block: int | None = None, prior: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """Softmax attention of q [B, T, N, H] over several key/value sets sharing one softmax.
 
     parts: (k [B, S, K, H], v [B, S, K, H], mask [B, T or 1, S] bool or None). Query head n reads
     kv head n // (N / K). Scores and the softmax are float32; fully masked rows give zeros.
     key_block: a part with more keys than this is attended block by block (see `_attend_blocks`).
+    prior: (out [B, T, N, H], lse [B, T, N]) of keys attended elsewhere (the cache kernel,
+    `model.flash`), merged into the same softmax; lse <= -1e29 marks a row that saw no key there.
     """
-    if key_block is not None and any(k.shape[1] > key_block for k, _, _ in parts):
-        return _attend_blocks(q, parts, key_block)
+    if prior is not None or (key_block is not None and any(k.shape[1] > key_block for k, _, _ in parts)):
+        return _attend_blocks(q, parts, key_block or max(k.shape[1] for k, _, _ in parts), prior)
     b, t, n, h = q.shape
     kh = parts[0][0].shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
@@ -76,11 +78,12 @@ def _finish(num, den, q):
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h).astype(q.dtype)
 
 
-def _attend_blocks(q, parts, key_block):
+def _attend_blocks(q, parts, key_block, prior=None):
     """`attend` over key blocks of at most `key_block` keys: each block's softmax statistics (its
     max, exp-sum and weighted values) are computed on their own and merged by log-sum-exp, so one
     block's scores are the largest score array alive, and a block that no query sees is skipped.
-    Same result as one softmax, up to rounding."""
+    A `prior` (normalised output and log-sum-exp) enters as one more block. Same result as one
+    softmax, up to rounding."""
     b, t, n, h = q.shape
     kh = parts[0][0].shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
@@ -103,6 +106,12 @@ def _attend_blocks(q, parts, key_block):
                 stats.append(block_stats(*blk))
             else:  # blocks no query sees (the unused end of a long cache) are skipped at run time
                 stats.append(jax.lax.cond(jnp.any(blk[2]), block_stats, empty, *blk))
+    if prior is not None:
+        out, lse = prior
+        seen = (lse > 0.1 * _NEG).reshape(b, t, kh, n // kh).transpose(0, 2, 1, 3)
+        lse = jnp.maximum(lse, 0.1 * _NEG).reshape(b, t, kh, n // kh).transpose(0, 2, 1, 3)
+        out = out.astype(jnp.float32).reshape(b, t, kh, n // kh, h).transpose(0, 2, 1, 3, 4)
+        stats.append((lse[..., None], jnp.where(seen[..., None], out, 0.0), seen.astype(jnp.float32)))
     top = stats[0][0]
     for m, _, _ in stats[1:]:
         top = jnp.maximum(top, m)
@@ -188,8 +197,11 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, positions)
         k, v = self._replicate(k, v, cache_k)
         s = cache_k.shape[1]
+        kernel = self._kernel_wanted()
         if self.window is not None and self.window - 1 < s:
             size = self.window - 1
+            if kernel and self.window <= s:  # one more (always masked) slot: a whole number of kernel tiles
+                size = self.window
             w0 = jnp.clip(context_end - size, 0, s - size)
             keys, vals = window_slice(cache_k, w0, size), window_slice(cache_v, w0, size)
             k_pos = w0[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :]
@@ -198,5 +210,21 @@ class Attention(nn.Module):
             k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))
         ctx_mask = masks.denoise_context_mask(positions, k_pos, context_end, self.window,
                                               self.cfg.denoise_window)
+        n, h = q.shape[2:]
+        if kernel and flash.supported(l * (n // keys.shape[2]), keys.shape[1], h):
+            prior = head_parallel(flash.cache_attention, q, keys, vals, ctx_mask[:, 0])
+            if prior is not None:  # the cache through the fused kernel, the canvas's own keys here
+                return self._out(attend(q, [(k, v, None)], self.cfg.attn_key_block, prior=prior))
         y = attend(q, [(keys, vals, ctx_mask), (k, v, None)], self.cfg.attn_key_block)
         return self._out(y)
+
+    def _kernel_wanted(self) -> bool:
+        """Whether the canvas should attend to the cache through `model.flash` (see `attn_kernel`):
+        the mode asks for it and the layer's cache mask is the same for every query (global layers,
+        "block" sliding windows). The shapes are checked where it is called."""
+        mode = self.cfg.attn_kernel
+        if mode == "xla" or (self.window is not None and self.cfg.denoise_window != "block"):
+            return False
+        from dgemma_jax.model.moe import target_backend
+
+        return mode == "splash" or target_backend() == "tpu"

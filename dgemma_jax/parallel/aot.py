@@ -10,7 +10,10 @@ allocated), compile them with the TPU compiler, and read per-chip memory and cos
 per-canvas projections multiply by the step count. Projections use the roofline of
 shared/spec/performance.md: time = max(flops / peak, bytes / bandwidth), with the bytes the
 program moves through HBM (`hbm_traffic`: cost_analysis's byte count also includes reads of what
-the compiler staged on chip; both are reported).
+the compiler staged on chip; both are reported). The compiler sees a Pallas kernel (the cache
+attention of model/flash.py) as an opaque call and counts none of its FLOPs: those are counted from
+the kernel's traced shapes (`kernel_flops`) and added to `flops` (`compiler_flops` is the
+compiler's own count). A kernel's operands and results are its HBM traffic.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from dgemma_jax.config import ModelConfig
 from dgemma_jax.parallel.hbm_traffic import hbm_traffic
 
 
-PROJECTION_LABEL = ("projection from the TPU compiler (cost_analysis FLOPs, the compiled program's HBM traffic), "
-                    "not a measurement")
+PROJECTION_LABEL = ("projection from the TPU compiler (cost_analysis FLOPs plus the attention kernel's, the compiled "
+                    "program's HBM traffic), not a measurement")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +216,9 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         try:
             from dgemma_jax.model.moe import compiling_for
 
-            with sh.context(), compiling_for("tpu"):
+            from dgemma_jax.model.flash import counting_flops
+
+            with sh.context(), compiling_for("tpu"), counting_flops() as kernels:
                 lowered = fn.lower(*pos, **kw)
             compiled = lowered.compile()
         except Exception as e:  # the TPU compiler reports a program that does not fit
@@ -232,6 +237,11 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         total = (mem["argument_size_in_bytes"] + mem["output_size_in_bytes"] - mem["alias_size_in_bytes"]
                  + mem["temp_size_in_bytes"] + mem["generated_code_size_in_bytes"])
         entry.update(memory=mem, total_bytes=total, fits=total <= topo.hbm_bytes, **_cost(compiled))
+        # the compiler counts no FLOPs inside a Pallas kernel (the cache-attention kernel, model/flash.py):
+        # its FLOPs are counted from the shapes it was traced with and added
+        entry["kernel_flops"] = kernels.flops
+        entry["compiler_flops"] = entry["flops"]
+        entry["flops"] = entry["compiler_flops"] + kernels.flops
         traffic = hbm_traffic(compiled.as_text())
         entry["hbm_bytes"] = traffic["total"]
         entry["hbm_bytes_by_op"] = {k: v for k, v in traffic["by_op"].items() if v >= 1e6}

@@ -94,3 +94,32 @@ def expert_parallel(fn, z, weights, experts, gate_up, down):
             body, mesh=mesh, check_vma=False,
             in_specs=(P(t, None), P(t, None), P(t, None), P(spec(ex), None, None), P(spec(ex), None, None)),
             out_specs=P(t, None))(z, weights, experts, gate_up, down)
+
+
+def head_parallel(fn, q, k, v, valid):
+    """Run the attention kernel `fn(q, k, v, valid) -> (out, lse)` per head shard.
+
+    q [B, T, N, H]; k, v [B, S, K, H] (cache layout); valid [B, S]. A Pallas kernel is one opaque
+    call the partitioner cannot split, so under a sharding context it runs inside a `shard_map`
+    over the batch and head axes, each device on its own query heads and the KV heads they read.
+    Returns None when the layout does not allow it (query and KV heads split over different mesh
+    axes, or the cache split along its slots or head_dim): the caller then keeps the XLA path.
+    Without a sharding context this is just `fn(...)`.
+    """
+    ctx = active()
+    if ctx is None:
+        return fn(q, k, v, valid)
+    from jax.sharding import PartitionSpec as P
+
+    from dgemma_jax.parallel.rules import spec_for
+
+    mesh, rules = ctx
+    qs = spec_for(q.shape, ("batch", None, "heads", None), rules, mesh)
+    ks = spec_for(k.shape, ("batch", "cache_seq", "kv_heads", "head_dim"), rules, mesh)
+    if ks[1] is not None or ks[3] is not None or _axes(qs[0]) != _axes(ks[0]) or _axes(qs[2]) != _axes(ks[2]):
+        return None
+    with _holding(None):
+        return jax.shard_map(
+            fn, mesh=mesh, check_vma=False,
+            in_specs=(qs, ks, ks, P(qs[0], None)),
+            out_specs=(qs, P(qs[0], None, qs[2])))(q, k, v, valid)

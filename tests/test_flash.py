@@ -1,0 +1,168 @@
+"""The cache-attention kernel (model/flash.py, Pallas splash attention; interpreted on CPU) gives what
+the XLA path gives: alone, merged with the canvas's keys, in the model, in gradients and sharded."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dgemma_jax import ModelConfig, denoise, init_cache, prefill
+from dgemma_jax.model import api, flash
+from dgemma_jax.model.attention import attend
+
+# head_dim 128 everywhere; canvas 64: 64 x 2 query rows per kv head on sliding layers (4 heads on 2),
+# 64 x 4 on the global one; a 128-token sliding window: every layer's cache part fits the kernel
+CFG = ModelConfig.preset("tiny-6layer", head_dim=128, global_head_dim=128, sliding_window=128, canvas_length=64)
+SLOTS = 256
+
+
+def _qkv(rng, b=2, t=32, n=8, kh=2, s=256, h=128):
+    q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h)))
+    return q, k, v
+
+
+def _cache_and_canvas(rng, used):
+    """q; a 256-slot cache of which row 0 sees the first `used` slots and row 1 none; canvas keys."""
+    q, kc, vc = _qkv(rng)
+    _, k, v = _qkv(rng, s=32)
+    valid = np.zeros((2, 256), bool)
+    valid[0, :used] = True
+    return q, kc, vc, k, v, jnp.asarray(valid)
+
+
+def test_cache_attention_is_softmax_attention_with_its_log_sum_exp():
+    rng = np.random.default_rng(0)
+    q, k, v = _qkv(rng)
+    valid = np.zeros((2, 256), bool)
+    valid[0, :100] = True
+    valid[0, 180:190] = True  # visible slots need not be contiguous
+    out, lse = flash.cache_attention(q, k, v, jnp.asarray(valid))
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
+    for n in range(8):
+        s = qn[0, :, n] @ kn[0, valid[0], n // 4].T
+        m = s.max(-1, keepdims=True)
+        p = np.exp(s - m)
+        np.testing.assert_allclose(np.asarray(lse[0, :, n]), (m + np.log(p.sum(-1, keepdims=True)))[:, 0],
+                                   rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(out[0, :, n]), p @ vn[0, valid[0], n // 4] / p.sum(-1, keepdims=True),
+                                   rtol=1e-4, atol=1e-5)
+    assert np.all(np.asarray(lse[1]) <= -1e29)  # row 1 sees no slot: marked as carrying no mass
+
+
+def test_cache_attention_rejects_shapes_it_cannot_tile():
+    rng = np.random.default_rng(0)
+    q, k, v = _qkv(rng, t=24)  # 24 x 4 = 96 query rows
+    with pytest.raises(ValueError, match="multiples of 128"):
+        flash.cache_attention(q, k, v, jnp.ones((2, 256), bool))
+
+
+def test_attend_with_the_kernel_prior_equals_one_softmax():
+    """The canvas's own keys merged with the kernel's (out, lse) by log-sum-exp == one softmax over
+    [cache ; canvas], including a row that sees no cache slot."""
+    q, kc, vc, k, v, valid = _cache_and_canvas(np.random.default_rng(1), 77)
+    whole = attend(q, [(kc, vc, valid[:, None]), (k, v, None)])
+    merged = attend(q, [(k, v, None)], prior=flash.cache_attention(q, kc, vc, valid))
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(whole), rtol=1e-5, atol=1e-5)
+
+
+def _close(out, ref):
+    """Logits equal up to float32 rounding. With head_dim 128 and random weights the softmaxes are
+    sharp: merely regrouping the XLA path's keys (attn_key_block 64 or 100) moves these logits by
+    1.5e-3 and 4.9e-3 at a logit scale of 25, and the kernel moves them by 1.2e-3."""
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-4 * scale)
+    assert np.mean(np.abs(out - ref) < 1e-5 * scale) > 0.5  # most logits agree to float32 rounding
+    np.testing.assert_array_equal(out.argmax(-1), ref.argmax(-1))
+
+
+def _spy(monkeypatch):
+    """Record the query shape of every kernel call traced from here on."""
+    seen = []
+    real = flash._kernel_call
+    monkeypatch.setattr(flash, "_kernel_call", lambda q, *a: seen.append(q.shape) or real(q, *a))
+    return seen
+
+
+@pytest.fixture(scope="module")
+def state():
+    from test_model_behaviour import _random_params
+
+    params = _random_params(CFG, 0)
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, CFG.vocab_size, (2, 200)).astype(np.int32)
+    # row 0 reaches past the sliding window; row 1 has no context at all
+    _, cache = prefill(params, CFG, tokens, [200, 0], init_cache(CFG, 2, SLOTS))
+    canvas = rng.integers(0, CFG.vocab_size, (2, CFG.canvas_length)).astype(np.int32)
+    return params, cache, canvas
+
+
+def test_model_denoise_through_the_kernel_equals_xla(state, monkeypatch):
+    params, cache, canvas = state
+    ref = np.asarray(denoise(params, CFG.replace(attn_kernel="xla"), canvas, cache))
+    seen = _spy(monkeypatch)
+    out = np.asarray(denoise(params, CFG.replace(attn_kernel="splash"), canvas, cache))
+    assert len(seen) == CFG.num_layers  # every layer's cache part went through the kernel
+    _close(out, ref)
+    # the default ("auto") keeps XLA off TPU: bit-identical to "xla"
+    np.testing.assert_array_equal(np.asarray(denoise(params, CFG, canvas, cache)), ref)
+
+
+def test_gradients_through_the_kernel_equal_xla():
+    """The kernel's custom gradient (the XLA formulation's) equals differentiating the XLA path."""
+    rng = np.random.default_rng(5)
+    q, kc, vc, k, v, valid = _cache_and_canvas(rng, 50)
+    w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+    def xla(q, kc, vc, k, v):
+        return jnp.sum(w * jnp.tanh(attend(q, [(kc, vc, valid[:, None]), (k, v, None)])))
+
+    def kernel(q, kc, vc, k, v):
+        return jnp.sum(w * jnp.tanh(attend(q, [(k, v, None)], prior=flash.cache_attention(q, kc, vc, valid))))
+
+    g_ref = jax.grad(xla, argnums=range(5))(q, kc, vc, k, v)
+    g = jax.grad(kernel, argnums=range(5))(q, kc, vc, k, v)
+    for name, a, b in zip(("q", "k cache", "v cache", "k canvas", "v canvas"), g_ref, g):
+        scale = float(jnp.abs(a).max())
+        assert scale > 1e-3, name  # a real gradient reaches every input
+        # float32 rounding of sharp softmaxes: both paths sit ~4e-6 x scale from a float64 gradient
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5 * scale, err_msg=name)
+    assert np.all(np.asarray(g[1])[1] == 0)  # no gradient into slots no query sees
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
+def test_kernel_runs_per_head_shard(monkeypatch):
+    """Under a mesh the kernel runs per head shard (shard_map, each device on its own heads) and
+    gives what the sharded XLA path gives."""
+    from dgemma_jax.parallel import Shardings, make_mesh
+    from test_model_behaviour import _random_params
+
+    cfg = CFG.replace(num_heads=8, num_kv_heads=4, num_global_kv_heads=2)
+    params = _random_params(cfg, 3)
+    # batch split 2 ways, heads 4 ways: each device holds 2 query heads and the 1 kv head they read
+    # (the global layer's 2 kv heads stored twice each, see model/cache.py)
+    sh = Shardings(cfg, make_mesh("data=2,tensor=4"), "serving")
+    assert sh.kv_replicas == (1,) * 5 + (2,)
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, cfg.vocab_size, (2, 150)).astype(np.int32)
+    _, cache = prefill(params, cfg, tokens, [150, 9], init_cache(cfg, 2, SLOTS, kv_replicas=sh.kv_replicas))
+    canvas = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, cfg.canvas_length)).astype(np.int32))
+    placed, cache_sh = sh.place_params(params), jax.device_put(cache, sh.cache(2, SLOTS))
+    seen = _spy(monkeypatch)
+
+    def run(mode):
+        fn = jax.jit(functools.partial(api._denoise.__wrapped__, config=cfg.replace(attn_kernel=mode)))
+        with sh.context():
+            return np.asarray(fn(placed, canvas=canvas, cache=cache_sh, context_end=cache.lengths, soft=None))
+
+    ref = run("xla")
+    assert seen == []
+    out = run("splash")
+    assert seen == [(1, cfg.canvas_length, 2, 128)] * cfg.num_layers  # traced once per layer, per shard
+    _close(out, ref)
+    # and the unsharded kernel agrees with the unsharded XLA path on the same (replicated) cache
+    un = np.asarray(denoise(params, cfg.replace(attn_kernel="splash"), canvas, cache))
+    un_ref = np.asarray(denoise(params, cfg.replace(attn_kernel="xla"), canvas, cache))
+    _close(un, un_ref)
