@@ -184,7 +184,7 @@ def test_capacity_exact_fit_and_middle_level():
 
 
 def test_capacity_levels():
-    assert moe.capacity_levels(256, 4, 16, 1.25) == (80, 104, 128, 256)
+    assert moe.capacity_levels(256, 4, 16, 1.25) == (80, 88, 96, 104, 120, 128, 256)
     assert moe.capacity_levels(16, 2, 4, 1.25) == (16,)  # tiny: every size rounds up to the token count
     for n in (1, 7, 64, 300, 4096):
         lv = moe.capacity_levels(n, 4, 16, 1.25)
