@@ -214,9 +214,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         entry: dict[str, Any] = {}
         t0 = time.perf_counter()
         try:
-            from dgemma_jax.model.moe import compiling_for
-
             from dgemma_jax.model.flash import counting_flops
+            from dgemma_jax.model.moe import compiling_for
 
             with sh.context(), compiling_for("tpu"), counting_flops() as kernels:
                 lowered = fn.lower(*pos, **kw)

@@ -111,11 +111,11 @@ def head_parallel(fn, q, k, v, valid):
         return fn(q, k, v, valid)
     from jax.sharding import PartitionSpec as P
 
-    from dgemma_jax.parallel.rules import spec_for
+    from dgemma_jax.parallel.rules import CACHE_AXES, spec_for
 
     mesh, rules = ctx
     qs = spec_for(q.shape, ("batch", None, "heads", None), rules, mesh)
-    ks = spec_for(k.shape, ("batch", "cache_seq", "kv_heads", "head_dim"), rules, mesh)
+    ks = spec_for(k.shape, CACHE_AXES, rules, mesh)
     if ks[1] is not None or ks[3] is not None or _axes(qs[0]) != _axes(ks[0]) or _axes(qs[2]) != _axes(ks[2]):
         return None
     with _holding(None):
