@@ -59,6 +59,24 @@ def test_fused_sampling_follows_softmax(variant):
     assert chi2 < 40.0, f"chi-square {chi2:.1f} over {v - 1} dof"
 
 
+@pytest.mark.parametrize("chunk", [None, 100, 300, "full"])
+def test_fused_argmax_ties_take_the_first_index(chunk):
+    """Exactly equal maxima in one sub-block, in another sub-block and in a later chunk: the first wins
+    (as jnp.argmax over the whole vocabulary)."""
+    h, emb = _setup(v=300, l=6)
+    top = jnp.abs(h).sum(-1).max() * 10.0
+    emb = emb.at[jnp.array([60, 63, 90, 150, 299])].set(jnp.sign(h[0, 0]) * 1.0)
+    h = h.at[:, :3].set(jnp.sign(h[0, 0]) * top)  # these positions put the same largest logit on all five rows
+    keys = jax.random.split(jax.random.key(0), 2)
+    if chunk == "full":
+        stats, _ = head_sample_stats_full(h, emb, 1e4, jnp.float32(1.0), keys, 1.0)
+    else:
+        stats, _ = head_sample_stats(h, emb, 1e4, jnp.float32(1.0), keys, 1.0, chunk=chunk)
+    ref = jnp.argmax(softcap(jnp.einsum("bld,vd->blv", h, emb), 1e4), -1)
+    np.testing.assert_array_equal(np.asarray(stats.argmax), np.asarray(ref))
+    assert (np.asarray(stats.argmax)[:, :3] == 60).all()
+
+
 @pytest.mark.parametrize("variant", ["chunked", "full"])
 def test_fused_non_finite_hidden_state_gives_valid_ids(variant):
     h, emb = _setup(v=300)

@@ -71,16 +71,25 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
 
     sub = _sub_block(c)
     nsub = c // sub
-    iota = jnp.arange(c, dtype=jnp.int32)
+    iota = jnp.arange(sub, dtype=jnp.int32)
+    sub_iota = jnp.arange(nsub, dtype=jnp.int32)
+    scale = jnp.float32(cap) / temperature
 
     def body(carry, idx):
         # the chunk's rows sliced inside the body (scanning over a reshaped table as `xs` made
         # XLA:CPU copy every chunk first)
         e_c = jax.lax.dynamic_slice_in_dim(embedding, idx * c, c)
         logits = jnp.einsum("bld,cd->blc", h, e_c.astype(h.dtype), preferred_element_type=jnp.float32)
-        z = sanitize_logits(softcap(logits, cap) / temperature)
-        cmax = z.max(-1)
-        carg = jnp.min(jnp.where(z == cmax[..., None], iota, c), -1) + idx * c  # first index of the max
+        z = sanitize_logits(jnp.tanh(logits * (1.0 / cap)) * scale)  # softcap / T with one multiply
+        # the chunk's max and its first index from per-sub-block maxima: one reduction pass over the
+        # tile, then a search inside the one sub-block that holds the max (a compare-select-reduce
+        # over the whole tile would cost two more passes)
+        zs = z.reshape(b, l, nsub, sub)
+        sub_max = zs.max(-1)
+        cmax = sub_max.max(-1)
+        j_max = jnp.min(jnp.where(sub_max == cmax[..., None], sub_iota, nsub), -1)
+        z_blk = jnp.take_along_axis(zs, j_max[..., None, None], 2)[..., 0, :]
+        carg = j_max * sub + jnp.min(jnp.where(z_blk == cmax[..., None], iota, sub), -1) + idx * c
         m_new = jnp.maximum(carry["m"], cmax)
         alpha = jnp.exp(carry["m"] - m_new)  # 0 at the first chunk (m = -inf)
         shifted = z - m_new[..., None]
