@@ -1,0 +1,143 @@
+"""How fast could a denoise step be if it were nothing but its matrix products?
+
+`step_gemms` lists every matrix product of one denoise step at its real shape (the canvas's
+projections, attention products, dense MLP, top-k experts with each expert holding exactly its mean
+share of the pairs, router, self-conditioning MLP and the head's vocab chunks). `time_gemms` times
+each distinct shape alone, in JAX (jitted, XLA:CPU) and in torch, best of `reps`, minus the
+framework's own per-call cost (a trivial call's best time). Summing count x time gives the step's
+"GEMM ceiling": the time of a step with no softmax, sampling, norms, gathers, copies or padding, whose
+products all run at the speed the library reaches on those shapes alone. Useful FLOPs / that time /
+the machine's peak is the largest fraction of peak any step built on that library's matmuls could show.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+
+def _gemm(group, count, batch, m, k, n):
+    """`m` may be fractional (an expert's mean share of the pairs): timed at the nearest whole row count,
+    counted at its exact useful FLOPs."""
+    return {"group": group, "count": int(count), "batch": int(batch), "m": max(1, int(round(m))), "k": int(k),
+            "n": int(n), "flops": 2 * int(count) * int(batch) * m * int(k) * int(n)}
+
+
+def step_gemms(cfg, context: int, canvas: int, chunk: int, batch: int = 1):
+    """The matrix products of one denoise step (canvas rows attending to `context` cached tokens).
+
+    Rows are batch x canvas. Attention: per kv head, its query heads' rows times the keys a query sees
+    (sliding: window - 1 cached + the canvas; global: the whole context + the canvas). Experts: each of
+    the E experts gets rows x top_k / E pairs (perfectly even routing: no buffer padding).
+    """
+    rows = batch * canvas
+    d, n_heads = cfg.hidden_size, cfg.num_heads
+    out = []
+    for i in range(cfg.num_layers):
+        hd, kv = cfg.layer_head_dim(i), cfg.layer_kv_heads(i)
+        glob = cfg.is_global(i)
+        keys = context + canvas if glob else min(cfg.sliding_window - 1, context) + canvas
+        out.append(_gemm("qkvo_proj", 1, 1, rows, d, n_heads * hd))
+        out.append(_gemm("qkvo_proj", 1 if glob else 2, 1, rows, d, kv * hd))  # k (and v unless K = V)
+        out.append(_gemm("qkvo_proj", 1, 1, rows, n_heads * hd, d))
+        g = n_heads // kv
+        out.append(_gemm("attention", 1, batch * kv, g * canvas, hd, keys))  # q k^T
+        out.append(_gemm("attention", 1, batch * kv, g * canvas, keys, hd))  # p v
+        out.append(_gemm("dense_mlp", 1, 1, rows, d, 2 * cfg.intermediate_size))
+        out.append(_gemm("dense_mlp", 1, 1, rows, cfg.intermediate_size, d))
+        out.append(_gemm("router", 1, 1, rows, d, cfg.num_experts))
+        share = rows * cfg.top_k / cfg.num_experts
+        out.append(_gemm("experts_topk", 1, cfg.num_experts, share, d, 2 * cfg.moe_intermediate_size))
+        out.append(_gemm("experts_topk", 1, cfg.num_experts, share, cfg.moe_intermediate_size, d))
+    out.append(_gemm("sc_mlp", 1, 1, rows, d, 2 * cfg.intermediate_size))
+    out.append(_gemm("sc_mlp", 1, 1, rows, cfg.intermediate_size, d))
+    chunks = cfg.vocab_size // chunk
+    out.append(_gemm("head_logits", chunks, 1, rows, d, chunk))
+    out.append(_gemm("sc_soft_embedding", chunks, 1, rows, chunk, d))
+    return out
+
+
+def _shape_key(g):
+    return (g["batch"], g["m"], g["k"], g["n"])
+
+
+def _best(fn, reps):
+    fn()
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def time_gemms(gemms, reps: int = 30):
+    """Best seconds per call of each distinct (batch, m, k, n), for JAX and torch, less each side's
+    trivial-call time. Returns {"jax": {key: s}, "torch": {key: s}, "call_overhead_s": {...}}."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    mm = jax.jit(lambda a, b: jnp.matmul(a, b))
+    tiny = jnp.ones((1, 1), jnp.float32)
+    jax_call = _best(lambda: mm(tiny, tiny).block_until_ready(), reps * 4)
+    ttiny = torch.ones(1, 1)
+    torch_call = _best(lambda: torch.mm(ttiny, ttiny), reps * 4)
+    out = {"jax": {}, "torch": {}, "call_overhead_s": {"jax": jax_call, "torch": torch_call}}
+    for key in sorted({_shape_key(g) for g in gemms}):
+        b, m, k, n = key
+        shape_a, shape_b = ((m, k), (k, n)) if b == 1 else ((b, m, k), (b, k, n))
+        a = jax.random.normal(jax.random.key(0), shape_a, jnp.float32)
+        w = jax.random.normal(jax.random.key(1), shape_b, jnp.float32)
+        out["jax"][key] = max(_best(lambda: mm(a, w).block_until_ready(), reps) - jax_call, 1e-7)
+        ta, tw = torch.randn(*shape_a), torch.randn(*shape_b)
+        fn = torch.mm if b == 1 else torch.bmm
+        out["torch"][key] = max(_best(lambda: fn(ta, tw), reps) - torch_call, 1e-7)
+    return out
+
+
+def ceiling(gemms, timings, peak_gflops: float):
+    """Per side: the GEMM-only step time, its useful-FLOP rate and fraction of peak, per group."""
+    useful = sum(g["flops"] for g in gemms)
+    res = {"useful_gflop": useful / 1e9, "call_overhead_ms": {k: v * 1e3 for k, v in timings["call_overhead_s"].items()},
+           "shapes": [dict(g, shape=f"{g['batch']}x{g['m']}x{g['k']}x{g['n']}") for g in gemms]}
+    for side in ("jax", "torch"):
+        groups = {}
+        total = 0.0
+        for g in gemms:
+            t = g["count"] * timings[side][_shape_key(g)]
+            total += t
+            acc = groups.setdefault(g["group"], {"ms": 0.0, "gflop": 0.0})
+            acc["ms"] += t * 1e3
+            acc["gflop"] += g["flops"] / 1e9
+        for acc in groups.values():
+            acc["pct_of_peak"] = 100.0 * acc["gflop"] / (acc["ms"] / 1e3) / peak_gflops
+        res[side] = {"ms": total * 1e3, "gflops": useful / total / 1e9,
+                     "pct_of_peak": 100.0 * useful / total / 1e9 / peak_gflops, "groups": groups}
+    return res
+
+
+def gemm_ceiling(cfg, context: int, canvas: int, chunk: int, peak_gflops: float, reps: int = 30):
+    gemms = step_gemms(cfg, context, canvas, chunk)
+    return ceiling(gemms, time_gemms(gemms, reps), peak_gflops)
+
+
+if __name__ == "__main__":  # a quick look: python benchmarks/gemm_ceiling.py
+    import os
+    import sys
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from dgemma_jax import ModelConfig
+    from dgemma_jax.sampling.fused import vocab_chunk
+
+    cfg = ModelConfig.preset("bench")
+    peak = float(sys.argv[1]) if len(sys.argv) > 1 else float("nan")
+    r = gemm_ceiling(cfg, 512, 256, vocab_chunk(cfg.vocab_size), peak)
+    for side in ("jax", "torch"):
+        s = r[side]
+        print(f"{side}: {s['ms']:.1f} ms, {s['gflops']:.0f} GFLOP/s, {s['pct_of_peak']:.1f}% of {peak}")
+        for k, v in s["groups"].items():
+            print(f"   {k:18s} {v['ms']:7.2f} ms {v['gflop']:6.2f} GFLOP {v['pct_of_peak']:5.1f}%")
+    print("useful", round(r["useful_gflop"], 2), "call overhead ms", r["call_overhead_ms"])

@@ -1,0 +1,39 @@
+"""The benchmark's GEMM list covers exactly the denoise step's useful FLOPs, and the ceiling sums it right."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import bench_cpu  # noqa: E402
+import gemm_ceiling  # noqa: E402
+
+from dgemma_jax import ModelConfig  # noqa: E402
+
+
+@pytest.mark.parametrize("name,context", [("bench", 512), ("bench", 100), ("tiny-6layer", 40), ("diffusiongemma-26b-a4b", 4096)])
+def test_step_gemms_cover_the_analytic_flops(name, context):
+    cfg = ModelConfig.preset(name)
+    chunk = 2048 if cfg.vocab_size % 2048 == 0 else cfg.vocab_size
+    gemms = gemm_ceiling.step_gemms(cfg, context, 256, chunk)
+    ref = bench_cpu.denoise_flops(cfg, context, canvas=256)
+    by_group = {}
+    for g in gemms:
+        by_group[g["group"]] = by_group.get(g["group"], 0) + g["flops"]
+    for group, flops in by_group.items():
+        assert flops == pytest.approx(ref[group], rel=1e-12), group
+    assert sum(by_group.values()) == pytest.approx(ref["total"], rel=1e-12)
+
+
+def test_ceiling_sums_count_times_time():
+    gemms = [gemm_ceiling._gemm("a", 3, 1, 10, 20, 30), gemm_ceiling._gemm("b", 1, 4, 8, 8, 8)]
+    timings = {"jax": {(1, 10, 20, 30): 1e-3, (4, 8, 8, 8): 2e-3}, "torch": {(1, 10, 20, 30): 5e-4, (4, 8, 8, 8): 5e-4},
+               "call_overhead_s": {"jax": 0.0, "torch": 0.0}}
+    r = gemm_ceiling.ceiling(gemms, timings, peak_gflops=1.0)
+    assert r["jax"]["ms"] == pytest.approx(5.0) and r["torch"]["ms"] == pytest.approx(2.0)
+    useful = (3 * 10 * 20 * 30 + 4 * 8 * 8 * 8) * 2
+    assert r["useful_gflop"] == pytest.approx(useful / 1e9)
+    assert r["jax"]["pct_of_peak"] == pytest.approx(100 * useful / 5e-3 / 1e9)
+    assert r["jax"]["groups"]["a"]["ms"] == pytest.approx(3.0)
