@@ -101,7 +101,9 @@ def ceiling(gemms, timings, peak_gflops: float):
     """Per side: the GEMM-only step time, its useful-FLOP rate and fraction of peak, per group."""
     useful = sum(g["flops"] for g in gemms)
     res = {"useful_gflop": useful / 1e9, "call_overhead_ms": {k: v * 1e3 for k, v in timings["call_overhead_s"].items()},
-           "shapes": [dict(g, shape=f"{g['batch']}x{g['m']}x{g['k']}x{g['n']}") for g in gemms]}
+           "shapes": [dict(g, shape=f"{g['batch']}x{g['m']}x{g['k']}x{g['n']}",
+                           jax_ms_per_call=timings["jax"][_shape_key(g)] * 1e3,
+                           torch_ms_per_call=timings["torch"][_shape_key(g)] * 1e3) for g in gemms]}
     for side in ("jax", "torch"):
         groups = {}
         total = 0.0
