@@ -37,3 +37,4 @@ def test_ceiling_sums_count_times_time():
     assert r["useful_gflop"] == pytest.approx(useful / 1e9)
     assert r["jax"]["pct_of_peak"] == pytest.approx(100 * useful / 5e-3 / 1e9)
     assert r["jax"]["groups"]["a"]["ms"] == pytest.approx(3.0)
+    assert r["shapes"][0]["jax_ms_per_call"] == pytest.approx(1.0) and r["shapes"][1]["torch_ms_per_call"] == pytest.approx(0.5)
