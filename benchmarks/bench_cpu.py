@@ -40,7 +40,7 @@ for _p in (ROOT, HERE):  # the package, and this folder's modules when run throu
 
 import numpy as np  # noqa: E402
 
-from gemm_ceiling import gemm_ceiling  # noqa: E402
+from gemm_ceiling import gemm_ceiling, samples  # noqa: E402
 from dgemma_jax.sampling.fused import vocab_chunk  # noqa: E402
 
 PROMPT_LEN = 512
@@ -354,25 +354,11 @@ def matmul_peak(shapes, reps):
         flops = 2 * m * k * n
         a = jax.random.normal(jax.random.key(0), (m, k), jnp.float32)
         b = jax.random.normal(jax.random.key(1), (k, n), jnp.float32)
-        mm(a, b).block_until_ready()
-        ts = []
-        for _ in range(r):
-            t0 = now()
-            mm(a, b).block_until_ready()
-            ts.append(now() - t0)
-        s = summary(ts)
-        s["gflops_best"] = flops / s["min_s"] / 1e9
-        out["jax"][name] = s
         ta, tb = torch.randn(m, k), torch.randn(k, n)
-        torch.mm(ta, tb)
-        ts = []
-        for _ in range(r):
-            t0 = now()
-            torch.mm(ta, tb)
-            ts.append(now() - t0)
-        s = summary(ts)
-        s["gflops_best"] = flops / s["min_s"] / 1e9
-        out["torch"][name] = s
+        for side, fn in (("jax", lambda: mm(a, b).block_until_ready()), ("torch", lambda: torch.mm(ta, tb))):
+            s = summary(samples(fn, r, warm=1))
+            s["gflops_best"] = flops / s["min_s"] / 1e9
+            out[side][name] = s
     out["jax_best_gflops"] = max(v["gflops_best"] for v in out["jax"].values())
     out["torch_best_gflops"] = max(v["gflops_best"] for v in out["torch"].values())
     out["peak_gflops"] = max(out["jax_best_gflops"], out["torch_best_gflops"])
@@ -1136,10 +1122,8 @@ def markdown(res):
                  f"head/sampler pass {pct(dj['head_sampler_fraction_of_peak'])}, prefill "
                  f"{pct(dj['prefill_fraction_of_peak'])}.")
         L.append("")
-        gc = res.get("gemm_ceiling")
-        if gc:
-            L += gemm_ceiling_markdown(gc, dj["step_fused_canvas_loop_s"] if dj["step_fused_source"].startswith(
-                "jit_denoise_canvas") else dj["step_fused_from_generate_s"])
+        if res.get("gemm_ceiling"):
+            L += gemm_ceiling_markdown(res["gemm_ceiling"], dj["step_fused_canvas_loop_s"])
         L += ["## AR-style decode vs denoise (dgemma_jax, batch 1)", "",
               "| | ms per pass | positions / s |", "|---|---:|---:|"]
         L.append(f"| 1-token causal decode, cache holding {PROMPT_LEN}+ (`jit_prefill`, logits='last') | "

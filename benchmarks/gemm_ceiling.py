@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 
 
-
 def _gemm(group, count, batch, m, k, n):
     """`m` may be fractional (an expert's mean share of the pairs): timed at the nearest whole row count,
     counted at its exact useful FLOPs."""
@@ -61,15 +60,20 @@ def _shape_key(g):
     return (g["batch"], g["m"], g["k"], g["n"])
 
 
-def _best(fn, reps):
-    fn()
-    fn()
-    best = float("inf")
+def samples(fn, reps: int, warm: int = 2) -> list[float]:
+    """Seconds of `reps` calls of fn() after `warm` untimed ones (fn must block until its result is ready)."""
+    for _ in range(warm):
+        fn()
+    out = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _best(fn, reps):
+    return min(samples(fn, reps))
 
 
 def time_gemms(gemms, reps: int = 30):

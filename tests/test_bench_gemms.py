@@ -38,3 +38,15 @@ def test_ceiling_sums_count_times_time():
     assert r["jax"]["pct_of_peak"] == pytest.approx(100 * useful / 5e-3 / 1e9)
     assert r["jax"]["groups"]["a"]["ms"] == pytest.approx(3.0)
     assert r["shapes"][0]["jax_ms_per_call"] == pytest.approx(1.0) and r["shapes"][1]["torch_ms_per_call"] == pytest.approx(0.5)
+
+
+def test_time_gemms_times_every_distinct_shape_on_both_sides():
+    gemms = [gemm_ceiling._gemm("a", 2, 1, 16, 32, 8), gemm_ceiling._gemm("b", 1, 3, 4, 8, 16),
+             gemm_ceiling._gemm("c", 5, 1, 16, 32, 8)]  # the first shape again: timed once
+    t = gemm_ceiling.time_gemms(gemms, reps=3)
+    for side in ("jax", "torch"):
+        assert set(t[side]) == {(1, 16, 32, 8), (3, 4, 8, 16)}
+        assert all(0 < v < 1.0 for v in t[side].values())
+        assert t["call_overhead_s"][side] > 0
+    r = gemm_ceiling.ceiling(gemms, t, peak_gflops=100.0)
+    assert r["jax"]["ms"] == pytest.approx(1e3 * (7 * t["jax"][(1, 16, 32, 8)] + t["jax"][(3, 4, 8, 16)]))
