@@ -183,3 +183,25 @@ def test_denoise_step_aot_compiles(params):
     state = jax.eval_shape(lambda: init_state(CFG, sampler, jnp.zeros((2, 16), jnp.int32)))
     compiled = jit_denoise_step.lower(ps, CFG, sampler, cache, keys, state).compile()
     assert compiled.memory_analysis() is not None
+
+
+def test_a_huge_stability_threshold_runs_like_one_past_the_budget(params):
+    # "Never stop on stability" written as 10**9 must not carry a [B, 10**9, L] history through
+    # the loop: it decides exactly like S = N + 1, with an N-row history.
+    tokens, lengths = _prompts()
+    pinned = jnp.zeros((3, 16), bool).at[0].set(True)  # row 0 stable from step 1 with zero entropy
+    canvas = jax.random.randint(jax.random.key(4), (3, 16), 0, CFG.vocab_size, jnp.int32)
+    keys = row_keys(jax.random.key(3), 3)
+    out = {}
+    for s in (2, 7, 10**9):
+        sampler = _sampler(stability_threshold=s)
+        eng = Engine(CFG, params, sampler)
+        cache = eng.pieces.prefill(params, tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
+                                   cache=eng.new_cache(3, 40))
+        out[s] = jit_denoise_canvas(params, CFG, sampler, cache, keys, canvas, pinned)
+    assert out[2].history.shape == (3, 2, 16)
+    assert out[7].history.shape == out[10**9].history.shape == (3, 6, 16)
+    assert np.asarray(out[2].steps)[0] == 3  # S below the budget still stops the pinned row early
+    np.testing.assert_array_equal(np.asarray(out[10**9].steps), [6, 6, 6])
+    for f in ("argmax", "steps", "history"):
+        np.testing.assert_array_equal(np.asarray(getattr(out[10**9], f)), np.asarray(getattr(out[7], f)))

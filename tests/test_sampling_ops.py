@@ -473,3 +473,29 @@ def test_from_hf_generation_config():
     assert SamplerConfig.from_hf_generation_config({}, canvas_length=32).canvas_length == 32
     with pytest.raises(ValueError, match="t_max"):
         SamplerConfig.from_hf_generation_config({"t_min": 0.9, "t_max": 0.8})
+
+
+@pytest.mark.parametrize("threshold", [4, 5, 10**9])
+def test_history_is_capped_at_the_step_budget(threshold):
+    # Within N steps at most N - 1 earlier canvases exist, so any S >= N never fires; the history
+    # keeps N rows instead of S (a [B, 10**9, L] buffer would not even allocate).
+    n = 4
+    cfg = SamplerConfig(canvas_length=3, max_denoising_steps=n, stability_threshold=threshold)
+    assert cfg.history_length == n
+    hist = init_history(2, cfg)
+    assert hist.shape == (2, n, 3)
+    x = jnp.array([[4, 5, 6], [7, 8, 9]], jnp.int32)
+    for _ in range(n):  # the same canvas, fully confident, every step of the budget
+        assert not np.asarray(stop_decision(x, hist, jnp.zeros((2,)), cfg)).any()
+        hist = push_history(hist, x)
+
+
+def test_history_below_the_budget_keeps_the_threshold():
+    cfg = SamplerConfig(canvas_length=3, max_denoising_steps=4, stability_threshold=3)
+    assert cfg.history_length == 3 and init_history(1, cfg).shape == (1, 3, 3)
+    x = jnp.array([[4, 5, 6]], jnp.int32)
+    hist, decisions = init_history(1, cfg), []
+    for _ in range(4):
+        decisions.append(bool(stop_decision(x, hist, jnp.zeros((1,)), cfg)[0]))
+        hist = push_history(hist, x)
+    assert decisions == [False, False, False, True]

@@ -109,6 +109,16 @@ class SamplerConfig:
                 fail("eos_ids", self.eos_ids, "a tuple (or list) of non-negative integers")
         set_("eos_ids", tuple(int(t) for t in eos))
 
+    @property
+    def history_length(self) -> int:
+        """Rows of the argmax history the loop carries: min(stability_threshold, max_denoising_steps).
+
+        Step i (0-based) has seen only i earlier argmax canvases, so a threshold of S >= N steps can
+        never be met; N slots (never all filled) then decide exactly as S would. Without the cap a
+        "never stop early" threshold such as 10**6 would carry a [B, 10**6, L] buffer through the loop.
+        """
+        return min(self.stability_threshold, self.max_denoising_steps)
+
     def replace(self, **changes: Any) -> "SamplerConfig":
         """Returns a copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -7,7 +7,8 @@ Shape letters used in the docstrings:
   B  batch size
   L  canvas length
   V  vocabulary size
-  S  number of remembered argmax canvases (= config.stability_threshold)
+  S  number of remembered argmax canvases (= config.history_length: the
+     stability threshold capped at the step budget)
 
 One denoising step, in terms of these functions (spec section 3.2):
 
@@ -415,10 +416,12 @@ def init_history(batch_size: int, config: SamplerConfig) -> jax.Array:
     """Empty argmax history: int32 [B, S, L] filled with -1.
 
     -1 is never a token id, so nothing is stable until S argmax canvases have
-    been pushed (HF initialises its history the same way).
+    been pushed (HF initialises its history the same way). S is
+    `config.history_length`: the stability threshold, capped at the step
+    budget (a larger threshold can never be met, and the cap decides the same).
     """
     return jnp.full(
-        (batch_size, config.stability_threshold, config.canvas_length), -1, jnp.int32
+        (batch_size, config.history_length, config.canvas_length), -1, jnp.int32
     )
 
 
