@@ -14,6 +14,8 @@ from dgemma_jax.errors import UsageError
 from dgemma_jax.pipeline import decode, encode_prompt
 from dgemma_jax.pipeline import load_checkpoint as load_for_cli
 
+DEFAULT_NEW_TOKENS = 256  # --max-new-tokens when not given (capped to what fits the model)
+
 
 def sampler_from_args(args, config, base):
     from dgemma_jax.sampling.config import SamplerConfig
@@ -77,7 +79,7 @@ def _render_step(ev, tok, tty: bool, stream):
 def cmd_generate(args) -> int:
     import jax
 
-    from dgemma_jax.engine import Engine
+    from dgemma_jax.engine import Engine, new_tokens_that_fit
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt:
@@ -90,7 +92,8 @@ def cmd_generate(args) -> int:
     engine = Engine(cfg, params, sampler)
     tokens = np.array([ids], np.int32)
     seed, pinned = _seed_canvas(args, tok, sampler, 1)
-    kw = dict(rng=args.seed, max_new_tokens=args.max_new_tokens, seed_canvas=seed, pinned=pinned)
+    max_new = args.max_new_tokens or new_tokens_that_fit(cfg, sampler, len(ids), DEFAULT_NEW_TOKENS)
+    kw = dict(rng=args.seed, max_new_tokens=max_new, seed_canvas=seed, pinned=pinned)
     t0 = time.perf_counter()
     if args.show_steps:
         from dgemma_jax.sampling.generate import CanvasEvent, collect
@@ -104,7 +107,7 @@ def cmd_generate(args) -> int:
                     sys.stdout.write("\n")
             else:
                 _render_step(ev, tok, tty, sys.stdout)
-        out_tokens, steps, _ = collect(events, 1, args.max_new_tokens, sampler.canvas_length, sampler.pad_id)
+        out_tokens, steps, _ = collect(events, 1, max_new, sampler.canvas_length, sampler.pad_id)
     else:
         out = engine.generate(tokens, None, **kw)
         out_tokens, steps = np.asarray(out.tokens), np.asarray(out.steps)
@@ -123,7 +126,7 @@ def cmd_generate(args) -> int:
 
 # ---------------------------------------------------------------------------- chat
 def cmd_chat(args) -> int:
-    from dgemma_jax.engine import Engine
+    from dgemma_jax.engine import Engine, new_tokens_that_fit
     from dgemma_jax.io.chat import history_without_thinking, render_chat, strip_thinking
 
     cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype)
@@ -155,9 +158,10 @@ def cmd_chat(args) -> int:
         else:
             cache, cached_ids, new = None, [], ids
         reused = len(cached_ids)
-        out = engine.generate(np.array([new], np.int32), None, rng=args.seed + turn,
-                              max_new_tokens=args.max_new_tokens, cache=cache,
-                              cache_length=min(args.context, cfg.max_position_embeddings))
+        cache_length = min(args.context, cfg.max_position_embeddings)
+        max_new = args.max_new_tokens or new_tokens_that_fit(cfg, sampler, len(ids), DEFAULT_NEW_TOKENS, cache_length)
+        out = engine.generate(np.array([new], np.int32), None, rng=args.seed + turn, max_new_tokens=max_new,
+                              cache=cache, cache_length=cache_length)
         gen = [int(t) for t in np.asarray(out.tokens)[0] if int(t) != sampler.pad_id]
         reply = decode(tok, gen)
         thought, answer = strip_thinking(reply)
@@ -233,7 +237,8 @@ def add_commands(sub, positive):
         s.add_argument("--stability", type=positive(int), help="stability threshold (steps)")
         s.add_argument("--canvas-length", type=positive(int), dest="canvas_length")
         s.add_argument("--seed", type=int, default=0)
-        s.add_argument("--max-new-tokens", type=positive(int), dest="max_new_tokens", default=256)
+        s.add_argument("--max-new-tokens", type=positive(int), dest="max_new_tokens",
+                       help=f"default: {DEFAULT_NEW_TOKENS}, or as many whole canvases as fit the model's positions")
         s.add_argument("--checkpoint", help="Hugging Face or dgemma_jax checkpoint directory (default: bundled)")
         s.add_argument("--dtype", choices=["float32", "bfloat16"])
 

@@ -23,7 +23,7 @@ from dgemma_jax.model.cache import KVCache, init_cache
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.sampling import generate as gen
 from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.sampling.loop import denoise_canvas, denoise_step, row_keys
+from dgemma_jax.sampling.loop import as_key, denoise_canvas, denoise_step, row_keys
 
 
 def _check_sampler(config: ModelConfig, sampler: SamplerConfig):
@@ -47,6 +47,8 @@ def prepare_inputs(config: ModelConfig, sampler: SamplerConfig, prompt_tokens, l
     _check_sampler(config, sampler)
     tokens = check_tokens(config, prompt_tokens, "prompt_tokens")
     b, p = tokens.shape
+    if b == 0 or p == 0:
+        raise ValueError(f"prompt_tokens has shape {(b, p)}: generate needs at least one prompt of at least one token")
     if lengths is None:
         lengths = np.full((b,), p, np.int32)
     lengths = np.asarray(lengths)
@@ -83,6 +85,18 @@ def prepare_inputs(config: ModelConfig, sampler: SamplerConfig, prompt_tokens, l
             raise ValueError(f"pinned must be a bool array of shape {tuple(seed_canvas.shape)}; "
                              f"got {pinned.dtype} {tuple(pinned.shape)}")
     return tokens, jnp.asarray(lengths, jnp.int32), int(cache_length), seed_canvas, pinned
+
+
+def new_tokens_that_fit(config: ModelConfig, sampler: SamplerConfig, context: int, limit: int,
+                        cache_length: int | None = None) -> int:
+    """The most new tokens (at most `limit`) whose canvases fit after `context` tokens: within the
+    model's positions and, when given, a cache of `cache_length` (which holds all but the last
+    canvas). Never less than one canvas; a context that leaves no room is `prepare_inputs`' error."""
+    step = sampler.canvas_length
+    canvases = (config.max_position_embeddings - context) // step
+    if cache_length is not None:
+        canvases = min(canvases, (cache_length - context) // step + 1)
+    return max(1, min(int(limit), canvases * step))
 
 
 class Engine:
@@ -152,7 +166,7 @@ class Engine:
         prompt is then only the new tokens; `out.cache` of a previous call holds everything
         committed so far, i.e. all but the last canvas). Returns `GenerateOutput`.
         """
-        max_new_tokens = max_new_tokens or self.sampler.canvas_length
+        max_new_tokens = self.sampler.canvas_length if max_new_tokens is None else max_new_tokens
         tokens, lengths, keys, cache, seed_canvas, pinned = self._prepare(
             prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache)
         fn = self.fused_program(max_new_tokens, seed_canvas is not None)
@@ -167,7 +181,7 @@ class Engine:
         tokens, lengths, s, seed_canvas, pinned = prepare_inputs(
             self.config, self.sampler, prompt_tokens, lengths, max_new_tokens, cache_length, seed_canvas, pinned,
             committed)
-        keys = row_keys(jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng, tokens.shape[0])
+        keys = row_keys(as_key(rng), tokens.shape[0])
         if cache is None:
             cache = self.new_cache(tokens.shape[0], s)
         elif cache.batch_size != tokens.shape[0]:
@@ -176,7 +190,7 @@ class Engine:
         return tokens, lengths, keys, cache, seed_canvas, pinned
 
     def _iter(self, which, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length):
-        max_new_tokens = max_new_tokens or self.sampler.canvas_length
+        max_new_tokens = self.sampler.canvas_length if max_new_tokens is None else max_new_tokens
         tokens, lengths, keys, cache, seed_canvas, pinned = self._prepare(
             prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length)
         return which(self.pieces, self.params, tokens, lengths, cache, keys, max_new_tokens, seed_canvas, pinned)

@@ -68,6 +68,8 @@ class DiffusionGemma:
         return self.engine.sampler
 
     def encode_batch(self, texts: Sequence[str]):
+        if not texts:
+            raise ValueError("no prompts: pass a string or a non-empty list of strings")
         ids = [encode_prompt(self.tokenizer, t) for t in texts]
         width = max(len(x) for x in ids)
         tokens = np.full((len(ids), width), self.config.pad_id, np.int32)

@@ -170,6 +170,9 @@ def test_capacity_errors_before_compiling():
         prepare_inputs(CFG, _sampler(eos_ids=(999,)), tokens, lengths, max_new_tokens=8)
     with pytest.raises(ValueError, match="seed_canvas"):
         prepare_inputs(CFG, sampler, tokens, lengths, max_new_tokens=8, pinned=np.ones((3, 16), bool))
+    for empty in (np.zeros((0, 3), np.int32), np.zeros((2, 0), np.int32)):
+        with pytest.raises(ValueError, match="at least one prompt of at least one token"):
+            prepare_inputs(CFG, sampler, empty, None, max_new_tokens=8)
 
 
 def test_denoise_step_aot_compiles(params):
@@ -205,3 +208,52 @@ def test_a_huge_stability_threshold_runs_like_one_past_the_budget(params):
     np.testing.assert_array_equal(np.asarray(out[10**9].steps), [6, 6, 6])
     for f in ("argmax", "steps", "history"):
         np.testing.assert_array_equal(np.asarray(getattr(out[10**9], f)), np.asarray(getattr(out[7], f)))
+
+
+def test_max_new_tokens_zero_is_an_error_not_a_canvas(params):
+    eng = Engine(CFG, params, _sampler())
+    tokens, lengths = _prompts(1)
+    for call in (eng.generate, eng.stream):
+        with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
+            out = call(tokens, lengths, rng=0, max_new_tokens=0)
+            list(out) if call is eng.stream else out
+
+
+def test_stream_yields_exactly_max_new_tokens(params):
+    eng = Engine(CFG, params, _sampler(eos_ids=()))  # no EOS: every row runs every canvas
+    tokens, lengths = _prompts()
+    for max_new in (5, 16, 21):
+        events = list(eng.stream(tokens, lengths, rng=2, max_new_tokens=max_new))
+        assert sum(ev.tokens.shape[1] for ev in events) == max_new
+        streamed = np.concatenate([ev.tokens for ev in events], axis=1)
+        np.testing.assert_array_equal(streamed, np.asarray(eng.generate(tokens, lengths, rng=2,
+                                                                         max_new_tokens=max_new).tokens))
+
+
+def test_rng_seeds_beyond_int32_and_clear_errors_for_bad_rng(params):
+    from dgemma_jax.sampling.loop import as_key
+
+    eng = Engine(CFG, params, _sampler())
+    tokens, lengths = _prompts(1)
+    big = eng.generate(tokens, lengths, rng=3_000_000_000, max_new_tokens=8)
+    same = eng.generate(tokens, lengths, rng=jax.random.key(3_000_000_000), max_new_tokens=8)
+    np.testing.assert_array_equal(np.asarray(big.tokens), np.asarray(same.tokens))
+    np.testing.assert_array_equal(jax.random.key_data(as_key(7)), jax.random.key_data(jax.random.key(7)))
+    for bad, what in ((None, "integer seed"), (1.5, "integer seed"), ("7", "integer seed"), (2**64, "64 bits")):
+        with pytest.raises(ValueError, match=what):
+            eng.generate(tokens, lengths, rng=bad, max_new_tokens=8)
+
+
+def test_new_tokens_that_fit_the_positions_and_the_cache():
+    from dgemma_jax.engine import new_tokens_that_fit
+
+    s = _sampler()  # canvas 16
+    room = CFG.max_position_embeddings
+    assert new_tokens_that_fit(CFG, s, 20, 10**6) == (room - 20) // 16 * 16
+    assert new_tokens_that_fit(CFG, s, 20, 40) == 40
+    assert new_tokens_that_fit(CFG, s, 20, 10**6, cache_length=70) == 4 * 16  # 20 + 3 committed canvases <= 70
+    tokens = np.full((1, 20), 5, np.int32)
+    n = new_tokens_that_fit(CFG, s, 20, 10**6)
+    prepare_inputs(CFG, s, tokens, None, n)  # fits
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        prepare_inputs(CFG, s, tokens, None, n + 16)

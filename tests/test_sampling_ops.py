@@ -419,6 +419,7 @@ def test_sampler_config_defaults_and_hashable():
     [
         ("max_denoising_steps", 0),
         ("max_denoising_steps", 2.5),
+        ("max_denoising_steps", 10**9),  # would bake a 4 GB temperature table into the program
         ("canvas_length", 0),
         ("t_min", 0.0),
         ("t_min", -0.1),
@@ -499,3 +500,11 @@ def test_history_below_the_budget_keeps_the_threshold():
         decisions.append(bool(stop_decision(x, hist, jnp.zeros((1,)), cfg)[0]))
         hist = push_history(hist, x)
     assert decisions == [False, False, False, True]
+
+
+def test_the_largest_step_budget_is_accepted():
+    from dgemma_jax.sampling.config import MAX_DENOISING_STEPS
+    from dgemma_jax.sampling.ops import temperature_table
+
+    cfg = SamplerConfig(max_denoising_steps=MAX_DENOISING_STEPS)
+    assert temperature_table(cfg).nbytes <= 256 * 1024

@@ -28,6 +28,11 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+# The step budget's upper bound: the temperature schedule is a host-computed float32 table of one entry
+# per step baked into the program (bit-exact with HF's), 256 KiB at this bound.
+MAX_DENOISING_STEPS = 1 << 16
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
     """Knobs of the entropy-bound denoising sampler.
@@ -78,6 +83,11 @@ class SamplerConfig:
             if not _is_int(value) or value < minimum:
                 fail(field, value, f"an integer >= {minimum}")
             set_(field, int(value))
+
+        if self.max_denoising_steps > MAX_DENOISING_STEPS:
+            fail("max_denoising_steps", self.max_denoising_steps,
+                 f"at most {MAX_DENOISING_STEPS} (the compiled loop keeps a float32 temperature per step; "
+                 "a canvas stops early once stable and confident, so a large finite budget is enough)")
 
         # Real-valued fields: coerce to Python float, reject NaN/inf.
         for field in ("t_max", "t_min", "entropy_bound", "confidence_threshold"):

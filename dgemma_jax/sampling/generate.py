@@ -131,7 +131,7 @@ class CanvasEvent:
     """One finished canvas from `iter_canvases` (host numpy arrays)."""
 
     index: int
-    tokens: np.ndarray       # [B, L] EOS-truncated
+    tokens: np.ndarray       # [B, L] EOS-truncated (the last canvas: only the tokens still owed)
     steps: np.ndarray        # [B]
     finished: np.ndarray     # [B]
 
@@ -237,7 +237,9 @@ def _iterate(pieces: Pieces, params, prompt_tokens, prompt_lengths, cache, keys,
         toks, finished_after = pieces.finish(state.argmax, finished)
         last = c + 1 >= n_canvas
         active = ~finished_after & (not last)
-        yield CanvasEvent(c, np.asarray(toks), np.asarray(state.steps), np.asarray(finished_after))
+        # the last canvas's event carries only the tokens still owed (max_new_tokens in all, as generate)
+        owed = max_new_tokens - c * sampler.canvas_length
+        yield CanvasEvent(c, np.asarray(toks)[:, :owed], np.asarray(state.steps), np.asarray(finished_after))
         finished = finished_after
         if bool(jnp.all(finished)) or last:
             break
@@ -271,7 +273,7 @@ def collect(events, batch: int, max_new_tokens: int, canvas_length: int, pad_id:
     finished = np.zeros((batch,), bool)
     for ev in events:
         if isinstance(ev, CanvasEvent):
-            out[:, ev.index * canvas_length:(ev.index + 1) * canvas_length] = ev.tokens
+            out[:, ev.index * canvas_length:ev.index * canvas_length + ev.tokens.shape[1]] = ev.tokens
             steps[:, ev.index] = ev.steps
             finished = ev.finished
     return out[:, :max_new_tokens], steps, finished

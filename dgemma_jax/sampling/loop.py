@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dgemma_jax.config import ModelConfig
@@ -42,6 +43,23 @@ class LoopState:
     argmax: jax.Array      # [B, L] int32 latest argmax canvas (the output)
     done: jax.Array        # [B] bool
     steps: jax.Array       # [B] int32 denoiser passes made while the row was unfinished
+
+
+def as_key(rng) -> jax.Array:
+    """A user's `rng` as a jax array for `row_keys`: an int seed (any 64-bit value), a PRNG key, [B]
+    keys, or raw uint32 key data. Anything else is a ValueError that says what is accepted."""
+    if isinstance(rng, jax.Array):
+        return rng
+    if isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_)):
+        if not -(2 ** 63) <= int(rng) < 2 ** 64:
+            raise ValueError(f"rng seed {int(rng)} does not fit in 64 bits; use a smaller integer")
+        return jax.random.key(int(rng))
+    if isinstance(rng, (list, tuple)):
+        rng = np.asarray(rng)
+    if isinstance(rng, np.ndarray) and np.issubdtype(rng.dtype, np.integer):
+        return jnp.asarray(rng)
+    raise ValueError(f"rng must be an integer seed, a jax PRNG key or one key per row; got {type(rng).__name__} "
+                     f"{rng!r}"[:300])
 
 
 def row_keys(rng: jax.Array, batch: int) -> jax.Array:
