@@ -8,10 +8,11 @@ argument of `jax.jit`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any, Mapping
+
+from dgemma_jax.errors import read_json
 
 SLIDING = "sliding"
 GLOBAL = "global"
@@ -213,8 +214,7 @@ class ModelConfig:
                 path = os.path.join(path, "config.json")
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"no config.json at {path!r}: pass a Hugging Face model directory")
-            with open(path) as f:
-                cfg = json.load(f)
+            cfg = read_json(path)
         text = cfg.get("text_config", cfg)
         model_type = cfg.get("model_type", text.get("model_type"))
         if model_type not in (None, "diffusion_gemma", "diffusion_gemma_text", "gemma4", "gemma4_text"):

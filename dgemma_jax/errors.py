@@ -1,4 +1,24 @@
-"""Exceptions shared by the command line and the library."""
+"""Exceptions shared by the command line and the library, and reading user files with errors that
+name the file."""
+
+import json
+
+
+def read_json(path: str, require: tuple = ()) -> dict:
+    """A JSON object from `path`; unreadable or malformed JSON, a non-object or a missing required key
+    is a ValueError that names the file (not a bare decoder message)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not read {path!r} as JSON ({e}); the file is damaged: restore or re-download it") \
+            from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path!r} holds a JSON {type(data).__name__}, expected an object")
+    missing = [k for k in require if k not in data]
+    if missing:
+        raise ValueError(f"{path!r} lacks the required key(s) {missing}; the file is damaged: restore or re-write it")
+    return data
 
 
 class UsageError(Exception):

@@ -255,6 +255,29 @@ def test_load_hf_no_safetensors(checkpoint, tmp_path):
         load_hf(path)
 
 
+@pytest.mark.parametrize("keep", [0, 6, 300])
+def test_load_hf_truncated_safetensors_names_the_file(checkpoint, tmp_path, keep):
+    path = _copy(checkpoint[2], tmp_path)
+    f = path / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:keep] if keep < 300 else data[: len(data) // 2])  # empty / cut header / cut tensors
+    with pytest.raises(ValueError, match=r"model\.safetensors' is not a readable safetensors file.*re-download"):
+        load_hf(path)
+
+
+@pytest.mark.parametrize("name,text,what", [
+    ("config.json", "{not json", "as JSON"),
+    ("config.json", "[1, 2]", "expected an object"),
+    ("model.safetensors.index.json", '{"metadata": {}}', "lacks the required key"),
+])
+def test_load_hf_damaged_json_names_the_file(checkpoint, tmp_path, name, text, what):
+    path = _copy(checkpoint[2], tmp_path)
+    (path / name).write_text(text)
+    with pytest.raises(ValueError, match=what) as err:
+        load_hf(path)
+    assert name in str(err.value)
+
+
 def test_load_hf_index_names_missing_shard(checkpoint, tmp_path):
     path = _copy(checkpoint[2], tmp_path)
     names = list(load_file(path / "model.safetensors"))
@@ -385,3 +408,66 @@ def test_params_saved_with_the_old_expert_layout_load_merged(tmp_path):
     for loaded in (load_params(tmp_path / "old", param_shapes(cfg)), load_params(tmp_path / "old")):
         for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------------------------- our checkpoint directory
+@pytest.fixture(scope="module")
+def model_dir(checkpoint, tmp_path_factory):
+    from dgemma_jax.io.model_dir import save_model
+
+    cfg, params, _ = checkpoint
+    path = tmp_path_factory.mktemp("ours") / "m"
+    save_model(path, cfg, params)
+    return path
+
+
+def test_model_dir_records_its_files_and_loads(model_dir, checkpoint):
+    from dgemma_jax.io.model_dir import load_model
+
+    meta = json.loads((model_dir / "dgemma_model.json").read_text())
+    assert meta["params_files"] and all(size > 0 for size in meta["params_files"].values())
+    cfg, params, _ = load_model(model_dir)
+    np.testing.assert_array_equal(np.asarray(params["embedding"]), np.asarray(checkpoint[1]["embedding"]))
+
+
+@pytest.mark.parametrize("damage", ["empty", "cut", "missing"])
+def test_damaged_params_file_is_named_before_orbax_reads_it(model_dir, tmp_path, damage):
+    from dgemma_jax.io.model_dir import load_model
+
+    path = _copy(model_dir, tmp_path)
+    meta = json.loads((path / "dgemma_model.json").read_text())
+    rel = max(meta["params_files"], key=meta["params_files"].get)  # the largest: a data file
+    f = path / "params" / rel
+    if damage == "missing":
+        f.unlink()
+    else:
+        f.write_bytes(b"" if damage == "empty" else f.read_bytes()[:10])
+    with pytest.raises(ValueError, match="is damaged: params/") as err:
+        load_model(path)
+    assert rel in str(err.value) and ("missing" if damage == "missing" else "saved as") in str(err.value)
+
+
+def test_model_dir_without_a_file_list_still_loads(model_dir, tmp_path):
+    from dgemma_jax.io.model_dir import load_model
+
+    path = _copy(model_dir, tmp_path)  # a checkpoint written before the file list existed
+    meta = json.loads((path / "dgemma_model.json").read_text())
+    del meta["params_files"]
+    (path / "dgemma_model.json").write_text(json.dumps(meta))
+    assert load_model(path)[0].num_layers == 2
+
+
+def test_model_dir_metadata_without_config_names_the_file(model_dir, tmp_path):
+    from dgemma_jax.io.model_dir import load_model
+
+    path = _copy(model_dir, tmp_path)
+    (path / "dgemma_model.json").write_text('{"format": "dgemma_jax.model"}')
+    with pytest.raises(ValueError, match=r"dgemma_model\.json' lacks the required key\(s\) \['config'\]"):
+        load_model(path)
+
+
+def test_convert_refuses_to_write_into_its_source(checkpoint):
+    from dgemma_jax.io.convert import convert
+
+    with pytest.raises(ValueError, match="is the source directory"):
+        convert(str(checkpoint[2]), str(checkpoint[2]) + "/", "hf", progress=False)

@@ -199,6 +199,8 @@ def _check_shapes(params, cfg: ModelConfig):
 def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, preset: str | None = None,
             progress: bool = True) -> int:
     """Convert `src` into a dgemma_jax checkpoint directory `dst`; returns the number of tensors."""
+    if os.path.exists(dst) and os.path.realpath(dst) == os.path.realpath(src):
+        raise ValueError(f"the destination {dst!r} is the source directory; convert into a new directory")
     import jax
     import jax.numpy as jnp
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.errors import read_json
 
 DECODER = "model.decoder."
 ENCODER_LAYERS = "model.encoder.language_model.layers."
@@ -113,8 +114,7 @@ class SafetensorsDir:
         self.path = path
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = read_json(index, require=("weight_map",))["weight_map"]
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
@@ -127,7 +127,11 @@ class SafetensorsDir:
             full = os.path.join(path, fn)
             if not os.path.isfile(full):
                 raise FileNotFoundError(f"the index names {fn!r} but {full!r} does not exist")
-            h = safe_open(full, framework="numpy")
+            try:
+                h = safe_open(full, framework="numpy")
+            except Exception as e:  # safetensors' own error type: a bad header, a file cut short
+                raise ValueError(f"{full!r} is not a readable safetensors file ({e}); it is truncated or corrupt: "
+                                 "re-download it") from e
             self._handles[fn] = h
             for k in h.keys():
                 self.where[k] = fn

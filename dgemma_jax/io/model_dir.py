@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.errors import read_json
 
 META = "dgemma_model.json"
 FORMAT = "dgemma_jax.model"
@@ -63,8 +64,7 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
 
 
 def _read_meta(path) -> dict:
-    with open(os.path.join(os.fspath(path), META)) as f:
-        meta = json.load(f)
+    meta = read_json(os.path.join(os.fspath(path), META), require=("format", "config"))
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path!r}: {META} has format {meta.get('format')!r}, expected {FORMAT!r}")
     return meta
@@ -135,11 +135,39 @@ def save_model(path: str | os.PathLike, config: ModelConfig, params: Any, sample
         if os.path.abspath(tokenizer_file) != os.path.join(path, tok_name):
             shutil.copyfile(tokenizer_file, os.path.join(path, tok_name))
     meta = {"format": FORMAT, "version": 1, "config": config_to_dict(config),
-            "sampler": dataclasses.asdict(sampler) if sampler is not None else None, "tokenizer": tok_name}
+            "sampler": dataclasses.asdict(sampler) if sampler is not None else None, "tokenizer": tok_name,
+            "params_files": params_files(os.path.join(path, "params"))}
     tmp = os.path.join(path, META + ".tmp")
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=2)
     os.replace(tmp, os.path.join(path, META))
+
+
+def params_files(params_dir: str) -> dict[str, int]:
+    """{path relative to params_dir: size in bytes} of every file orbax wrote (kept in the metadata)."""
+    out = {}
+    for root, _, files in os.walk(params_dir):
+        for fn in files:
+            full = os.path.join(root, fn)
+            out[os.path.relpath(full, params_dir)] = os.path.getsize(full)
+    return dict(sorted(out.items()))
+
+
+def _check_params_files(path: str, recorded: dict) -> None:
+    """Compare the parameter files with the sizes recorded at save time: a missing, emptied or cut
+    file is named here instead of surfacing as a storage-library error mid-restore."""
+    params_dir = os.path.join(path, "params")
+    bad = []
+    for rel, size in recorded.items():
+        full = os.path.join(params_dir, rel)
+        if not os.path.isfile(full):
+            bad.append(f"params/{rel} is missing")
+        elif os.path.getsize(full) != size:
+            bad.append(f"params/{rel} is {os.path.getsize(full)} bytes, saved as {size}")
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise ValueError(f"checkpoint {path!r} is damaged: {'; '.join(bad[:3])}{more}; restore it from a copy or "
+                         "convert it again")
 
 
 def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None):
@@ -158,6 +186,8 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None
 
     meta = _read_meta(path)
     cfg = config_from_dict(meta["config"])
+    if isinstance(meta.get("params_files"), dict):
+        _check_params_files(os.fspath(path), meta["params_files"])
     if dtype:
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
     abstract = param_shapes(cfg)
@@ -166,7 +196,8 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None
     try:
         params = load_params(os.path.join(os.fspath(path), "params"), abstract)
     except (ValueError, KeyError) as e:
-        raise ValueError(f"checkpoint {os.fspath(path)!r} does not match its config: {e}") from None
+        raise ValueError(f"could not restore the parameters of checkpoint {os.fspath(path)!r}: they are damaged or do "
+                         f"not match its config ({e})") from None
     sampler = SamplerConfig(**meta["sampler"]) if meta.get("sampler") else None
     return cfg, params, sampler
 
@@ -178,8 +209,7 @@ def hf_sampler(path, cfg: ModelConfig):
     gen = os.path.join(os.fspath(path), "generation_config.json")
     if not os.path.isfile(gen):
         return None
-    with open(gen) as f:
-        d = json.load(f)
+    d = read_json(gen)
     d = dict(d, eos_token_id=[e for e in np.atleast_1d(d.get("eos_token_id", [])).tolist() if e < cfg.vocab_size])
     return SamplerConfig.from_hf_generation_config(d, canvas_length=cfg.canvas_length)
 

@@ -17,10 +17,11 @@ bundled toy model) can subclass it by implementing `vocab_size`, `encode` and `d
 from __future__ import annotations
 
 import abc
-import json
 import os
 import re
 from typing import Any, Iterable, Mapping, Sequence
+
+from dgemma_jax.errors import read_json
 
 __all__ = [
     "Tokenizer",
@@ -348,16 +349,7 @@ def _file_order(prefer: str | None) -> tuple[str, ...]:
 
 
 def _read_json(path: str) -> dict | None:
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"could not read {path!r} as JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path!r} should hold a JSON object, got {type(data).__name__}")
-    return data
+    return read_json(path) if os.path.isfile(path) else None
 
 
 def _token_string(value: Any) -> str | None:
