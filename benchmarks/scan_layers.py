@@ -42,8 +42,8 @@ GROUP = (SLIDING,) * 5 + (GLOBAL,)
 CONTEXT, CANVAS = 512, 256
 
 
-def group_config(groups: int, dtype: str = "float32") -> ModelConfig:
-    return ModelConfig.preset("bench", num_layers=len(GROUP) * groups, layer_types=GROUP * groups,
+def group_config(groups: int, dtype: str = "float32", preset: str = "bench") -> ModelConfig:
+    return ModelConfig.preset(preset, num_layers=len(GROUP) * groups, layer_types=GROUP * groups,
                               dtype=dtype, param_dtype=dtype)
 
 
@@ -78,16 +78,16 @@ def trunk_programs(cfg: ModelConfig):
     return unrolled, scanned, to_stacked
 
 
-def cpu_inputs(cfg: ModelConfig, seed: int = 0):
+def cpu_inputs(cfg: ModelConfig, seed: int = 0, context: int = CONTEXT, canvas: int = CANVAS):
     from dgemma_jax.model.api import init_params
 
     params = init_params(cfg, seed)
     blocks = [params[f"blocks_{i}"] for i in range(cfg.num_layers)]
-    cache = init_cache(cfg, 1, CONTEXT + CANVAS)
+    cache = init_cache(cfg, 1, context + canvas)
     keys = [jax.random.normal(jax.random.key(seed + 10 + i), k.shape, k.dtype) for i, k in enumerate(cache.keys)]
     values = [jax.random.normal(jax.random.key(seed + 90 + i), v.shape, v.dtype) for i, v in enumerate(cache.values)]
-    x = jax.random.normal(jax.random.key(seed + 7), (1, CANVAS, cfg.hidden_size), jnp.float32)
-    return blocks, x, jnp.array([CONTEXT], jnp.int32), keys, values
+    x = jax.random.normal(jax.random.key(seed + 7), (1, canvas, cfg.hidden_size), jnp.float32)
+    return blocks, x, jnp.array([context], jnp.int32), keys, values
 
 
 def compile_timed(fn, *args):

@@ -12,10 +12,10 @@ import scan_layers  # noqa: E402
 
 
 def test_scanned_groups_equal_the_unrolled_layers():
-    cfg = scan_layers.group_config(2)
+    cfg = scan_layers.group_config(2, preset="tiny-6layer")  # the benchmark runs the bench widths
     assert cfg.num_layers == 12 and cfg.layer_types[5] == cfg.layer_types[11] == "global"
     unrolled, scanned, to_stacked = scan_layers.trunk_programs(cfg)
-    blocks, x, ce, keys, values = scan_layers.cpu_inputs(cfg)
+    blocks, x, ce, keys, values = scan_layers.cpu_inputs(cfg, context=40, canvas=16)
     sb, sk, sv = to_stacked(blocks, keys, values)
     assert sk[5].shape == (2,) + keys[5].shape  # stacked per group position: layers 5 and 11
     np.testing.assert_array_equal(np.asarray(sk[5][1]), np.asarray(keys[11]))

@@ -164,6 +164,9 @@ def test_pipeline_object(hf_checkpoint):
     two = dg.generate(["w5 w6 w7", "w9"], max_new_tokens=16, seed=3)
     assert isinstance(two, list) and len(two) == 2 and all(isinstance(t, str) for t in two)
     assert isinstance(dg.chat([{"role": "user", "content": "w5 w6"}], max_new_tokens=16), str)
+    with pytest.raises(ValueError, match="no prompts"):
+        dg.generate([], max_new_tokens=16)
+    assert isinstance(dg.generate("w5", max_new_tokens=16, seed=2**40), str)  # any 64-bit seed
 
 
 # ------------------------------------------------------------------ the bundled model (default checkpoint)
