@@ -25,14 +25,16 @@ import json
 import os
 import platform
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmark modules
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench_cpu import aot  # noqa: E402
+from gemm_ceiling import samples  # noqa: E402
 from dgemma_jax.config import GLOBAL, SLIDING, ModelConfig  # noqa: E402
 from dgemma_jax.model.api import param_shapes  # noqa: E402
 from dgemma_jax.model.cache import init_cache  # noqa: E402
@@ -90,14 +92,6 @@ def cpu_inputs(cfg: ModelConfig, seed: int = 0, context: int = CONTEXT, canvas: 
     return blocks, x, jnp.array([context], jnp.int32), keys, values
 
 
-def compile_timed(fn, *args):
-    t0 = time.perf_counter()
-    lowered = jax.jit(fn).lower(*args)
-    t1 = time.perf_counter()
-    compiled = lowered.compile()
-    return compiled, {"lower_s": t1 - t0, "compile_s": time.perf_counter() - t1}
-
-
 def run_cpu(groups: int, rounds: int) -> dict:
     cfg = group_config(groups)
     unrolled, scanned, to_stacked = trunk_programs(cfg)
@@ -106,14 +100,11 @@ def run_cpu(groups: int, rounds: int) -> dict:
     progs = {"unrolled": (unrolled, (blocks, x, ce, keys, values)), "scan": (scanned, (sb, x, ce, sk, sv))}
     out = {}
     for name, (fn, args) in progs.items():
-        compiled, t = compile_timed(fn, *args)
+        compiled, t = aot(jax.jit(fn), *args)
         out[name] = {"compile": t, "samples_s": [], "_c": compiled, "_a": args}
     for _ in range(rounds):  # alternate so drift hits both alike
         for rec in out.values():
-            jax.block_until_ready(rec["_c"](*rec["_a"]))
-            t0 = time.perf_counter()
-            jax.block_until_ready(rec["_c"](*rec["_a"]))
-            rec["samples_s"].append(time.perf_counter() - t0)
+            rec["samples_s"] += samples(lambda: jax.block_until_ready(rec["_c"](*rec["_a"])), 1, warm=1)
     a = np.asarray(out["unrolled"]["_c"](*out["unrolled"]["_a"]))
     b = np.asarray(out["scan"]["_c"](*out["scan"]["_a"]))
     diff = float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))
@@ -141,10 +132,10 @@ def run_tpu(groups: int, topo: str) -> dict:
     stk = lambda s: jax.ShapeDtypeStruct((g,) + s.shape, s.dtype, sharding=s.sharding)  # noqa: E731
     sb = [jax.tree.map(stk, blocks[j]) for j in range(n)]
     sk, sv = [stk(keys[j]) for j in range(n)], [stk(values[j]) for j in range(n)]
-    compile_timed(lambda a: a * 2, x)  # the first TPU compile also initialises the compiler: keep it out
+    aot(jax.jit(lambda a: a * 2), x)  # the first TPU compile also initialises the compiler: keep it out
     out = {}
     for name, fn, args in (("unrolled", unrolled, (blocks, x, ce, keys, values)), ("scan", scanned, (sb, x, ce, sk, sv))):
-        compiled, t = compile_timed(fn, *args)
+        compiled, t = aot(jax.jit(fn), *args)
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         out[name] = {"compile": t, "flops": float(cost.get("flops", 0.0))}

@@ -92,7 +92,8 @@ def cmd_generate(args) -> int:
     engine = Engine(cfg, params, sampler)
     tokens = np.array([ids], np.int32)
     seed, pinned = _seed_canvas(args, tok, sampler, 1)
-    max_new = args.max_new_tokens or new_tokens_that_fit(cfg, sampler, len(ids), DEFAULT_NEW_TOKENS)
+    max_new = (new_tokens_that_fit(cfg, sampler, len(ids), DEFAULT_NEW_TOKENS) if args.max_new_tokens is None
+               else args.max_new_tokens)
     kw = dict(rng=args.seed, max_new_tokens=max_new, seed_canvas=seed, pinned=pinned)
     t0 = time.perf_counter()
     if args.show_steps:
@@ -159,7 +160,8 @@ def cmd_chat(args) -> int:
             cache, cached_ids, new = None, [], ids
         reused = len(cached_ids)
         cache_length = min(args.context, cfg.max_position_embeddings)
-        max_new = args.max_new_tokens or new_tokens_that_fit(cfg, sampler, len(ids), DEFAULT_NEW_TOKENS, cache_length)
+        max_new = (new_tokens_that_fit(cfg, sampler, len(ids), DEFAULT_NEW_TOKENS, cache_length)
+                   if args.max_new_tokens is None else args.max_new_tokens)
         out = engine.generate(np.array([new], np.int32), None, rng=args.seed + turn, max_new_tokens=max_new,
                               cache=cache, cache_length=cache_length)
         gen = [int(t) for t in np.asarray(out.tokens)[0] if int(t) != sampler.pad_id]

@@ -23,7 +23,7 @@ from dgemma_jax.model.cache import KVCache, init_cache
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.sampling import generate as gen
 from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.sampling.loop import as_key, denoise_canvas, denoise_step, row_keys
+from dgemma_jax.sampling.loop import denoise_canvas, denoise_step, row_keys
 
 
 def _check_sampler(config: ModelConfig, sampler: SamplerConfig):
@@ -181,7 +181,7 @@ class Engine:
         tokens, lengths, s, seed_canvas, pinned = prepare_inputs(
             self.config, self.sampler, prompt_tokens, lengths, max_new_tokens, cache_length, seed_canvas, pinned,
             committed)
-        keys = row_keys(as_key(rng), tokens.shape[0])
+        keys = row_keys(rng, tokens.shape[0])
         if cache is None:
             cache = self.new_cache(tokens.shape[0], s)
         elif cache.batch_size != tokens.shape[0]:

@@ -231,14 +231,12 @@ def test_stream_yields_exactly_max_new_tokens(params):
 
 
 def test_rng_seeds_beyond_int32_and_clear_errors_for_bad_rng(params):
-    from dgemma_jax.sampling.loop import as_key
-
     eng = Engine(CFG, params, _sampler())
     tokens, lengths = _prompts(1)
     big = eng.generate(tokens, lengths, rng=3_000_000_000, max_new_tokens=8)
     same = eng.generate(tokens, lengths, rng=jax.random.key(3_000_000_000), max_new_tokens=8)
     np.testing.assert_array_equal(np.asarray(big.tokens), np.asarray(same.tokens))
-    np.testing.assert_array_equal(jax.random.key_data(as_key(7)), jax.random.key_data(jax.random.key(7)))
+    np.testing.assert_array_equal(jax.random.key_data(row_keys(7, 2)), jax.random.key_data(row_keys(jax.random.key(7), 2)))
     for bad, what in ((None, "integer seed"), (1.5, "integer seed"), ("7", "integer seed"), (2**64, "64 bits")):
         with pytest.raises(ValueError, match=what):
             eng.generate(tokens, lengths, rng=bad, max_new_tokens=8)

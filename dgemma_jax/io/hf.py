@@ -109,7 +109,7 @@ class SafetensorsDir:
     """Lazy access to the tensors of a directory of *.safetensors files (sharded index or not)."""
 
     def __init__(self, path: str):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         self.path = path
         index = os.path.join(path, "model.safetensors.index.json")
@@ -129,7 +129,7 @@ class SafetensorsDir:
                 raise FileNotFoundError(f"the index names {fn!r} but {full!r} does not exist")
             try:
                 h = safe_open(full, framework="numpy")
-            except Exception as e:  # safetensors' own error type: a bad header, a file cut short
+            except (SafetensorError, OSError) as e:  # a bad header, a file cut short
                 raise ValueError(f"{full!r} is not a readable safetensors file ({e}); it is truncated or corrupt: "
                                  "re-download it") from e
             self._handles[fn] = h

@@ -160,10 +160,11 @@ def _check_params_files(path: str, recorded: dict) -> None:
     bad = []
     for rel, size in recorded.items():
         full = os.path.join(params_dir, rel)
-        if not os.path.isfile(full):
+        now = os.path.getsize(full) if os.path.isfile(full) else None
+        if now is None:
             bad.append(f"params/{rel} is missing")
-        elif os.path.getsize(full) != size:
-            bad.append(f"params/{rel} is {os.path.getsize(full)} bytes, saved as {size}")
+        elif now != size:
+            bad.append(f"params/{rel} is {now} bytes, saved as {size}")
     if bad:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
         raise ValueError(f"checkpoint {path!r} is damaged: {'; '.join(bad[:3])}{more}; restore it from a copy or "

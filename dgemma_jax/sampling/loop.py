@@ -45,25 +45,21 @@ class LoopState:
     steps: jax.Array       # [B] int32 denoiser passes made while the row was unfinished
 
 
-def as_key(rng) -> jax.Array:
-    """A user's `rng` as a jax array for `row_keys`: an int seed (any 64-bit value), a PRNG key, [B]
-    keys, or raw uint32 key data. Anything else is a ValueError that says what is accepted."""
-    if isinstance(rng, jax.Array):
-        return rng
+def row_keys(rng, batch: int) -> jax.Array:
+    """[B] per-row keys: split a single key, or pass [B] keys through unchanged.
+
+    rng: an int seed (any 64-bit value), a PRNG key, [B] keys, or raw uint32 key data (a jax or numpy
+    array, or a list). Anything else is a ValueError that says what is accepted.
+    """
     if isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_)):
         if not -(2 ** 63) <= int(rng) < 2 ** 64:
             raise ValueError(f"rng seed {int(rng)} does not fit in 64 bits; use a smaller integer")
-        return jax.random.key(int(rng))
-    if isinstance(rng, (list, tuple)):
-        rng = np.asarray(rng)
-    if isinstance(rng, np.ndarray) and np.issubdtype(rng.dtype, np.integer):
-        return jnp.asarray(rng)
-    raise ValueError(f"rng must be an integer seed, a jax PRNG key or one key per row; got {type(rng).__name__} "
-                     f"{rng!r}"[:300])
-
-
-def row_keys(rng: jax.Array, batch: int) -> jax.Array:
-    """[B] per-row keys: split a single key, or pass [B] keys through unchanged."""
+        rng = jax.random.key(int(rng))
+    elif isinstance(rng, (list, tuple, np.ndarray)) and np.issubdtype(np.asarray(rng).dtype, np.integer):
+        rng = jnp.asarray(rng)
+    elif not isinstance(rng, jax.Array):
+        raise ValueError(f"rng must be an integer seed, a jax PRNG key or one key per row; got "
+                         f"{type(rng).__name__} {rng!r}"[:300])
     if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
         rng = jax.random.wrap_key_data(rng) if rng.ndim >= 1 and rng.shape[-1] == 2 and rng.dtype == jnp.uint32 \
             else jax.random.key(rng)
