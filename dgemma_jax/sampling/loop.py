@@ -102,8 +102,9 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
     model = Transformer(config)
     h = model.apply({"params": params}, state.canvas, context_end, cache, state.soft, method="denoise_features")
     step_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, state.step)))(keys)  # [B, 2]
-    stats, soft = head_step(h, params["embedding"], config.final_logit_softcap,
-                                    ops.temperature(sampler, state.step), step_keys[:, 0], config.embed_scale)
+    with jax.named_scope("head_sampler_pass"):  # a scope name for profiles (benchmarks/step_profile.py)
+        stats, soft = head_step(h, params["embedding"], config.final_logit_softcap,
+                                ops.temperature(sampler, state.step), step_keys[:, 0], config.embed_scale)
     accept = ops.entropy_bound_accept(stats.entropy, sampler.entropy_bound)
     noise = jax.vmap(lambda k: ops.uniform_tokens(k, h.shape[1:2], config.vocab_size))(step_keys[:, 1])
     canvas = ops.renoise(stats.sampled, accept, noise)
