@@ -3,6 +3,7 @@ part of the model and to products or other work."""
 
 import json
 import os
+import subprocess
 import sys
 
 import jax
@@ -52,9 +53,14 @@ def test_op_names_of_the_step_map_to_their_parts():
 
 
 def test_a_traced_step_is_attributed_to_the_model_parts(tmp_path):
+    # in a child process: the profiler session stays out of this test process (a later test here aborted
+    # inside JAX's persistent compilation cache write after an in-process trace)
     out = tmp_path / "profile.json"
-    res = step_profile.main(["--preset", "tiny-2layer", "--context", "24", "--canvas", "16", "--calls", "2",
-                             "--out", str(out)])
+    script = os.path.join(os.path.dirname(step_profile.__file__), "step_profile.py")
+    subprocess.run([sys.executable, script, "--preset", "tiny-2layer", "--context", "24", "--canvas", "16",
+                    "--calls", "2", "--out", str(out)], check=True, capture_output=True, timeout=600,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    res = json.loads(out.read_text())
     step = res["step"]
     parts = step["parts"]
     for part in ("head and sampler pass (vocab chunks)", "experts: products and gating", "dense MLP",
@@ -66,5 +72,4 @@ def test_a_traced_step_is_attributed_to_the_model_parts(tmp_path):
     total = sum(r["products_ms"] + r["other_ms"] for r in parts.values())
     assert np.isclose(total, step["leaf_ms"]) and step["products_ms"] > 0 and step["other_ms"] > 0
     assert step["wall_ms_median"] > 0
-    assert json.loads(out.read_text())["step"]["parts"].keys() == parts.keys()
     assert "| dense MLP |" in out.with_suffix(".md").read_text()
