@@ -162,10 +162,15 @@ def maxrss_mb():
 
 
 def machine_info():
+    """The machine, versions, thread settings and git commit (torch/transformers None without `[ref]`)."""
     import jax
     import jaxlib
-    import torch
-    import transformers
+
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        torch = transformers = None
 
     cpu_model = ""
     flags = []
@@ -204,10 +209,10 @@ def machine_info():
         "jaxlib": jaxlib.__version__,
         "jax_backend": jax.default_backend(),
         "jax_devices": [str(d) for d in jax.devices()],
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "torch_interop_threads": torch.get_num_interop_threads(),
-        "transformers": transformers.__version__,
+        "torch": torch and torch.__version__,
+        "torch_threads": torch and torch.get_num_threads(),
+        "torch_interop_threads": torch and torch.get_num_interop_threads(),
+        "transformers": transformers and transformers.__version__,
         "env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                                                "XLA_FLAGS", "JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL",
                                                "OMP_WAIT_POLICY", "KMP_BLOCKTIME")},

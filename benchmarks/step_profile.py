@@ -8,7 +8,8 @@ weights, records an XLA profiler trace, and charges each executed operation (an 
 fusion, a library matrix product, a sort, ...) to
 
 - a **part of the model**, read from the operation's HLO `op_name` metadata (the JAX/Flax scope
-  that emitted it; for a fusion without its own metadata, that of its computation's root), and
+  that emitted it; for a fusion without its own metadata, that of its computation's root, else of
+  the nearest operand that has one), and
 - **products or other**: whether the operation runs a `dot` (a matrix product, with whatever XLA
   fused into it) or not (softmax, exp/tanh, norms, gathers, sampling, copies).
 
@@ -17,7 +18,7 @@ or the head's vocab-chunk loop is not counted itself, only what runs inside it),
 executor's threads and divided by the number of steps: "thread ms per step". On 2 cores the sum can
 exceed the wall time when independent operations overlap; both are reported.
 
-    python benchmarks/step_profile.py --out benchmarks/results/step_profile.json
+    python benchmarks/step_profile.py --out benchmarks/results/step_profile_amd_epyc.json
 """
 
 from __future__ import annotations
@@ -27,17 +28,19 @@ import collections
 import glob
 import json
 import os
-import platform
 import re
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmark modules
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+from bench_cpu import machine_info  # noqa: E402
+from gemm_ceiling import samples  # noqa: E402
 
 # (part, op_name pattern), first match wins; op_name is the scope path JAX writes into the HLO
 PARTS = (
@@ -139,12 +142,10 @@ def thunk_times(trace_dir: str) -> collections.Counter:
 def attribute(times: collections.Counter, index: dict[str, dict], calls: int) -> dict:
     """Leaf operations' thread ms per call, by part and by products/other."""
     parts: dict[str, dict] = {}
-    skipped = 0.0
     for name, ns in times.items():
         rec = index.get(name)
         if rec is None or rec["opcode"] in CONTAINERS:
-            skipped += ns  # executor bookkeeping events, or control flow around counted leaves
-            continue
+            continue  # executor bookkeeping events, or control flow around counted leaves
         row = parts.setdefault(part_of(rec["op_name"], rec["opcode"]), {"products_ms": 0.0, "other_ms": 0.0, "ops": 0})
         row["products_ms" if rec["product"] else "other_ms"] += ns / calls / 1e6
         row["ops"] += 1
@@ -156,28 +157,21 @@ def attribute(times: collections.Counter, index: dict[str, dict], calls: int) ->
 
 def profile(compiled, args, calls: int, trace_dir: str) -> dict:
     """Time `calls` calls of a compiled program (wall), then trace `calls` more and attribute them."""
-    jitted = compiled
-    compiled_text = compiled.as_text()
-    jax.block_until_ready(jitted(*args))
-    walls = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        jax.block_until_ready(jitted(*args))
-        walls.append(time.perf_counter() - t0)
+    walls = samples(lambda: jax.block_until_ready(compiled(*args)), calls, warm=1)
     jax.profiler.start_trace(trace_dir)
     try:
         for _ in range(calls):
-            jax.block_until_ready(jitted(*args))
+            jax.block_until_ready(compiled(*args))
     finally:
         jax.profiler.stop_trace()
-    res = attribute(thunk_times(trace_dir), hlo_index(compiled_text), calls)
+    res = attribute(thunk_times(trace_dir), hlo_index(compiled.as_text()), calls)
     res["wall_ms_median"] = float(np.median(walls) * 1e3)
     res["calls"] = calls
     return res
 
 
 def step_program(preset: str = "bench", context: int = 512, canvas: int = 256, seed: int = 0):
-    """(config, compiled step, its array args): the real denoise step on a prefilled cache, with the
+    """(compiled step, its array args): the real denoise step on a prefilled cache, with the
     state one step in (a realistic self-conditioning input)."""
     from dgemma_jax.config import ModelConfig
     from dgemma_jax.engine import jit_denoise_step, jit_prefill
@@ -196,7 +190,7 @@ def step_program(preset: str = "bench", context: int = 512, canvas: int = 256, s
     state = init_state(cfg, sampler, initial_canvas(keys, canvas, cfg.vocab_size))
     step = jax.jit(lambda p, c, k, s: jit_denoise_step(p, cfg, sampler, c, k, s)).lower(
         params, cache, keys, state).compile()
-    return cfg, step, (params, cache, keys, step(params, cache, keys, state))
+    return step, (params, cache, keys, step(params, cache, keys, state))
 
 
 def markdown(res: dict) -> str:
@@ -219,14 +213,10 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=10, help="steps timed, then as many traced")
     ap.add_argument("--out", default=None, help="JSON path (the markdown table goes next to it as .md)")
     args = ap.parse_args(argv)
-    cfg, step, step_args = step_program(args.preset, args.context, args.canvas)
+    step, step_args = step_program(args.preset, args.context, args.canvas)
     with tempfile.TemporaryDirectory(prefix="dgemma_profile_") as d:
         res = {"config": {"preset": args.preset, "context": args.context, "canvas": args.canvas},
-               "machine": {"cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count(),
-                           "jax": jax.__version__,
-                           "cpu_model": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                                              if ln.startswith("model name")), None)
-                           if os.path.exists("/proc/cpuinfo") else None},
+               "machine": machine_info(),
                "step": profile(step, step_args, args.calls, d)}
     text = markdown(res)
     print(text)
