@@ -1,6 +1,8 @@
 import os
 import tempfile
 
+import pytest
+
 # Tests run on the CPU; 8 fake devices let sharding tests build real meshes.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -13,3 +15,44 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 def pytest_configure(config):
     config.addinivalue_line("markers", "ref: needs transformers+torch (the [ref] extra)")
     config.addinivalue_line("markers", "slow: longer end-to-end tests")
+
+
+def _memory_map_count() -> int | None:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return None
+
+
+def _memory_map_limit() -> int | None:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module.
+
+    Every XLA:CPU executable keeps hundreds of memory mappings (its JIT-linked code) for as long as a
+    jit cache holds it. One pytest process compiles thousands of programs, and without this the count
+    climbs past Linux's `vm.max_map_count` (65530 by default) near the end of the suite, where thread
+    creation fails ("can't start new thread" inside orbax, or an abort inside XLA). Measured: test_engine
+    alone leaves ~21k mappings; after `jax.clear_caches()` + gc the next module starts at ~0.8k. Programs
+    a later module needs again come back from the persistent compilation cache."""
+    yield
+    import gc
+
+    import jax
+
+    before = _memory_map_count()
+    jax.clear_caches()
+    gc.collect()
+    limit = _memory_map_limit()
+    if before is not None and limit and before > 0.8 * limit:
+        pytest.fail(f"this test module left {before} memory mappings (vm.max_map_count is {limit}); "
+                    f"split the module or release its compiled programs (jax.clear_caches(), drop engines) "
+                    f"so that the process does not run out of mappings", pytrace=False)
