@@ -37,11 +37,26 @@ def _check_sampler(config: ModelConfig, sampler: SamplerConfig):
         raise ValueError(f"SamplerConfig.pad_id={sampler.pad_id} is outside the vocabulary [0, {config.vocab_size})")
 
 
+def bucket_length(n: int, minimum: int = 16) -> int:
+    """The smallest length >= n of the form 2**k or 3 * 2**(k-1) (16, 24, 32, 48, 64, 96, ...).
+
+    Programs are compiled per shape, so the engine pads prompt widths and derived cache lengths up to
+    these buckets: prompts of many lengths share a handful of programs, and at most a third of a
+    bucket (under half of the length it pads) is padding."""
+    n = max(int(n), int(minimum))
+    pow2 = 1 << (n - 1).bit_length()
+    return 3 * pow2 // 4 if 3 * pow2 // 4 >= n else pow2
+
+
 def prepare_inputs(config: ModelConfig, sampler: SamplerConfig, prompt_tokens, lengths, max_new_tokens: int,
-                   cache_length: int | None = None, seed_canvas=None, pinned=None, committed=None):
+                   cache_length: int | None = None, seed_canvas=None, pinned=None, committed=None,
+                   bucket: bool = False):
     """Validate generate() inputs on the host (before anything is compiled) and size the cache.
 
     committed: [B] tokens already in a cache being continued (multi-turn), else 0.
+    bucket: right-pad the prompt width with pad ids to `bucket_length`, and size a derived cache for
+    the bucketed context (capped at the model's positions), so that all prompts of one bucket share
+    one program. The padding is masked and never written to the cache: the generated tokens do not change.
     Returns (tokens [B, P] int32, lengths [B] int32, cache_length, seed_canvas, pinned).
     """
     _check_sampler(config, sampler)
@@ -67,7 +82,9 @@ def prepare_inputs(config: ModelConfig, sampler: SamplerConfig, prompt_tokens, l
                          f"reach position {last_pos}, beyond the model's max_position_embeddings="
                          f"{config.max_position_embeddings}; shorten the prompt or lower max_new_tokens")
     if cache_length is None:
-        cache_length = need
+        # bucketed: sized from the bucketed context, so one program serves a whole prompt bucket
+        padded = bucket_length(int(ends.max())) + (n_canvas - 1) * sampler.canvas_length
+        cache_length = max(need, min(padded, config.max_position_embeddings)) if bucket else need
     elif need > cache_length:
         raise ValueError(f"the KV cache holds {cache_length} tokens per row but the context ({int(ends.max())}) "
                          f"plus {n_canvas - 1} committed canvas(es) of {sampler.canvas_length} need {need}; "
@@ -84,6 +101,9 @@ def prepare_inputs(config: ModelConfig, sampler: SamplerConfig, prompt_tokens, l
         if pinned.shape != seed_canvas.shape or pinned.dtype != jnp.bool_:
             raise ValueError(f"pinned must be a bool array of shape {tuple(seed_canvas.shape)}; "
                              f"got {pinned.dtype} {tuple(pinned.shape)}")
+    width = max(p, min(bucket_length(p), config.max_position_embeddings)) if bucket else p
+    if width > p:
+        tokens = jnp.pad(tokens, ((0, 0), (0, width - p)), constant_values=config.pad_id)
     return tokens, jnp.asarray(lengths, jnp.int32), int(cache_length), seed_canvas, pinned
 
 
@@ -104,10 +124,13 @@ class Engine:
 
     shardings: optional `dgemma_jax.parallel.Shardings` placing params, cache and activations on a
     mesh; without it everything runs on the default device.
+    bucket: pad prompt widths and derived cache lengths up to `bucket_length` (default), so that
+    prompts of different lengths reuse a few compiled programs instead of compiling one per length;
+    the outputs are the same. False compiles for the exact shapes given.
     """
 
     def __init__(self, config: ModelConfig, params: Any, sampler: SamplerConfig | None = None, *,
-                 shardings: Any | None = None, donate: bool = True):
+                 shardings: Any | None = None, donate: bool = True, bucket: bool = True):
         self.config = config
         self.params = params
         self.sampler = sampler or SamplerConfig(canvas_length=config.canvas_length,
@@ -115,6 +138,7 @@ class Engine:
         _check_sampler(config, self.sampler)
         self.shardings = shardings
         self.donate = donate
+        self.bucket = bool(bucket)
         self._fused = {}
         self._pieces = None
 
@@ -180,7 +204,7 @@ class Engine:
             cache_length = cache.max_length
         tokens, lengths, s, seed_canvas, pinned = prepare_inputs(
             self.config, self.sampler, prompt_tokens, lengths, max_new_tokens, cache_length, seed_canvas, pinned,
-            committed)
+            committed, bucket=self.bucket)
         keys = row_keys(rng, tokens.shape[0])
         if cache is None:
             cache = self.new_cache(tokens.shape[0], s)
