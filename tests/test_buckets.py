@@ -54,7 +54,7 @@ def test_nearby_prompt_lengths_share_one_program_and_the_tokens(params):
         assert a.cache.max_length == 16 + 16 and b.cache.max_length == w + 16  # bucketed context + 1 canvas
 
 
-def test_streamed_canvases_are_bucketed_too(params):
+def test_streamed_canvases_through_the_shared_bucketing_match_the_exact_shapes(params):
     tokens, lengths = _batch(11, 0)
     ref = Engine(CFG, params, SAMPLER, bucket=False).generate(tokens, lengths, rng=5, max_new_tokens=32)
     events = list(Engine(CFG, params, SAMPLER).stream(tokens, lengths, rng=5, max_new_tokens=32))
