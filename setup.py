@@ -26,9 +26,12 @@ setup(
         "tqdm",
         "rich",
         "matplotlib",
+        # the server (`dgemma serve`)
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout"],
+        "test": ["pytest>=8", "pytest-timeout", "openai>=1.40"],
         # The numerical reference: Hugging Face transformers' diffusion_gemma on CPU.
         # torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
         "ref": ["transformers==5.23.0", "torch==2.13.0"],

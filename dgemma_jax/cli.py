@@ -12,6 +12,7 @@ import sys
 
 
 from dgemma_jax.errors import UsageError
+from dgemma_jax.serving import cli as serve_cli
 
 
 class _Parser(argparse.ArgumentParser):
@@ -171,6 +172,7 @@ def _add_more_commands(sub):
     except ImportError:  # pragma: no cover
         return
     cli_run.add_commands(sub, _positive)
+    serve_cli.add_command(sub, _positive)
 
 
 def main(argv=None) -> int:

@@ -22,6 +22,7 @@ from dgemma_jax.model.api import check_tokens
 from dgemma_jax.model.cache import KVCache, init_cache
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.sampling import generate as gen
+from dgemma_jax.sampling import slots as slots_lib
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import denoise_canvas, denoise_step, row_keys
 
@@ -146,23 +147,41 @@ class Engine:
 
     # ------------------------------------------------------------------ programs
     def fused_program(self, max_new_tokens: int, with_seed: bool = False):
-        """The jitted fused generate for `max_new_tokens` (cache donated)."""
-        if self.shardings is None:
+        """The jitted fused generate for `max_new_tokens` (cache donated unless `donate=False`)."""
+        if self.shardings is None and self.donate:  # shared by every engine with equal configs
             return functools.partial(gen.fused_jit, config=self.config, sampler=self.sampler,
                                      max_new_tokens=int(max_new_tokens))
-        key = (int(max_new_tokens), with_seed)
+        fn = functools.partial(gen.generate_fused, config=self.config, sampler=self.sampler,
+                               max_new_tokens=int(max_new_tokens))
+        return self._program(("fused", int(max_new_tokens), with_seed), fn)
+
+    def _program(self, key, fn, donate=("cache",)):
+        """`fn` jitted once per engine (donating `donate` unless `donate=False`), run inside the
+        mesh's sharding context when the engine has one; `.lower` lowers it the same way."""
         if key not in self._fused:
-            fn = functools.partial(gen.generate_fused, config=self.config, sampler=self.sampler,
-                                   max_new_tokens=int(max_new_tokens))
-            jitted = jax.jit(fn, donate_argnames=("cache",) if self.donate else ())
+            jitted = jax.jit(fn, donate_argnames=donate if self.donate else ())
+            if self.shardings is None:
+                self._fused[key] = jitted
+            else:
+                def run(*args, **kwargs):
+                    with self.shardings.context():
+                        return jitted(*args, **kwargs)
 
-            def run(*args, **kwargs):
-                with self.shardings.context():
-                    return jitted(*args, **kwargs)
-
-            run.lower = lambda *a, **k: _lower_in(self.shardings, jitted, *a, **k)
-            self._fused[key] = run
+                run.lower = lambda *a, **k: _lower_in(self.shardings, jitted, *a, **k)
+                self._fused[key] = run
         return self._fused[key]
+
+    def slot_programs(self):
+        """(prefill_slot, slot_round) jitted for this engine: the continuous-batching programs of
+        `dgemma_jax.sampling.slots` (the server's), cache donated unless `donate=False`.
+
+        prefill_slot(params, cache, slot, tokens [1, P], length [1]) -> cache
+        slot_round(params, cache, keys, canvas_index, active, last, knobs) -> RoundOutput
+        """
+        pre = self._program(("prefill_slot",), functools.partial(slots_lib.prefill_slot, config=self.config))
+        rnd = self._program(("slot_round",), functools.partial(slots_lib.slot_round, config=self.config,
+                                                              sampler=self.sampler))
+        return pre, rnd
 
     @property
     def pieces(self) -> gen.Pieces:

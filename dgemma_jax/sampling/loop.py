@@ -45,6 +45,40 @@ class LoopState:
     steps: jax.Array       # [B] int32 denoiser passes made while the row was unfinished
 
 
+@struct.dataclass
+class RowKnobs:
+    """Per-row sampler settings, for a batch whose rows run different requests (a server's slots).
+
+    Without knobs every row follows the static `SamplerConfig`; with them row b uses its own
+    temperature schedule, step budget, entropy bound and confidence threshold (the canvas length,
+    stability threshold and EOS ids stay batch-wide). Each row's values are exactly those its own
+    `SamplerConfig` gives (`ops.temperature_table` per row), so a request decides the same way
+    whatever the other rows run.
+    """
+
+    temperatures: jax.Array    # [B, N] float32: row b's temperature at step i (its last one repeated)
+    max_steps: jax.Array       # [B] int32 step budget
+    entropy_bound: jax.Array   # [B] float32
+    confidence: jax.Array      # [B] float32
+
+    @classmethod
+    def from_samplers(cls, samplers, budget: int) -> "RowKnobs":
+        """Host-built knobs of one `SamplerConfig` per row; `budget` >= every row's step budget is
+        the loop's own (the static sampler's `max_denoising_steps`)."""
+        samplers = list(samplers)
+        table = np.zeros((len(samplers), budget), np.float32)
+        for b, s in enumerate(samplers):
+            if s.max_denoising_steps > budget:
+                raise ValueError(f"row {b} asks for {s.max_denoising_steps} denoising steps; this loop runs at "
+                                 f"most {budget}")
+            t = ops.temperature_table(s)
+            table[b, :len(t)] = t
+            table[b, len(t):] = t[-1]
+        return cls(jnp.asarray(table), jnp.asarray([s.max_denoising_steps for s in samplers], jnp.int32),
+                   jnp.asarray([s.entropy_bound for s in samplers], jnp.float32),
+                   jnp.asarray([s.confidence_threshold for s in samplers], jnp.float32))
+
+
 def row_keys(rng, batch: int) -> jax.Array:
     """[B] per-row keys: split a single key, or pass [B] keys through unchanged.
 
@@ -97,15 +131,23 @@ def _where_rows(mask, new, old):
 
 def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, context_end: jax.Array,
                  keys: jax.Array, state: LoopState, seed: jax.Array | None = None,
-                 pinned: jax.Array | None = None) -> LoopState:
-    """One denoising step for every unfinished row (pure; jit it or run it in a while_loop)."""
+                 pinned: jax.Array | None = None, knobs: RowKnobs | None = None) -> LoopState:
+    """One denoising step for every unfinished row (pure; jit it or run it in a while_loop).
+
+    knobs: optional per-row sampler settings (`RowKnobs`); default: `sampler`'s for every row."""
     model = Transformer(config)
     h = model.apply({"params": params}, state.canvas, context_end, cache, state.soft, method="denoise_features")
     step_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, state.step)))(keys)  # [B, 2]
+    if knobs is None:
+        temp, bound, last = ops.temperature(sampler, state.step), sampler.entropy_bound, None
+    else:
+        column = jnp.minimum(state.step, knobs.temperatures.shape[1] - 1)
+        temp = knobs.temperatures[:, column][:, None, None]
+        bound, last = knobs.entropy_bound[:, None], state.step + 1 >= knobs.max_steps
     with jax.named_scope("head_sampler_pass"):  # a scope name for profiles (benchmarks/step_profile.py)
         stats, soft = head_step(h, params["embedding"], config.final_logit_softcap,
-                                ops.temperature(sampler, state.step), step_keys[:, 0], config.embed_scale)
-    accept = ops.entropy_bound_accept(stats.entropy, sampler.entropy_bound)
+                                temp, step_keys[:, 0], config.embed_scale)
+    accept = ops.entropy_bound_accept(stats.entropy, bound)
     noise = jax.vmap(lambda k: ops.uniform_tokens(k, h.shape[1:2], config.vocab_size))(step_keys[:, 1])
     canvas = ops.renoise(stats.sampled, accept, noise)
     argmax = stats.argmax
@@ -117,9 +159,10 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
         mean_h = (entropy * free).sum(-1) / jnp.maximum(free.sum(-1), 1.0)
     else:
         mean_h = entropy.mean(-1)
-    stop = ops.stop_decision(argmax, state.history, mean_h, sampler)
+    stop = ops.stop_decision(argmax, state.history, mean_h, sampler,
+                             None if knobs is None else knobs.confidence)
     active = ~state.done
-    last = state.step + 1 >= sampler.max_denoising_steps
+    last = state.step + 1 >= sampler.max_denoising_steps if last is None else last
     return LoopState(
         step=state.step + 1,
         canvas=_where_rows(active, canvas, state.canvas),
@@ -137,12 +180,15 @@ def loop_running(state: LoopState, sampler: SamplerConfig) -> jax.Array:
 
 def denoise_canvas(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, keys: jax.Array, *,
                    canvas: jax.Array | None = None, pinned: jax.Array | None = None,
-                   done: jax.Array | None = None, context_end: jax.Array | None = None) -> LoopState:
+                   done: jax.Array | None = None, context_end: jax.Array | None = None,
+                   knobs: RowKnobs | None = None) -> LoopState:
     """Denoise one canvas to completion in ONE `lax.while_loop` (traceable; jit the caller).
 
     keys: [B] per-row keys for this canvas. canvas: optional seed canvas [B, L] (default uniform
     noise); pinned: optional bool [B, L] positions held at the seed's tokens. done: rows that are
-    already finished (frozen from the start). Returns the final `LoopState`; `.argmax` is the output.
+    already finished (frozen from the start). knobs: optional per-row sampler settings (`RowKnobs`;
+    `sampler.max_denoising_steps` then bounds the loop). Returns the final `LoopState`; `.argmax` is
+    the output.
     """
     b = keys.shape[0]
     ctx = cache.lengths if context_end is None else context_end
@@ -150,6 +196,7 @@ def denoise_canvas(params, config: ModelConfig, sampler: SamplerConfig, cache: K
         canvas = initial_canvas(keys, sampler.canvas_length, config.vocab_size)
     state = init_state(config, sampler, canvas, done)
     seed = canvas if pinned is not None else None
-    step = functools.partial(denoise_step, params, config, sampler, cache, ctx, keys, seed=seed, pinned=pinned)
+    step = functools.partial(denoise_step, params, config, sampler, cache, ctx, keys, seed=seed, pinned=pinned,
+                             knobs=knobs)
     del b
     return jax.lax.while_loop(lambda s: loop_running(s, sampler), step, state)

@@ -444,6 +444,7 @@ def stop_decision(
     history: jax.Array,
     mean_entropy: jax.Array,
     config: SamplerConfig,
+    confidence_threshold: jax.Array | None = None,
 ) -> jax.Array:
     """HF's StableAndConfidentStoppingCriteria for one step (history not yet
     updated with `argmax`; call `push_history` afterwards).
@@ -458,11 +459,15 @@ def stop_decision(
       history: int [B, S, L] previous argmax canvases.
       mean_entropy: float [B] mean over L of the tempered entropies.
       config: sampler config (uses confidence_threshold).
+      confidence_threshold: optional float [B], one threshold per row (a server's slots each run
+        their own request's settings); overrides `config.confidence_threshold`.
     Returns:
       bool [B]: stable & confident.
     """
     stable = jnp.all(history == argmax[:, None, :].astype(history.dtype), axis=(1, 2))
-    confident = mean_entropy.astype(jnp.float32) < jnp.float32(config.confidence_threshold)
+    threshold = (jnp.float32(config.confidence_threshold) if confidence_threshold is None
+                 else jnp.asarray(confidence_threshold, jnp.float32))
+    confident = mean_entropy.astype(jnp.float32) < threshold
     return stable & confident
 
 

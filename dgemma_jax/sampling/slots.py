@@ -1,0 +1,68 @@
+"""Generation over a fixed set of slots, one request per slot (continuous batching).
+
+A server holds N slots: one KV-cache row each. A request enters a free slot with `prefill_slot`
+(a batch-1 causal pass into that row; the other rows are not read or written). Then `slot_round`
+denoises one canvas for every active slot together and commits it, so the slots advance canvas by
+canvas, each at its own canvas index, with its own key stream and sampler settings (`RowKnobs`).
+Between rounds the host retires finished requests and prefills waiting ones into their slots.
+
+A slot's canvas c uses the key `fold_in(row_key, c)` and commits exactly as `generate_fused` does
+(EOS truncation, no commit after the request's last canvas), so a request runs the same algorithm
+as `Engine.generate` with that row key. Every shape is fixed by (N, cache length), so a request's
+tokens do not depend on what the other slots hold (tests/test_serving_slots.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dgemma_jax.config import ModelConfig
+from dgemma_jax.model.cache import KVCache
+from dgemma_jax.sampling.config import SamplerConfig
+from dgemma_jax.sampling.generate import commit, finish_canvas, prefill_prompt
+from dgemma_jax.sampling.loop import RowKnobs, denoise_canvas, initial_canvas
+
+
+@struct.dataclass
+class RoundOutput:
+    """One canvas per slot. tokens: [N, L] EOS-truncated (pad for inactive slots); steps: [N]
+    denoiser passes; eos: [N] the canvas held an EOS (active slots only); cache: the cache with
+    the canvases committed where the request goes on."""
+
+    tokens: jax.Array
+    steps: jax.Array
+    eos: jax.Array
+    cache: KVCache
+
+
+def prefill_slot(params, config: ModelConfig, cache: KVCache, slot: jax.Array, tokens: jax.Array,
+                 length: jax.Array) -> KVCache:
+    """Start row `slot` afresh with a prompt: tokens [1, P] (right-padded), length [1].
+
+    The row's committed length is reset to 0 and the prompt written causally from position 0; what
+    the row held before stays behind its new length, where nothing reads it."""
+    row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), cache)
+    row = row.replace(lengths=jnp.zeros_like(row.lengths))
+    row = prefill_prompt(params, config, tokens, length, row)
+    return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, axis=0), cache, row)
+
+
+def slot_round(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, keys: jax.Array,
+               canvas_index: jax.Array, active: jax.Array, last: jax.Array, knobs: RowKnobs) -> RoundOutput:
+    """Denoise one canvas in every active slot and commit those that go on.
+
+    keys: [N] the requests' row keys; canvas_index: [N] int32 each slot's canvas number; active: [N]
+    slots running a canvas this round (the others are frozen and write nothing); last: [N] this is
+    the request's last canvas (not committed). `sampler` gives the canvas length, EOS ids, stability
+    threshold and the loop's step bound; `knobs` each slot's own schedule and thresholds.
+    """
+    k = jax.vmap(jax.random.fold_in)(keys, canvas_index)
+    start = initial_canvas(k, sampler.canvas_length, config.vocab_size)
+    state = denoise_canvas(params, config, sampler, cache, k, canvas=start, done=~active, knobs=knobs)
+    toks, ended = finish_canvas(sampler, state.argmax, ~active)
+    eos = ended & active
+    go_on = active & ~eos & ~last
+    cache = jax.lax.cond(jnp.any(go_on), lambda c: commit(params, config, c, toks, go_on), lambda c: c, cache)
+    return RoundOutput(toks, state.steps, eos, cache)

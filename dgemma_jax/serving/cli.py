@@ -1,0 +1,74 @@
+"""`dgemma serve`: the OpenAI-compatible server from the command line."""
+
+from __future__ import annotations
+
+import sys
+
+DEFAULT_CONTEXT = 8192     # KV-cache tokens per slot when --context is not given (capped at the model's)
+
+
+def cmd_serve(args) -> int:
+    from dgemma_jax.pipeline import load_checkpoint
+    from dgemma_jax.serving.scheduler import Scheduler
+    from dgemma_jax.serving.server import serve
+
+    cfg, params, sampler, tok = load_checkpoint(args.checkpoint, args.dtype)
+    if sampler is None:  # a checkpoint without generation settings: the released defaults
+        from dgemma_jax.sampling.config import SamplerConfig
+
+        sampler = SamplerConfig(canvas_length=cfg.canvas_length, eos_ids=cfg.eos_ids, pad_id=cfg.pad_id)
+    shardings = None
+    if args.mesh:
+        from dgemma_jax.parallel.mesh import make_mesh
+        from dgemma_jax.parallel.shardings import Shardings
+
+        shardings = Shardings(cfg, make_mesh(args.mesh), args.rules)
+        params = shardings.place_params(params)
+    context = min(args.context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
+    scheduler = Scheduler.for_model(cfg, params, tok, sampler, max_steps=args.max_steps, shardings=shardings,
+                                    slots=args.slots, context=context, max_queue=args.max_queue)
+    name = args.served_model_name or cfg.name
+    print(f"dgemma serve: compiling the slot programs for {args.slots} slot(s) x {context} tokens ...",
+          file=sys.stderr, flush=True)
+    scheduler.start()
+    mem = scheduler.memory.get("slot_round", {})
+    need = sum(mem.get(k, 0) for k in ("argument_size_in_bytes", "temp_size_in_bytes")) + \
+        mem.get("output_size_in_bytes", 0) - mem.get("alias_size_in_bytes", 0)
+    print(f"dgemma serve: {name}, {args.slots} slot(s), context {context} tokens per slot, canvas "
+          f"{sampler.canvas_length}, up to {scheduler.engine.sampler.max_denoising_steps} steps per canvas; "
+          f"compiled in {scheduler.stats['startup_compile_ms'] / 1e3:.1f} s; the denoise round needs "
+          f"{need / 2 ** 20:.1f} MiB (parameters, cache and temporaries, XLA's memory analysis)",
+          file=sys.stderr, flush=True)
+    print(f"dgemma serve: listening on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    serve(scheduler, name, host=args.host, port=args.port, drain_seconds=args.drain_seconds,
+          log_level=args.log_level, default_max_tokens=args.default_max_tokens)
+    return 0
+
+
+def add_command(sub, positive) -> None:
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching over N slots")
+    s.add_argument("--checkpoint", help="Hugging Face or dgemma_jax checkpoint directory (default: bundled)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"])
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=positive(int), default=8000)
+    s.add_argument("--slots", type=positive(int), default=8, help="requests denoised together (one cache row each)")
+    s.add_argument("--context", type=positive(int), default=None,
+                   help=f"KV-cache tokens per slot: prompt + all but the last canvas (default {DEFAULT_CONTEXT}, "
+                        "capped at the model's positions)")
+    s.add_argument("--max-queue", type=positive(int), default=256, dest="max_queue",
+                   help="waiting sequences beyond which requests get HTTP 429")
+    s.add_argument("--max-steps", type=positive(int), default=64, dest="max_steps",
+                   help="the most denoising steps per canvas a request may ask for (default 64, at least the "
+                        "checkpoint's own)")
+    s.add_argument("--default-max-tokens", type=positive(int), default=256, dest="default_max_tokens",
+                   help="a request's max_tokens when it sends none (capped to what fits)")
+    s.add_argument("--mesh", default=None, help="shard over this host's devices, e.g. expert=8 or tensor=4,expert=2")
+    s.add_argument("--rules", default="serving", choices=["latency", "serving", "training"])
+    s.add_argument("--served-model-name", dest="served_model_name", default=None,
+                   help="the model id clients send (default: the checkpoint's name)")
+    s.add_argument("--drain-seconds", type=positive(float), dest="drain_seconds", default=None,
+                   help="on SIGTERM, wait at most this long for open requests (default: until they finish)")
+    s.add_argument("--log-level", dest="log_level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(fn=cmd_serve)
+

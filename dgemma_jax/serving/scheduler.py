@@ -1,0 +1,340 @@
+"""Continuous batching at canvas granularity: a queue, N slots and one worker thread.
+
+    scheduler = Scheduler(engine, tokenizer, slots=8, context=4096)
+    scheduler.start()                        # compiles the slot programs, reports their memory
+    req = scheduler.submit(Request(prompt_ids, n=1, max_tokens=64, sampler=..., seed=0, stop=(), ...))
+    ... req.events (a callback) receives a `SeqEvent` per committed canvas and per choice ...
+    scheduler.stop()                         # drains: every submitted request still finishes
+
+The worker loops over rounds. Before each round it retires what finished and fills the free slots
+from the queue (a batch-1 prefill into the slot's cache row); the round then denoises one canvas
+in every busy slot (`sampling.slots.slot_round`). A choice (one of a request's `n`) ends at EOS, at
+`max_tokens`, at a stop string, or when its client is gone; its slot is refilled before the next
+round, without waiting for the others.
+
+Reproducibility: choice i of a request with seed s uses the row key `row_keys(s, n)[i]` (the key
+`Engine.generate(rng=s)` gives row i of a batch of n), its own sampler settings (`RowKnobs`), and
+programs whose shapes depend only on (slots, context): its tokens do not depend on what else runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from dgemma_jax.engine import Engine, bucket_length
+from dgemma_jax.sampling.config import SamplerConfig
+from dgemma_jax.sampling.loop import RowKnobs, row_keys
+from dgemma_jax.serving import text as text_lib
+
+log = logging.getLogger("dgemma_jax.serving")
+
+
+class QueueFull(Exception):
+    """The queue holds `max_queue` waiting choices already (HTTP 429)."""
+
+
+class ShuttingDown(Exception):
+    """The scheduler is draining and takes no new requests (HTTP 503)."""
+
+
+@dataclasses.dataclass
+class SeqEvent:
+    """What one choice produced in one round (all text as decoded so far, cut at a stop string)."""
+
+    index: int                      # choice index within its request
+    text: str                       # the whole output text so far (stop strings cut)
+    token_count: int                # non-pad tokens generated so far
+    steps: int                      # denoiser passes so far
+    canvases: int                   # canvases run so far
+    finish_reason: str | None       # None while running; "stop", "length" or "cancelled" at the end
+    token_ids: tuple = ()           # the generated ids so far (EOS included, pad after it dropped)
+    admitted_round: int = -1        # the scheduler round before which this choice got its slot
+    round: int = -1                 # the round that produced this event
+
+
+@dataclasses.dataclass
+class Request:
+    """A validated request: prompt ids, n choices, the token budget and its sampler settings.
+
+    on_event(SeqEvent) is called from the worker thread (hand it to your event loop thread-safely)."""
+
+    prompt_ids: Sequence[int]
+    max_tokens: int
+    sampler: SamplerConfig
+    seed: int
+    on_event: Callable[[SeqEvent], None]
+    n: int = 1
+    stop: Sequence[str] = ()
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    submitted: float = dataclasses.field(default_factory=time.monotonic)
+
+
+@dataclasses.dataclass
+class _Choice:
+    request: Request
+    index: int
+    key: np.ndarray                 # uint32 key data of its row key
+    n_canvases: int
+    tokens: list = dataclasses.field(default_factory=list)
+    steps: int = 0
+    canvas: int = 0
+    slot: int = -1
+    admitted_round: int = -1
+
+
+class Scheduler:
+    """N slots of one engine's model, fed from a bounded queue by a worker thread."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, *, slots: int = 8, context: int | None = None,
+                 max_queue: int = 256, default_sampler: SamplerConfig | None = None):
+        """engine: its sampler gives the canvas length, EOS ids and stability threshold of every
+        request, and its `max_denoising_steps` the most steps a request may ask for.
+        default_sampler: a request's settings when it names none (default: the engine's)."""
+        cfg, smp = engine.config, engine.sampler
+        self.default_sampler = default_sampler or smp
+        shared = ("canvas_length", "eos_ids", "pad_id", "stability_threshold")
+        if any(getattr(self.default_sampler, f) != getattr(smp, f) for f in shared):
+            raise ValueError(f"default_sampler must share the engine sampler's {', '.join(shared)}")
+        if self.default_sampler.max_denoising_steps > smp.max_denoising_steps:
+            raise ValueError("default_sampler asks for more steps than the engine's budget")
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1; got {slots}")
+        self.engine, self.tokenizer = engine, tokenizer
+        self.slots = int(slots)
+        self.context = int(min(context or cfg.max_position_embeddings, cfg.max_position_embeddings))
+        if self.context < smp.canvas_length + 1:
+            raise ValueError(f"context {self.context} cannot hold a prompt and a canvas of {smp.canvas_length}")
+        self.max_queue = int(max_queue)
+        self._prefill, self._round = engine.slot_programs()
+        self._compiled_prefill: dict[int, Any] = {}
+        self._compiled_round = None
+        self._cache = None
+        self._busy: list[_Choice | None] = [None] * self.slots
+        self._queue: collections.deque[_Choice] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._default_knobs = self.default_sampler
+        self.memory: dict[str, dict[str, int]] = {}
+        self.stats = collections.Counter()
+        self.error: BaseException | None = None
+
+    @classmethod
+    def for_model(cls, config, params, tokenizer, sampler: SamplerConfig, *, max_steps: int | None = None,
+                  shardings=None, **kwargs) -> "Scheduler":
+        """A scheduler over a new `Engine`; requests may ask for up to `max_steps` denoising steps
+        (default: the sampler's own budget)."""
+        budget = max(int(max_steps or 0), sampler.max_denoising_steps)
+        engine = Engine(config, params, sampler.replace(max_denoising_steps=budget), shardings=shardings)
+        return cls(engine, tokenizer, default_sampler=sampler, **kwargs)
+
+    # ------------------------------------------------------------------ limits
+    @property
+    def canvas_length(self) -> int:
+        return self.engine.sampler.canvas_length
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """ValueError (HTTP 400) naming the numbers when a request cannot fit a slot."""
+        cfg, l = self.engine.config, self.canvas_length
+        n_canvas = -(-max_tokens // l)
+        if prompt_len + l > self.context:
+            raise ValueError(f"the prompt is {prompt_len} tokens; with one canvas of {l} it exceeds this server's "
+                             f"context of {self.context} tokens per request: shorten the prompt")
+        if prompt_len + (n_canvas - 1) * l > self.context or prompt_len + n_canvas * l > cfg.max_position_embeddings:
+            most = min((self.context - prompt_len) // l + 1, (cfg.max_position_embeddings - prompt_len) // l) * l
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens={max_tokens} ({n_canvas} canvases of {l}) "
+                             f"do not fit this server's context of {self.context} tokens per request; "
+                             f"ask for at most {most} tokens or shorten the prompt")
+
+    def default_max_tokens(self, prompt_len: int, limit: int) -> int:
+        """The most tokens (<= limit, whole canvases) that fit after a prompt of `prompt_len`."""
+        cfg, l = self.engine.config, self.canvas_length
+        canvases = min((self.context - prompt_len) // l + 1, (cfg.max_position_embeddings - prompt_len) // l)
+        return max(l, min(int(limit), canvases * l))
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Allocate the slots' cache, compile the round and the smallest prefill, start the worker."""
+        self._cache = self.engine.new_cache(self.slots, self.context)
+        t0 = time.perf_counter()
+        self._compiled_round = self._compile_round()
+        self._prefill_for(bucket_length(1))
+        self.stats["startup_compile_ms"] = int(1e3 * (time.perf_counter() - t0))
+        self._thread = threading.Thread(target=self._run, name="dgemma-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop taking requests, finish every submitted one, then end the worker."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, request: Request) -> Request:
+        """Queue a request's choices (QueueFull / ShuttingDown when it cannot be taken)."""
+        if request.n < 1:
+            raise ValueError(f"n must be >= 1; got {request.n}")
+        self.check_fits(len(request.prompt_ids), request.max_tokens)
+        keys = np.asarray(jax.random.key_data(row_keys(int(request.seed), request.n)))
+        n_canvas = -(-request.max_tokens // self.canvas_length)
+        with self._cond:
+            if self._stopping:
+                raise ShuttingDown("the server is shutting down and takes no new requests")
+            if self.error is not None:
+                raise ShuttingDown(f"the server's worker failed ({self.error}); restart it")
+            if len(self._queue) + request.n > self.max_queue:
+                raise QueueFull(f"the queue holds {len(self._queue)} waiting sequences (limit {self.max_queue}); "
+                                "retry later")
+            for i in range(request.n):
+                self._queue.append(_Choice(request, i, keys[i], n_canvas))
+            self.stats["requests"] += 1
+            self._cond.notify_all()
+        return request
+
+    def status(self) -> dict:
+        with self._cond:
+            busy = sum(c is not None for c in self._busy)
+            return {"slots": self.slots, "busy_slots": busy, "queued": len(self._queue), "context": self.context,
+                    "canvas_length": self.canvas_length, "stopping": self._stopping,
+                    "worker_alive": bool(self._thread and self._thread.is_alive()), "memory": self.memory,
+                    "stats": dict(self.stats)}
+
+    # ------------------------------------------------------------------ programs
+    def _args_round(self):
+        n = self.slots
+        knobs = RowKnobs.from_samplers([self._default_knobs] * n, self.engine.sampler.max_denoising_steps)
+        keys = jax.random.wrap_key_data(np.zeros((n, 2), np.uint32))
+        return dict(cache=self._cache, keys=keys, canvas_index=np.zeros(n, np.int32), active=np.zeros(n, bool),
+                    last=np.zeros(n, bool), knobs=knobs)
+
+    def _compile_round(self):
+        compiled = self._round.lower(self.engine.params, **self._args_round()).compile()
+        self.memory["slot_round"] = _memory(compiled)
+        return compiled
+
+    def _prefill_for(self, width: int):
+        if width not in self._compiled_prefill:
+            compiled = self._prefill.lower(self.engine.params, cache=self._cache, slot=np.int32(0),
+                                           tokens=np.zeros((1, width), np.int32),
+                                           length=np.ones((1,), np.int32)).compile()
+            self.memory[f"prefill_slot_{width}"] = _memory(compiled)
+            self._compiled_prefill[width] = compiled
+        return self._compiled_prefill[width]
+
+    # ------------------------------------------------------------------ worker
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not any(self._busy) and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping and not self._queue and not any(self._busy):
+                        return
+                self._admit()
+                if any(self._busy):
+                    self._one_round()
+        except BaseException as e:  # noqa: BLE001 - reported to every waiting client, then re-raised
+            log.exception("the scheduler's worker failed")
+            self.error = e
+            self._fail_all(e)
+            raise
+
+    def _admit(self) -> None:
+        for slot in range(self.slots):
+            if self._busy[slot] is not None:
+                continue
+            with self._cond:
+                choice = self._queue.popleft() if self._queue else None
+            while choice is not None and choice.request.cancelled.is_set():
+                self._emit(choice, "cancelled")
+                with self._cond:
+                    choice = self._queue.popleft() if self._queue else None
+            if choice is None:
+                return
+            ids = np.asarray(choice.request.prompt_ids, np.int32)
+            width = min(bucket_length(len(ids)), self.context)
+            tokens = np.full((1, width), self.engine.config.pad_id, np.int32)
+            tokens[0, :len(ids)] = ids
+            self._cache = self._prefill_for(width)(self.engine.params, cache=self._cache, slot=np.int32(slot),
+                                                   tokens=tokens, length=np.asarray([len(ids)], np.int32))
+            choice.slot, choice.admitted_round = slot, self.stats["rounds"]
+            with self._cond:
+                self._busy[slot] = choice
+            self.stats["prefills"] += 1
+
+    def _one_round(self) -> None:
+        n, l = self.slots, self.canvas_length
+        busy = list(self._busy)
+        samplers = [c.request.sampler if c else self._default_knobs for c in busy]
+        knobs = RowKnobs.from_samplers(samplers, self.engine.sampler.max_denoising_steps)
+        keys = np.zeros((n, 2), np.uint32)
+        canvas_index, active, last = np.zeros(n, np.int32), np.zeros(n, bool), np.zeros(n, bool)
+        for s, c in enumerate(busy):
+            if c is not None:
+                keys[s], canvas_index[s], active[s] = c.key, c.canvas, True
+                last[s] = c.canvas + 1 >= c.n_canvases
+        out = self._compiled_round(self.engine.params, cache=self._cache, keys=jax.random.wrap_key_data(keys),
+                                   canvas_index=canvas_index, active=active, last=last, knobs=knobs)
+        self._cache = out.cache
+        tokens, steps, eos = np.asarray(out.tokens), np.asarray(out.steps), np.asarray(out.eos)
+        self.stats["rounds"] += 1
+        self.stats["slot_canvases"] += int(active.sum())
+        for s, c in enumerate(busy):
+            if c is None:
+                continue
+            owed = c.request.max_tokens - c.canvas * l
+            c.tokens.extend(int(t) for t in tokens[s, :owed])
+            c.steps += int(steps[s])
+            c.canvas += 1
+            reason = "stop" if eos[s] else ("length" if c.canvas >= c.n_canvases else None)
+            if reason is None and c.request.cancelled.is_set():
+                reason = "cancelled"
+            reason = self._emit(c, reason)
+            if reason is not None:
+                with self._cond:
+                    self._busy[s] = None
+                    self.stats["finished_" + reason] += 1
+
+    def _emit(self, c: _Choice, reason: str | None) -> str | None:
+        pad = self.engine.sampler.pad_id
+        ids = tuple(t for t in c.tokens if t != pad)
+        text, hit = text_lib.cut_at_stop(text_lib.decode(self.tokenizer, ids), c.request.stop)
+        if hit and reason != "cancelled":
+            reason = "stop"
+        ev = SeqEvent(c.index, text, len(ids), c.steps, c.canvas, reason, ids, c.admitted_round, self.stats["rounds"])
+        try:
+            c.request.on_event(ev)
+        except Exception:  # noqa: BLE001 - a broken listener must not stop the other slots
+            log.exception("a request's event listener failed; cancelling it")
+            c.request.cancelled.set()
+        return reason
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cond:
+            pending = [c for c in self._busy if c is not None] + list(self._queue)
+            self._queue.clear()
+            self._busy = [None] * self.slots
+        for c in pending:
+            try:
+                c.request.on_event(SeqEvent(c.index, "", 0, c.steps, c.canvas, "error"))
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _memory(compiled) -> dict[str, int]:
+    """Bytes the compiled program needs (XLA's memory analysis; empty where the backend has none)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+              "generated_code_size_in_bytes")
+    return {f: int(getattr(m, f)) for f in fields if hasattr(m, f)}

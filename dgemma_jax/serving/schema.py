@@ -1,0 +1,117 @@
+"""The OpenAI request bodies the server accepts (pydantic), and what they mean for DiffusionGemma.
+
+Fields follow OpenAI's `/v1/chat/completions` and `/v1/completions`. The diffusion sampler's own
+knobs are extra fields (`max_denoising_steps`, `t_max`, `t_min`, `entropy_bound`,
+`confidence_threshold`, `canvas_length`); thinking is `chat_template_kwargs.enable_thinking` (the
+convention of OpenAI-compatible servers). Unknown fields are refused with their name rather than
+ignored, and so is an autoregressive `temperature`/`top_p` other than 1: the diffusion sampler has
+no such knob (its temperature is the linear schedule t_max -> t_min).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+MAX_N = 64
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class ChatTemplateKwargs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enable_thinking: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    user: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    # the DiffusionGemma sampler's knobs
+    max_denoising_steps: int | None = Field(None, ge=1)
+    t_max: float | None = None
+    t_min: float | None = None
+    entropy_bound: float | None = None
+    confidence_threshold: float | None = None
+    canvas_length: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _no_autoregressive_sampling(self):
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if v is not None and v != 1.0:
+                raise ValueError(f"{name}={v} has no meaning for the diffusion sampler; set t_max / t_min (its "
+                                 "linear temperature schedule) or entropy_bound instead")
+        if isinstance(self.stop, list) and any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if self.stop == "":
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        return self
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def sampler_changes(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("max_denoising_steps", "t_max", "t_min", "entropy_bound",
+                                              "confidence_threshold") if getattr(self, k) is not None}
+
+    def token_budget(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+    def token_budget(self) -> int | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError(f"max_tokens={self.max_tokens} and max_completion_tokens={self.max_completion_tokens} "
+                             "disagree; send one of them")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def thinking(self) -> bool:
+        return bool(self.chat_template_kwargs and self.chat_template_kwargs.enable_thinking)
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], list[int]]
+
+    @model_validator(mode="after")
+    def _non_empty(self):
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt is an empty list: send a string, a list of strings or a list of token ids")
+        return self
+
+    def prompts(self) -> list:
+        """Each prompt as a str or a list of token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]
+        return list(self.prompt)

@@ -1,0 +1,297 @@
+"""The HTTP server: OpenAI's chat/completions API over a `Scheduler` (FastAPI + uvicorn, SSE).
+
+    app = create_app(scheduler, model_name="dgemma-tiny-digits")
+    uvicorn.run(app, host="127.0.0.1", port=8000)          # or `dgemma serve`
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
+Client mistakes get OpenAI-style errors (`{"error": {"message", "type", "code", "param"}}`): a bad
+body or a request that cannot fit is 400, an unknown model 404, a full queue 429, a draining
+server 503. A streamed response sends one SSE chunk per committed canvas and `data: [DONE]`; a
+client that goes away frees its slots at the next canvas boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from dgemma_jax.io.chat import history_without_thinking, render_chat
+from dgemma_jax.pipeline import encode_prompt
+from dgemma_jax.serving import text as text_lib
+from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, SeqEvent, ShuttingDown
+from dgemma_jax.serving.schema import ChatRequest, CompletionRequest
+
+DEFAULT_MAX_TOKENS = 256   # when a request names no max_tokens (capped to what fits, like `dgemma generate`)
+DISCONNECT_POLL_S = 0.25
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+
+
+def _error(status: int, message: str, kind: str, code: str | None = None, param: str | None = None):
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code, "param": param}},
+                        status_code=status)
+
+
+def _has_chat_template(tokenizer) -> bool:
+    # the character-level tokenizers of the small from-scratch models cannot spell Gemma's turn markers
+    return not hasattr(tokenizer, "chars")
+
+
+def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
+    """The ASGI app serving `scheduler` under `model_name`. Its lifespan stops the scheduler (after
+    uvicorn has drained the open requests)."""
+    tok, cfg = scheduler.tokenizer, scheduler.engine.config
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+
+    app = FastAPI(title="dgemma_jax", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return _error(e.status, e.message, e.kind, e.code, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        msg = str(first.get("msg", "invalid request body")).removeprefix("Value error, ")
+        if first.get("type") == "json_invalid":
+            where = ""
+            msg = f"the body is not valid JSON ({first.get('ctx', {}).get('error', msg)})"
+        elif first.get("type") == "extra_forbidden":
+            msg = f"unknown field {where!r}: this server does not support it"
+        return _error(400, f"{where}: {msg}" if where else msg, "invalid_request_error", first.get("type"), where or None)
+
+    # ------------------------------------------------------------------ helpers
+    def prompt_ids(item) -> list[int]:
+        if isinstance(item, str):
+            if not item:
+                raise APIError(400, "the prompt is empty", param="prompt")
+            try:
+                return encode_prompt(tok, item)
+            except ValueError as e:
+                raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
+        bad = [t for t in item if not 0 <= t < cfg.vocab_size]
+        if bad or not item:
+            raise APIError(400, f"token ids must be in [0, {cfg.vocab_size}); got {bad[:5] or 'an empty list'}",
+                           param="prompt")
+        return list(item)
+
+    def chat_ids(body: ChatRequest) -> list[int]:
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        if not _has_chat_template(tok):
+            users = [m for m in messages if m["role"] == "user"]
+            if len(messages) != 1 or len(users) != 1:
+                raise APIError(400, f"{model_name} has no chat template (a character-level model): send exactly one "
+                                    "user message, whose text is the prompt", param="messages")
+            content = users[0].get("content")
+            if not isinstance(content, str):
+                content = "".join(p.get("text", "") for p in content or () if p.get("type") == "text")
+            return prompt_ids(content)
+        try:
+            text = render_chat(history_without_thinking(messages), add_generation_prompt=True,
+                               enable_thinking=body.thinking)
+            return list(tok.encode(text))
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    def check_model(body) -> None:
+        if body.model not in (None, model_name):
+            raise APIError(404, f"the model {body.model!r} does not exist here; this server serves {model_name!r}",
+                           code="model_not_found", param="model")
+
+    def sampler_for(body):
+        if body.canvas_length is not None and body.canvas_length != scheduler.canvas_length:
+            raise APIError(400, f"canvas_length={body.canvas_length}: this server runs canvases of "
+                                f"{scheduler.canvas_length} tokens (the checkpoint's)", param="canvas_length")
+        budget = scheduler.engine.sampler.max_denoising_steps
+        if body.max_denoising_steps is not None and body.max_denoising_steps > budget:
+            raise APIError(400, f"max_denoising_steps={body.max_denoising_steps} exceeds this server's budget of "
+                                f"{budget} (dgemma serve --max-steps)", param="max_denoising_steps")
+        try:
+            return scheduler.default_sampler.replace(**body.sampler_changes())
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    def submit_all(body, prompts: list[list[int]], queue: asyncio.Queue) -> list[Request]:
+        loop = asyncio.get_running_loop()
+        sampler = sampler_for(body)
+        try:
+            budget = body.token_budget()
+        except ValueError as e:
+            raise APIError(400, str(e), param="max_tokens") from None
+        seed = body.seed if body.seed is not None else secrets.randbits(63)
+        reqs = []
+        try:
+            for p, ids in enumerate(prompts):
+                n_tok = budget if budget is not None else scheduler.default_max_tokens(len(ids), default_max_tokens)
+                req = Request(ids, n_tok, sampler, seed, n=body.n, stop=body.stops,
+                              on_event=lambda ev, p=p: loop.call_soon_threadsafe(queue.put_nowait, (p, ev)))
+                reqs.append(scheduler.submit(req))
+        except BaseException as e:
+            for r in reqs:
+                r.cancelled.set()
+            if isinstance(e, QueueFull):
+                raise APIError(429, str(e), "rate_limit_error", "queue_full") from None
+            if isinstance(e, ShuttingDown):
+                raise APIError(503, str(e), "server_error", "shutting_down") from None
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e), param="max_tokens") from None
+            raise
+        return reqs
+
+    def usage(prompts, finals: dict) -> dict:
+        completion = sum(ev.token_count for ev in finals.values())
+        steps = sum(ev.steps for ev in finals.values())
+        prompt = sum(len(p) for p in prompts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "denoising_steps": steps, "canvases": sum(ev.canvases for ev in finals.values()),
+                "tokens_per_forward": round(completion / steps, 4) if steps else 0.0}
+
+    async def watch_disconnect(http: HTTPRequest, reqs: list[Request]):
+        while True:
+            if await http.is_disconnected():
+                for r in reqs:
+                    r.cancelled.set()
+                return
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    async def run(http: HTTPRequest, body, prompts: list[list[int]], chat: bool):
+        check_model(body)
+        queue: asyncio.Queue = asyncio.Queue()
+        reqs = submit_all(body, prompts, queue)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        n_total = len(prompts) * body.n
+        stamp = int(time.time())
+        if body.stream:
+            return StreamingResponse(stream(http, body, prompts, reqs, queue, rid, stamp, n_total, chat),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        finals: dict[int, SeqEvent] = {}
+        watcher = asyncio.create_task(watch_disconnect(http, reqs))
+        try:
+            while len(finals) < n_total:
+                p, ev = await queue.get()
+                if ev.finish_reason is not None:
+                    finals[p * body.n + ev.index] = ev
+        finally:
+            watcher.cancel()
+        if any(ev.finish_reason == "error" for ev in finals.values()):
+            raise APIError(500, f"the server's worker failed: {scheduler.error}", "server_error")
+        choices = []
+        for i in sorted(finals):
+            ev = finals[i]
+            if chat:
+                reasoning, content = text_lib.split_reasoning(ev.text, body.thinking)
+                msg = {"role": "assistant", "content": content}
+                if reasoning is not None:
+                    msg["reasoning_content"] = reasoning
+                choices.append({"index": i, "message": msg, "finish_reason": ev.finish_reason, "logprobs": None})
+            else:
+                choices.append({"index": i, "text": ev.text, "finish_reason": ev.finish_reason, "logprobs": None})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": stamp,
+                "model": model_name, "choices": choices, "usage": usage(prompts, finals)}
+
+    async def stream(http, body, prompts, reqs, queue, rid, stamp, n_total, chat):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        sent: dict[int, list[str]] = {}   # choice -> [reasoning sent, content sent]
+        finals: dict[int, SeqEvent] = {}
+
+        def chunk(choices, **extra):
+            return "data: " + json.dumps({"id": rid, "object": kind, "created": stamp, "model": model_name,
+                                          "choices": choices, **extra}) + "\n\n"
+
+        watcher = asyncio.create_task(watch_disconnect(http, reqs))
+        try:
+            if chat:
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                             for i in range(n_total)])
+            while len(finals) < n_total:
+                p, ev = await queue.get()
+                i = p * body.n + ev.index
+                done = ev.finish_reason is not None
+                if ev.finish_reason == "error":
+                    yield "data: " + json.dumps({"error": {"message": f"the server's worker failed: {scheduler.error}",
+                                                           "type": "server_error", "code": None}}) + "\n\n"
+                    return
+                text = ev.text if done else text_lib.stream_safe(ev.text, body.stops)
+                prev = sent.setdefault(i, ["", ""])
+                if chat:
+                    reasoning, content = text_lib.split_reasoning(text, body.thinking)
+                    delta = {}
+                    if reasoning and text_lib.delta(prev[0], reasoning):
+                        delta["reasoning_content"] = text_lib.delta(prev[0], reasoning)
+                        prev[0] = reasoning
+                    if text_lib.delta(prev[1], content):
+                        delta["content"] = text_lib.delta(prev[1], content)
+                        prev[1] = content
+                    piece = {"index": i, "delta": delta, "finish_reason": ev.finish_reason}
+                else:
+                    d = text_lib.delta(prev[1], text)
+                    prev[1] += d
+                    piece = {"index": i, "text": d, "finish_reason": ev.finish_reason, "logprobs": None}
+                if done:
+                    finals[i] = ev
+                if done or piece.get("delta") or piece.get("text"):
+                    yield chunk([piece])
+            if body.stream_options and body.stream_options.include_usage:
+                yield chunk([], usage=usage(prompts, finals))
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (the response task is cancelled) or the stream ended
+            watcher.cancel()
+            if len(finals) < n_total:
+                for r in reqs:
+                    r.cancelled.set()
+
+    # ------------------------------------------------------------------ routes
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, http: HTTPRequest):
+        return await run(http, body, [chat_ids(body)], chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        return await run(http, body, [prompt_ids(p) for p in body.prompts()], chat=False)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "dgemma_jax", "max_model_len": scheduler.context}]}
+
+    @app.get("/health")
+    async def health():
+        st = scheduler.status()
+        ok = st["worker_alive"] and not st["stopping"]
+        return JSONResponse({"status": "ok" if ok else ("draining" if st["stopping"] else "failed"),
+                             "model": model_name, **st}, status_code=200 if ok else 503)
+
+    return app
+
+
+def serve(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          drain_seconds: float | None = None, log_level: str = "info", **app_kwargs: Any) -> None:
+    """Run the app with uvicorn until SIGINT/SIGTERM; open requests finish first (up to
+    `drain_seconds`), then the scheduler stops."""
+    import uvicorn
+
+    app = create_app(scheduler, model_name, **app_kwargs)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=drain_seconds)
+    uvicorn.Server(config).run()

@@ -1,0 +1,206 @@
+"""Continuous batching below HTTP: per-row sampler knobs, row-local numerics, the scheduler."""
+
+import dataclasses
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+import dgemma_jax as dg
+from dgemma_jax.config import ModelConfig
+from dgemma_jax.pipeline import encode_prompt, load_checkpoint
+from dgemma_jax.sampling.config import SamplerConfig
+from dgemma_jax.sampling.loop import RowKnobs, denoise_canvas, initial_canvas, row_keys
+from dgemma_jax.serving import text as text_lib
+from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, ShuttingDown
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load_checkpoint(None)
+
+
+def _config(name, **changes):
+    return dataclasses.replace(ModelConfig.preset(name), **changes)
+
+
+# ------------------------------------------------------------------ row-local numerics
+@pytest.mark.parametrize("cfg", [
+    _config("tiny-6layer", num_experts=16, top_k=4, canvas_length=64, hidden_size=128, vocab_size=512,
+            moe_dispatch="capacity"),
+    _config("tiny-6layer", num_experts=16, top_k=4, canvas_length=64, hidden_size=128, vocab_size=512,
+            moe_dispatch="ragged"),
+], ids=["capacity", "ragged"])
+def test_a_rows_logits_do_not_depend_on_the_other_rows_at_a_fixed_shape(cfg):
+    """The server's premise: with the batch shape fixed, a row's denoiser logits are bit-identical
+    whatever the other rows hold and whichever row it sits in (the MoE groups tokens of all rows,
+    so this is not a given)."""
+    params = dg.init_params(cfg, 0)
+    n, ctx, l = 4, 40, cfg.canvas_length
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(3, cfg.vocab_size, (n, ctx)).astype(np.int32)
+    lengths = np.array([ctx, ctx - 5, ctx - 11, ctx - 3], np.int32)
+    canvas = rng.integers(0, cfg.vocab_size, (n, l)).astype(np.int32)
+    f = jax.jit(lambda c, k: dg.denoise(params, cfg, c, k))
+
+    def run(perm, canv):
+        cache = dg.init_cache(cfg, n, ctx + l)
+        _, cache = dg.prefill(params, cfg, prompts[perm], lengths[perm], cache, logits="none")
+        return np.asarray(f(canv[perm], cache))
+
+    base = run(np.arange(n), canvas)
+    for trial in range(3):
+        other = canvas.copy()
+        other[1:] = rng.integers(0, cfg.vocab_size, (n - 1, l))
+        np.testing.assert_array_equal(run(np.arange(n), other)[0], base[0])
+    moved = run(np.array([2, 1, 0, 3]), canvas)   # row 0 now sits in slot 2
+    np.testing.assert_array_equal(moved[2], base[0])
+
+
+# ------------------------------------------------------------------ per-row knobs
+def test_row_knobs_decide_each_row_exactly_as_its_own_sampler_config():
+    cfg = _config("tiny-2layer")
+    params = dg.init_params(cfg, 1)
+    base = SamplerConfig(canvas_length=cfg.canvas_length, eos_ids=cfg.eos_ids, pad_id=cfg.pad_id,
+                         max_denoising_steps=12)
+    a = base.replace(t_max=1.5, t_min=0.3, entropy_bound=0.5, confidence_threshold=0.05)
+    b = base.replace(max_denoising_steps=5, t_max=0.9, t_min=0.2, entropy_bound=2.0, confidence_threshold=0.2)
+    n, ctx = 2, 12
+    tokens = np.random.default_rng(2).integers(3, cfg.vocab_size, (n, ctx)).astype(np.int32)
+    cache = dg.init_cache(cfg, n, ctx + cfg.canvas_length)
+    _, cache = dg.prefill(params, cfg, tokens, None, cache, logits="none")
+    keys = row_keys(7, n)
+    canvas = initial_canvas(keys, cfg.canvas_length, cfg.vocab_size)
+    run = jax.jit(denoise_canvas, static_argnums=(1, 2))
+    knobs = RowKnobs.from_samplers([a, b], base.max_denoising_steps)
+    mixed = run(params, cfg, base, cache, keys, canvas=canvas, knobs=knobs)
+    for row, own in enumerate((a, b)):
+        alone = run(params, cfg, own, cache, keys, canvas=canvas)
+        for field in ("argmax", "canvas", "steps", "done"):
+            np.testing.assert_array_equal(np.asarray(getattr(mixed, field))[row],
+                                          np.asarray(getattr(alone, field))[row], err_msg=f"row {row} {field}")
+    assert int(np.asarray(mixed.steps)[1]) <= 5  # row b's own budget held inside a 12-step loop
+
+
+def test_row_knobs_refuse_a_budget_beyond_the_loop():
+    with pytest.raises(ValueError, match="at most 4"):
+        RowKnobs.from_samplers([SamplerConfig(max_denoising_steps=8)], 4)
+
+
+# ------------------------------------------------------------------ scheduler
+class _Collect:
+    def __init__(self, expect):
+        self.final, self.events, self.expect = {}, [], expect
+        self.done = threading.Event()
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if ev.finish_reason is not None:
+            self.final[ev.index] = ev
+            if len(self.final) == self.expect:
+                self.done.set()
+
+
+def _submit(sch, tok, sampler, prompt, seed, max_tokens=32, n=1, **kw):
+    c = _Collect(n)
+    req = Request(encode_prompt(tok, prompt), max_tokens, sampler, seed, on_event=c, n=n, **kw)
+    sch.submit(req)
+    return c, req
+
+
+@pytest.fixture(scope="module")
+def scheduler(bundled):
+    cfg, params, sampler, tok = bundled
+    sch = Scheduler.for_model(cfg, params, tok, sampler, slots=4, max_steps=32, max_queue=16)
+    sch.start()
+    yield sch
+    sch.stop()
+
+
+def test_a_request_alone_equals_the_same_request_among_others(bundled, scheduler):
+    cfg, params, sampler, tok = bundled
+    alone, _ = _submit(scheduler, tok, sampler, "s9350814272=", seed=11)
+    assert alone.done.wait(120)
+    others = ["s8877665544332211=", "s31415926535=", "s705182936="]
+    crowd = [_submit(scheduler, tok, sampler, p, seed=100 + i, max_tokens=24 + 8 * i)[0]
+             for i, p in enumerate(others)]
+    # the request now lands in the fourth slot, its rounds shared with three other prompts
+    again, _ = _submit(scheduler, tok, sampler, "s9350814272=", seed=11)
+    assert again.done.wait(120) and all(c.done.wait(120) for c in crowd)
+    a, b = alone.final[0], again.final[0]
+    assert a.token_ids == b.token_ids and a.steps == b.steps and a.text == "0122345789"
+    assert [c.final[0].text for c in crowd] == ["1122334455667788", "11233455569", "012356789"]
+
+
+def test_finished_slots_are_refilled_before_a_long_request_ends(bundled):
+    cfg, params, sampler, tok = bundled
+    sch = Scheduler.for_model(cfg, params, tok, sampler, slots=2, max_steps=16)
+    long, _ = _submit(sch, tok, sampler, "s8877665544332211=", seed=1)   # 17 tokens: 3 canvases
+    shorts = [_submit(sch, tok, sampler, "s705182936=", seed=s, max_tokens=8)[0] for s in range(3)]  # 1 canvas
+    sch.start()
+    try:
+        assert long.done.wait(120) and all(s.done.wait(120) for s in shorts)
+    finally:
+        sch.stop()
+    end_long = long.final[0].round
+    assert long.final[0].canvases == 3 and long.final[0].text == "1122334455667788"
+    admitted = sorted(s.final[0].admitted_round for s in shorts)
+    assert admitted == [0, 1, 2], admitted          # one short request per round through the second slot
+    assert admitted[-1] < end_long                   # ... while the long one was still running
+    assert all(s.final[0].finish_reason == "length" and s.final[0].canvases == 1 for s in shorts)
+
+
+def test_per_request_sampler_settings_and_n_choices(bundled, scheduler):
+    cfg, params, sampler, tok = bundled
+    c, _ = _submit(scheduler, tok, sampler.replace(max_denoising_steps=3, t_max=1.0, t_min=0.5), "s9350814272=",
+                   seed=5, n=3)
+    assert c.done.wait(120)
+    assert sorted(c.final) == [0, 1, 2]
+    assert all(ev.steps <= 3 * ev.canvases for ev in c.final.values())
+    keys = np.asarray(jax.random.key_data(row_keys(5, 3)))
+    assert len({tuple(k) for k in keys}) == 3                     # three streams, not one repeated
+
+
+def test_stop_strings_cut_the_text(bundled, scheduler):
+    cfg, params, sampler, tok = bundled
+    c, _ = _submit(scheduler, tok, sampler, "s9350814272=", seed=11, stop=("45", "zz"))
+    assert c.done.wait(120)
+    assert c.final[0].text == "01223" and c.final[0].finish_reason == "stop"
+
+
+def test_a_cancelled_request_frees_its_slot_at_the_next_canvas(bundled, scheduler):
+    cfg, params, sampler, tok = bundled
+    c, req = _submit(scheduler, tok, sampler, "s8877665544332211=", seed=2)
+    req.cancelled.set()
+    assert c.done.wait(120)
+    assert c.final[0].finish_reason == "cancelled" and c.final[0].canvases <= 1
+    ok, _ = _submit(scheduler, tok, sampler, "s705182936=", seed=0)
+    assert ok.done.wait(120) and ok.final[0].text == "012356789"
+    assert scheduler.status()["busy_slots"] == 0
+
+
+def test_limits_queue_and_shutdown(bundled):
+    cfg, params, sampler, tok = bundled
+    sch = Scheduler.for_model(cfg, params, tok, sampler, slots=1, max_queue=2, context=64)
+    with pytest.raises(ValueError, match="context of 64 tokens"):
+        sch.check_fits(20, 200)
+    with pytest.raises(ValueError, match="shorten the prompt"):
+        sch.check_fits(60, 8)
+    c, _ = _submit(sch, tok, sampler, "s9350814272=", seed=0, n=2)   # queued before the worker runs
+    with pytest.raises(QueueFull, match="limit 2"):
+        _submit(sch, tok, sampler, "s9350814272=", seed=0)
+    sch.start()
+    sch.stop()   # drains: the accepted request still finishes
+    assert c.done.is_set() and [c.final[i].text for i in (0, 1)] == ["0122345789"] * 2
+    with pytest.raises(ShuttingDown):
+        _submit(sch, tok, sampler, "s705182936=", seed=0)
+
+
+# ------------------------------------------------------------------ text helpers
+def test_stop_string_helpers():
+    assert text_lib.cut_at_stop("abcdef", ("de", "b")) == ("a", True)
+    assert text_lib.cut_at_stop("abc", ("x",)) == ("abc", False)
+    assert text_lib.stream_safe("hello wor", ("world",)) == "hello "
+    assert text_lib.stream_safe("hello", ("xy",)) == "hello"
+    assert text_lib.delta("ab", "abcd") == "cd" and text_lib.delta("ab", "ax") == ""
