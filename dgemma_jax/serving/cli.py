@@ -8,6 +8,7 @@ DEFAULT_CONTEXT = 8192     # KV-cache tokens per slot when --context is not give
 
 
 def cmd_serve(args) -> int:
+    # deferred: jax, the model and the web stack load only when the command runs (`dgemma --help` stays fast)
     from dgemma_jax.pipeline import load_checkpoint
     from dgemma_jax.serving.scheduler import Scheduler
     from dgemma_jax.serving.server import serve

@@ -256,6 +256,7 @@ class Scheduler:
                 choice = self._queue.popleft() if self._queue else None
             while choice is not None and choice.request.cancelled.is_set():
                 self._emit(choice, "cancelled")
+                self.stats["finished_cancelled"] += 1
                 with self._cond:
                     choice = self._queue.popleft() if self._queue else None
             if choice is None:

@@ -16,10 +16,13 @@ import asyncio
 import contextlib
 import json
 import secrets
+import signal
+import threading
 import time
 import uuid
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -31,7 +34,7 @@ from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, SeqEvent
 from dgemma_jax.serving.schema import ChatRequest, CompletionRequest
 
 DEFAULT_MAX_TOKENS = 256   # when a request names no max_tokens (capped to what fits, like `dgemma generate`)
-DISCONNECT_POLL_S = 0.25
+DISCONNECT_POLL_S = 0.1
 
 
 class APIError(Exception):
@@ -289,9 +292,22 @@ def serve(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: 
           drain_seconds: float | None = None, log_level: str = "info", **app_kwargs: Any) -> None:
     """Run the app with uvicorn until SIGINT/SIGTERM; open requests finish first (up to
     `drain_seconds`), then the scheduler stops."""
-    import uvicorn
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done, so a server that
+            # drained every request would still end "killed by signal"; a clean drain exits 0 here
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
 
     app = create_app(scheduler, model_name, **app_kwargs)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=drain_seconds)
-    uvicorn.Server(config).run()
+    _Server(config).run()
