@@ -86,7 +86,7 @@ def cmd_compile(args) -> int:
     if args.topology not in aot.TOPOLOGIES:
         raise UsageError(f"unknown --topology {args.topology!r}; choose one of {', '.join(aot.TOPOLOGIES)}")
     programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
-    known = ("prefill", "denoise_step", "commit", "generate", "lora_step")
+    known = ("prefill", "denoise_step", "commit", "generate", "lora_step", "slot_round", "prefill_slot")
     bad = [p for p in programs if p not in known]
     if bad:
         raise UsageError(f"unknown program(s) {bad}; choose from {', '.join(known)}")
@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=_positive(int), default=16, help="denoising steps per canvas for projections")
     s.add_argument("--programs", default="prefill,denoise_step,commit,generate",
                    help="comma list of prefill, denoise_step, commit, generate, lora_step (a LoRA training "
-                        "step on a batch of --batch rows of --prompt + canvases up to --context; use --rules training)")
+                        "step on a batch of --batch rows of --prompt + canvases up to --context; use --rules training), "
+                        "slot_round, prefill_slot (the server's programs: --batch slots, one --prompt per prefill)")
     s.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     s.add_argument("--moe-dispatch", choices=["ragged", "capacity", "dense"], default=None)
     s.add_argument("--out", help="write the report as JSON here")

@@ -96,7 +96,7 @@ def _abstract(tree, shardings):
 def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context: int, prompt: int):
     """ShapeDtypeStructs (with shardings) for every program argument."""
     from dgemma_jax.model.api import param_shapes
-    from dgemma_jax.sampling.loop import init_state, row_keys
+    from dgemma_jax.sampling.loop import RowKnobs, init_state, row_keys
 
     rep = shardings.replicated
     rep_tree = lambda t: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), t)  # noqa: E731
@@ -109,15 +109,32 @@ def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context:
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rep)
     canvas = jax.ShapeDtypeStruct((batch, sampler.canvas_length), jnp.int32, sharding=rep)
     active = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=rep)
+    # the server's slot programs (sampling/slots.py): per-row canvas numbers and sampler knobs, one prompt
+    vec = lambda dtype, *shape: jax.ShapeDtypeStruct((batch,) + shape, dtype, sharding=rep)  # noqa: E731
+    knobs = RowKnobs(vec(jnp.float32, sampler.max_denoising_steps), vec(jnp.int32), vec(jnp.float32),
+                     vec(jnp.float32))
+    slot = dict(canvas_index=vec(jnp.int32), last=active, knobs=knobs,
+                slot=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+                tokens=jax.ShapeDtypeStruct((1, prompt), jnp.int32, sharding=rep),
+                length=jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep))
     return dict(params=params, cache=cache, keys=keys, state=state, tokens=tokens, lengths=lengths,
-                canvas=canvas, active=active)
+                canvas=canvas, active=active, slot=slot)
 
 
 def _programs(config, sampler, max_new_tokens):
     from dgemma_jax.sampling import generate as gen
+    from dgemma_jax.sampling import slots
     from dgemma_jax.sampling.loop import denoise_step
 
     return {
+        "slot_round": (jax.jit(functools.partial(slots.slot_round, config=config, sampler=sampler),
+                               donate_argnames=("cache",)),
+                       lambda a: ((a["params"],), dict(cache=a["cache"], keys=a["keys"], active=a["active"],
+                                                       canvas_index=a["slot"]["canvas_index"],
+                                                       last=a["slot"]["last"], knobs=a["slot"]["knobs"]))),
+        "prefill_slot": (jax.jit(functools.partial(slots.prefill_slot, config=config), donate_argnames=("cache",)),
+                         lambda a: ((a["params"],), dict(cache=a["cache"], slot=a["slot"]["slot"],
+                                                         tokens=a["slot"]["tokens"], length=a["slot"]["length"]))),
         "prefill": (jax.jit(functools.partial(gen.prefill_prompt, config=config), donate_argnames=("cache",)),
                     lambda a: ((a["params"],), dict(tokens=a["tokens"], lengths=a["lengths"], cache=a["cache"]))),
         "denoise_step": (jax.jit(lambda p, c, k, s: denoise_step(p, config, sampler, c, c.lengths, k, s)),
@@ -263,6 +280,9 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
             "roofline_step_ms": 1e3 * step.get("roofline_floor_seconds", float("nan")),
             "per_canvas_ms": 1e3 * per_canvas,
             "tokens_per_second": sampler.canvas_length / per_canvas if per_canvas else None,
+            # every row (a server's slot) refines its own canvas in the same step
+            "rows": batch,
+            "tokens_per_second_all_rows": batch * sampler.canvas_length / per_canvas if per_canvas else None,
         }
     return report
 
