@@ -175,8 +175,8 @@ class Engine:
         """(prefill_slot, slot_round) jitted for this engine: the continuous-batching programs of
         `dgemma_jax.sampling.slots` (the server's), cache donated unless `donate=False`.
 
-        prefill_slot(params, cache, slot, tokens [1, P], length [1]) -> cache
-        slot_round(params, cache, keys, canvas_index, active, last, knobs) -> RoundOutput
+        prefill_slot(params, cache=, slot=, tokens= [1, W], length= [1], fresh=) -> cache (one prompt chunk)
+        slot_round(params, cache=, keys=, canvas_index=, active=, last=, knobs=) -> RoundOutput (keywords)
         """
         pre = self._program(("prefill_slot",), functools.partial(slots_lib.prefill_slot, config=self.config))
         rnd = self._program(("slot_round",), functools.partial(slots_lib.slot_round, config=self.config,

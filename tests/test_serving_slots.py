@@ -204,3 +204,17 @@ def test_stop_string_helpers():
     assert text_lib.stream_safe("hello wor", ("world",)) == "hello "
     assert text_lib.stream_safe("hello", ("xy",)) == "hello"
     assert text_lib.delta("ab", "abcd") == "cd" and text_lib.delta("ab", "ax") == ""
+
+
+def test_a_long_prompt_goes_into_its_slot_in_chunks_equal_to_one_prefill(bundled):
+    cfg, params, sampler, tok = bundled
+    sch = Scheduler.for_model(cfg, params, tok, sampler, slots=3, context=64, prefill_chunk=8)
+    assert sch.prefill_widths == (8, 8)
+    sch._cache = sch.engine.new_cache(3, 64)
+    ids = np.asarray(encode_prompt(tok, "s8877665544332211="), np.int32)    # 19 tokens: chunks of 8, 8, 3
+    sch._prefill_row(1, ids)
+    _, ref = dg.prefill(params, cfg, ids[None], None, dg.init_cache(cfg, 1, 64), logits="none")
+    assert np.asarray(sch._cache.lengths).tolist() == [0, 19, 0]
+    for got, want in zip(sch._cache.keys + sch._cache.values, ref.keys + ref.values):
+        np.testing.assert_allclose(np.asarray(got)[1, :19], np.asarray(want)[0, :19], atol=2e-5)
+        assert not np.asarray(got)[[0, 2]].any()          # the other rows untouched

@@ -116,7 +116,8 @@ def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context:
     slot = dict(canvas_index=vec(jnp.int32), last=active, knobs=knobs,
                 slot=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
                 tokens=jax.ShapeDtypeStruct((1, prompt), jnp.int32, sharding=rep),
-                length=jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep))
+                length=jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep),
+                fresh=jax.ShapeDtypeStruct((), jnp.bool_, sharding=rep))
     return dict(params=params, cache=cache, keys=keys, state=state, tokens=tokens, lengths=lengths,
                 canvas=canvas, active=active, slot=slot)
 
@@ -134,7 +135,8 @@ def _programs(config, sampler, max_new_tokens):
                                                        last=a["slot"]["last"], knobs=a["slot"]["knobs"]))),
         "prefill_slot": (jax.jit(functools.partial(slots.prefill_slot, config=config), donate_argnames=("cache",)),
                          lambda a: ((a["params"],), dict(cache=a["cache"], slot=a["slot"]["slot"],
-                                                         tokens=a["slot"]["tokens"], length=a["slot"]["length"]))),
+                                                         tokens=a["slot"]["tokens"], length=a["slot"]["length"],
+                                                         fresh=a["slot"]["fresh"]))),
         "prefill": (jax.jit(functools.partial(gen.prefill_prompt, config=config), donate_argnames=("cache",)),
                     lambda a: ((a["params"],), dict(tokens=a["tokens"], lengths=a["lengths"], cache=a["cache"]))),
         "denoise_step": (jax.jit(lambda p, c, k, s: denoise_step(p, config, sampler, c, c.lengths, k, s)),

@@ -27,7 +27,8 @@ def cmd_serve(args) -> int:
         params = shardings.place_params(params)
     context = min(args.context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
     scheduler = Scheduler.for_model(cfg, params, tok, sampler, max_steps=args.max_steps, shardings=shardings,
-                                    slots=args.slots, context=context, max_queue=args.max_queue)
+                                    slots=args.slots, context=context, max_queue=args.max_queue,
+                                    prefill_chunk=args.prefill_chunk)
     name = args.served_model_name or cfg.name
     print(f"dgemma serve: compiling the slot programs for {args.slots} slot(s) x {context} tokens ...",
           file=sys.stderr, flush=True)
@@ -63,6 +64,8 @@ def add_command(sub, positive) -> None:
                         "checkpoint's own)")
     s.add_argument("--default-max-tokens", type=positive(int), default=256, dest="default_max_tokens",
                    help="a request's max_tokens when it sends none (capped to what fits)")
+    s.add_argument("--prefill-chunk", type=positive(int), default=512, dest="prefill_chunk",
+                   help="prompts are prefilled in chunks of this many tokens (two compiled widths serve every length)")
     s.add_argument("--mesh", default=None, help="shard over this host's devices, e.g. expert=8 or tensor=4,expert=2")
     s.add_argument("--rules", default="serving", choices=["latency", "serving", "training"])
     s.add_argument("--served-model-name", dest="served_model_name", default=None,

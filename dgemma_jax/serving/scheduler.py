@@ -29,12 +29,15 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from dgemma_jax.engine import Engine, bucket_length
+from dgemma_jax.engine import Engine
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, row_keys
 from dgemma_jax.serving import text as text_lib
 
 log = logging.getLogger("dgemma_jax.serving")
+
+
+SMALL_PREFILL = 32    # the prefill width of short prompts and of a long prompt's last few tokens
 
 
 class QueueFull(Exception):
@@ -94,10 +97,13 @@ class Scheduler:
     """N slots of one engine's model, fed from a bounded queue by a worker thread."""
 
     def __init__(self, engine: Engine, tokenizer: Any, *, slots: int = 8, context: int | None = None,
-                 max_queue: int = 256, default_sampler: SamplerConfig | None = None):
+                 max_queue: int = 256, default_sampler: SamplerConfig | None = None, prefill_chunk: int = 512):
         """engine: its sampler gives the canvas length, EOS ids and stability threshold of every
         request, and its `max_denoising_steps` the most steps a request may ask for.
-        default_sampler: a request's settings when it names none (default: the engine's)."""
+        default_sampler: a request's settings when it names none (default: the engine's).
+        prefill_chunk: prompts go into their slot in chunks of this many tokens (a short prompt or
+        tail in one of `SMALL_PREFILL` tokens): two prefill programs serve every prompt length, both
+        compiled at startup, so no request ever waits for a compile that would stall every slot."""
         cfg, smp = engine.config, engine.sampler
         self.default_sampler = default_sampler or smp
         shared = ("canvas_length", "eos_ids", "pad_id", "stability_threshold")
@@ -113,6 +119,8 @@ class Scheduler:
         if self.context < smp.canvas_length + 1:
             raise ValueError(f"context {self.context} cannot hold a prompt and a canvas of {smp.canvas_length}")
         self.max_queue = int(max_queue)
+        big = min(int(prefill_chunk), self.context)
+        self.prefill_widths = (min(SMALL_PREFILL, big), big)   # (short prompts and tails, whole chunks)
         self._prefill, self._round = engine.slot_programs()
         self._compiled_prefill: dict[int, Any] = {}
         self._compiled_round = None
@@ -166,7 +174,8 @@ class Scheduler:
         self._cache = self.engine.new_cache(self.slots, self.context)
         t0 = time.perf_counter()
         self._compiled_round = self._compile_round()
-        self._prefill_for(bucket_length(1))
+        for width in sorted(set(self.prefill_widths)):
+            self._prefill_for(width)
         self.stats["startup_compile_ms"] = int(1e3 * (time.perf_counter() - t0))
         self._thread = threading.Thread(target=self._run, name="dgemma-scheduler", daemon=True)
         self._thread.start()
@@ -225,7 +234,7 @@ class Scheduler:
         if width not in self._compiled_prefill:
             compiled = self._prefill.lower(self.engine.params, cache=self._cache, slot=np.int32(0),
                                            tokens=np.zeros((1, width), np.int32),
-                                           length=np.ones((1,), np.int32)).compile()
+                                           length=np.ones((1,), np.int32), fresh=np.bool_(True)).compile()
             self.memory[f"prefill_slot_{width}"] = _memory(compiled)
             self._compiled_prefill[width] = compiled
         return self._compiled_prefill[width]
@@ -261,16 +270,26 @@ class Scheduler:
                     choice = self._queue.popleft() if self._queue else None
             if choice is None:
                 return
-            ids = np.asarray(choice.request.prompt_ids, np.int32)
-            width = min(bucket_length(len(ids)), self.context)
-            tokens = np.full((1, width), self.engine.config.pad_id, np.int32)
-            tokens[0, :len(ids)] = ids
-            self._cache = self._prefill_for(width)(self.engine.params, cache=self._cache, slot=np.int32(slot),
-                                                   tokens=tokens, length=np.asarray([len(ids)], np.int32))
+            self._prefill_row(slot, np.asarray(choice.request.prompt_ids, np.int32))
             choice.slot, choice.admitted_round = slot, self.stats["rounds"]
             with self._cond:
                 self._busy[slot] = choice
             self.stats["prefills"] += 1
+
+    def _prefill_row(self, slot: int, ids: np.ndarray) -> None:
+        """The prompt into row `slot`, in chunks of the compiled prefill widths."""
+        small, big = self.prefill_widths
+        start = 0
+        while start < len(ids):
+            rest = len(ids) - start
+            width = small if rest <= small else big
+            n = min(rest, width)
+            tokens = np.full((1, width), self.engine.config.pad_id, np.int32)
+            tokens[0, :n] = ids[start:start + n]
+            self._cache = self._prefill_for(width)(self.engine.params, cache=self._cache, slot=np.int32(slot),
+                                                   tokens=tokens, length=np.asarray([n], np.int32),
+                                                   fresh=np.bool_(start == 0))
+            start += n
 
     def _one_round(self) -> None:
         n, l = self.slots, self.canvas_length
