@@ -106,3 +106,16 @@ check_env_assignment() {
   [[ $kv == *=* ]] || die "--env expects KEY=VALUE; got '$kv'"
   [[ ${kv%%=*} =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || die "--env: '${kv%%=*}' is not a valid environment variable name"
 }
+
+# --serve: `dgemma serve` on the one host of a single-host slice, listening on every interface.
+SINGLE_HOST_TPUS="v5litepod-1 v5litepod-4 v5litepod-8 v6e-1 v6e-4 v6e-8 v5p-8 v4-8"
+check_serve() {  # check_serve TPU_TYPE PORT
+  [[ " $SINGLE_HOST_TPUS " == *" $1 "* ]] \
+    || die "--serve runs the server on one host; '$1' is a multi-host slice. Choose one of: $SINGLE_HOST_TPUS"
+  [[ $2 =~ ^[1-9][0-9]{0,4}$ ]] && (($2 <= 65535)) || die "--port must be a TCP port (1-65535); got '$2'"
+}
+serve_command() {  # serve_command PORT [dgemma serve options...] -> SERVE_CMD array
+  local port=$1
+  shift
+  SERVE_CMD=(dgemma serve --host 0.0.0.0 --port "$port" "$@")
+}

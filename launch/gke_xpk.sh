@@ -49,6 +49,10 @@ Options:
   --topology TOPO        TPU topology for --emit-yaml when the type is not in the built-in table
   --git-url URL          --emit-yaml: clone URL for containers without dgemma_jax installed
   --git-ref REF          --emit-yaml: branch, tag or commit to check out
+  --serve                serve mode: the container runs `dgemma serve --host 0.0.0.0 --port PORT
+                         ARGS...` with the words after `--` as the server's options (single-host
+                         slices, one slice); --emit-yaml adds a ClusterIP Service on PORT
+  --port PORT            serve mode: the server's port (default 8000)
   --dry-run              print every command, one per line as "+ CMD", and run nothing
   -h, --help             this help
 
@@ -69,7 +73,7 @@ EOF
 CLUSTER="" WORKLOAD="" TPU="v5litepod-8" NUM_SLICES=1 ZONE="" PROJECT=""
 DOCKER_IMAGE="" BASE_IMAGE="python:3.11" SCRIPT_DIR=$(cd "$HERE/.." && pwd) SCRIPT_DIR_SET=0
 SKIP_INSTALL=0 PRIORITY="" MAX_RESTARTS="" SPOT=0 WAIT=0 XPK="xpk" EMIT_YAML="" TOPOLOGY=""
-GIT_URL="" GIT_REF="" HAVE_CMD=0 BASE_IMAGE_SET=0
+GIT_URL="" GIT_REF="" HAVE_CMD=0 BASE_IMAGE_SET=0 SERVE=0 PORT=8000
 ENVS=() CMD=()
 
 (($# > 0)) || { usage >&2; exit 2; }
@@ -104,12 +108,21 @@ while (($#)); do
     --topology) need_value "$arg" $inline "$@"; TOPOLOGY=$1; shift ;;
     --git-url) need_value "$arg" $inline "$@"; GIT_URL=$1; shift ;;
     --git-ref) need_value "$arg" $inline "$@"; GIT_REF=$1; shift ;;
+    --serve) no_value "$arg" $inline; SERVE=1 ;;
+    --port) need_value "$arg" $inline "$@"; PORT=$1; shift ;;
     -*) die "unknown option '$arg'" ;;
     *) die "unexpected argument '$arg'; put the command to run after '--'" ;;
   esac
 done
 
 # ------------------------------------------------------------------ validation
+if ((SERVE)); then
+  check_serve "$(normalize_tpu "$TPU")" "$PORT"
+  [[ $NUM_SLICES == 1 ]] || die "--serve runs one server on one slice; drop --num-slices"
+  serve_command "$PORT" "${CMD[@]}"
+  CMD=("${SERVE_CMD[@]}")
+  HAVE_CMD=1
+fi
 ((HAVE_CMD && ${#CMD[@]} > 0)) || die "no command given; put the command to run after '--'"
 [[ -n $EMIT_YAML || -n $CLUSTER ]] || die "--cluster is required (or use --emit-yaml to write a JobSet manifest)"
 if [[ -n $CLUSTER && ! $CLUSTER =~ ^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$ ]]; then
@@ -176,6 +189,9 @@ if [[ -z $EMIT_YAML ]]; then
   ((DRY_RUN == 0)) || note "dry run: nothing below is executed"
   note "submitting workload $WORKLOAD: $NUM_SLICES x $TPU on cluster $CLUSTER"
   run "${argv[@]}"
+  if ((SERVE)); then
+    note "reach the server with: kubectl port-forward \$(kubectl get pods -l jobset.sigs.k8s.io/jobset-name=$WORKLOAD -o name | head -1) $PORT:$PORT"
+  fi
   if ((WAIT)); then
     wargv=("${XPK_ARGV[@]}" workload list --cluster="$CLUSTER" --wait-for-job-completion="$WORKLOAD")
     [[ -z $ZONE ]] || wargv+=(--zone="$ZONE")
@@ -292,6 +308,7 @@ emit() {
   echo "              ports:"
   echo "              - containerPort: 8471"
   echo "              - containerPort: 8080"
+  ((SERVE == 0)) || echo "              - containerPort: $PORT"
   echo "              securityContext:"
   echo "                privileged: true"
   if ((${#ENVS[@]} > 0 || NUM_SLICES > 1)); then
@@ -321,6 +338,21 @@ emit() {
   echo "              resources:"
   echo "                limits:"
   echo "                  google.com/tpu: $chips_per_host"
+  if ((SERVE)); then
+    echo "---"
+    echo "# The server's address inside the cluster; from outside: kubectl port-forward svc/$WORKLOAD $PORT:$PORT"
+    echo "apiVersion: v1"
+    echo "kind: Service"
+    echo "metadata:"
+    echo "  name: $WORKLOAD"
+    echo "spec:"
+    echo "  selector:"
+    echo "    jobset.sigs.k8s.io/jobset-name: $WORKLOAD"
+    echo "  ports:"
+    echo "  - name: http"
+    echo "    port: $PORT"
+    echo "    targetPort: $PORT"
+  fi
 }
 
 if [[ $EMIT_YAML == - ]]; then

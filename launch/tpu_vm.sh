@@ -52,6 +52,11 @@ Code and install:
   --setup-only           create, copy and install; no COMMAND needed
 
 Running:
+  --serve                serve mode: run `dgemma serve --host 0.0.0.0 --port PORT ARGS...` on the VM
+                         (single-host slices only: v5litepod-8, v6e-8, v5p-8, v4-8, ...), with the
+                         words after `--` as the server's options (none: the bundled model), and
+                         forward PORT to localhost through the SSH session while it runs
+  --port PORT            serve mode: the server's port, also forwarded to localhost (default 8000)
   --env KEY=VALUE        export KEY=VALUE before COMMAND on the workers (repeatable)
   --iap                  reach the workers through IAP (--tunnel-through-iap)
   --dry-run              print every command, one per line as "+ CMD", and run nothing
@@ -71,6 +76,10 @@ Examples:
       --delete-after -- dgemma generate --checkpoint /data/ckpt --prompt "hi"
 
   # rerun on an existing VM without copying or reinstalling
+  # serve the 26B on a v6e-8: an OpenAI-compatible server, reachable at http://localhost:8000/v1
+  launch/tpu_vm.sh --name dg-v6e --zone us-east5-b --accelerator v6e-8 --serve \
+      -- --checkpoint gs://my-bucket/diffusiongemma --mesh expert=8 --slots 8 --context 8192
+
   launch/tpu_vm.sh --name dg-v5e --zone us-east5-b --reuse --skip-copy --skip-install \
       -- python -c "import jax; print(jax.device_count())"
 
@@ -84,7 +93,7 @@ SPOT=0 QUEUED=0 REUSE=0 DELETE_AFTER=0 WAIT_TIMEOUT=3600 POLL_SECONDS=${DGEMMA_P
 SOURCE_DIR=$(cd "$HERE/.." && pwd) GIT_URL="" GIT_REF="" USE_GIT=0
 # shellcheck disable=SC2088  # '~' is expanded by the workers' shell, not here
 REMOTE_DIR="~/dgemma_jax" VENV="~/dgemma-venv" PYVER="3.11"
-SKIP_COPY=0 SKIP_INSTALL=0 SETUP_ONLY=0 IAP=0 HAVE_CMD=0
+SKIP_COPY=0 SKIP_INSTALL=0 SETUP_ONLY=0 IAP=0 HAVE_CMD=0 SERVE=0 PORT=8000
 EXCLUDES=() PIP_EXTRA=() ENVS=() CMD=()
 
 (($# > 0)) || { usage >&2; exit 2; }
@@ -122,6 +131,8 @@ while (($#)); do
     --setup-only) no_value "$arg" $inline; SETUP_ONLY=1 ;;
     --env) need_value "$arg" $inline "$@"; check_env_assignment "$1"; ENVS+=("$1"); shift ;;
     --iap) no_value "$arg" $inline; IAP=1 ;;
+    --serve) no_value "$arg" $inline; SERVE=1 ;;
+    --port) need_value "$arg" $inline "$@"; PORT=$1; shift ;;
     -*) die "unknown option '$arg'" ;;
     *) die "unexpected argument '$arg'; put the command to run after '--'" ;;
   esac
@@ -159,7 +170,12 @@ if ((REUSE)); then
   ((QUEUED == 0)) || die "--reuse and --queued do not go together (--queued creates a new TPU)"
   ((SPOT == 0)) || die "--reuse and --spot do not go together (--spot applies when creating a TPU)"
 fi
-if ((HAVE_CMD == 0 || ${#CMD[@]} == 0)); then
+if ((SERVE)); then
+  ((SETUP_ONLY == 0)) || die "--serve and --setup-only do not go together"
+  check_serve "$ACCEL" "$PORT"
+  serve_command "$PORT" "${CMD[@]}"
+  CMD=("${SERVE_CMD[@]}")
+elif ((HAVE_CMD == 0 || ${#CMD[@]} == 0)); then
   ((SETUP_ONLY)) || die "no command given; put the command to run on the workers after '--' (or pass --setup-only)"
 elif ((SETUP_ONLY)); then
   die "--setup-only runs no command; drop the command after '--' or drop --setup-only"
@@ -269,6 +285,13 @@ run_command() {
   local s="cd $REMOTE_DIR && . $VENV/bin/activate" kv
   for kv in "${ENVS[@]}"; do s+=" && export ${kv%%=*}=$(q "${kv#*=}")"; done
   s+=" && $(shell_command "${CMD[@]}")"
+  if ((SERVE)); then
+    note "serving on $NAME: $(shell_command "${CMD[@]}")"
+    note "while this runs: http://localhost:$PORT/v1 (forwarded through SSH); Ctrl-C or SIGTERM drains and stops it"
+    run "${TPUVM[@]}" ssh "$NAME" "${LOC[@]}" --worker=0 "${SSH_EXTRA[@]}" --command "$s" \
+      -- -L "$PORT:localhost:$PORT"
+    return
+  fi
   note "running on all workers of $NAME: $(shell_command "${CMD[@]}")"
   on_all_workers "$s"
 }

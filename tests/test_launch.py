@@ -616,3 +616,51 @@ class TestColabNotebook:
         assert "dgemma_jax is already installed" in r.stdout
         assert "the step-by-step driver gives the same tokens as engine.generate: True" in r.stdout
         assert "canvas 0:" in r.stdout
+
+
+# =============================================================================== serve mode
+class TestServeMode:
+    def test_tpu_vm_serves_on_worker_0_with_the_port_forwarded(self):
+        cmds = dry(TPU_VM, *BASE, "--accelerator", "v6e-8", "--serve", "--port", "8123", "--",
+                   "--checkpoint", "gs://b/ckpt", "--mesh", "expert=8", "--slots", "8")
+        ssh = gcloud(cmds, "compute", "tpus", "tpu-vm", "ssh")[-1]
+        assert "--worker=0" in ssh and ssh[-3:] == ["--", "-L", "8123:localhost:8123"]
+        assert after_last_and(flag(ssh, "--command")) == [
+            "dgemma", "serve", "--host", "0.0.0.0", "--port", "8123", "--checkpoint", "gs://b/ckpt", "--mesh",
+            "expert=8", "--slots", "8"]
+
+    def test_tpu_vm_serve_without_options_serves_the_bundled_model(self):
+        ssh = gcloud(dry(TPU_VM, *BASE, "--serve"), "compute", "tpus", "tpu-vm", "ssh")[-1]
+        assert after_last_and(flag(ssh, "--command")) == ["dgemma", "serve", "--host", "0.0.0.0", "--port", "8000"]
+
+    @pytest.mark.parametrize("script,args", [
+        ("tpu", ["--accelerator", "v5litepod-16", "--serve"]),
+        ("tpu", ["--serve", "--port", "99999"]),
+        ("gke", ["--cluster", "c", "--tpu-type", "v6e-32", "--serve"]),
+        ("gke", ["--cluster", "c", "--tpu-type", "v6e-8", "--num-slices", "2", "--serve"]),
+    ])
+    def test_serve_refuses_multi_host_slices_and_bad_ports(self, script, args):
+        r = sh(TPU_VM, *BASE, *args) if script == "tpu" else sh(GKE, *args)
+        first = r.stderr.splitlines()[0]
+        assert r.returncode == 2 and "error:" in first
+        assert "one host" in first or "--port" in first or "one slice" in first
+
+    def test_gke_yaml_exposes_the_server(self):
+        yaml = pytest.importorskip("yaml")
+        r = sh(GKE, "--emit-yaml", "-", "--workload", "dg-serve", "--tpu-type", "v6e-8", "--docker-image", "img",
+               "--serve", "--", "--slots", "8")
+        assert r.returncode == 0, r.stderr
+        job, svc = list(yaml.safe_load_all(r.stdout))
+        pod = job["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert {"containerPort": 8000} in container["ports"]
+        assert "dgemma serve --host 0.0.0.0 --port 8000 --slots 8" in container["args"][0]
+        assert svc["kind"] == "Service" and svc["spec"]["ports"][0]["port"] == 8000
+        assert svc["spec"]["selector"] == {"jobset.sigs.k8s.io/jobset-name": "dg-serve"}
+
+    def test_gke_xpk_submit_prints_how_to_reach_it(self):
+        r = sh(GKE, "--dry-run", "--cluster", "c", "--workload", "dg-serve", "--tpu-type", "v6e-8", "--serve")
+        assert r.returncode == 0
+        c = xpk_create(commands(r.stdout))
+        assert flag(c, "--command").endswith("dgemma serve --host 0.0.0.0 --port 8000")
+        assert "kubectl port-forward" in r.stdout + r.stderr

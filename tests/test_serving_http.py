@@ -189,9 +189,10 @@ def test_clients_that_disconnect_mid_stream_free_their_slots(server, client):
         time.sleep(0.2)
     assert h["busy_slots"] == 0 and h["queued"] == 0, h
     cancelled = h["stats"].get("finished_cancelled", 0) - before.get("finished_cancelled", 0)
-    # the 8 queued never ran; the 8 running stopped after their first canvas (their answers need 3)
+    # every one was cancelled: a queued one before it ran, a running one after its canvas in flight
+    # (their answers need 3 canvases; run to the end they would have taken 48)
     assert cancelled == 16, h["stats"]
-    assert h["stats"]["slot_canvases"] - before.get("slot_canvases", 0) == 8
+    assert h["stats"].get("slot_canvases", 0) - before.get("slot_canvases", 0) <= 16
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], seed=0)
     assert r.choices[0].message.content == _sorted(PROMPTS[0])
 
