@@ -1,5 +1,5 @@
 """Training: corruption statistics, canvas layout, the block mask (leakage), self-conditioning off,
-LoRA (only adapters change; merged = base + adapters)."""
+LoRA (only adapters change; merged = base + adapters; the unmerged forward is tests/test_training_lora.py)."""
 
 import os
 
@@ -167,8 +167,11 @@ def test_lora_changes_only_adapters_and_merges(tiny):
     trained = jax.device_get(state.params)
     leaves = lora_lib._lora_leaves(trained)
     assert len(leaves) == len(lora_lib.target_paths(cfg, groups))
+    a0 = lora_lib._lora_leaves(jax.device_get(lora_lib.init_lora(cfg, params, jax.random.key(1), spec.rank, groups)))
     for p, ab in leaves.items():
         assert np.abs(ab["b"]).max() > 0, p
+        # A gets gradients too once B is nonzero (through the unmerged (x A) B term)
+        assert np.abs(ab["a"] - a0[p]["a"]).max() > 0, p
     # merged == base + (alpha / r) A @ B, recomputed here independently
     merged = jax.device_get(lora_lib.merge(cfg, params, trained, spec.alpha, spec.rank))
     flat_m = {lora_lib.path_str(k): v for k, v in jax.tree_util.tree_flatten_with_path(merged)[0]}

@@ -39,7 +39,7 @@ from dgemma_jax.training.checkpoint import Checkpointer, save_params
 from dgemma_jax.training.objective import ObjectiveConfig
 from dgemma_jax.training.optim import make_optimizer
 from dgemma_jax.training.plots import plot_loss_curve, read_jsonl
-from dgemma_jax.training.step import LoraSpec, init_train_state, make_train_step, model_params
+from dgemma_jax.training.step import LoraSpec, inference_params, init_train_state, make_train_step
 
 
 def _d(cfg) -> dict:
@@ -245,7 +245,7 @@ class Run:
 
     def inference_params(self, state=None):
         state = state or self.state
-        return model_params(self.model_config, state.params, self.frozen, self.lora)
+        return inference_params(self.model_config, state.params, self.frozen, self.lora)
 
     def eval_pairs(self) -> list[tuple[str, str]]:
         """Held-out (prompt, answer) strings: the task source with the eval seed (tasks data only)."""
