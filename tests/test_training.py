@@ -187,6 +187,43 @@ def test_lora_changes_only_adapters_and_merges(tiny):
             np.testing.assert_array_equal(flat_m[p], w)
 
 
+def router_parameters(cfg, params) -> dict:
+    """{path: array} of every router parameter, found by walking the parameter tree: each leaf in a
+    MoE scope that is not an expert kernel (expert kernels are the leaves with an "experts" axis)."""
+    from dgemma_jax.model.api import logical_axes
+
+    specs = jax.tree_util.tree_flatten_with_path(logical_axes(cfg),
+                                                 is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
+    axes = {lora_lib.path_str(p): tuple(s) for p, s in specs}
+    leaves = {lora_lib.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    return {p: x for p, x in leaves.items() if "moe" in p.split("/")[:-1] and "experts" not in axes[p]}
+
+
+def test_freeze_router_keeps_every_router_parameter(tiny):
+    """Full fine-tuning with optimizer.freeze_router (the driver's optimizer): after 3 steps every
+    router parameter the tree holds is bit-identical, while the experts and the rest train."""
+    from dgemma_jax.training.train import Run
+
+    cfg = tiny[0]
+    run = Run(load_config(os.path.join(ROOT, "configs", "train_tiny.py"),
+                          {"optimizer.freeze_router": True, "optimizer.warmup_steps": 0}))
+    before = jax.device_get(run.state.params)
+    routers = router_parameters(cfg, before)
+    per_layer = len(routers) // cfg.num_layers
+    assert per_layer >= 3 and len(routers) == per_layer * cfg.num_layers, sorted(routers)
+    state = run.state
+    for i in range(3):
+        state, m = run.step_fn(state, run.frozen, run.source.batch(i))
+        assert np.isfinite(float(m["loss"]))
+    after = router_parameters(cfg, jax.device_get(state.params))
+    for p, x in routers.items():
+        assert np.array_equal(np.asarray(after[p]), np.asarray(x)), f"{p} moved with freeze_router"
+    for i in range(cfg.num_layers):
+        for leaf in ("gate_up", "down"):
+            assert not np.array_equal(np.asarray(state.params[f"blocks_{i}"]["moe"][leaf]),
+                                      np.asarray(before[f"blocks_{i}"]["moe"][leaf]))
+
+
 def test_sources_are_deterministic_and_resumable(tmp_path):
     import json as _json
 

@@ -41,7 +41,10 @@ LORA_GROUPS: dict[str, str] = {
 }
 __doc__ += "\n" + "\n".join(f"    {k:18s} {v}" for k, v in LORA_GROUPS.items()) + "\n"
 
-ROUTER_PATTERN = r"(^|/)moe/(router|router_scale)$"
+# every MoE parameter except the expert kernels: the router projection, its input scale and the
+# per-expert output scale (transformers' router.proj / router.scale / router.per_expert_scale) and
+# anything added to the routing later; `freeze_router` freezes all of them (spec: router frozen in SFT)
+ROUTER_PATTERN = r"(^|/)moe/(?!(gate_up|down)$)[^/]+$"
 
 
 def path_str(path) -> str:
