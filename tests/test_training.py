@@ -318,3 +318,58 @@ def test_only_process_zero_writes_the_run_files(tmp_path, monkeypatch):
     assert {p.name for p in (tmp_path / "other").iterdir()} == {"checkpoints"}
     for a, b in zip(jax.tree.leaves(other["run"].state.params), jax.tree.leaves(lead["run"].state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same training either way
+
+
+def test_warmup_first_update_is_above_zero():
+    """The first optimizer update moves the parameters (the warmup starts above 0, not at lr 0);
+    the warmup still rises to the peak and the cosine still ends at end_lr."""
+    import optax
+
+    opt, sched = make_optimizer(peak_lr=1e-2, end_lr=1e-3, warmup_steps=5, total_steps=40, weight_decay=0.0)
+    lrs = np.asarray([float(sched(s)) for s in range(41)])
+    assert lrs[0] > 0, lrs[:6]
+    assert (np.diff(lrs[:6]) > 0).all() and lrs[5] == pytest.approx(1e-2), lrs[:7]
+    assert (np.diff(lrs[5:]) <= 1e-12).all() and lrs[40] == pytest.approx(1e-3)
+    params = {"w": jnp.ones((3,))}
+    updates, _ = opt.update({"w": jnp.ones((3,))}, opt.init(params), params)
+    moved = optax.apply_updates(params, updates)["w"]
+    assert (np.asarray(moved) < 1.0).all(), moved
+    _, flat = make_optimizer(peak_lr=1e-2, end_lr=1e-3, warmup_steps=0, total_steps=40)
+    assert float(flat(0)) == pytest.approx(1e-2)                      # no warmup: the peak at once
+
+
+def test_eval_overlapping_the_training_data_is_an_error(tmp_path):
+    """An eval set drawn like the training data is refused when the run is built: a task eval with
+    the training seed (its problems ARE training batch 99's, checked here), the training file as
+    eval.path (also through a link), and an eval file sharing an example with the training file. A
+    disjoint eval file is accepted and is what the run evaluates on."""
+    import json as _json
+
+    from dgemma_jax.training.train import Run
+
+    recipe = os.path.join(ROOT, "configs", "train_tiny.py")
+    src = Run(load_config(recipe)).source
+    same_seed = Run.__new__(Run)
+    same_seed.dc, same_seed.ec = {"kind": "tasks", "tasks": [dict(name="sort", min_len=3, max_len=9)]}, \
+        {"seed": 0, "num_examples": 8}
+    assert same_seed.eval_pairs() == src.example_strings(99)[:8]      # the overlap is real
+    with pytest.raises(ValueError, match=r"eval\.seed 0 equals data\.seed"):
+        Run(load_config(recipe, {"eval.seed": 0, "data.seed": 0}))
+
+    def write(name, rows):
+        with open(tmp_path / name, "w") as f:
+            for p, r in rows:
+                f.write(_json.dumps({"prompt": p, "response": r}) + "\n")
+        return str(tmp_path / name)
+
+    train_rows = [(f"s{i}{i + 1}{i}=", f"{i}{i}{i + 1}") for i in range(6)]
+    train_file = write("train.jsonl", train_rows)
+    os.symlink(train_file, tmp_path / "link.jsonl")
+    over = {"data.kind": "jsonl", "data.path": train_file}
+    for eval_path, msg in ((train_file, "is the training file"), (str(tmp_path / "link.jsonl"), "is the training file"),
+                           (write("leaky.jsonl", [("s19=", "19"), train_rows[2]]), "1 of the 2 examples")):
+        with pytest.raises(ValueError, match=msg):
+            Run(load_config(recipe, {**over, "eval.path": eval_path}))
+    held_out = [("s98=", "89"), ("s77=", "77")]
+    run = Run(load_config(recipe, {**over, "eval.path": write("held_out.jsonl", held_out)}))
+    assert run.eval_pairs() == held_out
