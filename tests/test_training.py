@@ -1,5 +1,5 @@
 """Training: corruption statistics, canvas layout, the block mask (leakage), self-conditioning off,
-LoRA (only adapters change; merged = base + adapters)."""
+LoRA (only adapters change; merged = base + adapters; the unmerged forward is tests/test_training_lora.py)."""
 
 import os
 
@@ -167,8 +167,11 @@ def test_lora_changes_only_adapters_and_merges(tiny):
     trained = jax.device_get(state.params)
     leaves = lora_lib._lora_leaves(trained)
     assert len(leaves) == len(lora_lib.target_paths(cfg, groups))
+    a0 = lora_lib._lora_leaves(jax.device_get(lora_lib.init_lora(cfg, params, jax.random.key(1), spec.rank, groups)))
     for p, ab in leaves.items():
         assert np.abs(ab["b"]).max() > 0, p
+        # A gets gradients too once B is nonzero (through the unmerged (x A) B term)
+        assert np.abs(ab["a"] - a0[p]["a"]).max() > 0, p
     # merged == base + (alpha / r) A @ B, recomputed here independently
     merged = jax.device_get(lora_lib.merge(cfg, params, trained, spec.alpha, spec.rank))
     flat_m = {lora_lib.path_str(k): v for k, v in jax.tree_util.tree_flatten_with_path(merged)[0]}
@@ -182,6 +185,43 @@ def test_lora_changes_only_adapters_and_merges(tiny):
             np.testing.assert_allclose(flat_m[p], want, rtol=1e-6, atol=1e-6)
         else:
             np.testing.assert_array_equal(flat_m[p], w)
+
+
+def router_parameters(cfg, params) -> dict:
+    """{path: array} of every router parameter, found by walking the parameter tree: each leaf in a
+    MoE scope that is not an expert kernel (expert kernels are the leaves with an "experts" axis)."""
+    from dgemma_jax.model.api import logical_axes
+
+    specs = jax.tree_util.tree_flatten_with_path(logical_axes(cfg),
+                                                 is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
+    axes = {lora_lib.path_str(p): tuple(s) for p, s in specs}
+    leaves = {lora_lib.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    return {p: x for p, x in leaves.items() if "moe" in p.split("/")[:-1] and "experts" not in axes[p]}
+
+
+def test_freeze_router_keeps_every_router_parameter(tiny):
+    """Full fine-tuning with optimizer.freeze_router (the driver's optimizer): after 3 steps every
+    router parameter the tree holds is bit-identical, while the experts and the rest train."""
+    from dgemma_jax.training.train import Run
+
+    cfg = tiny[0]
+    run = Run(load_config(os.path.join(ROOT, "configs", "train_tiny.py"),
+                          {"optimizer.freeze_router": True, "optimizer.warmup_steps": 0}))
+    before = jax.device_get(run.state.params)
+    routers = router_parameters(cfg, before)
+    per_layer = len(routers) // cfg.num_layers
+    assert per_layer >= 3 and len(routers) == per_layer * cfg.num_layers, sorted(routers)
+    state = run.state
+    for i in range(3):
+        state, m = run.step_fn(state, run.frozen, run.source.batch(i))
+        assert np.isfinite(float(m["loss"]))
+    after = router_parameters(cfg, jax.device_get(state.params))
+    for p, x in routers.items():
+        assert np.array_equal(np.asarray(after[p]), np.asarray(x)), f"{p} moved with freeze_router"
+    for i in range(cfg.num_layers):
+        for leaf in ("gate_up", "down"):
+            assert not np.array_equal(np.asarray(state.params[f"blocks_{i}"]["moe"][leaf]),
+                                      np.asarray(before[f"blocks_{i}"]["moe"][leaf]))
 
 
 def test_sources_are_deterministic_and_resumable(tmp_path):
@@ -278,3 +318,58 @@ def test_only_process_zero_writes_the_run_files(tmp_path, monkeypatch):
     assert {p.name for p in (tmp_path / "other").iterdir()} == {"checkpoints"}
     for a, b in zip(jax.tree.leaves(other["run"].state.params), jax.tree.leaves(lead["run"].state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same training either way
+
+
+def test_warmup_first_update_is_above_zero():
+    """The first optimizer update moves the parameters (the warmup starts above 0, not at lr 0);
+    the warmup still rises to the peak and the cosine still ends at end_lr."""
+    import optax
+
+    opt, sched = make_optimizer(peak_lr=1e-2, end_lr=1e-3, warmup_steps=5, total_steps=40, weight_decay=0.0)
+    lrs = np.asarray([float(sched(s)) for s in range(41)])
+    assert lrs[0] > 0, lrs[:6]
+    assert (np.diff(lrs[:6]) > 0).all() and lrs[5] == pytest.approx(1e-2), lrs[:7]
+    assert (np.diff(lrs[5:]) <= 1e-12).all() and lrs[40] == pytest.approx(1e-3)
+    params = {"w": jnp.ones((3,))}
+    updates, _ = opt.update({"w": jnp.ones((3,))}, opt.init(params), params)
+    moved = optax.apply_updates(params, updates)["w"]
+    assert (np.asarray(moved) < 1.0).all(), moved
+    _, flat = make_optimizer(peak_lr=1e-2, end_lr=1e-3, warmup_steps=0, total_steps=40)
+    assert float(flat(0)) == pytest.approx(1e-2)                      # no warmup: the peak at once
+
+
+def test_eval_overlapping_the_training_data_is_an_error(tmp_path):
+    """An eval set drawn like the training data is refused when the run is built: a task eval with
+    the training seed (its problems ARE training batch 99's, checked here), the training file as
+    eval.path (also through a link), and an eval file sharing an example with the training file. A
+    disjoint eval file is accepted and is what the run evaluates on."""
+    import json as _json
+
+    from dgemma_jax.training.train import Run
+
+    recipe = os.path.join(ROOT, "configs", "train_tiny.py")
+    src = Run(load_config(recipe)).source
+    same_seed = Run.__new__(Run)
+    same_seed.dc, same_seed.ec = {"kind": "tasks", "tasks": [dict(name="sort", min_len=3, max_len=9)]}, \
+        {"seed": 0, "num_examples": 8}
+    assert same_seed.eval_pairs() == src.example_strings(99)[:8]      # the overlap is real
+    with pytest.raises(ValueError, match=r"eval\.seed 0 equals data\.seed"):
+        Run(load_config(recipe, {"eval.seed": 0, "data.seed": 0}))
+
+    def write(name, rows):
+        with open(tmp_path / name, "w") as f:
+            for p, r in rows:
+                f.write(_json.dumps({"prompt": p, "response": r}) + "\n")
+        return str(tmp_path / name)
+
+    train_rows = [(f"s{i}{i + 1}{i}=", f"{i}{i}{i + 1}") for i in range(6)]
+    train_file = write("train.jsonl", train_rows)
+    os.symlink(train_file, tmp_path / "link.jsonl")
+    over = {"data.kind": "jsonl", "data.path": train_file}
+    for eval_path, msg in ((train_file, "is the training file"), (str(tmp_path / "link.jsonl"), "is the training file"),
+                           (write("leaky.jsonl", [("s19=", "19"), train_rows[2]]), "1 of the 2 examples")):
+        with pytest.raises(ValueError, match=msg):
+            Run(load_config(recipe, {**over, "eval.path": eval_path}))
+    held_out = [("s98=", "89"), ("s77=", "77")]
+    run = Run(load_config(recipe, {**over, "eval.path": write("held_out.jsonl", held_out)}))
+    assert run.eval_pairs() == held_out

@@ -19,7 +19,7 @@ from flax import linen as nn
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model import flash, masks
 from dgemma_jax.model.cache import window_slice, write_tokens
-from dgemma_jax.model.layers import RMSNorm, apply_rope, param, rms_normalize, rope_inv_freq
+from dgemma_jax.model.layers import RMSNorm, adapter, apply_rope, param, project, rms_normalize, rope_inv_freq
 from dgemma_jax.parallel.context import constrain, head_parallel
 
 CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
@@ -147,9 +147,9 @@ class Attention(nn.Module):
     def _qkv(self, x, positions):
         dt = x.dtype
         with jax.named_scope("qkv_proj"):
-            q = jnp.einsum("btd,dnh->btnh", x, self.q.astype(dt))
-            k_raw = jnp.einsum("btd,dkh->btkh", x, self.k.astype(dt))
-            v_raw = k_raw if self.is_global else jnp.einsum("btd,dkh->btkh", x, self.v.astype(dt))
+            q = project("btd,dnh->btnh", x, self.q, adapter(self, "q"))
+            k_raw = project("btd,dkh->btkh", x, self.k, adapter(self, "k"))
+            v_raw = k_raw if self.is_global else project("btd,dkh->btkh", x, self.v, adapter(self, "v"))
         q = apply_rope(self.q_norm(q), positions, self.inv_freq)
         k = apply_rope(self.k_norm(k_raw), positions, self.inv_freq)
         v = rms_normalize(v_raw, self.cfg.rms_norm_eps).astype(dt)
@@ -166,7 +166,7 @@ class Attention(nn.Module):
 
     def _out(self, y):
         with jax.named_scope("o_proj"):
-            return jnp.einsum("btnh,nhd->btd", y, self.o.astype(y.dtype))
+            return project("btnh,nhd->btd", y, self.o, adapter(self, "o"))
 
     def encode(self, x, starts, num_new, cache_k, cache_v):
         """x: [B, T, D] new tokens at positions starts[b] + t; returns (out, cache_k, cache_v)."""

@@ -1,4 +1,5 @@
-"""Small building blocks: RMSNorm, rotary embeddings, the gated GELU MLP, parameter helpers.
+"""Small building blocks: RMSNorm, rotary embeddings, the gated GELU MLP, parameter helpers, and
+the unmerged LoRA projection every adapted kernel goes through (`project`).
 
 Shapes use single letters: B batch, T tokens, D model width, N query heads, K kv heads,
 H head dim, F MLP hidden, V vocab.
@@ -28,6 +29,54 @@ def param(module: nn.Module, name: str, shape, axes: tuple, cfg: ModelConfig, in
 
 def ones_param(module: nn.Module, name: str, shape, axes: tuple, cfg: ModelConfig):
     return param(module, name, shape, axes, cfg, init=nn.initializers.ones)
+
+
+# ---------------------------------------------------------------------------- LoRA, unmerged
+LORA_COLLECTION = "lora"
+
+
+def adapter(module: nn.Module, name: str):
+    """The LoRA pair {"a": A, "b": B} of kernel `name` from the "lora" variable collection, or None.
+
+    The pair is laid out like the kernel (see `training.lora.forward_adapters`): A [*batch, *in, r],
+    B [*batch, r, *out] with the scale alpha / r already folded into B.
+    """
+    if module.has_variable(LORA_COLLECTION, name):
+        return module.get_variable(LORA_COLLECTION, name)
+    return None
+
+
+def low_rank(eq: str, x: jax.Array, ab) -> jax.Array:
+    """The float32 LoRA term (x A) B of the einsum `eq` ("<x>,<kernel>-><out>") over a kernel whose
+    axes are ordered batch, in, out: A carries the batch and in axes plus a rank axis, B the batch,
+    rank and out axes. Returns float32 laid out like the einsum's output."""
+    a, b = ab["a"], ab["b"]
+    lhs, out = eq.replace(" ", "").split("->")
+    xs, ws = lhs.split(",")
+    nb = a.ndim + b.ndim - 2 - len(ws)
+    nin = a.ndim - 1 - nb
+    if nb < 0 or nin < 1 or b.ndim - 1 - nb < 1:
+        raise ValueError(f"LoRA pair A {a.shape} / B {b.shape} does not fit kernel subscripts {ws!r} of {eq!r}")
+    bl, il, ol = ws[:nb], ws[nb:nb + nin], ws[nb + nin:]
+    r = next(c for c in "rstuvwxyzabcdefghijklmnopq" if c not in eq)
+    hs = "".join(c for c in out if c not in ol) + r
+    f32 = jnp.float32
+    h = jnp.einsum(f"{xs},{bl}{il}{r}->{hs}", x.astype(f32), a.astype(f32), preferred_element_type=f32)
+    return jnp.einsum(f"{hs},{bl}{r}{ol}->{out}", h, b.astype(f32), preferred_element_type=f32)
+
+
+def project(eq: str, x: jax.Array, w: jax.Array, ab=None) -> jax.Array:
+    """einsum(eq, x, w) in x's dtype, plus the unmerged LoRA term (x A) B when `ab` is given.
+
+    The base kernel is read in its own dtype (cast to the activation dtype as always); the adapter
+    term is computed in float32 and added before the result is cast back, so an adapter update the
+    base dtype could not represent (bf16 rounds away deltas under half an ulp of W) still reaches
+    the output.
+    """
+    y = jnp.einsum(eq, x, w.astype(x.dtype))
+    if ab is None:
+        return y
+    return (y.astype(jnp.float32) + low_rank(eq, x, ab)).astype(y.dtype)
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
@@ -95,9 +144,9 @@ class GatedMLP(nn.Module):
         gate_up = param(self, "gate_up", (d, 2, self.hidden), ("embed", None, "mlp"), self.cfg)
         down = param(self, "down", (self.hidden, d), ("mlp", "embed"), self.cfg)
         with jax.named_scope("dense_mlp"):
-            h = jnp.einsum("...d,dcf->...cf", x, gate_up.astype(x.dtype))
+            h = project("...d,dcf->...cf", x, gate_up, adapter(self, "gate_up"))
             h = gelu_tanh(h[..., 0, :]) * h[..., 1, :]
-            return jnp.einsum("...f,fd->...d", h, down.astype(x.dtype))
+            return project("...f,fd->...d", h, down, adapter(self, "down"))
 
 
 def softcap(logits: jax.Array, cap: float) -> jax.Array:

@@ -17,6 +17,11 @@ Dispatch strategies (all dropless, all equal to the dense oracle):
              is ever dropped and each expert's weights are read once. Fast on CPU.
 * "auto"     "capacity" on CPU, "ragged" elsewhere.
 
+LoRA (unmerged): each expert kernel may carry per-expert adapters, `adapters` = {"gate_up": {"a":
+[E, D, r], "b": [E, r, 2F]}, "down": {"a": [E, F, r], "b": [E, r, D]}} (scale folded into b). Every
+strategy adds the float32 term (x A_e) B_e to its expert matmuls (einsums for "dense" / "capacity",
+two more grouped matmuls for "ragged"), so an expert never needs a merged dense copy.
+
 Under a sharding context the dispatch runs per expert shard (`parallel.context.expert_parallel`,
 a `shard_map`): each device serves only the pairs routed to the experts it holds and the partial
 outputs are summed, so expert weights never move. A shard's "ragged" pairs run in blocks of
@@ -35,7 +40,7 @@ import numpy as np
 from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model.layers import gelu_tanh, ones_param, param, rms_normalize
+from dgemma_jax.model.layers import adapter, gelu_tanh, ones_param, param, project, rms_normalize
 from dgemma_jax.parallel.context import constrain, expert_parallel
 
 
@@ -57,10 +62,25 @@ def _gated(h, f):
     return gelu_tanh(h[..., :f]) * h[..., f:]
 
 
-def _expert_ffn_dense(z, gate_up, down):
+def _ab(adapters, name):
+    return None if adapters is None else adapters.get(name)
+
+
+def _ragged(x, w, sizes, ab=None):
+    """Grouped matmul x [M, I] by the group's kernel w [G, I, O], plus its LoRA term in float32."""
+    y = jax.lax.ragged_dot(x, w, sizes)
+    if ab is None:
+        return y
+    f32 = jnp.float32
+    h = jax.lax.ragged_dot(x.astype(f32), ab["a"].astype(f32), sizes, preferred_element_type=f32)
+    lr = jax.lax.ragged_dot(h, ab["b"].astype(f32), sizes, preferred_element_type=f32)
+    return (y.astype(f32) + lr).astype(y.dtype)
+
+
+def _expert_ffn_dense(z, gate_up, down, adapters=None):
     """All experts on all tokens: z [N, D] -> [N, E, D]."""
-    h = constrain(jnp.einsum("nd,edf->nef", z, gate_up), (None, "experts", None))
-    return jnp.einsum("nef,efd->ned", _gated(h, down.shape[1]), down)
+    h = constrain(project("nd,edf->nef", z, gate_up, _ab(adapters, "gate_up")), (None, "experts", None))
+    return project("nef,efd->ned", _gated(h, down.shape[1]), down, _ab(adapters, "down"))
 
 
 def _local_pairs(weights, experts, valid):
@@ -70,15 +90,15 @@ def _local_pairs(weights, experts, valid):
     return jnp.where(valid, weights, 0.0), jnp.where(valid, experts, 0)
 
 
-def dispatch_dense(z, weights, experts, gate_up, down, valid=None):
+def dispatch_dense(z, weights, experts, gate_up, down, valid=None, adapters=None):
     n, e = z.shape[0], gate_up.shape[0]
     weights, experts = _local_pairs(weights, experts, valid)
     combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights)
-    y = _expert_ffn_dense(z, gate_up, down)
+    y = _expert_ffn_dense(z, gate_up, down, adapters)
     return jnp.einsum("ned,ne->nd", y, combine.astype(y.dtype))
 
 
-def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | None = None):
+def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | None = None, adapters=None):
     """Grouped matmuls over the (token, expert) pairs sorted by expert; dropless.
 
     valid: optional bool [N, k], the pairs this shard serves (the rest are sorted last and skipped).
@@ -102,8 +122,8 @@ def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | 
         idx = jax.lax.dynamic_slice_in_dim(order, lo, length)
         token = idx // k
         in_block = jnp.clip(jnp.minimum(ends, lo + length) - jnp.maximum(starts, lo), 0, length).astype(jnp.int32)
-        h = _gated(jax.lax.ragged_dot(z[token], gate_up, in_block), f)
-        y = jax.lax.ragged_dot(h, down, in_block)
+        h = _gated(_ragged(z[token], gate_up, in_block, _ab(adapters, "gate_up")), f)
+        y = _ragged(h, down, in_block, _ab(adapters, "down"))
         live = (lo + jnp.arange(length)) < total  # rows past the groups are not defined outputs
         wgt = jax.lax.dynamic_slice_in_dim(w_sorted, lo, length)
         y = jnp.where(live[:, None], y * wgt[:, None].astype(y.dtype), 0)
@@ -143,7 +163,7 @@ def capacity_levels(num_tokens: int, top_k: int, num_experts: int, factor: float
     return tuple(sorted(levels | {num_tokens}))
 
 
-def dispatch_capacity(z, weights, experts, gate_up, down, capacity, valid=None):
+def dispatch_capacity(z, weights, experts, gate_up, down, capacity, valid=None, adapters=None):
     """Per-expert buffers, dropless. `capacity`: rows per expert, or a tuple of candidate sizes.
 
     The busiest expert's load picks the smallest size that holds it (`lax.switch`), and one batched
@@ -172,8 +192,9 @@ def dispatch_capacity(z, weights, experts, gate_up, down, capacity, valid=None):
         # each slot's combine weight scales its hidden row (F wide, fused into the gating) rather than
         # its output row (D wide, a separate pass)
         w_slot = jnp.concatenate([wgt, jnp.zeros((1,), wgt.dtype)])[pair[:-1]].reshape(e, cap, 1)
-        h = _gated(jnp.einsum("ecd,edf->ecf", buf, gate_up), down.shape[1]) * w_slot.astype(buf.dtype)
-        y = constrain(jnp.einsum("ecf,efd->ecd", h, down), ("experts", None, "embed"))
+        h = _gated(project("ecd,edf->ecf", buf, gate_up, _ab(adapters, "gate_up")), down.shape[1])
+        h = h * w_slot.astype(buf.dtype)
+        y = constrain(project("ecf,efd->ecd", h, down, _ab(adapters, "down")), ("experts", None, "embed"))
         y = jnp.concatenate([y.reshape(e * cap, d), jnp.zeros((1, d), y.dtype)])
         return y[slot].reshape(n, k, d).sum(1)
 
@@ -184,11 +205,13 @@ def dispatch_capacity(z, weights, experts, gate_up, down, capacity, valid=None):
     return jax.lax.switch(level, [functools.partial(buffered, c) for c in caps])
 
 
-def dispatch(strategy: str, cfg: ModelConfig, z, weights, experts, gate_up, down, offset=0, shards: int = 1):
+def dispatch(strategy: str, cfg: ModelConfig, z, weights, experts, gate_up, down, adapters=None, offset=0,
+             shards: int = 1):
     """Run `strategy` on the experts held here: gate_up/down hold experts [offset, offset + E_local).
 
     z [N, D]; weights/experts [N, k] with GLOBAL expert ids. `shards` is the number of expert shards
-    (1 = all experts local); pairs routed to other shards contribute nothing here.
+    (1 = all experts local); pairs routed to other shards contribute nothing here. `adapters`: the
+    local experts' LoRA pairs (see the module docstring) or None.
     """
     e_local = gate_up.shape[0]
     valid = None
@@ -197,14 +220,14 @@ def dispatch(strategy: str, cfg: ModelConfig, z, weights, experts, gate_up, down
         valid = (local >= 0) & (local < e_local)
         experts = jnp.where(valid, local, 0)
     if strategy == "dense":
-        return dispatch_dense(z, weights, experts, gate_up, down, valid).astype(jnp.float32)
+        return dispatch_dense(z, weights, experts, gate_up, down, valid, adapters).astype(jnp.float32)
     if strategy == "ragged":
         rows = None
         if shards > 1:  # blocks of ~factor x this shard's expected share of the pairs
             rows = -(-int(math.ceil(cfg.moe_shard_rows_factor * z.shape[0] * cfg.top_k / shards)) // 8) * 8
-        return dispatch_ragged(z, weights, experts, gate_up, down, valid, rows).astype(jnp.float32)
+        return dispatch_ragged(z, weights, experts, gate_up, down, valid, rows, adapters).astype(jnp.float32)
     levels = capacity_levels(z.shape[0], cfg.top_k, cfg.num_experts, cfg.moe_capacity_factor)
-    return dispatch_capacity(z, weights, experts, gate_up, down, levels, valid).astype(jnp.float32)
+    return dispatch_capacity(z, weights, experts, gate_up, down, levels, valid, adapters).astype(jnp.float32)
 
 
 _TARGET_BACKEND: list[str] = []
@@ -259,7 +282,9 @@ class MoE(nn.Module):
         with jax.named_scope("router"):
             weights, experts = route(hf, w_router, router_scale, expert_scale, cfg.top_k, cfg.rms_norm_eps)
         gate_up, down = gate_up.astype(z.dtype), down.astype(z.dtype)
+        adapters = {k: ab for k in ("gate_up", "down") if (ab := adapter(self, k)) is not None} or None
         strategy = resolve_dispatch(cfg.moe_dispatch)
         with jax.named_scope(f"experts_{strategy}"):
-            y = expert_parallel(functools.partial(dispatch, strategy, cfg), zf, weights, experts, gate_up, down)
+            y = expert_parallel(functools.partial(dispatch, strategy, cfg), zf, weights, experts, gate_up, down,
+                                adapters)
         return y.reshape(shape).astype(z.dtype)

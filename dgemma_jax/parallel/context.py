@@ -52,12 +52,13 @@ def _axes(entry) -> tuple:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def expert_parallel(fn, z, weights, experts, gate_up, down):
+def expert_parallel(fn, z, weights, experts, gate_up, down, adapters=None):
     """Run the MoE dispatch `fn` per shard: each device serves only the experts it holds and the
     outputs are summed over those mesh axes.
 
-    fn(z, weights, experts, gate_up, down, offset=, shards=) -> [N, D] float32 partial output for the
-    local experts [offset, offset + E_local). Tokens (z [N, D], weights / experts [N, k]) are split
+    fn(z, weights, experts, gate_up, down, adapters, offset=, shards=) -> [N, D] float32 partial output
+    for the local experts [offset, offset + E_local). `adapters` (per-expert LoRA pairs, every leaf
+    [E, ., .], or None) are split over the experts exactly like the kernels. Tokens (z [N, D], weights / experts [N, k]) are split
     like the batch and replicated over the model axes, so no expert weight ever moves (with FSDP the
     weights' `embed` dimension is gathered per layer, as for every FSDP layer). Each expert is whole
     on one shard (gate_up [E, D, 2F] keeps gate and up side by side). Without a sharding context
@@ -65,7 +66,7 @@ def expert_parallel(fn, z, weights, experts, gate_up, down):
     """
     ctx = active()
     if ctx is None:
-        return fn(z, weights, experts, gate_up, down)
+        return fn(z, weights, experts, gate_up, down, adapters)
     from jax.sharding import PartitionSpec as P
 
     from dgemma_jax.parallel.rules import spec_for
@@ -74,26 +75,28 @@ def expert_parallel(fn, z, weights, experts, gate_up, down):
     tok = _axes(spec_for(z.shape[:1], ("batch",), rules, mesh)[0])
     ex = tuple(a for a in _axes(spec_for(gate_up.shape[:1], ("experts",), rules, mesh)[0]) if a not in tok)
     if not (tok or ex):
-        return fn(z, weights, experts, gate_up, down)
+        return fn(z, weights, experts, gate_up, down, adapters)
     shards = 1
     for a in ex:
         shards *= mesh.shape[a]
     e_local = gate_up.shape[0] // shards
     spec = lambda axes: (axes if len(axes) != 1 else axes[0]) if axes else None  # noqa: E731
 
-    def body(z, weights, experts, gate_up, down):
+    def body(z, weights, experts, gate_up, down, adapters):
         index = jnp.zeros((), jnp.int32)
         for a in ex:
             index = index * mesh.shape[a] + jax.lax.axis_index(a)
-        y = fn(z, weights, experts, gate_up, down, offset=index * e_local, shards=shards)
+        y = fn(z, weights, experts, gate_up, down, adapters, offset=index * e_local, shards=shards)
         return jax.lax.psum(y, ex) if ex else y
 
     t = spec(tok)
+    kernel = P(spec(ex), None, None)
     with _holding(None):  # no logical constraints inside the per-shard body
         return jax.shard_map(
             body, mesh=mesh, check_vma=False,
-            in_specs=(P(t, None), P(t, None), P(t, None), P(spec(ex), None, None), P(spec(ex), None, None)),
-            out_specs=P(t, None))(z, weights, experts, gate_up, down)
+            in_specs=(P(t, None), P(t, None), P(t, None), kernel, kernel,
+                      None if adapters is None else jax.tree.map(lambda _: kernel, adapters)),
+            out_specs=P(t, None))(z, weights, experts, gate_up, down, adapters)
 
 
 def head_parallel(fn, q, k, v, valid):

@@ -9,7 +9,7 @@ Modules:
   tasks        checkable synthetic tasks (sort / reverse / add) and their character vocabulary
   tokenizer    CharTokenizer (pad 0, eos 1, bos 2, one id per character)
   objective    encoder AR loss + two-pass self-conditioned diffusion CE on one selected canvas
-  lora         adapters on linear groups, merged into the base weights
+  lora         adapters on linear groups, applied unmerged in training (merged for export)
   optim        clip + AdamW + warmup/cosine (the published SFT recipe), frozen groups
   step         TrainState and the jitted train step (optional in/out shardings)
   checkpoint   orbax CheckpointManager wrapper (params, optimizer, step, rng, iterator position)

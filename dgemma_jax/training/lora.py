@@ -1,4 +1,11 @@
-"""LoRA adapters on chosen linear groups, applied by merging: W_eff = W + (alpha / r) * A @ B.
+"""LoRA adapters on chosen linear groups, applied UNMERGED: y = x W + (alpha / r) (x A) B.
+
+Training never folds the adapters into the base: the model reads the frozen base kernels in their
+own dtype and adds the low-rank term computed from the float32 adapters (`model.layers.project`,
+and per expert in every MoE dispatch path), so an update too small for the base dtype (in bf16 any
+delta under half an ulp of W) still changes the output, and no dense [in, out] delta is ever built.
+`forward_adapters` lays the adapters out for the model's "lora" variable collection; `merge` folds
+them in (W + (alpha / r) A @ B, in W's dtype) only for export and inference.
 
 Every linear weight of the model is an einsum kernel with logical axis names (see
 `dgemma_jax.model.logical_axes`). A kernel is viewed as a (batch of) matrix [in, out]:
@@ -34,7 +41,10 @@ LORA_GROUPS: dict[str, str] = {
 }
 __doc__ += "\n" + "\n".join(f"    {k:18s} {v}" for k, v in LORA_GROUPS.items()) + "\n"
 
-ROUTER_PATTERN = r"(^|/)moe/(router|router_scale)$"
+# every MoE parameter except the expert kernels: the router projection, its input scale and the
+# per-expert output scale (transformers' router.proj / router.scale / router.per_expert_scale) and
+# anything added to the routing later; `freeze_router` freezes all of them (spec: router frozen in SFT)
+ROUTER_PATTERN = r"(^|/)moe/(?!(gate_up|down)$)[^/]+$"
 
 
 def path_str(path) -> str:
@@ -141,10 +151,37 @@ def target_paths_cache(config: ModelConfig) -> dict[str, tuple]:
     return _AXES_CACHE[config]
 
 
+def forward_adapters(config: ModelConfig, params, lora, alpha: float, rank: int) -> dict:
+    """The "lora" variable collection the model runs with: {path: {"a", "b"}} with A reshaped to
+    [*batch, *in axes, r] and B to [*batch, r, *out axes] of the kernel at `path`, and B multiplied
+    by alpha / rank (a rank-sized product, not a dense delta). Traceable; gradients reach A and B.
+
+        model.apply({"params": params, "lora": forward_adapters(...)}, ...)
+    """
+    scale = alpha / rank
+    axes = target_paths_cache(config)
+    out: dict = {}
+    for p, ab in _lora_leaves(lora).items():
+        if p not in axes:
+            raise ValueError(f"LoRA adapter {p!r} names no kernel of this model")
+        w_shape = _get(params, p).shape
+        batch, ins, outs = split_axes(axes[p])
+        if batch + ins + outs != list(range(len(w_shape))):
+            raise ValueError(f"kernel {p!r} axes {axes[p]} are not ordered batch, in, out; the unmerged "
+                             "LoRA projection needs that order")
+        bshape = tuple(w_shape[j] for j in batch)
+        a = ab["a"].reshape(*bshape, *(w_shape[j] for j in ins), ab["a"].shape[-1])
+        b = (ab["b"] * jnp.asarray(scale, ab["b"].dtype)).reshape(*bshape, ab["b"].shape[-2],
+                                                                   *(w_shape[j] for j in outs))
+        _set(out, p, {"a": a, "b": b})
+    return out
+
+
 def merge(config: ModelConfig, params, lora, alpha: float, rank: int):
     """Base params with every adapter folded in: W + (alpha / rank) * A @ B (in W's dtype).
 
-    Traceable: the train step calls it on every step (gradients reach A and B only through it).
+    For export and inference only: training runs the adapters unmerged (`forward_adapters`),
+    because casting the merged kernel back to a bf16 base rounds small adapter updates away.
     """
     scale = alpha / rank
     leaves = _lora_leaves(lora)

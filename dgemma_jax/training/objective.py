@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.cache import init_cache
+from dgemma_jax.model.layers import LORA_COLLECTION
 from dgemma_jax.model.transformer import Transformer
 from dgemma_jax.training.corruption import corrupt, sample_t
 
@@ -79,10 +80,15 @@ def token_ce(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
-def encoder_pass(model: Transformer, params, tokens, lengths, want_logits: bool, cache_dtype=None):
+def variables(params, adapters=None) -> dict:
+    """The model's variables: the parameters, plus the unmerged LoRA collection when training adapters."""
+    return {"params": params} if adapters is None else {"params": params, LORA_COLLECTION: adapters}
+
+
+def encoder_pass(model: Transformer, params, tokens, lengths, want_logits: bool, cache_dtype=None, adapters=None):
     b, t = tokens.shape
     cache = init_cache(model.cfg, b, t, cache_dtype)
-    return model.apply({"params": params}, tokens, jnp.zeros((b,), jnp.int32), lengths, cache,
+    return model.apply(variables(params, adapters), tokens, jnp.zeros((b,), jnp.int32), lengths, cache,
                        "all" if want_logits else "none", method="encode")
 
 
@@ -101,12 +107,13 @@ def ar_loss(logits, tokens, lengths, prompt_lengths, on_prompt: bool):
 def loss_fn(params, batch: dict, rng: jax.Array, *, config: ModelConfig, obj: ObjectiveConfig,
             sc_override: jax.Array | None = None, canvas_override: jax.Array | None = None,
             t_override: jax.Array | None = None, noise_override: jax.Array | None = None,
-            return_logits: bool = False):
+            return_logits: bool = False, adapters=None):
     """Total loss and metrics for one batch (differentiable in `params`).
 
     The *_override arguments pin the random choices (tests): sc_override [B] bool (self-conditioning
     on/off per row), canvas_override [B] canvas index, t_override [B], noise_override [B, L] noisy
-    canvas tokens. Returns (loss, metrics dict of scalars); with return_logits the metrics also hold
+    canvas tokens. adapters: the unmerged LoRA collection (`lora.forward_adapters`) added to the
+    base kernels in every pass, or None. Returns (loss, metrics dict of scalars); with return_logits the metrics also hold
     "logits" [B, L, V] (pass 2), "clean" [B, L] and "noisy" [B, L].
     """
     L = obj.canvas_length
@@ -128,17 +135,18 @@ def loss_fn(params, batch: dict, rng: jax.Array, *, config: ModelConfig, obj: Ob
         noisy = noise_override.astype(jnp.int32)
 
     want_ar = obj.ar_weight > 0
-    enc_logits, cache = encoder_pass(model, params, tokens, lengths, want_ar)
+    enc_logits, cache = encoder_pass(model, params, tokens, lengths, want_ar, adapters=adapters)
 
     soft = None
     sc_on = jnp.zeros((b,), bool)
     if obj.sc_prob > 0 or sc_override is not None:
         sc_on = jax.random.bernoulli(k_sc, obj.sc_prob, (b,)) if sc_override is None else sc_override
         sg = jax.lax.stop_gradient
-        logits1 = model.apply({"params": sg(params)}, noisy, start, sg(cache), None, method="denoise")
-        soft = model.apply({"params": params}, sg(logits1), method="soft_embed")
+        sg_vars = variables(sg(params), None if adapters is None else sg(adapters))
+        logits1 = model.apply(sg_vars, noisy, start, sg(cache), None, method="denoise")
+        soft = model.apply(variables(params, adapters), sg(logits1), method="soft_embed")
         soft = soft * sc_on[:, None, None].astype(soft.dtype)
-    logits = model.apply({"params": params}, noisy, start, cache, soft, method="denoise")
+    logits = model.apply(variables(params, adapters), noisy, start, cache, soft, method="denoise")
 
     ce = token_ce(logits, clean)                                # [B, L]
     per_example = ce.mean(-1)

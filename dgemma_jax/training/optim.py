@@ -1,7 +1,8 @@
 """Optimizer: the published SFT recipe by default (spec §4.5).
 
     clip_by_global_norm(1.0) -> AdamW(b1 0.95, b2 0.99, eps 1e-8, weight decay 1e-4)
-    lr: linear warmup 0 -> peak (1.5e-4), cosine decay -> end (1.5e-5) at total_steps
+    lr: linear warmup peak/(w+1) -> peak over w steps (the first update is not at lr 0), cosine decay
+        -> end (1.5e-5) at total_steps
 
 Frozen parameters (`freeze` regexes over the "/"-joined path, e.g. the router) get no update and no
 optimizer state (optax.multi_transform with set_to_zero).
@@ -19,10 +20,15 @@ from dgemma_jax.training.lora import path_str
 
 
 def lr_schedule(peak: float, end: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
-    warmup_steps = max(0, min(int(warmup_steps), int(total_steps) - 1))
-    return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=peak, warmup_steps=warmup_steps,
-                                              decay_steps=max(int(total_steps), warmup_steps + 1),
-                                              end_value=end)
+    """lr of update s (s = 0 is the first): peak * (s + 1) / (w + 1) for s < w warmup steps, so the
+    first update is already above 0, then cosine from peak at s = w to end at s = total_steps."""
+    w = max(0, min(int(warmup_steps), int(total_steps) - 1))
+    cosine = optax.cosine_decay_schedule(init_value=peak, decay_steps=max(int(total_steps) - w, 1),
+                                         alpha=end / peak if peak else 0.0)
+    if w == 0:
+        return cosine
+    warmup = optax.linear_schedule(init_value=peak / (w + 1), end_value=peak, transition_steps=w)
+    return optax.join_schedules([warmup, cosine], [w])
 
 
 def make_optimizer(*, peak_lr: float = 1.5e-4, end_lr: float = 1.5e-5, warmup_steps: int = 100,

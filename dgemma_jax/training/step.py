@@ -3,8 +3,10 @@
 The step is a pure function (state, frozen, batch) -> (state, metrics):
 
 * full fine-tuning: state.params is the whole parameter tree, `frozen` is None;
-* LoRA: state.params is the adapter tree, `frozen` the base parameters; the model runs on
-  `lora.merge(frozen, adapters)` and only the adapters get gradients.
+* LoRA: state.params is the adapter tree (float32), `frozen` the base parameters (in their own
+  dtype); the model runs on the base plus the UNMERGED adapters (y = x W + (alpha/r) (x A) B, see
+  `lora.forward_adapters`) and only the adapters get gradients. `inference_params` merges them
+  (for export / the sampler).
 
 `make_train_step` jits it with optional in/out shardings (the model math never names a mesh; the
 driver passes `NamedSharding`s built for its mesh) and donates the old state.
@@ -49,8 +51,16 @@ def init_train_state(trainable, optimizer: optax.GradientTransformation, rng: ja
                       rng=jnp.asarray(key, jnp.uint32))
 
 
-def model_params(config: ModelConfig, state_params, frozen, lora: LoraSpec | None):
-    """The parameters the model runs on (adapters merged when training LoRA)."""
+def model_variables(config: ModelConfig, state_params, frozen, lora: LoraSpec | None):
+    """(params, adapters) the model trains with: the full tree and None, or the frozen base and the
+    adapters laid out for the model's "lora" collection (unmerged)."""
+    if lora is None:
+        return state_params, None
+    return frozen, lora_lib.forward_adapters(config, frozen, state_params, lora.alpha, lora.rank)
+
+
+def inference_params(config: ModelConfig, state_params, frozen, lora: LoraSpec | None):
+    """One parameter tree for inference / export (adapters merged into the base, in its dtype)."""
     if lora is None:
         return state_params
     return lora_lib.merge(config, frozen, state_params, lora.alpha, lora.rank)
@@ -63,7 +73,8 @@ def train_step(state: TrainState, frozen, batch: dict, *, config: ModelConfig, o
     key, sub = jax.random.split(key)
 
     def objective(trainable):
-        return loss_fn(model_params(config, trainable, frozen, lora), batch, sub, config=config, obj=obj)
+        params, adapters = model_variables(config, trainable, frozen, lora)
+        return loss_fn(params, batch, sub, config=config, obj=obj, adapters=adapters)
 
     (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -93,6 +104,7 @@ def make_eval_loss(config: ModelConfig, obj: ObjectiveConfig, lora: LoraSpec | N
     """jit(loss) without an update: (state_params, frozen, batch, rng) -> metrics."""
 
     def f(trainable, frozen, batch, rng):
-        return loss_fn(model_params(config, trainable, frozen, lora), batch, rng, config=config, obj=obj)[1]
+        params, adapters = model_variables(config, trainable, frozen, lora)
+        return loss_fn(params, batch, rng, config=config, obj=obj, adapters=adapters)[1]
 
     return jax.jit(f)

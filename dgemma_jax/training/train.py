@@ -39,7 +39,7 @@ from dgemma_jax.training.checkpoint import Checkpointer, save_params
 from dgemma_jax.training.objective import ObjectiveConfig
 from dgemma_jax.training.optim import make_optimizer
 from dgemma_jax.training.plots import plot_loss_curve, read_jsonl
-from dgemma_jax.training.step import LoraSpec, init_train_state, make_train_step, model_params
+from dgemma_jax.training.step import LoraSpec, inference_params, init_train_state, make_train_step
 
 
 def _d(cfg) -> dict:
@@ -154,6 +154,58 @@ def build_source(dc: dict, tokenizer, layout: data_lib.Layout, batch_size: int, 
     raise ValueError(f"unknown data.kind {kind!r}: use 'tasks', 'jsonl' or 'raw_text'")
 
 
+def _read_pairs(path: str, prompt_key: str, response_key: str, what: str) -> list[tuple[str, str]]:
+    pairs = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if prompt_key not in row or response_key not in row:
+                raise ValueError(f"{what} {path} line {n} lacks {prompt_key!r} or {response_key!r}")
+            pairs.append((row[prompt_key], row[response_key]))
+    if not pairs:
+        raise ValueError(f"{what} {path} holds no examples")
+    return pairs
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_eval_source(dc: dict, ec: dict) -> None:
+    """Raise if the eval data overlaps the training data: a task eval drawn with the training seed
+    (its problems are training batch 99's), an eval file that is the training file, or an eval file
+    sharing examples with it."""
+    if not ec:
+        return
+    kind = dc.get("kind", "tasks")
+    path = ec.get("path")
+    if not path:
+        if kind == "tasks" and int(ec.get("seed", 12345)) == int(dc.get("seed", 0)):
+            raise ValueError(f"eval.seed {int(ec.get('seed', 12345))} equals data.seed: the eval problems would "
+                             "be drawn exactly as training batch 99 is (the eval set is then a training batch); "
+                             "choose a different eval.seed")
+        return
+    if kind == "tasks":
+        return
+    if not dc.get("path"):
+        return
+    if _same_file(path, dc["path"]):
+        raise ValueError(f"eval.path {path} is the training file data.path {dc['path']}: evaluate on held-out data")
+    if kind == "jsonl":
+        pk, rk = dc.get("prompt_key", "prompt"), dc.get("response_key", "response")
+        train_pairs = set(_read_pairs(dc["path"], pk, rk, "data.path"))
+        evals = _read_pairs(path, ec.get("prompt_key", pk), ec.get("response_key", rk), "eval.path")
+        shared = sum(p in train_pairs for p in evals)
+        if shared:
+            raise ValueError(f"{shared} of the {len(evals)} examples in eval.path {path} also appear in the "
+                             f"training file {dc['path']}: remove them from one of the two")
+
+
 def sampler_from(ec: dict, cfg: ModelConfig) -> SamplerConfig:
     sc = dict(ec.get("sampler", {}))
     sc.setdefault("canvas_length", cfg.canvas_length)
@@ -188,6 +240,7 @@ class Run:
         mc, ic, dc = _d(config.model), _d(config.get("init")), _d(config.data)
         oc, lc, tc, ec = _d(config.optimizer), _d(config.get("lora")), _d(config.train), _d(config.get("eval"))
         self.tc, self.ec, self.dc = tc, ec, dc
+        check_eval_source(dc, ec)
         if tc.get("compilation_cache_dir"):
             jax.config.update("jax_compilation_cache_dir", tc["compilation_cache_dir"])
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -245,10 +298,18 @@ class Run:
 
     def inference_params(self, state=None):
         state = state or self.state
-        return model_params(self.model_config, state.params, self.frozen, self.lora)
+        return inference_params(self.model_config, state.params, self.frozen, self.lora)
 
     def eval_pairs(self) -> list[tuple[str, str]]:
-        """Held-out (prompt, answer) strings: the task source with the eval seed (tasks data only)."""
+        """Held-out (prompt, answer) strings: the first eval.num_examples of eval.path (JSON lines of
+        {"prompt", "response"}, keys as data's or eval.prompt_key / eval.response_key) if set, else
+        the task source with the eval seed (tasks data; none otherwise)."""
+        if self.ec.get("path"):
+            pk = self.ec.get("prompt_key", self.dc.get("prompt_key", "prompt"))
+            rk = self.ec.get("response_key", self.dc.get("response_key", "response"))
+            pairs = _read_pairs(self.ec["path"], pk, rk, "eval.path")
+            n = self.ec.get("num_examples")
+            return pairs[: int(n)] if n else pairs
         if self.dc.get("kind", "tasks") != "tasks":
             return []
         from dgemma_jax.training.tasks import TaskMix
