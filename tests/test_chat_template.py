@@ -80,9 +80,7 @@ GEMMA4_TEXT_TEMPLATE = r"""
 {%- endif -%}
 """
 
-SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
-MARKERS = {105: "<|turn>", 106: "<turn|>", 107: "<|think|>", 108: "<|channel>", 109: "<channel|>",
-           110: "<|image|>", 111: "<|audio|>", 112: "<|video|>"}
+from tests.helpers.gemma_tokenizer import gemma_like_tokenizer_json as _gemma_like_tokenizer_json  # noqa: E402
 
 THOUGHT = "<|channel>thought\nThe user wants a number. 6*7=42.<channel|>"
 
@@ -165,22 +163,6 @@ GOLDEN = [
      "<bos><|turn>system\npart A part B <turn|>\n<|turn>user\n<|image|>Describe this.<|audio|><|video|><turn|>\n"
      "<|turn>model\nA cat.<turn|>\n<|turn>user\nAnd the sound?<turn|>\n"),
 ]
-
-
-def _gemma_like_tokenizer_json(path):
-    """A byte-level tokenizer.json whose special ids sit where Gemma 4's do:
-    pad 0, eos 1, bos 2, unk 3, mask 4, <|turn> 105, <turn|> 106 (then other markers, then bytes)."""
-    from tokenizers import AddedToken, Tokenizer as Tok, decoders, models, pre_tokenizers
-    vocab = {s: i for i, s in enumerate(SPECIALS)}
-    vocab.update({f"<unused{i}>": len(vocab) for i in range(105 - len(SPECIALS))})
-    vocab.update({piece: i for i, piece in MARKERS.items()})
-    for ch in pre_tokenizers.ByteLevel.alphabet():
-        vocab[ch] = len(vocab)
-    tok = Tok(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS + list(MARKERS.values())])
-    tok.save(str(path))
 
 
 @pytest.fixture(scope="module")
