@@ -174,6 +174,9 @@ def _add_more_commands(sub):
 
 
 def main(argv=None) -> int:
+    from dgemma_jax.backends import skip_absent_tpu
+
+    skip_absent_tpu()  # no libtpu probing noise on a machine without a TPU
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):

@@ -61,6 +61,26 @@ def _seed_canvas(args, tok, sampler, batch_size: int):
 
 
 # ---------------------------------------------------------------------------- generate
+def _strip_final_newline(text: str) -> str:
+    """A piped prompt (`echo PROMPT | dgemma generate`) without the one newline the shell adds."""
+    if text.endswith("\r\n"):
+        return text[:-2]
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _seed(s: str) -> int:
+    """--seed: any 64-bit integer, signed or unsigned."""
+    from dgemma_jax.sampling.loop import SEED_RANGE
+
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if not SEED_RANGE[0] <= v < SEED_RANGE[1]:
+        raise argparse.ArgumentTypeError(f"{s} does not fit in 64 bits; use an integer in [-2**63, 2**64)")
+    return v
+
+
 def _render_step(ev, tok, tty: bool, stream):
     arg = ev.argmax[0]
     settled = ev.canvas[0] == arg
@@ -81,7 +101,7 @@ def cmd_generate(args) -> int:
 
     from dgemma_jax.engine import Engine, new_tokens_that_fit
 
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    prompt = args.prompt if args.prompt is not None else _strip_final_newline(sys.stdin.read())
     if not prompt:
         raise UsageError("empty prompt: pass --prompt TEXT or pipe text on stdin")
     cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype)
@@ -162,7 +182,7 @@ def cmd_chat(args) -> int:
         cache_length = min(args.context, cfg.max_position_embeddings)
         max_new = (new_tokens_that_fit(cfg, sampler, len(ids), DEFAULT_NEW_TOKENS, cache_length)
                    if args.max_new_tokens is None else args.max_new_tokens)
-        out = engine.generate(np.array([new], np.int32), None, rng=args.seed + turn, max_new_tokens=max_new,
+        out = engine.generate(np.array([new], np.int32), None, rng=(args.seed + turn) % 2 ** 64, max_new_tokens=max_new,
                               cache=cache, cache_length=cache_length)
         gen = [int(t) for t in np.asarray(out.tokens)[0] if int(t) != sampler.pad_id]
         reply = decode(tok, gen)
@@ -238,7 +258,7 @@ def add_commands(sub, positive):
         s.add_argument("--confidence", type=float, help="confidence threshold (mean entropy)")
         s.add_argument("--stability", type=positive(int), help="stability threshold (steps)")
         s.add_argument("--canvas-length", type=positive(int), dest="canvas_length")
-        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--seed", type=_seed, default=0, help="any 64-bit integer (default 0)")
         s.add_argument("--max-new-tokens", type=positive(int), dest="max_new_tokens",
                        help=f"default: {DEFAULT_NEW_TOKENS}, or as many whole canvases as fit the model's positions")
         s.add_argument("--checkpoint", help="Hugging Face or dgemma_jax checkpoint directory (default: bundled)")

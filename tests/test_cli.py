@@ -13,8 +13,8 @@ from dgemma_jax import ModelConfig, init_params, save_hf
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def dgemma(*args, stdin=None, timeout=600):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+def dgemma(*args, stdin=None, timeout=600, env=None):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu") if env is None else env
     return subprocess.run([sys.executable, "-m", "dgemma_jax.cli", *args], input=stdin, capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
@@ -189,3 +189,51 @@ def test_bundled_show_steps_and_errors():
     assert "max_position_embeddings" in msg
     msg = _one_line_error(dgemma("generate", "--prompt", "hello"))
     assert "not in the vocabulary" in msg
+
+
+# ------------------------------------------------------------------ one-line errors (issue 20, item 6)
+def test_every_64_bit_seed_works_and_2_to_the_64_is_a_one_line_error():
+    # 2**63 .. 2**64-1 ended in an OverflowError traceback (jax.random.key takes a signed 64-bit int)
+    for seed in (2**63, 2**64 - 1, -(2**63)):
+        r = dgemma("generate", "--prompt", "s9350814272=", "--seed", str(seed), "--quiet")
+        assert r.returncode == 0, (seed, r.stderr[-2000:])
+        assert r.stdout.strip() == "0122345789"
+    msg = _one_line_error(dgemma("generate", "--prompt", "s1=", "--seed", str(2**64)))
+    assert "--seed" in msg and "does not fit in 64 bits" in msg
+
+
+def test_piped_prompt_loses_its_final_newline():
+    # `echo PROMPT | dgemma generate`: the newline echo adds is not part of the prompt (it was fed to
+    # the tokenizer: "character '\n' is not in the vocabulary")
+    r = dgemma("generate", "--quiet", stdin="s9350814272=\n")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "0122345789"
+
+
+def test_no_libtpu_probing_noise_on_a_machine_without_a_tpu():
+    # with the [tpu] extra installed, JAX's TPU probe made libtpu print about five error lines
+    # before every command's output on a CPU-only machine; the command's stderr is now its own
+    from dgemma_jax.backends import tpu_chips
+
+    if tpu_chips() != 0:
+        pytest.skip("this machine has a TPU (or JAX cannot count its chips)")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["PYTHONPATH"] = ROOT
+    r = dgemma("generate", "--prompt", "s9350814272=", "--quiet", env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "0122345789" and r.stderr.strip() == "", r.stderr
+
+
+def test_config_that_disagrees_with_its_parameters_names_the_tensor(tmp_path):
+    # an edited dgemma_model.json ended in a flax ScopeParamShapeError traceback (exit 1)
+    import shutil
+
+    from dgemma_jax.training.bundled import asset_path
+
+    path = tmp_path / "edited"
+    shutil.copytree(asset_path(), path)
+    meta = json.loads((path / "dgemma_model.json").read_text())
+    meta["config"]["intermediate_size"] = 128  # the parameters were trained with 96
+    (path / "dgemma_model.json").write_text(json.dumps(meta))
+    msg = _one_line_error(dgemma("generate", "--checkpoint", str(path), "--prompt", "s12="))
+    assert "blocks_0/dense_mlp/" in msg and "expects shape (128, 64)" in msg and "holds (96, 64)" in msg, msg
