@@ -175,8 +175,10 @@ def _add_more_commands(sub):
 
 def main(argv=None) -> int:
     from dgemma_jax.backends import skip_absent_tpu
+    from dgemma_jax.errors import print_warnings_as_lines
 
     skip_absent_tpu()  # no libtpu probing noise on a machine without a TPU
+    print_warnings_as_lines()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):

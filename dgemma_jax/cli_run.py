@@ -11,10 +11,8 @@ import numpy as np
 
 from dgemma_jax.errors import UsageError
 
-from dgemma_jax.pipeline import decode, encode_prompt
+from dgemma_jax.pipeline import DEFAULT_NEW_TOKENS, decode, default_new_tokens, encode_prompt, warn_if_cut_short
 from dgemma_jax.pipeline import load_checkpoint as load_for_cli
-
-DEFAULT_NEW_TOKENS = 256  # --max-new-tokens when not given (capped to what fits the model)
 
 
 def sampler_from_args(args, config, base):
@@ -99,7 +97,7 @@ def _render_step(ev, tok, tty: bool, stream):
 def cmd_generate(args) -> int:
     import jax
 
-    from dgemma_jax.engine import Engine, new_tokens_that_fit
+    from dgemma_jax.engine import Engine
 
     prompt = args.prompt if args.prompt is not None else _strip_final_newline(sys.stdin.read())
     if not prompt:
@@ -112,8 +110,7 @@ def cmd_generate(args) -> int:
     engine = Engine(cfg, params, sampler)
     tokens = np.array([ids], np.int32)
     seed, pinned = _seed_canvas(args, tok, sampler, 1)
-    max_new = (new_tokens_that_fit(cfg, sampler, len(ids), DEFAULT_NEW_TOKENS) if args.max_new_tokens is None
-               else args.max_new_tokens)
+    max_new = default_new_tokens(cfg, sampler, len(ids)) if args.max_new_tokens is None else args.max_new_tokens
     kw = dict(rng=args.seed, max_new_tokens=max_new, seed_canvas=seed, pinned=pinned)
     t0 = time.perf_counter()
     if args.show_steps:
@@ -128,14 +125,16 @@ def cmd_generate(args) -> int:
                     sys.stdout.write("\n")
             else:
                 _render_step(ev, tok, tty, sys.stdout)
-        out_tokens, steps, _ = collect(events, 1, max_new, sampler.canvas_length, sampler.pad_id)
+        out_tokens, steps, finished = collect(events, 1, max_new, sampler.canvas_length, sampler.pad_id)
     else:
         out = engine.generate(tokens, None, **kw)
-        out_tokens, steps = np.asarray(out.tokens), np.asarray(out.steps)
+        out_tokens, steps, finished = np.asarray(out.tokens), np.asarray(out.steps), np.asarray(out.finished)
     jax.block_until_ready(out_tokens)
     dt = time.perf_counter() - t0
     text = decode(tok, out_tokens[0])
     print(text)
+    if args.max_new_tokens is None:
+        warn_if_cut_short(cfg, max_new, finished, len(ids))
     ran = steps[0][steps[0] > 0]
     n_tok = int((out_tokens[0] != sampler.pad_id).sum())
     if not args.quiet:
@@ -147,7 +146,7 @@ def cmd_generate(args) -> int:
 
 # ---------------------------------------------------------------------------- chat
 def cmd_chat(args) -> int:
-    from dgemma_jax.engine import Engine, new_tokens_that_fit
+    from dgemma_jax.engine import Engine
     from dgemma_jax.io.chat import history_without_thinking, render_chat, strip_thinking
 
     cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype)
@@ -180,12 +179,14 @@ def cmd_chat(args) -> int:
             cache, cached_ids, new = None, [], ids
         reused = len(cached_ids)
         cache_length = min(args.context, cfg.max_position_embeddings)
-        max_new = (new_tokens_that_fit(cfg, sampler, len(ids), DEFAULT_NEW_TOKENS, cache_length)
+        max_new = (default_new_tokens(cfg, sampler, len(ids), cache_length)
                    if args.max_new_tokens is None else args.max_new_tokens)
         out = engine.generate(np.array([new], np.int32), None, rng=(args.seed + turn) % 2 ** 64, max_new_tokens=max_new,
                               cache=cache, cache_length=cache_length)
         gen = [int(t) for t in np.asarray(out.tokens)[0] if int(t) != sampler.pad_id]
         reply = decode(tok, gen)
+        if args.max_new_tokens is None:
+            warn_if_cut_short(cfg, max_new, np.asarray(out.finished), len(ids), cache_length)
         thought, answer = strip_thinking(reply)
         print(("model> " if interactive else "") + answer.strip(), flush=True)
         if not args.quiet:
@@ -206,7 +207,8 @@ def cmd_convert(args) -> int:
     from dgemma_jax.io import convert
 
     src_fmt = args.from_format or convert.detect_source(args.src)
-    n = convert.convert(args.src, args.dst, src_fmt, dtype=args.dtype, preset=args.preset, progress=not args.quiet)
+    n = convert.convert(args.src, args.dst, src_fmt, dtype=args.dtype, preset=args.preset, progress=not args.quiet,
+                        overwrite=args.force)
     print(f"converted {n} tensors from {src_fmt} at {args.src} to a dgemma_jax checkpoint at {args.dst}")
     return 0
 
@@ -289,6 +291,7 @@ def add_commands(sub, positive):
     s.add_argument("--from", dest="from_format", choices=["hf", "gemma"], default=None)
     s.add_argument("--preset", default=None, help="model preset of a gemma-layout checkpoint (default: the 26B)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
+    s.add_argument("--force", action="store_true", help="replace an existing, non-empty destination")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_convert)
 

@@ -237,3 +237,77 @@ def test_config_that_disagrees_with_its_parameters_names_the_tensor(tmp_path):
     (path / "dgemma_model.json").write_text(json.dumps(meta))
     msg = _one_line_error(dgemma("generate", "--checkpoint", str(path), "--prompt", "s12="))
     assert "blocks_0/dense_mlp/" in msg and "expects shape (128, 64)" in msg and "holds (96, 64)" in msg, msg
+
+
+# ------------------------------------------------------------------ no silent wrong defaults (issue 20, item 5)
+def test_unknown_config_key_is_an_error_naming_the_nearest_valid_key(tmp_path):
+    # `--set train.num_stepz=5` (a typo) was accepted and the recipe's default 40-step run started
+    from dgemma_jax.training.train import load_config
+
+    recipe = os.path.join(ROOT, "configs", "train_tiny.py")
+    msg = _one_line_error(dgemma("train", "--config", recipe, "--set", "train.num_stepz=5",
+                                 "--set", f"train.workdir={tmp_path / 'run'}"))
+    assert "unknown config key 'train.num_stepz'" in msg and "did you mean 'train.num_steps'?" in msg, msg
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="did you mean 'model.overrides.remat'"):
+        load_config(recipe, {"model.overides.remat": True})
+    # keys the trainer reads that this recipe does not list stay valid
+    cfg = load_config(recipe, {"train.mesh": "expert=2", "model.overrides.remat": True, "eval.sampler.t_max": 0.7,
+                               "optimizer.b1": 0.9, "train.time_limit_s": 5})
+    assert cfg.train.mesh == "expert=2" and cfg.model.overrides.remat and cfg.eval.sampler.t_max == 0.7
+
+
+def test_pipeline_default_length_is_the_command_lines():
+    # DiffusionGemma.from_pretrained().generate(text) stopped after one canvas (8 tokens on the
+    # bundled model: '01223457') while `dgemma generate` gives up to 256
+    import warnings
+
+    from dgemma_jax.errors import DgemmaWarning
+    from dgemma_jax.pipeline import DiffusionGemma
+
+    dg = DiffusionGemma.from_pretrained()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DgemmaWarning)  # a finished answer is not "cut short"
+        assert dg.generate("s9350814272=") == "0122345789"
+    # an output that the model's 256 positions cut short says so
+    with pytest.warns(DgemmaWarning, match=r"cut short at 8 new tokens .* a 243-token prompt .* 256 positions"):
+        assert dg.generate("s" + "1" * 240 + "=") == "1" * 8
+
+
+def test_cut_short_output_and_untrained_canvas_length_are_warned():
+    # a 242-character prompt's output was capped to 8 tokens without a word; --canvas-length 3 on
+    # the bundled model (trained with 8) gave wrong answers without a word
+    r = dgemma("generate", "--prompt", "s" + "1" * 240 + "=", "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "1" * 8
+    warning = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(warning) == 1 and warning[0].startswith("dgemma: warning: the output was cut short at 8 new tokens")
+    r = dgemma("generate", "--prompt", "s9350814272=", "--canvas-length", "3", "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.strip() == ("dgemma: warning: canvas length 3 is not the 8 this model was trained with (its "
+                                "config's canvas_length); answers may be wrong: use a canvas length of 8")
+
+
+def test_convert_refuses_to_overwrite_and_warns_without_a_tokenizer(hf_checkpoint, tmp_path):
+    # convert replaced an existing destination without asking, converted a directory without a
+    # tokenizer in silence, and generate then asked for a `--tokenizer` flag that does not exist
+    import shutil
+
+    src = tmp_path / "no_tok"
+    shutil.copytree(hf_checkpoint, src)
+    (src / "tokenizer.json").unlink()
+    out = tmp_path / "ours"
+    r = dgemma("convert", str(src), str(out), "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.startswith("dgemma: warning: no tokenizer came along") and str(out) in r.stderr, r.stderr
+    msg = _one_line_error(dgemma("convert", str(src), str(out), "--quiet"))
+    assert "already exists" in msg and "--force" in msg
+    r = dgemma("convert", str(src), str(out), "--quiet", "--force")
+    assert r.returncode == 0, r.stderr[-2000:]
+    msg = _one_line_error(dgemma("generate", "--checkpoint", str(out), "--prompt", "w5"))
+    assert "has no tokenizer: copy the model's tokenizer.json or tokenizer.model into" in msg
+    assert "--tokenizer" not in msg
+    shutil.copyfile(hf_checkpoint / "tokenizer.json", out / "tokenizer.json")  # as the messages say
+    r = dgemma("generate", "--checkpoint", str(out), "--prompt", "w5 w6", "--max-new-tokens", "16", "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() and all(w.startswith("w") for w in r.stdout.split())

@@ -272,3 +272,17 @@ def test_every_64_bit_seed_gives_its_own_stream(params):
     assert not np.array_equal(outs[0], outs[1])  # 2**32 is not seed 0 again
     with pytest.raises(ValueError, match=r"seed 18446744073709551616 does not fit in 64 bits; use an integer in \[-2\*\*63, 2\*\*64\)"):
         eng.generate(tokens, lengths, rng=2**64, max_new_tokens=16)
+
+
+def test_a_canvas_length_the_model_was_not_trained_for_is_warned(params):
+    # the engine ran any canvas length without a word, though the model only saw its config's
+    import warnings
+
+    from dgemma_jax.errors import DgemmaWarning
+
+    with pytest.warns(DgemmaWarning, match="canvas length 8 is not the 16 this model was trained with .* use a "
+                                           "canvas length of 16"):
+        Engine(CFG, params, _sampler(canvas_length=8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DgemmaWarning)
+        Engine(CFG, params, _sampler())  # the trained length: no warning

@@ -257,8 +257,12 @@ def load_model_tokenizer(path: str | os.PathLike):
     path = os.fspath(path)
     if detect_format(path) == "dgemma":
         name = _read_meta(path).get("tokenizer")
+        if not name:  # converted without one: a tokenizer file copied in since then counts
+            name = next((n for n in ("tokenizer.json", "tokenizer.model") if os.path.isfile(os.path.join(path, n))),
+                        None)
         if not name:
-            raise FileNotFoundError(f"checkpoint {path!r} has no tokenizer; pass --tokenizer")
+            raise FileNotFoundError(f"checkpoint {path!r} has no tokenizer: copy the model's tokenizer.json or "
+                                    f"tokenizer.model into {path!r}")
         file = os.path.join(path, name)
         with open(file) as f:
             head = f.read(200)
