@@ -3,12 +3,16 @@
 With libtpu installed (the `[tpu]` extra) JAX probes for a TPU at its first computation, and on a
 machine without one libtpu prints about five error lines (host bounds, worker hostnames, a source
 location trace) before JAX falls back to the CPU. `skip_absent_tpu()` removes that probe when the
-machine has no TPU chip, so that a command's own output is all the user sees.
+machine has no TPU chip, so that a command's own output is all the user sees; `quiet_libtpu_load()`
+drops the same lines where libtpu is loaded on purpose (AOT compilation for a TPU topology).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import tempfile
 
 
 def tpu_chips() -> int | None:
@@ -45,3 +49,30 @@ def skip_absent_tpu() -> bool:
         return False
     del factories["tpu"]
     return True
+
+
+@contextlib.contextmanager
+def quiet_libtpu_load():
+    """Around code that loads libtpu on purpose (compile-only TPU devices for AOT compilation): on a
+    machine without a TPU chip the probing lines libtpu writes to the process's stderr (file
+    descriptor 2, below Python) are dropped; they are written out after all when the block fails or
+    the machine has a TPU, so nothing that explains an error is lost."""
+    if tpu_chips() != 0:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if failed:
+                captured.seek(0)
+                sys.stderr.write(captured.read().decode("utf-8", "replace"))
+                sys.stderr.flush()

@@ -245,9 +245,27 @@ def cmd_bench(args) -> int:
         raise UsageError("benchmarks/bench_cpu.py is not available in this installation (run from a source checkout)")
     import runpy
 
-    sys.argv = [script] + (args.rest or [])
+    rest = list(args.rest or [])
+    if rest[:1] == ["--"]:  # `dgemma bench -- --quick`, the older spelling
+        rest = rest[1:]
+    asks_help = any(a in ("-h", "--help") for a in rest)
+    chose_out = any(a == "--out" or a.startswith("--out=") or a == "--render" or a.startswith("--render=")
+                    for a in rest)
+    if not asks_help and not chose_out:  # never over the committed benchmarks/results
+        out = bench_scratch_path()
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        rest += ["--out", out]
+        print(f"dgemma bench: writing {out} and its .md (pass --out PATH to choose)", file=sys.stderr, flush=True)
+    sys.argv = [script] + rest  # parsed by the benchmark's own parser (its --help lists its options)
     runpy.run_path(script, run_name="__main__")
     return 0
+
+
+def bench_scratch_path() -> str:
+    """Where `dgemma bench` writes unless given --out: a scratch directory, not benchmarks/results."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), "dgemma_bench", "bench_cpu.json")
 
 
 # ---------------------------------------------------------------------------- parser
@@ -300,6 +318,9 @@ def add_commands(sub, positive):
     s.add_argument("--set", action="append", help="override a config value: key.sub=value")
     s.set_defaults(fn=cmd_train)
 
-    s = sub.add_parser("bench", help="run the CPU benchmarks (benchmarks/bench_cpu.py)")
+    # every argument, --help included, goes to the benchmark's own parser (`dgemma bench --help` lists
+    # its options): no option prefix of its own, so none is taken for this subcommand
+    s = sub.add_parser("bench", help="run the CPU benchmarks (benchmarks/bench_cpu.py; --help lists its options)",
+                       add_help=False, prefix_chars="+")
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_bench)

@@ -47,12 +47,12 @@ def hf_checkpoint(tmp_path_factory):
 
 
 def test_inspect_26b():
-    r = dgemma("inspect", "--json")
+    r = dgemma("inspect", "--preset", "diffusiongemma-26b-a4b", "--json")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["layers"] == 30 and info["layer_types"] == "sssssG" * 5
     assert abs(info["params_total"] / 25.25e9 - 1) < 0.01 and abs(info["params_active_per_token"] / 3.84e9 - 1) < 0.01
-    r = dgemma("inspect")
+    r = dgemma("inspect", "--preset", "diffusiongemma-26b-a4b")
     assert "params_total" in r.stdout and "GB" in r.stdout
 
 
@@ -311,3 +311,44 @@ def test_convert_refuses_to_overwrite_and_warns_without_a_tokenizer(hf_checkpoin
     r = dgemma("generate", "--checkpoint", str(out), "--prompt", "w5 w6", "--max-new-tokens", "16", "--quiet")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() and all(w.startswith("w") for w in r.stdout.split())
+
+
+# ------------------------------------------------------------------ progress and defaults (issue 20, item 7)
+def test_inspect_defaults_to_the_bundled_model_like_the_other_commands():
+    # `dgemma inspect` described the 26B preset while generate/chat default to the bundled model
+    r = dgemma("inspect", "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["name"] == "dgemma-tiny-digits" and info["layers"] == 4 and info["canvas"] == 8
+    msg = _one_line_error(dgemma("inspect", "--preset", "bench", "--checkpoint", "bundled"))
+    assert "--checkpoint or --preset, not both" in msg
+
+
+def test_bench_help_lists_the_benchmarks_options():
+    # `dgemma bench --help` showed only a `rest` argument, not the benchmark's options
+    r = dgemma("bench", "--help")
+    assert r.returncode == 0, r.stderr[-2000:]
+    for flag in ("--quick", "--out", "--skip-hf", "--cores", "--render"):
+        assert flag in r.stdout, r.stdout
+
+
+def test_bench_writes_to_a_scratch_path_unless_told(monkeypatch):
+    # `dgemma bench` wrote over the committed benchmarks/results/bench_cpu.json by default
+    import runpy
+    import tempfile
+
+    from dgemma_jax import cli
+
+    seen = []
+    monkeypatch.setattr(runpy, "run_path", lambda path, run_name=None: seen.append((path, list(sys.argv))))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    assert cli.main(["bench", "--quick"]) == 0
+    script, argv = seen[-1]
+    assert script.endswith(os.path.join("benchmarks", "bench_cpu.py"))
+    out = argv[argv.index("--out") + 1]
+    assert argv[1] == "--quick" and out.startswith(tempfile.gettempdir())
+    assert not os.path.abspath(out).startswith(os.path.join(ROOT, "benchmarks"))
+    assert cli.main(["bench", "--", "--quick", "--out", "x.json"]) == 0  # told: as given
+    assert seen[-1][1][1:] == ["--quick", "--out", "x.json"]
+    assert cli.main(["bench", "--render", "r.json"]) == 0  # re-rendering writes next to its input
+    assert seen[-1][1][1:] == ["--render", "r.json"]
