@@ -146,16 +146,14 @@ def cmd_generate(args) -> int:
 
 # ---------------------------------------------------------------------------- chat
 def cmd_chat(args) -> int:
+    from dgemma_jax.chat_session import ChatSession
     from dgemma_jax.engine import Engine
-    from dgemma_jax.io.chat import history_without_thinking, render_chat, strip_thinking
 
     cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype)
     sampler = sampler_from_args(args, cfg, sampler)
-    engine = Engine(cfg, params, sampler)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    cache, cached_ids = None, []
+    session = ChatSession(Engine(cfg, params, sampler), tok, system=args.system, thinking=args.thinking,
+                          context=args.context, max_new_tokens=args.max_new_tokens, seed=args.seed)
     interactive = sys.stdin.isatty()
-    turn = 0
     while True:
         if interactive:
             sys.stdout.write("you> ")
@@ -168,37 +166,11 @@ def cmd_chat(args) -> int:
             continue
         if line.strip() in ("/exit", "/quit"):
             break
-        messages.append({"role": "user", "content": line})
-        text = render_chat(history_without_thinking(messages), add_generation_prompt=True,
-                           enable_thinking=args.thinking)
-        ids = list(tok.encode(text)) if not hasattr(tok, "chars") else encode_prompt(tok, line)
-        # reuse the cache when it holds a prefix of this conversation's tokens
-        if cache is not None and ids[:len(cached_ids)] == cached_ids and len(ids) > len(cached_ids):
-            new = ids[len(cached_ids):]
-        else:
-            cache, cached_ids, new = None, [], ids
-        reused = len(cached_ids)
-        cache_length = min(args.context, cfg.max_position_embeddings)
-        max_new = (default_new_tokens(cfg, sampler, len(ids), cache_length)
-                   if args.max_new_tokens is None else args.max_new_tokens)
-        out = engine.generate(np.array([new], np.int32), None, rng=(args.seed + turn) % 2 ** 64, max_new_tokens=max_new,
-                              cache=cache, cache_length=cache_length)
-        gen = [int(t) for t in np.asarray(out.tokens)[0] if int(t) != sampler.pad_id]
-        reply = decode(tok, gen)
-        if args.max_new_tokens is None:
-            warn_if_cut_short(cfg, max_new, np.asarray(out.finished), len(ids), cache_length)
-        thought, answer = strip_thinking(reply)
-        print(("model> " if interactive else "") + answer.strip(), flush=True)
+        turn = session.send(line)
+        print(("model> " if interactive else "") + turn.answer, flush=True)
         if not args.quiet:
-            print(f"[turn {turn + 1}: reused {reused} cached tokens, prefilled {len(new)}, "
-                  f"steps {np.asarray(out.steps)[0][np.asarray(out.steps)[0] > 0].tolist()}]", file=sys.stderr)
-        messages.append({"role": "assistant", "content": answer.strip()})
-        cache = out.cache
-        committed = int(np.asarray(cache.lengths)[0])
-        cached_ids = (cached_ids + new + gen)[:committed]
-        if thought:
-            cache, cached_ids = None, []  # thinking never goes back into the history
-        turn += 1
+            print(f"[turn {session.turns}: reused {turn.reused} cached tokens, prefilled {turn.prefilled}, "
+                  f"steps {turn.steps}]", file=sys.stderr)
     return 0
 
 

@@ -352,3 +352,66 @@ def test_bench_writes_to_a_scratch_path_unless_told(monkeypatch):
     assert seen[-1][1][1:] == ["--quick", "--out", "x.json"]
     assert cli.main(["bench", "--render", "r.json"]) == 0  # re-rendering writes next to its input
     assert seen[-1][1][1:] == ["--render", "r.json"]
+
+
+# ------------------------------------------------------------------ chat reuses its cache (issue 20, item 4)
+MARKERS = ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>"]
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory):
+    """A small Hugging Face-format model whose word-level tokenizer knows the Gemma 4 chat markers
+    (<|turn> ... <channel|> are single special tokens, `<turn|>` also ends a reply), so that the
+    rendered chat template encodes as it does with a Gemma tokenizer (without the newlines)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    cfg = ModelConfig.preset("tiny-6layer", eos_ids=(1, 5))
+    path = tmp_path_factory.mktemp("chat")
+    save_hf(init_params(cfg, 11), cfg, path, generation_config={
+        "max_denoising_steps": 4, "t_min": 0.4, "t_max": 0.8, "stability_threshold": 1,
+        "confidence_threshold": 0.005, "sampler_config": {"entropy_bound": 0.1}, "eos_token_id": [1, 5],
+        "pad_token_id": 0})
+    words = ["<pad>", "<eos>", "<bos>", "<unk>"] + MARKERS + ["user", "model", "system", "thought"]
+    words += [f"w{i}" for i in range(len(words), cfg.vocab_size)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(w, special=True, normalized=False) for w in words[:4] + MARKERS])
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_chat_reuses_the_cache_on_turns_2_and_3_with_the_answers_of_a_fresh_prefill(chat_checkpoint, thinking):
+    # without thinking, turn 2 reused 0 cached tokens: the generation prompt's empty thought
+    # channel is not in the rendered history, and only a cache holding an exact prefix was reused;
+    # with thinking, a turn that had thought dropped its cache
+    from dgemma_jax.chat_session import ChatSession
+    from dgemma_jax.engine import Engine
+    from dgemma_jax.pipeline import load_checkpoint
+
+    cfg, params, sampler, tok = load_checkpoint(str(chat_checkpoint))
+    engine = Engine(cfg, params, sampler)
+    session = ChatSession(engine, tok, system="w20 w21", thinking=thinking, context=256, max_new_tokens=32, seed=7)
+    turns = [session.send(text) for text in ("w30 w31 w32", "w40 w41", "w50 w51 w52 w53")]
+    assert turns[0].reused == 0 and turns[0].prefilled == len(turns[0].prompt_ids)
+    model_header = tok.encode("<|turn>model")
+    for prev, turn in zip(turns, turns[1:]):
+        assert turn.reused + turn.prefilled == len(turn.prompt_ids)
+        if thinking:  # the generation prompt ends at `<|turn>model`: all of it is reused
+            assert turn.reused >= len(prev.prompt_ids), (turn.reused, len(prev.prompt_ids))
+        else:  # all but the empty thought channel `<|channel> thought <channel|>` it ends with
+            assert prev.prompt_ids[-5:-3] == model_header and turn.reused == len(prev.prompt_ids) - 3
+        # the same tokens as generating from a fresh prefill of the whole conversation
+        fresh = engine.generate(np.array([turn.prompt_ids], np.int32), None, rng=turn.rng,
+                                max_new_tokens=turn.max_new_tokens, cache_length=turn.cache_length)
+        np.testing.assert_array_equal(np.asarray(fresh.tokens)[0], turn.tokens)
+
+
+def test_chat_command_reuses_the_cache_without_thinking(chat_checkpoint):
+    r = dgemma("chat", "--checkpoint", str(chat_checkpoint), "--max-new-tokens", "32", "--context", "256",
+               stdin="w30 w31 w32\nw40 w41\nw50 w51\n")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len([ln for ln in r.stdout.splitlines() if ln.strip()]) == 3
+    stats = [ln for ln in r.stderr.splitlines() if ln.startswith("[turn")]
+    reused = [int(s.split("reused ")[1].split()[0]) for s in stats]
+    assert len(reused) == 3 and reused[0] == 0 and reused[1] > 0 and reused[2] > reused[1], stats
