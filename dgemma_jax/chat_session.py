@@ -40,6 +40,19 @@ class ChatTurn:
     cache_length: int
 
 
+def split_reply(tokenizer, ids) -> tuple[str, str]:
+    """(thought, answer) of a chat reply's token ids. Decoded with its special tokens, since a
+    Gemma tokenizer's `skip_special` also drops the `<|channel>` / `<channel|>` markers that
+    `strip_thinking` splits the thought off at (the thought would then stay in the answer)."""
+    from dgemma_jax.io.chat import strip_thinking
+
+    try:
+        reply = tokenizer.decode([int(i) for i in ids], skip_special=False)
+    except TypeError:  # a simple tokenizer without skip_special
+        reply = tokenizer.decode([int(i) for i in ids])
+    return strip_thinking(reply)
+
+
 def common_prefix(a, b) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -80,8 +93,6 @@ class ChatSession:
     def send(self, text: str) -> ChatTurn:
         import jax.numpy as jnp
 
-        from dgemma_jax.io.chat import strip_thinking
-
         engine, sampler = self.engine, self.engine.sampler
         self.messages.append({"role": "user", "content": text})
         ids = self.prompt_ids()
@@ -100,14 +111,7 @@ class ChatSession:
                               cache_length=None if cache is not None else self.cache_length)
         tokens = np.asarray(out.tokens)[0]
         gen = [int(t) for t in tokens if int(t) != sampler.pad_id]
-        if self.templated:  # the markers stay in: strip_thinking splits the thought off at them
-            try:
-                reply = self.tokenizer.decode(gen, skip_special=False)
-            except TypeError:
-                reply = self.tokenizer.decode(gen)
-        else:
-            reply = decode(self.tokenizer, gen)
-        thought, answer = strip_thinking(reply)
+        thought, answer = split_reply(self.tokenizer, gen) if self.templated else ("", decode(self.tokenizer, gen))
         if self.max_new_tokens is None:
             warn_if_cut_short(engine.config, max_new, np.asarray(out.finished), len(ids), self.cache_length)
         self.messages.append({"role": "assistant", "content": answer})

@@ -126,7 +126,7 @@ class DiffusionGemma:
     def chat(self, messages: Sequence[dict], max_new_tokens: int | None = None, enable_thinking: bool = False,
              seed: int = 0) -> str:
         """The assistant's answer (thinking stripped) to a Gemma 4 chat history."""
-        from dgemma_jax.io.chat import history_without_thinking, render_chat, strip_thinking
+        from dgemma_jax.io.chat import history_without_thinking, render_chat
 
         text = render_chat(history_without_thinking(list(messages)), add_generation_prompt=True,
                            enable_thinking=enable_thinking)
@@ -138,4 +138,6 @@ class DiffusionGemma:
         if not given:
             warn_if_cut_short(self.config, max_new_tokens, out.finished, len(ids))
         gen = [int(t) for t in np.asarray(out.tokens)[0] if int(t) != self.sampler.pad_id]
-        return strip_thinking(decode(self.tokenizer, gen))[1].strip()
+        from dgemma_jax.chat_session import split_reply
+
+        return split_reply(self.tokenizer, gen)[1]

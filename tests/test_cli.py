@@ -415,3 +415,21 @@ def test_chat_command_reuses_the_cache_without_thinking(chat_checkpoint):
     stats = [ln for ln in r.stderr.splitlines() if ln.startswith("[turn")]
     reused = [int(s.split("reused ")[1].split()[0]) for s in stats]
     assert len(reused) == 3 and reused[0] == 0 and reused[1] > 0 and reused[2] > reused[1], stats
+
+
+def test_chat_replies_lose_their_thinking_with_a_gemma_like_tokenizer(chat_checkpoint, monkeypatch):
+    # replies were decoded with skip_special, which drops the <|channel> / <channel|> markers, so
+    # strip_thinking found no channel and the thought stayed in DiffusionGemma.chat's answer
+    from types import SimpleNamespace
+
+    from dgemma_jax.chat_session import split_reply
+    from dgemma_jax.pipeline import DiffusionGemma
+
+    dg = DiffusionGemma.from_pretrained(str(chat_checkpoint))
+    reply = dg.tokenizer.encode("<|channel> thought w20 w21 <channel|> w30 w31 <turn|>")
+    thought, answer = split_reply(dg.tokenizer, reply)
+    assert answer == "w30 w31" and "w20 w21" in thought and "w3" not in thought
+    tokens = np.array([reply + [0] * (32 - len(reply))], np.int32)
+    monkeypatch.setattr(dg.engine, "generate", lambda *a, **k: SimpleNamespace(
+        tokens=tokens, finished=np.array([True]), steps=np.array([[1]])))
+    assert dg.chat([{"role": "user", "content": "w5"}], max_new_tokens=32, enable_thinking=True) == "w30 w31"
