@@ -11,7 +11,7 @@ setup(
     packages=find_packages(include=["dgemma_jax", "dgemma_jax.*"]),
     include_package_data=True,
     package_data={"dgemma_jax": ["assets/*/*", "assets/*/*/*", "assets/*/*/*/*", "assets/*/*/*/*/*"]},
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # jax, jaxlib, flax and orbax-checkpoint at the pinned versions need 3.11
     install_requires=[
         f"jax=={JAX_VERSION}",
         "flax==0.12.8",

@@ -1197,7 +1197,9 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="fewer repetitions, no separate canvas-loop program, batches 1,2, no HF batch scaling")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_cpu.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_cpu.json"),
+                    help="JSON results (default: benchmarks/results/bench_cpu.json, the committed results; "
+                         "`dgemma bench` writes to a scratch path unless given --out)")
     ap.add_argument("--md", default=None, help="markdown summary path (default: --out with .md)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default 2, or --cores when given)")

@@ -40,12 +40,20 @@ def _positive(kind):
 def cmd_inspect(args) -> int:
     from dgemma_jax.config import ModelConfig
 
-    if args.checkpoint:
-        from dgemma_jax.io.model_dir import load_config
-
-        cfg = load_config(args.checkpoint)
-    else:
+    if args.checkpoint and args.preset:
+        raise UsageError("pass --checkpoint or --preset, not both")
+    if args.preset:
         cfg = ModelConfig.preset(args.preset)
+    else:  # like every other command: a checkpoint, by default the bundled model
+        from dgemma_jax.io.model_dir import load_config
+        from dgemma_jax.pipeline import BUNDLED
+
+        if args.checkpoint in (None, "", BUNDLED):
+            from dgemma_jax.training.bundled import asset_path
+
+            cfg = load_config(asset_path())
+        else:
+            cfg = load_config(args.checkpoint)
     counts = cfg.param_count()
     bytes_per = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.param_dtype]
     info = {
@@ -94,7 +102,7 @@ def cmd_compile(args) -> int:
         report = aot.compile_report(args.preset, args.topology, mesh=args.mesh, rules=args.rules,
                                     batch=args.batch, context=args.context, prompt=args.prompt,
                                     steps_per_canvas=args.steps, programs=programs, dtype=args.dtype,
-                                    moe_dispatch=args.moe_dispatch)
+                                    moe_dispatch=args.moe_dispatch, progress=_compile_progress)
     except RuntimeError as e:
         raise UsageError(str(e)) from None
     _print_compile_report(report)
@@ -105,6 +113,19 @@ def cmd_compile(args) -> int:
         print(f"dgemma: error: {aot.fix_hint(report)}", file=sys.stderr)
         return 3
     return 0
+
+
+def _compile_progress(name, index, count, seconds, entry):
+    """One stderr line per program: what is compiling, then how long it took and whether it fits
+    (a 26B program compiles for minutes; the table comes only at the end)."""
+    if seconds is None:
+        sys.stderr.write(f"[{index + 1}/{count}] compiling {name} ...")
+    elif "error" in entry:
+        sys.stderr.write(f" does not fit ({seconds:.1f} s)\n")
+    else:
+        sys.stderr.write(f" {seconds:.1f} s, {entry['total_bytes'] / 1e9:.2f} GB per chip"
+                         f"{'' if entry['fits'] else ', does NOT fit'}\n")
+    sys.stderr.flush()
 
 
 def _print_compile_report(r):
@@ -139,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     s = sub.add_parser("inspect", help="config, parameter counts (total/active), memory by dtype")
-    s.add_argument("--preset", default="diffusiongemma-26b-a4b", choices=ModelConfig.preset_names())
-    s.add_argument("--checkpoint", help="a Hugging Face or dgemma checkpoint directory")
+    s.add_argument("--preset", default=None, choices=ModelConfig.preset_names(),
+                   help="describe a preset instead of a checkpoint (e.g. diffusiongemma-26b-a4b)")
+    s.add_argument("--checkpoint", help="Hugging Face or dgemma_jax checkpoint directory (default: bundled)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_inspect)
 
@@ -177,6 +199,11 @@ def _add_more_commands(sub):
 
 
 def main(argv=None) -> int:
+    from dgemma_jax.backends import skip_absent_tpu
+    from dgemma_jax.errors import print_warnings_as_lines
+
+    skip_absent_tpu()  # no libtpu probing noise on a machine without a TPU
+    print_warnings_as_lines()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):

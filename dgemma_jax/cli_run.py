@@ -11,10 +11,8 @@ import numpy as np
 
 from dgemma_jax.errors import UsageError
 
-from dgemma_jax.pipeline import decode, encode_prompt
+from dgemma_jax.pipeline import DEFAULT_NEW_TOKENS, decode, default_new_tokens, encode_prompt, warn_if_cut_short
 from dgemma_jax.pipeline import load_checkpoint as load_for_cli
-
-DEFAULT_NEW_TOKENS = 256  # --max-new-tokens when not given (capped to what fits the model)
 
 
 def sampler_from_args(args, config, base):
@@ -61,6 +59,26 @@ def _seed_canvas(args, tok, sampler, batch_size: int):
 
 
 # ---------------------------------------------------------------------------- generate
+def _strip_final_newline(text: str) -> str:
+    """A piped prompt (`echo PROMPT | dgemma generate`) without the one newline the shell adds."""
+    if text.endswith("\r\n"):
+        return text[:-2]
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _seed(s: str) -> int:
+    """--seed: any 64-bit integer, signed or unsigned."""
+    from dgemma_jax.sampling.loop import SEED_RANGE
+
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if not SEED_RANGE[0] <= v < SEED_RANGE[1]:
+        raise argparse.ArgumentTypeError(f"{s} does not fit in 64 bits; use an integer in [-2**63, 2**64)")
+    return v
+
+
 def _render_step(ev, tok, tty: bool, stream):
     arg = ev.argmax[0]
     settled = ev.canvas[0] == arg
@@ -79,9 +97,9 @@ def _render_step(ev, tok, tty: bool, stream):
 def cmd_generate(args) -> int:
     import jax
 
-    from dgemma_jax.engine import Engine, new_tokens_that_fit
+    from dgemma_jax.engine import Engine
 
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    prompt = args.prompt if args.prompt is not None else _strip_final_newline(sys.stdin.read())
     if not prompt:
         raise UsageError("empty prompt: pass --prompt TEXT or pipe text on stdin")
     cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype)
@@ -92,8 +110,7 @@ def cmd_generate(args) -> int:
     engine = Engine(cfg, params, sampler)
     tokens = np.array([ids], np.int32)
     seed, pinned = _seed_canvas(args, tok, sampler, 1)
-    max_new = (new_tokens_that_fit(cfg, sampler, len(ids), DEFAULT_NEW_TOKENS) if args.max_new_tokens is None
-               else args.max_new_tokens)
+    max_new = default_new_tokens(cfg, sampler, len(ids)) if args.max_new_tokens is None else args.max_new_tokens
     kw = dict(rng=args.seed, max_new_tokens=max_new, seed_canvas=seed, pinned=pinned)
     t0 = time.perf_counter()
     if args.show_steps:
@@ -108,14 +125,16 @@ def cmd_generate(args) -> int:
                     sys.stdout.write("\n")
             else:
                 _render_step(ev, tok, tty, sys.stdout)
-        out_tokens, steps, _ = collect(events, 1, max_new, sampler.canvas_length, sampler.pad_id)
+        out_tokens, steps, finished = collect(events, 1, max_new, sampler.canvas_length, sampler.pad_id)
     else:
         out = engine.generate(tokens, None, **kw)
-        out_tokens, steps = np.asarray(out.tokens), np.asarray(out.steps)
+        out_tokens, steps, finished = np.asarray(out.tokens), np.asarray(out.steps), np.asarray(out.finished)
     jax.block_until_ready(out_tokens)
     dt = time.perf_counter() - t0
     text = decode(tok, out_tokens[0])
     print(text)
+    if args.max_new_tokens is None:
+        warn_if_cut_short(cfg, max_new, finished, len(ids))
     ran = steps[0][steps[0] > 0]
     n_tok = int((out_tokens[0] != sampler.pad_id).sum())
     if not args.quiet:
@@ -127,16 +146,14 @@ def cmd_generate(args) -> int:
 
 # ---------------------------------------------------------------------------- chat
 def cmd_chat(args) -> int:
-    from dgemma_jax.engine import Engine, new_tokens_that_fit
-    from dgemma_jax.io.chat import history_without_thinking, render_chat, strip_thinking
+    from dgemma_jax.chat_session import ChatSession
+    from dgemma_jax.engine import Engine
 
     cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype)
     sampler = sampler_from_args(args, cfg, sampler)
-    engine = Engine(cfg, params, sampler)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    cache, cached_ids = None, []
+    session = ChatSession(Engine(cfg, params, sampler), tok, system=args.system, thinking=args.thinking,
+                          context=args.context, max_new_tokens=args.max_new_tokens, seed=args.seed)
     interactive = sys.stdin.isatty()
-    turn = 0
     while True:
         if interactive:
             sys.stdout.write("you> ")
@@ -149,35 +166,11 @@ def cmd_chat(args) -> int:
             continue
         if line.strip() in ("/exit", "/quit"):
             break
-        messages.append({"role": "user", "content": line})
-        text = render_chat(history_without_thinking(messages), add_generation_prompt=True,
-                           enable_thinking=args.thinking)
-        ids = list(tok.encode(text)) if not hasattr(tok, "chars") else encode_prompt(tok, line)
-        # reuse the cache when it holds a prefix of this conversation's tokens
-        if cache is not None and ids[:len(cached_ids)] == cached_ids and len(ids) > len(cached_ids):
-            new = ids[len(cached_ids):]
-        else:
-            cache, cached_ids, new = None, [], ids
-        reused = len(cached_ids)
-        cache_length = min(args.context, cfg.max_position_embeddings)
-        max_new = (new_tokens_that_fit(cfg, sampler, len(ids), DEFAULT_NEW_TOKENS, cache_length)
-                   if args.max_new_tokens is None else args.max_new_tokens)
-        out = engine.generate(np.array([new], np.int32), None, rng=args.seed + turn, max_new_tokens=max_new,
-                              cache=cache, cache_length=cache_length)
-        gen = [int(t) for t in np.asarray(out.tokens)[0] if int(t) != sampler.pad_id]
-        reply = decode(tok, gen)
-        thought, answer = strip_thinking(reply)
-        print(("model> " if interactive else "") + answer.strip(), flush=True)
+        turn = session.send(line)
+        print(("model> " if interactive else "") + turn.answer, flush=True)
         if not args.quiet:
-            print(f"[turn {turn + 1}: reused {reused} cached tokens, prefilled {len(new)}, "
-                  f"steps {np.asarray(out.steps)[0][np.asarray(out.steps)[0] > 0].tolist()}]", file=sys.stderr)
-        messages.append({"role": "assistant", "content": answer.strip()})
-        cache = out.cache
-        committed = int(np.asarray(cache.lengths)[0])
-        cached_ids = (cached_ids + new + gen)[:committed]
-        if thought:
-            cache, cached_ids = None, []  # thinking never goes back into the history
-        turn += 1
+            print(f"[turn {session.turns}: reused {turn.reused} cached tokens, prefilled {turn.prefilled}, "
+                  f"steps {turn.steps}]", file=sys.stderr)
     return 0
 
 
@@ -186,7 +179,8 @@ def cmd_convert(args) -> int:
     from dgemma_jax.io import convert
 
     src_fmt = args.from_format or convert.detect_source(args.src)
-    n = convert.convert(args.src, args.dst, src_fmt, dtype=args.dtype, preset=args.preset, progress=not args.quiet)
+    n = convert.convert(args.src, args.dst, src_fmt, dtype=args.dtype, preset=args.preset, progress=not args.quiet,
+                        overwrite=args.force)
     print(f"converted {n} tensors from {src_fmt} at {args.src} to a dgemma_jax checkpoint at {args.dst}")
     return 0
 
@@ -223,9 +217,27 @@ def cmd_bench(args) -> int:
         raise UsageError("benchmarks/bench_cpu.py is not available in this installation (run from a source checkout)")
     import runpy
 
-    sys.argv = [script] + (args.rest or [])
+    rest = list(args.rest or [])
+    if rest[:1] == ["--"]:  # `dgemma bench -- --quick`, the older spelling
+        rest = rest[1:]
+    asks_help = any(a in ("-h", "--help") for a in rest)
+    chose_out = any(a == "--out" or a.startswith("--out=") or a == "--render" or a.startswith("--render=")
+                    for a in rest)
+    if not asks_help and not chose_out:  # never over the committed benchmarks/results
+        out = bench_scratch_path()
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        rest += ["--out", out]
+        print(f"dgemma bench: writing {out} and its .md (pass --out PATH to choose)", file=sys.stderr, flush=True)
+    sys.argv = [script] + rest  # parsed by the benchmark's own parser (its --help lists its options)
     runpy.run_path(script, run_name="__main__")
     return 0
+
+
+def bench_scratch_path() -> str:
+    """Where `dgemma bench` writes unless given --out: a scratch directory, not benchmarks/results."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), "dgemma_bench", "bench_cpu.json")
 
 
 # ---------------------------------------------------------------------------- parser
@@ -238,7 +250,7 @@ def add_commands(sub, positive):
         s.add_argument("--confidence", type=float, help="confidence threshold (mean entropy)")
         s.add_argument("--stability", type=positive(int), help="stability threshold (steps)")
         s.add_argument("--canvas-length", type=positive(int), dest="canvas_length")
-        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--seed", type=_seed, default=0, help="any 64-bit integer (default 0)")
         s.add_argument("--max-new-tokens", type=positive(int), dest="max_new_tokens",
                        help=f"default: {DEFAULT_NEW_TOKENS}, or as many whole canvases as fit the model's positions")
         s.add_argument("--checkpoint", help="Hugging Face or dgemma_jax checkpoint directory (default: bundled)")
@@ -269,6 +281,7 @@ def add_commands(sub, positive):
     s.add_argument("--from", dest="from_format", choices=["hf", "gemma"], default=None)
     s.add_argument("--preset", default=None, help="model preset of a gemma-layout checkpoint (default: the 26B)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
+    s.add_argument("--force", action="store_true", help="replace an existing, non-empty destination")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_convert)
 
@@ -277,6 +290,9 @@ def add_commands(sub, positive):
     s.add_argument("--set", action="append", help="override a config value: key.sub=value")
     s.set_defaults(fn=cmd_train)
 
-    s = sub.add_parser("bench", help="run the CPU benchmarks (benchmarks/bench_cpu.py)")
+    # every argument, --help included, goes to the benchmark's own parser (`dgemma bench --help` lists
+    # its options): no option prefix of its own, so none is taken for this subcommand
+    s = sub.add_parser("bench", help="run the CPU benchmarks (benchmarks/bench_cpu.py; --help lists its options)",
+                       add_help=False, prefix_chars="+")
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_bench)

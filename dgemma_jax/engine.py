@@ -11,6 +11,7 @@ compilation. Everything it runs is the pure code of `dgemma_jax.model` and `dgem
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Iterator
 
 import jax
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.errors import DgemmaWarning
 from dgemma_jax.model.api import check_tokens
 from dgemma_jax.model.cache import KVCache, init_cache
 from dgemma_jax.model.layers import dtype_of
@@ -36,6 +38,16 @@ def _check_sampler(config: ModelConfig, sampler: SamplerConfig):
                          "set eos_ids to the model's end-of-sequence ids")
     if sampler.pad_id >= config.vocab_size:
         raise ValueError(f"SamplerConfig.pad_id={sampler.pad_id} is outside the vocabulary [0, {config.vocab_size})")
+
+
+def canvas_length_warning(config: ModelConfig, sampler: SamplerConfig) -> str | None:
+    """A warning when the sampler's canvas length is not the one the model was trained with (its
+    config's canvas_length): the denoiser has only seen canvases of that length, and on the bundled
+    model other lengths give wrong answers."""
+    if sampler.canvas_length == config.canvas_length:
+        return None
+    return (f"canvas length {sampler.canvas_length} is not the {config.canvas_length} this model was trained with "
+            f"(its config's canvas_length); answers may be wrong: use a canvas length of {config.canvas_length}")
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -139,6 +151,9 @@ class Engine:
         self.sampler = sampler or SamplerConfig(canvas_length=config.canvas_length,
                                                 eos_ids=config.eos_ids, pad_id=config.pad_id)
         _check_sampler(config, self.sampler)
+        mismatch = canvas_length_warning(config, self.sampler)
+        if mismatch:
+            warnings.warn(mismatch, DgemmaWarning, stacklevel=2)
         self.shardings = shardings
         self.donate = donate
         self.bucket = bool(bucket)

@@ -23,3 +23,29 @@ def read_json(path: str, require: tuple = ()) -> dict:
 
 class UsageError(Exception):
     """A problem with the user's input: the `dgemma` command reports it in one line, exit code 2."""
+
+
+class DgemmaWarning(UserWarning):
+    """Something the user should know about a result that is not an error (a canvas length the model
+    was not trained for, an output cut short by the context, a checkpoint without a tokenizer). The
+    `dgemma` command prints each as one line `dgemma: warning: ...`."""
+
+
+def print_warnings_as_lines(stream=None) -> None:
+    """Show `DgemmaWarning`s as `dgemma: warning: <message>` lines (no file/line prefix, no source
+    line); other warnings keep Python's format."""
+    import sys
+    import warnings
+
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, DgemmaWarning):
+            out = file or stream or sys.stderr
+            out.write(f"dgemma: warning: {message}\n")
+            out.flush()
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    warnings.simplefilter("always", DgemmaWarning)

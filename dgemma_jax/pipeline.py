@@ -16,6 +16,33 @@ import numpy as np
 from dgemma_jax.errors import UsageError
 
 BUNDLED = "bundled"
+# new tokens when not given, by the library and the command line alike: as many whole canvases of
+# this many tokens as fit the model's positions (and a chat's cache) after the prompt
+DEFAULT_NEW_TOKENS = 256
+
+
+def default_new_tokens(config, sampler, context: int, cache_length: int | None = None) -> int:
+    """The new-token budget when none is given: DEFAULT_NEW_TOKENS, capped to whole canvases that fit."""
+    from dgemma_jax.engine import new_tokens_that_fit
+
+    return new_tokens_that_fit(config, sampler, context, DEFAULT_NEW_TOKENS, cache_length)
+
+
+def warn_if_cut_short(config, max_new: int, finished, context: int, cache_length: int | None = None) -> None:
+    """Warn (DgemmaWarning) when the default budget was capped by the room left after the prompt and
+    a row used all of it without an end of sequence: its text is cut short, not finished."""
+    if max_new >= DEFAULT_NEW_TOKENS or bool(np.all(np.asarray(finished))):
+        return
+    import warnings
+
+    from dgemma_jax.errors import DgemmaWarning
+
+    room = f"the model's {config.max_position_embeddings} positions"
+    if cache_length is not None and cache_length < config.max_position_embeddings:
+        room = f"the {cache_length}-token context"
+    warnings.warn(f"the output was cut short at {max_new} new tokens (of {DEFAULT_NEW_TOKENS} by default) without "
+                  f"an end of sequence: a {context}-token prompt leaves no room for more in {room}; "
+                  "shorten the prompt", DgemmaWarning, stacklevel=3)
 
 
 def load_checkpoint(checkpoint: str | None, dtype: str | None = None):
@@ -79,21 +106,38 @@ class DiffusionGemma:
 
     def generate(self, text: str | Sequence[str], max_new_tokens: int | None = None, seed: int = 0,
                  **kw) -> Any:
-        """One prompt -> text, or a list of prompts -> list of texts (one batch, per-row rng)."""
+        """One prompt -> text, or a list of prompts -> list of texts (one batch, per-row rng).
+
+        max_new_tokens: default DEFAULT_NEW_TOKENS (256), capped to the whole canvases that fit after
+        the longest prompt, as on the command line; a capped output that ends without an end of
+        sequence is a DgemmaWarning."""
         single = isinstance(text, str)
         tokens, lengths = self.encode_batch([text] if single else list(text))
+        context = int(lengths.max())
+        given = max_new_tokens is not None
+        if not given:
+            max_new_tokens = default_new_tokens(self.config, self.sampler, context, kw.get("cache_length"))
         out = self.engine.generate(tokens, lengths, rng=seed, max_new_tokens=max_new_tokens, **kw)
+        if not given:
+            warn_if_cut_short(self.config, max_new_tokens, out.finished, context, kw.get("cache_length"))
         texts = [decode(self.tokenizer, row) for row in np.asarray(out.tokens)]
         return texts[0] if single else texts
 
     def chat(self, messages: Sequence[dict], max_new_tokens: int | None = None, enable_thinking: bool = False,
              seed: int = 0) -> str:
         """The assistant's answer (thinking stripped) to a Gemma 4 chat history."""
-        from dgemma_jax.io.chat import history_without_thinking, render_chat, strip_thinking
+        from dgemma_jax.io.chat import history_without_thinking, render_chat
 
         text = render_chat(history_without_thinking(list(messages)), add_generation_prompt=True,
                            enable_thinking=enable_thinking)
         ids = list(self.tokenizer.encode(text))
+        given = max_new_tokens is not None
+        if not given:
+            max_new_tokens = default_new_tokens(self.config, self.sampler, len(ids))
         out = self.engine.generate(np.array([ids], np.int32), None, rng=seed, max_new_tokens=max_new_tokens)
+        if not given:
+            warn_if_cut_short(self.config, max_new_tokens, out.finished, len(ids))
         gen = [int(t) for t in np.asarray(out.tokens)[0] if int(t) != self.sampler.pad_id]
-        return strip_thinking(decode(self.tokenizer, gen))[1].strip()
+        from dgemma_jax.chat_session import split_reply
+
+        return split_reply(self.tokenizer, gen)[1]

@@ -37,6 +37,25 @@ def test_small_config_compiles_for_v5e_8(tmp_path):
     assert 0 < rep["projection"]["roofline_step_ms"] <= rep["projection"]["denoise_step_ms"]
 
 
+def test_compile_prints_a_progress_line_per_program_and_no_libtpu_noise():
+    # `dgemma compile` was silent for the ~10 minutes the 26B's programs take, and loading libtpu for
+    # the topology printed five probing error lines on a machine without a TPU
+    import re
+
+    from dgemma_jax.backends import tpu_chips
+
+    r = _run("--preset", "tiny-2layer", "--topology", "v5e-4", "--context", "64", "--prompt", "16",
+             "--programs", "prefill,denoise_step")
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    if tpu_chips() == 0:
+        assert len(lines) == 2, r.stderr
+    progress = [ln for ln in lines if ln.startswith("[")]
+    assert len(progress) == 2, r.stderr
+    for i, (line, name) in enumerate(zip(progress, ("prefill", "denoise_step"))):
+        assert re.fullmatch(rf"\[{i + 1}/2\] compiling {name} \.\.\. \d+\.\d s, \d+\.\d\d GB per chip", line), line
+
+
 def test_default_mesh_puts_every_chip_on_the_model(tmp_path):
     from dgemma_jax.parallel.aot import compile_report
 

@@ -13,8 +13,8 @@ from dgemma_jax import ModelConfig, init_params, save_hf
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def dgemma(*args, stdin=None, timeout=600):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+def dgemma(*args, stdin=None, timeout=600, env=None):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu") if env is None else env
     return subprocess.run([sys.executable, "-m", "dgemma_jax.cli", *args], input=stdin, capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
@@ -47,12 +47,12 @@ def hf_checkpoint(tmp_path_factory):
 
 
 def test_inspect_26b():
-    r = dgemma("inspect", "--json")
+    r = dgemma("inspect", "--preset", "diffusiongemma-26b-a4b", "--json")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["layers"] == 30 and info["layer_types"] == "sssssG" * 5
     assert abs(info["params_total"] / 25.25e9 - 1) < 0.01 and abs(info["params_active_per_token"] / 3.84e9 - 1) < 0.01
-    r = dgemma("inspect")
+    r = dgemma("inspect", "--preset", "diffusiongemma-26b-a4b")
     assert "params_total" in r.stdout and "GB" in r.stdout
 
 
@@ -189,3 +189,247 @@ def test_bundled_show_steps_and_errors():
     assert "max_position_embeddings" in msg
     msg = _one_line_error(dgemma("generate", "--prompt", "hello"))
     assert "not in the vocabulary" in msg
+
+
+# ------------------------------------------------------------------ one-line errors (issue 20, item 6)
+def test_every_64_bit_seed_works_and_2_to_the_64_is_a_one_line_error():
+    # 2**63 .. 2**64-1 ended in an OverflowError traceback (jax.random.key takes a signed 64-bit int)
+    for seed in (2**63, 2**64 - 1, -(2**63)):
+        r = dgemma("generate", "--prompt", "s9350814272=", "--seed", str(seed), "--quiet")
+        assert r.returncode == 0, (seed, r.stderr[-2000:])
+        assert r.stdout.strip() == "0122345789"
+    msg = _one_line_error(dgemma("generate", "--prompt", "s1=", "--seed", str(2**64)))
+    assert "--seed" in msg and "does not fit in 64 bits" in msg
+
+
+def test_piped_prompt_loses_its_final_newline():
+    # `echo PROMPT | dgemma generate`: the newline echo adds is not part of the prompt (it was fed to
+    # the tokenizer: "character '\n' is not in the vocabulary")
+    r = dgemma("generate", "--quiet", stdin="s9350814272=\n")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "0122345789"
+
+
+def test_no_libtpu_probing_noise_on_a_machine_without_a_tpu():
+    # with the [tpu] extra installed, JAX's TPU probe made libtpu print about five error lines
+    # before every command's output on a CPU-only machine; the command's stderr is now its own
+    from dgemma_jax.backends import tpu_chips
+
+    if tpu_chips() != 0:
+        pytest.skip("this machine has a TPU (or JAX cannot count its chips)")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["PYTHONPATH"] = ROOT
+    r = dgemma("generate", "--prompt", "s9350814272=", "--quiet", env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "0122345789" and r.stderr.strip() == "", r.stderr
+
+
+def test_config_that_disagrees_with_its_parameters_names_the_tensor(tmp_path):
+    # an edited dgemma_model.json ended in a flax ScopeParamShapeError traceback (exit 1)
+    import shutil
+
+    from dgemma_jax.training.bundled import asset_path
+
+    path = tmp_path / "edited"
+    shutil.copytree(asset_path(), path)
+    meta = json.loads((path / "dgemma_model.json").read_text())
+    meta["config"]["intermediate_size"] = 128  # the parameters were trained with 96
+    (path / "dgemma_model.json").write_text(json.dumps(meta))
+    msg = _one_line_error(dgemma("generate", "--checkpoint", str(path), "--prompt", "s12="))
+    assert "blocks_0/dense_mlp/" in msg and "expects shape (128, 64)" in msg and "holds (96, 64)" in msg, msg
+
+
+# ------------------------------------------------------------------ no silent wrong defaults (issue 20, item 5)
+def test_unknown_config_key_is_an_error_naming_the_nearest_valid_key(tmp_path):
+    # `--set train.num_stepz=5` (a typo) was accepted and the recipe's default 40-step run started
+    from dgemma_jax.training.train import load_config
+
+    recipe = os.path.join(ROOT, "configs", "train_tiny.py")
+    msg = _one_line_error(dgemma("train", "--config", recipe, "--set", "train.num_stepz=5",
+                                 "--set", f"train.workdir={tmp_path / 'run'}"))
+    assert "unknown config key 'train.num_stepz'" in msg and "did you mean 'train.num_steps'?" in msg, msg
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="did you mean 'model.overrides.remat'"):
+        load_config(recipe, {"model.overides.remat": True})
+    # keys the trainer reads that this recipe does not list stay valid
+    cfg = load_config(recipe, {"train.mesh": "expert=2", "model.overrides.remat": True, "eval.sampler.t_max": 0.7,
+                               "optimizer.b1": 0.9, "train.time_limit_s": 5})
+    assert cfg.train.mesh == "expert=2" and cfg.model.overrides.remat and cfg.eval.sampler.t_max == 0.7
+
+
+def test_pipeline_default_length_is_the_command_lines():
+    # DiffusionGemma.from_pretrained().generate(text) stopped after one canvas (8 tokens on the
+    # bundled model: '01223457') while `dgemma generate` gives up to 256
+    import warnings
+
+    from dgemma_jax.errors import DgemmaWarning
+    from dgemma_jax.pipeline import DiffusionGemma
+
+    dg = DiffusionGemma.from_pretrained()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DgemmaWarning)  # a finished answer is not "cut short"
+        assert dg.generate("s9350814272=") == "0122345789"
+    # an output that the model's 256 positions cut short says so
+    with pytest.warns(DgemmaWarning, match=r"cut short at 8 new tokens .* a 243-token prompt .* 256 positions"):
+        assert dg.generate("s" + "1" * 240 + "=") == "1" * 8
+
+
+def test_cut_short_output_and_untrained_canvas_length_are_warned():
+    # a 242-character prompt's output was capped to 8 tokens without a word; --canvas-length 3 on
+    # the bundled model (trained with 8) gave wrong answers without a word
+    r = dgemma("generate", "--prompt", "s" + "1" * 240 + "=", "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "1" * 8
+    warning = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(warning) == 1 and warning[0].startswith("dgemma: warning: the output was cut short at 8 new tokens")
+    r = dgemma("generate", "--prompt", "s9350814272=", "--canvas-length", "3", "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.strip() == ("dgemma: warning: canvas length 3 is not the 8 this model was trained with (its "
+                                "config's canvas_length); answers may be wrong: use a canvas length of 8")
+
+
+def test_convert_refuses_to_overwrite_and_warns_without_a_tokenizer(hf_checkpoint, tmp_path):
+    # convert replaced an existing destination without asking, converted a directory without a
+    # tokenizer in silence, and generate then asked for a `--tokenizer` flag that does not exist
+    import shutil
+
+    src = tmp_path / "no_tok"
+    shutil.copytree(hf_checkpoint, src)
+    (src / "tokenizer.json").unlink()
+    out = tmp_path / "ours"
+    r = dgemma("convert", str(src), str(out), "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.startswith("dgemma: warning: no tokenizer came along") and str(out) in r.stderr, r.stderr
+    msg = _one_line_error(dgemma("convert", str(src), str(out), "--quiet"))
+    assert "already exists" in msg and "--force" in msg
+    r = dgemma("convert", str(src), str(out), "--quiet", "--force")
+    assert r.returncode == 0, r.stderr[-2000:]
+    msg = _one_line_error(dgemma("generate", "--checkpoint", str(out), "--prompt", "w5"))
+    assert "has no tokenizer: copy the model's tokenizer.json or tokenizer.model into" in msg
+    assert "--tokenizer" not in msg
+    shutil.copyfile(hf_checkpoint / "tokenizer.json", out / "tokenizer.json")  # as the messages say
+    r = dgemma("generate", "--checkpoint", str(out), "--prompt", "w5 w6", "--max-new-tokens", "16", "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() and all(w.startswith("w") for w in r.stdout.split())
+
+
+# ------------------------------------------------------------------ progress and defaults (issue 20, item 7)
+def test_inspect_defaults_to_the_bundled_model_like_the_other_commands():
+    # `dgemma inspect` described the 26B preset while generate/chat default to the bundled model
+    r = dgemma("inspect", "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["name"] == "dgemma-tiny-digits" and info["layers"] == 4 and info["canvas"] == 8
+    msg = _one_line_error(dgemma("inspect", "--preset", "bench", "--checkpoint", "bundled"))
+    assert "--checkpoint or --preset, not both" in msg
+
+
+def test_bench_help_lists_the_benchmarks_options():
+    # `dgemma bench --help` showed only a `rest` argument, not the benchmark's options
+    r = dgemma("bench", "--help")
+    assert r.returncode == 0, r.stderr[-2000:]
+    for flag in ("--quick", "--out", "--skip-hf", "--cores", "--render"):
+        assert flag in r.stdout, r.stdout
+
+
+def test_bench_writes_to_a_scratch_path_unless_told(monkeypatch):
+    # `dgemma bench` wrote over the committed benchmarks/results/bench_cpu.json by default
+    import runpy
+    import tempfile
+
+    from dgemma_jax import cli
+
+    seen = []
+    monkeypatch.setattr(runpy, "run_path", lambda path, run_name=None: seen.append((path, list(sys.argv))))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    assert cli.main(["bench", "--quick"]) == 0
+    script, argv = seen[-1]
+    assert script.endswith(os.path.join("benchmarks", "bench_cpu.py"))
+    out = argv[argv.index("--out") + 1]
+    assert argv[1] == "--quick" and out.startswith(tempfile.gettempdir())
+    assert not os.path.abspath(out).startswith(os.path.join(ROOT, "benchmarks"))
+    assert cli.main(["bench", "--", "--quick", "--out", "x.json"]) == 0  # told: as given
+    assert seen[-1][1][1:] == ["--quick", "--out", "x.json"]
+    assert cli.main(["bench", "--render", "r.json"]) == 0  # re-rendering writes next to its input
+    assert seen[-1][1][1:] == ["--render", "r.json"]
+
+
+# ------------------------------------------------------------------ chat reuses its cache (issue 20, item 4)
+MARKERS = ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>"]
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory):
+    """A small Hugging Face-format model whose word-level tokenizer knows the Gemma 4 chat markers
+    (<|turn> ... <channel|> are single special tokens, `<turn|>` also ends a reply), so that the
+    rendered chat template encodes as it does with a Gemma tokenizer (without the newlines)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    cfg = ModelConfig.preset("tiny-6layer", eos_ids=(1, 5))
+    path = tmp_path_factory.mktemp("chat")
+    save_hf(init_params(cfg, 11), cfg, path, generation_config={
+        "max_denoising_steps": 4, "t_min": 0.4, "t_max": 0.8, "stability_threshold": 1,
+        "confidence_threshold": 0.005, "sampler_config": {"entropy_bound": 0.1}, "eos_token_id": [1, 5],
+        "pad_token_id": 0})
+    words = ["<pad>", "<eos>", "<bos>", "<unk>"] + MARKERS + ["user", "model", "system", "thought"]
+    words += [f"w{i}" for i in range(len(words), cfg.vocab_size)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(w, special=True, normalized=False) for w in words[:4] + MARKERS])
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_chat_reuses_the_cache_on_turns_2_and_3_with_the_answers_of_a_fresh_prefill(chat_checkpoint, thinking):
+    # without thinking, turn 2 reused 0 cached tokens: the generation prompt's empty thought
+    # channel is not in the rendered history, and only a cache holding an exact prefix was reused;
+    # with thinking, a turn that had thought dropped its cache
+    from dgemma_jax.chat_session import ChatSession
+    from dgemma_jax.engine import Engine
+    from dgemma_jax.pipeline import load_checkpoint
+
+    cfg, params, sampler, tok = load_checkpoint(str(chat_checkpoint))
+    engine = Engine(cfg, params, sampler)
+    session = ChatSession(engine, tok, system="w20 w21", thinking=thinking, context=256, max_new_tokens=32, seed=7)
+    turns = [session.send(text) for text in ("w30 w31 w32", "w40 w41", "w50 w51 w52 w53")]
+    assert turns[0].reused == 0 and turns[0].prefilled == len(turns[0].prompt_ids)
+    model_header = tok.encode("<|turn>model")
+    for prev, turn in zip(turns, turns[1:]):
+        assert turn.reused + turn.prefilled == len(turn.prompt_ids)
+        if thinking:  # the generation prompt ends at `<|turn>model`: all of it is reused
+            assert turn.reused >= len(prev.prompt_ids), (turn.reused, len(prev.prompt_ids))
+        else:  # all but the empty thought channel `<|channel> thought <channel|>` it ends with
+            assert prev.prompt_ids[-5:-3] == model_header and turn.reused == len(prev.prompt_ids) - 3
+        # the same tokens as generating from a fresh prefill of the whole conversation
+        fresh = engine.generate(np.array([turn.prompt_ids], np.int32), None, rng=turn.rng,
+                                max_new_tokens=turn.max_new_tokens, cache_length=turn.cache_length)
+        np.testing.assert_array_equal(np.asarray(fresh.tokens)[0], turn.tokens)
+
+
+def test_chat_command_reuses_the_cache_without_thinking(chat_checkpoint):
+    r = dgemma("chat", "--checkpoint", str(chat_checkpoint), "--max-new-tokens", "32", "--context", "256",
+               stdin="w30 w31 w32\nw40 w41\nw50 w51\n")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len([ln for ln in r.stdout.splitlines() if ln.strip()]) == 3
+    stats = [ln for ln in r.stderr.splitlines() if ln.startswith("[turn")]
+    reused = [int(s.split("reused ")[1].split()[0]) for s in stats]
+    assert len(reused) == 3 and reused[0] == 0 and reused[1] > 0 and reused[2] > reused[1], stats
+
+
+def test_chat_replies_lose_their_thinking_with_a_gemma_like_tokenizer(chat_checkpoint, monkeypatch):
+    # replies were decoded with skip_special, which drops the <|channel> / <channel|> markers, so
+    # strip_thinking found no channel and the thought stayed in DiffusionGemma.chat's answer
+    from types import SimpleNamespace
+
+    from dgemma_jax.chat_session import split_reply
+    from dgemma_jax.pipeline import DiffusionGemma
+
+    dg = DiffusionGemma.from_pretrained(str(chat_checkpoint))
+    reply = dg.tokenizer.encode("<|channel> thought w20 w21 <channel|> w30 w31 <turn|>")
+    thought, answer = split_reply(dg.tokenizer, reply)
+    assert answer == "w30 w31" and "w20 w21" in thought and "w3" not in thought
+    tokens = np.array([reply + [0] * (32 - len(reply))], np.int32)
+    monkeypatch.setattr(dg.engine, "generate", lambda *a, **k: SimpleNamespace(
+        tokens=tokens, finished=np.array([True]), steps=np.array([[1]])))
+    assert dg.chat([{"role": "user", "content": "w5"}], max_new_tokens=32, enable_thinking=True) == "w30 w31"

@@ -255,3 +255,34 @@ def test_new_tokens_that_fit_the_positions_and_the_cache():
     prepare_inputs(CFG, s, tokens, None, n)  # fits
     with pytest.raises(ValueError, match="max_position_embeddings"):
         prepare_inputs(CFG, s, tokens, None, n + 16)
+
+
+def test_every_64_bit_seed_gives_its_own_stream(params):
+    # Engine.generate(rng=2**63) ended in an OverflowError, and seeds 0 and 2**32 gave the same
+    # stream (jax.random.key keeps the low 32 bits without jax_enable_x64)
+    from dgemma_jax.sampling.loop import seed_key
+
+    data = lambda s: np.asarray(jax.random.key_data(seed_key(s))).tolist()
+    assert data(0) != data(2**32) and data(2**63) != data(2**63 + 1) and data(2**64 - 1) == data(-1)
+    for s in (0, 5, 2**31, 2**32 - 1):  # the seeds jax.random.key took whole keep their streams
+        assert data(s) == np.asarray(jax.random.key_data(jax.random.key(s))).tolist()
+    eng = Engine(CFG, params, _sampler())
+    tokens, lengths = _prompts(1)
+    outs = [np.asarray(eng.generate(tokens, lengths, rng=s, max_new_tokens=16).tokens) for s in (0, 2**32, 2**63, 2**64 - 1)]
+    assert not np.array_equal(outs[0], outs[1])  # 2**32 is not seed 0 again
+    with pytest.raises(ValueError, match=r"seed 18446744073709551616 does not fit in 64 bits; use an integer in \[-2\*\*63, 2\*\*64\)"):
+        eng.generate(tokens, lengths, rng=2**64, max_new_tokens=16)
+
+
+def test_a_canvas_length_the_model_was_not_trained_for_is_warned(params):
+    # the engine ran any canvas length without a word, though the model only saw its config's
+    import warnings
+
+    from dgemma_jax.errors import DgemmaWarning
+
+    with pytest.warns(DgemmaWarning, match="canvas length 8 is not the 16 this model was trained with .* use a "
+                                           "canvas length of 16"):
+        Engine(CFG, params, _sampler(canvas_length=8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DgemmaWarning)
+        Engine(CFG, params, _sampler())  # the trained length: no warning

@@ -197,10 +197,18 @@ def _check_shapes(params, cfg: ModelConfig):
 
 
 def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, preset: str | None = None,
-            progress: bool = True) -> int:
-    """Convert `src` into a dgemma_jax checkpoint directory `dst`; returns the number of tensors."""
+            progress: bool = True, overwrite: bool = False) -> int:
+    """Convert `src` into a dgemma_jax checkpoint directory `dst`; returns the number of tensors.
+
+    An existing non-empty `dst` is an error unless `overwrite` (`dgemma convert --force`). A source
+    without a tokenizer file converts with a DgemmaWarning: the checkpoint then needs one copied in."""
     if os.path.exists(dst) and os.path.realpath(dst) == os.path.realpath(src):
         raise ValueError(f"the destination {dst!r} is the source directory; convert into a new directory")
+    if os.path.exists(dst) and not overwrite and (not os.path.isdir(dst) or os.listdir(dst)):
+        raise ValueError(f"the destination {dst!r} already exists and is not empty; choose a new directory, or "
+                         "replace it with dgemma convert --force (overwrite=True)")
+    if os.path.isfile(dst):
+        raise ValueError(f"the destination {dst!r} is a file; convert into a directory")
     import jax
     import jax.numpy as jnp
 
@@ -245,4 +253,12 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
                     tok = p
     leaves = jax.tree.leaves(params)
     save_model(dst, cfg, params, sampler=sampler, tokenizer_file=tok)
+    if tok is None:
+        import warnings
+
+        from dgemma_jax.errors import DgemmaWarning
+
+        warnings.warn(f"no tokenizer came along: {src!r} has no tokenizer.json or tokenizer.model, so the checkpoint "
+                      f"at {dst!r} has none; copy the model's tokenizer file into {dst!r} before generating",
+                      DgemmaWarning, stacklevel=2)
     return len(leaves)

@@ -90,6 +90,8 @@ def load_params(path: str | os.PathLike, abstract_params: Any = None) -> Any:
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_params)
         stored = getattr(ckptr.metadata(path), "item_metadata", None)
         old = _old_gate_up_paths(stored) if stored is not None else []
+        if stored is not None:
+            _check_stored_shapes(path, stored, target, old)
         if not old:
             return ckptr.restore(path, target)
         # a checkpoint from before the expert gate/up merge: restore those leaves in their stored
@@ -105,6 +107,39 @@ def load_params(path: str | os.PathLike, abstract_params: Any = None) -> Any:
             sharding = getattr(want, "sharding", None)
             out[blk]["moe"]["gate_up"] = jax.device_put(merged, sharding) if sharding is not None else merged
         return out
+
+
+class ParamsMismatch(ValueError):
+    """Stored parameters whose names or shapes differ from what the config asks for."""
+
+
+def _check_stored_shapes(path: str, stored, target, old_gate_up=()) -> None:
+    """Compare the stored parameter shapes with the ones the config asks for, before orbax restores
+    anything: orbax would return the stored shapes as they are and the model would fail later with
+    a flax shape error far from the cause. A mismatch names the first differing tensor, its expected
+    and its stored shape (and how many more differ); a missing or unexpected tensor is named too."""
+    import jax
+
+    def flat(tree):
+        return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kp): leaf
+                for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    try:
+        have = {k: tuple(v.shape) for k, v in flat(stored).items()}
+    except (AttributeError, TypeError):  # metadata without shapes: leave the check to orbax
+        return
+    want = {k: tuple(v.shape) for k, v in flat(target).items()}
+    skip = {f"{blk}/moe/gate_up" for blk in old_gate_up}  # the pre-merge layout, reshaped after restore
+    wrong = [k for k in want if k in have and k not in skip and have[k] != want[k]]
+    missing = [k for k in want if k not in have]
+    extra = [k for k in have if k not in want]
+    problems = [f"tensor {k}: the config expects shape {want[k]}, the checkpoint holds {have[k]}" for k in wrong]
+    problems += [f"tensor {k} is missing" for k in missing] + [f"tensor {k} is not part of this model" for k in extra]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ParamsMismatch(f"the parameters at {path!r} do not match the checkpoint's config: {problems[0]}{more}; "
+                         "the config was edited or belongs to another model: restore the matching "
+                         "dgemma_model.json or convert the checkpoint again")
 
 
 def _old_gate_up_paths(tree) -> list[str]:
@@ -196,6 +231,8 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None
         abstract = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=n), abstract, shardings)
     try:
         params = load_params(os.path.join(os.fspath(path), "params"), abstract)
+    except ParamsMismatch:
+        raise
     except (ValueError, KeyError) as e:
         raise ValueError(f"could not restore the parameters of checkpoint {os.fspath(path)!r}: they are damaged or do "
                          f"not match its config ({e})") from None
@@ -220,8 +257,12 @@ def load_model_tokenizer(path: str | os.PathLike):
     path = os.fspath(path)
     if detect_format(path) == "dgemma":
         name = _read_meta(path).get("tokenizer")
+        if not name:  # converted without one: a tokenizer file copied in since then counts
+            name = next((n for n in ("tokenizer.json", "tokenizer.model") if os.path.isfile(os.path.join(path, n))),
+                        None)
         if not name:
-            raise FileNotFoundError(f"checkpoint {path!r} has no tokenizer; pass --tokenizer")
+            raise FileNotFoundError(f"checkpoint {path!r} has no tokenizer: copy the model's tokenizer.json or "
+                                    f"tokenizer.model into {path!r}")
         file = os.path.join(path, name)
         with open(file) as f:
             head = f.read(200)

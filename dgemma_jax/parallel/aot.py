@@ -78,11 +78,14 @@ def tpu_devices(name: str):
         from jax.experimental import topologies
     except ImportError as e:  # pragma: no cover
         raise RuntimeError("jax.experimental.topologies is unavailable in this jax") from e
+    from dgemma_jax.backends import quiet_libtpu_load
+
     try:
-        desc = topologies.get_topology_desc(platform="tpu", topology_name=topo.name,
-                                            chip_config_name=topo.chip_config,
-                                            chips_per_host_bounds=topo.host_bounds, num_slices=1,
-                                            wrap=(False, False, False))
+        with quiet_libtpu_load():  # no libtpu probing lines on a machine without a TPU
+            desc = topologies.get_topology_desc(platform="tpu", topology_name=topo.name,
+                                                chip_config_name=topo.chip_config,
+                                                chips_per_host_bounds=topo.host_bounds, num_slices=1,
+                                                wrap=(False, False, False))
     except Exception as e:
         raise RuntimeError(f"cannot build compile-only TPU devices for {name} ({topo.name}): {e}. "
                            "Install the TPU extra: pip install -e '.[tpu]'") from e
@@ -189,11 +192,13 @@ def _cost(compiled) -> dict:
 def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | None = None, rules: str = "latency",
                    batch: int = 1, context: int = 32768, prompt: int = 2048, steps_per_canvas: int = 16,
                    programs=("prefill", "denoise_step", "commit", "generate"), dtype: str | None = None,
-                   moe_dispatch: str | None = None, sampler=None, devices=None, max_new_tokens: int | None = None
-                   ) -> dict[str, Any]:
+                   moe_dispatch: str | None = None, sampler=None, devices=None, max_new_tokens: int | None = None,
+                   progress=None) -> dict[str, Any]:
     """Lower and compile the engine's programs for a TPU topology; per-chip memory, cost, projections.
 
     context: KV cache capacity (prompt + committed canvases). prompt: tokens in one prefill call.
+    progress: optional callable(name, index, count, seconds, entry) called before each program
+    (seconds and entry None) and after it (its compile seconds and report entry).
     Returns a JSON-able dict; `fits` is False when any program exceeds the chip's HBM.
     """
     from dgemma_jax.parallel.mesh import make_mesh
@@ -223,7 +228,9 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         "rules": rules, "batch": batch, "context": context, "prompt": prompt, "dtype": cfg.param_dtype,
         "moe_dispatch": cfg.moe_dispatch, "hbm_limit_bytes": topo.hbm_bytes, "programs": {}, "fits": True,
     }
-    for name in programs:
+    for index, name in enumerate(programs):
+        if progress is not None:
+            progress(name, index, len(programs), None, None)
         if name == "lora_step":
             fn, pos = lora_step_program(cfg, sh, batch, prompt, max(1, (context - prompt) // cfg.canvas_length))
             kw = {}
@@ -246,6 +253,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
             entry.update(fits=False, error=msg.strip().splitlines()[-1][:400])
             report["fits"] = False
             report["programs"][name] = entry
+            if progress is not None:
+                progress(name, index, len(programs), time.perf_counter() - t0, entry)
             continue
         entry["compile_seconds"] = round(time.perf_counter() - t0, 2)
         m = compiled.memory_analysis()
@@ -269,6 +278,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
                                                              entry["bytes_accessed"] / topo.hbm_bw)
         report["fits"] &= entry["fits"]
         report["programs"][name] = entry
+        if progress is not None:
+            progress(name, index, len(programs), time.perf_counter() - t0, entry)
     step = report["programs"].get("denoise_step", {})
     if "flops" in step:
         _add_efficiency(step, cfg, sh, topo, batch, context)

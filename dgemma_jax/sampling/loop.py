@@ -79,6 +79,29 @@ class RowKnobs:
                    jnp.asarray([s.confidence_threshold for s in samplers], jnp.float32))
 
 
+SEED_RANGE = (-(2 ** 63), 2 ** 64)  # the integer seeds accepted: any signed or unsigned 64-bit value
+
+
+def seed_key(seed: int) -> jax.Array:
+    """A PRNG key from an integer seed; every seed in [-2**63, 2**64) counts with all of its 64 bits.
+
+    `jax.random.key(seed)` alone overflows above 2**63 - 1 and, without jax_enable_x64, keeps only
+    the low 32 bits (seeds 0 and 2**32 gave the same stream). Here a seed is taken modulo 2**64 and its
+    high and low words become the key, which is `jax.random.key(seed)` under jax_enable_x64 (for the
+    default threefry keys): seeds in [0, 2**32) give the same keys as before; a negative seed is its
+    two's complement (-1 == 2**64 - 1)."""
+    seed = int(seed)
+    if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise ValueError(f"seed {seed} does not fit in 64 bits; use an integer in [-2**63, 2**64)")
+    seed %= 2 ** 64
+    hi, lo = seed >> 32, seed & 0xFFFFFFFF
+    probe = jax.random.key_data(jax.random.key(0))
+    if probe.shape == (2,) and probe.dtype == jnp.uint32:  # threefry2x32: key data is [hi, lo]
+        return jax.random.wrap_key_data(np.array([hi, lo], np.uint32))
+    key = jax.random.key(np.uint32(lo))  # another key implementation: fold the high word in
+    return jax.random.fold_in(key, hi) if hi else key
+
+
 def row_keys(rng, batch: int) -> jax.Array:
     """[B] per-row keys: split a single key, or pass [B] keys through unchanged.
 
@@ -86,9 +109,7 @@ def row_keys(rng, batch: int) -> jax.Array:
     array, or a list). Anything else is a ValueError that says what is accepted.
     """
     if isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_)):
-        if not -(2 ** 63) <= int(rng) < 2 ** 64:
-            raise ValueError(f"rng seed {int(rng)} does not fit in 64 bits; use a smaller integer")
-        rng = jax.random.key(int(rng))
+        rng = seed_key(rng)
     elif isinstance(rng, (list, tuple, np.ndarray)) and np.issubdtype(np.asarray(rng).dtype, np.integer):
         rng = jnp.asarray(rng)
     elif not isinstance(rng, jax.Array):

@@ -457,19 +457,74 @@ def _progress(tc: dict, start: int, total: int):
     return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, mininterval=2.0)
 
 
+# The keys the trainer reads in each section of a recipe (besides those a recipe lists itself): an
+# override must name one of them, so a typo is an error instead of a silently ignored setting.
+RECIPE_KEYS = {
+    "model": ("preset", "param_dtype", "overrides"),
+    "init": ("kind", "path", "name", "seed", "embedding_std"),
+    "data": ("kind", "tokenizer", "chars", "tokenizer_path", "tasks", "path", "prompt_key", "response_key",
+             "bos_id", "separator", "min_prompt", "prompt_length", "num_canvases", "batch_size", "seed"),
+    "lora": ("enabled", "rank", "alpha", "groups"),
+    "train": ("workdir", "num_steps", "seed", "log_every", "checkpoint_every", "eval_every", "max_to_keep",
+              "time_limit_s", "throttle_s", "export", "progress", "final_eval", "compilation_cache_dir", "mesh",
+              "rules"),
+    "eval": ("num_examples", "batch_size", "seed", "sampler"),
+}
+
+
+def recipe_keys(cfg) -> set[str]:
+    """Every dotted key an override may set: the recipe's own, the trainer's (RECIPE_KEYS), the
+    optimizer's and objective's arguments, ModelConfig fields under model.overrides and SamplerConfig
+    fields under eval.sampler."""
+    import dataclasses
+    import inspect
+
+    keys = set()
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            keys.add(prefix + k)
+            if isinstance(v, dict) or hasattr(v, "to_dict"):
+                walk(v, prefix + k + ".")
+
+    walk(cfg, "")
+    sections = dict(RECIPE_KEYS)
+    sections["optimizer"] = tuple(k for k in inspect.signature(make_optimizer).parameters if k != "total_steps") + (
+        "freeze_router",)
+    sections["objective"] = tuple(f.name for f in dataclasses.fields(ObjectiveConfig) if f.name != "canvas_length")
+    for section, names in sections.items():
+        keys.add(section)
+        keys.update(f"{section}.{k}" for k in names)
+    keys.update(f"model.overrides.{f.name}" for f in dataclasses.fields(ModelConfig))
+    keys.update(f"eval.sampler.{f.name}" for f in dataclasses.fields(SamplerConfig))
+    return keys
+
+
 def load_config(path: str, overrides: dict[str, Any] | None = None):
     """`get_config()` of a recipe file (e.g. configs/train_bundled.py), with dotted-key overrides
-    such as {"train.num_steps": 10}."""
+    such as {"train.num_steps": 10}. A key that is neither in the recipe nor read by the trainer is a
+    ValueError naming the nearest valid key."""
+    import difflib
     import importlib.util
+
+    import ml_collections
 
     spec = importlib.util.spec_from_file_location(f"_recipe_{abs(hash(path))}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     cfg = mod.get_config()
+    valid = recipe_keys(cfg) if overrides else set()
     for key, value in (overrides or {}).items():
+        if key not in valid:
+            near = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; the sections are {', '.join(sorted(cfg.keys()))}"
+            raise ValueError(f"unknown config key {key!r}: neither recipe {os.path.basename(path)} nor the trainer "
+                             f"has it{hint}")
         node = cfg
         *parents, leaf = key.split(".")
         for p in parents:
+            if p not in node or node[p] is None:
+                node[p] = ml_collections.ConfigDict()
             node = node[p]
         node[leaf] = value
     return cfg
