@@ -185,3 +185,174 @@ class DataIterator:
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.index = int(state["index"])
+
+
+# ---------------------------------------------------------------------------- chat data
+_CHAT_ROLES = ("system", "developer", "user", "assistant")
+_THINKING_KEYS = ("thinking", "reasoning", "reasoning_content")
+OVERFLOW = ("truncate", "drop")
+
+
+def _assistant_answer(message: dict) -> tuple[str, str]:
+    """(thought, answer) of an assistant message: the thought from a thinking/reasoning field or
+    from an inline `<|channel>thought\\n...<channel|>` block of the content."""
+    from dgemma_jax.io.chat import strip_thinking
+
+    content = message.get("content") or ""
+    if isinstance(content, (list, tuple)):
+        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text")
+    thought, answer = strip_thinking(content)
+    for key in _THINKING_KEYS:
+        if isinstance(message.get(key), str) and message[key].strip():
+            thought = message[key].strip()
+    return thought, answer
+
+
+def chat_turns(messages: Sequence[dict], enable_thinking: bool | None = None) -> list[tuple[str, str]]:
+    """One (context, response) text pair per assistant message, laid out as inference sees it.
+
+    context: the Gemma 4 rendering (`io.chat.render_chat`) of the messages before the turn, with the
+    generation prompt (earlier turns' thinking removed, as the template does). response: what the
+    model then writes: `[<|channel>thought\\n THOUGHT<channel|>]ANSWER<turn|>` (the thought only when
+    thinking is on; with it off the generation prompt already ends with the empty thought channel).
+    Thinking is on when `enable_thinking` says so, else when any assistant message carries a thought.
+    """
+    from dgemma_jax.io.chat import CHANNEL_END, CHANNEL_START, TURN_END, render_chat
+
+    parsed = [(_assistant_answer(m) if m["role"] == "assistant" else None) for m in messages]
+    if enable_thinking is None:
+        enable_thinking = any(p is not None and p[0] for p in parsed)
+    out = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        if i == 0:
+            raise ValueError("the conversation starts with an assistant message: it needs a user turn before it")
+        if messages[i - 1]["role"] == "assistant":
+            raise ValueError(f"messages[{i - 1}] and messages[{i}] are consecutive assistant messages: merge them")
+        context = render_chat(messages[:i], add_generation_prompt=True, enable_thinking=enable_thinking)
+        thought, answer = parsed[i]
+        response = f"{CHANNEL_START}thought\n{thought}{CHANNEL_END}" if (enable_thinking and thought) else ""
+        out.append((context, response + answer + TURN_END))
+    return out
+
+
+def _parse_chat_line(line: str, where: str) -> tuple[list[dict], bool | None]:
+    try:
+        row = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
+        raise ValueError(f"{where}: expected an object with a non-empty \"messages\" list")
+    for j, m in enumerate(row["messages"]):
+        if not isinstance(m, dict) or m.get("role") not in _CHAT_ROLES:
+            raise ValueError(f"{where}: messages[{j}] needs a \"role\" in {_CHAT_ROLES}, got "
+                             f"{m.get('role') if isinstance(m, dict) else m!r}")
+        if m["role"] in ("system", "developer") and j > 0:
+            raise ValueError(f"{where}: messages[{j}] is a {m['role']} message after the first message")
+        if not isinstance(m.get("content"), (str, list)):
+            raise ValueError(f"{where}: messages[{j}] needs a string (or list of parts) \"content\"")
+    thinking = row.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise ValueError(f"{where}: \"enable_thinking\" must be true or false")
+    return row["messages"], thinking
+
+
+class ChatSource(Source):
+    """Chat SFT data: a JSON-lines file of {"messages": [...], ["enable_thinking": bool]} (roles
+    system/developer first, then user/assistant; assistant messages may carry a "thinking" /
+    "reasoning" / "reasoning_content" field or an inline thought channel), rendered with the Gemma 4
+    chat template (`chat_turns`).
+
+    One training example per assistant message: prompt = the rendered conversation up to that turn's
+    generation prompt, response = the turn's output, cut into the canvases after the prompt exactly
+    as the sampler places them. The diffusion loss therefore only ever sees assistant tokens (and the
+    EOS fill); with `objective.ar_on_prompt=False` the AR loss too (data.ar_loss="assistant").
+
+    Streaming: the constructor reads the file once, line by line, validating every line (an error
+    names the file and line) and keeping only (byte offset, turn) per example plus the token counts;
+    batches re-read their lines by offset. Examples that do not fit the layout (context > P tokens,
+    response + EOS > C * L) are, with overflow="truncate", cut as `chunk_example` does (the context
+    keeps its last P tokens, the response its first C * L) or, with overflow="drop", left out;
+    `stats` counts both. Order: a permutation of the examples per epoch from (seed, epoch), so a batch
+    depends only on (seed, index) and resume is exact.
+    """
+
+    def __init__(self, path: str, tokenize: Callable[[str], list[int]], layout: Layout, batch_size: int,
+                 seed: int = 0, overflow: str = "truncate"):
+        if overflow not in OVERFLOW:
+            raise ValueError(f"data.overflow must be one of {OVERFLOW}, got {overflow!r}")
+        self.path, self.tokenize, self.layout, self.batch_size, self.seed = path, tokenize, layout, batch_size, seed
+        P, cap = layout.prompt_length, layout.response_capacity
+        offsets, turns = [], []
+        st = dict(conversations=0, assistant_turns=0, examples=0, conversations_without_assistant=0,
+                  examples_dropped=0, contexts_truncated=0, context_tokens_dropped=0,
+                  responses_truncated=0, response_tokens_dropped=0)
+        with open(path, "rb") as f:
+            lineno, offset = 0, 0
+            for raw in f:
+                lineno += 1
+                line_offset, offset = offset, offset + len(raw)
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
+                messages, thinking = _parse_chat_line(line, f"{path} line {lineno}")
+                try:
+                    pairs = chat_turns(messages, thinking)
+                except (ValueError, TypeError) as e:
+                    raise ValueError(f"{path} line {lineno}: {e}") from None
+                st["conversations"] += 1
+                st["conversations_without_assistant"] += not pairs
+                for turn, (context, response) in enumerate(pairs):
+                    st["assistant_turns"] += 1
+                    c_over = max(0, len(tokenize(context)) - P)
+                    r_len = len(tokenize(response))
+                    r_cut = r_len + 1 > cap  # no room for the EOS the layout appends
+                    if (c_over or r_cut) and overflow == "drop":
+                        st["examples_dropped"] += 1
+                        continue
+                    st["contexts_truncated"] += c_over > 0
+                    st["context_tokens_dropped"] += c_over
+                    st["responses_truncated"] += r_cut
+                    st["response_tokens_dropped"] += max(0, r_len - cap)
+                    offsets.append(line_offset)
+                    turns.append(turn)
+        st["examples"] = len(offsets)
+        if not offsets:
+            raise ValueError(f"{path} holds no assistant turn that fits the layout ({st})")
+        self.offsets, self.turns = np.asarray(offsets, np.int64), np.asarray(turns, np.int32)
+        self.stats = st
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self)))
+        return self._perm[1]
+
+    def example_texts(self, index: int) -> list[tuple[str, str]]:
+        """The (context, response) texts of batch `index`."""
+        n = len(self)
+        out = []
+        with open(self.path, "rb") as f:
+            for j in range(index * self.batch_size, (index + 1) * self.batch_size):
+                epoch, k = divmod(j, n)
+                e = int(self._permutation(epoch)[k])
+                f.seek(int(self.offsets[e]))  # a line checked when the source was built
+                messages, thinking = _parse_chat_line(f.readline().decode("utf-8"),
+                                                      f"{self.path} at byte {int(self.offsets[e])} (changed since?)")
+                out.append(chat_turns(messages, thinking)[int(self.turns[e])])
+        return out
+
+    def examples(self, index: int):
+        return [(self.tokenize(c), self.tokenize(r)) for c, r in self.example_texts(index)]
+
+    def summary(self) -> str:
+        s = self.stats
+        return (f"chat data {self.path}: {s['conversations']} conversations, {s['assistant_turns']} assistant turns -> "
+                f"{s['examples']} examples; dropped {s['examples_dropped']} examples that do not fit; truncated "
+                f"{s['contexts_truncated']} contexts ({s['context_tokens_dropped']} tokens) and "
+                f"{s['responses_truncated']} responses ({s['response_tokens_dropped']} tokens); "
+                f"{s['conversations_without_assistant']} conversations had no assistant turn")

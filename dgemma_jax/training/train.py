@@ -12,6 +12,7 @@ Work directory (config.train.workdir)::
     eval.jsonl          one line per evaluation (real sampler: exact match, steps, tokens/forward)
     loss_curve.png      losses (and eval accuracy) vs step
     export/             final inference params (LoRA merged) in orbax format, if train.export
+    data_stats.json     chat data only: conversations, examples, what was dropped or truncated
     summary.json        final numbers
 
 Re-running with the same workdir resumes from the latest checkpoint and continues exactly (the data
@@ -146,12 +147,15 @@ def build_source(dc: dict, tokenizer, layout: data_lib.Layout, batch_size: int, 
         return data_lib.JsonlSource(dc["path"], tokenizer.encode, layout, batch_size, seed,
                                     dc.get("prompt_key", "prompt"), dc.get("response_key", "response"),
                                     dc.get("bos_id"))
+    if kind == "chat":
+        return data_lib.ChatSource(dc["path"], tokenizer.encode, layout, batch_size, seed,
+                                   dc.get("overflow", "truncate"))
     if kind == "raw_text":
         with open(dc["path"]) as f:
             docs = [tokenizer.encode(d) for d in f.read().split(dc.get("separator", "\n\n")) if d.strip()]
         return data_lib.RawTextSource(docs, layout, batch_size, seed, int(dc.get("min_prompt", 1)),
                                       dc.get("bos_id"))
-    raise ValueError(f"unknown data.kind {kind!r}: use 'tasks', 'jsonl' or 'raw_text'")
+    raise ValueError(f"unknown data.kind {kind!r}: use 'tasks', 'jsonl', 'chat' or 'raw_text'")
 
 
 def _read_pairs(path: str, prompt_key: str, response_key: str, what: str) -> list[tuple[str, str]]:
@@ -204,6 +208,29 @@ def check_eval_source(dc: dict, ec: dict) -> None:
         if shared:
             raise ValueError(f"{shared} of the {len(evals)} examples in eval.path {path} also appear in the "
                              f"training file {dc['path']}: remove them from one of the two")
+
+
+AR_LOSS = {"all": True, "assistant": False}
+
+
+def objective_options(dc: dict, oc: dict) -> dict:
+    """The objective section, with chat data's `data.ar_loss` ("all": the encoder AR loss on every
+    token of each example, the spec's default; "assistant": only on the assistant turn's tokens)
+    mapped onto `ar_on_prompt` (each chat example's prompt is the context, its response the turn)."""
+    oc = dict(oc)
+    if "ar_loss" not in dc:
+        return oc
+    if dc.get("kind") != "chat":
+        raise ValueError(f"data.ar_loss applies to data.kind='chat' only (got kind {dc.get('kind', 'tasks')!r}); "
+                         "use objective.ar_on_prompt")
+    if dc["ar_loss"] not in AR_LOSS:
+        raise ValueError(f"data.ar_loss must be one of {tuple(AR_LOSS)}, got {dc['ar_loss']!r}")
+    on_prompt = AR_LOSS[dc["ar_loss"]]
+    if "ar_on_prompt" in oc and bool(oc["ar_on_prompt"]) != on_prompt:
+        raise ValueError(f"data.ar_loss={dc['ar_loss']!r} contradicts objective.ar_on_prompt={oc['ar_on_prompt']}: "
+                         "set only one of them")
+    oc["ar_on_prompt"] = on_prompt
+    return oc
 
 
 def sampler_from(ec: dict, cfg: ModelConfig) -> SamplerConfig:
@@ -260,7 +287,7 @@ class Run:
                                       eos_id=cfg.eos_ids[0], pad_id=cfg.pad_id)
         self.seed = int(tc.get("seed", 0))
         self.source = build_source(dc, self.tokenizer, self.layout, int(dc["batch_size"]), int(dc.get("seed", 0)))
-        self.obj = ObjectiveConfig(canvas_length=L, **_d(config.get("objective")))
+        self.obj = ObjectiveConfig(canvas_length=L, **objective_options(dc, _d(config.get("objective"))))
         self.num_steps = int(tc["num_steps"])
         freeze = list(oc.pop("freeze", ()) or ())
         if oc.pop("freeze_router", False):
@@ -342,6 +369,11 @@ def train(config) -> dict[str, Any]:
     if lead:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(_jsonable(_d(config)), f, indent=1)
+    data_stats = getattr(run.source, "stats", None)
+    if data_stats is not None and lead:  # what chat data dropped or truncated, logged and recorded
+        with open(os.path.join(workdir, "data_stats.json"), "w") as f:
+            json.dump(_jsonable(data_stats), f, indent=1)
+        print(run.source.summary(), flush=True)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     eval_path = os.path.join(workdir, "eval.jsonl")
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=tc.get("max_to_keep", 3))
@@ -401,6 +433,8 @@ def train(config) -> dict[str, Any]:
     rows = read_jsonl(metrics_path)
     if rows:
         summary["final_metrics"] = rows[-1]
+    if data_stats is not None:
+        summary["data_stats"] = data_stats
     if run.ec and tc.get("final_eval", True):
         summary["eval"] = _log_eval(run, state, step, eval_path, None, lead)
     if tc.get("export", False):
