@@ -40,7 +40,8 @@ class ScriptedScheduler:
         def play():
             for i in range(req.n):
                 for c in range(0, len(ids), L):
-                    text, hit = text_lib.cut_at_stop(text_lib.decode(self.tokenizer, ids[:c + L]), req.stop)
+                    text, hit = text_lib.cut_at_stop(text_lib.decode(self.tokenizer, ids[:c + L], req.keep_special),
+                                                     req.stop)
                     done = hit or c + L >= len(ids)
                     req.on_event(SeqEvent(i, text, min(c + L, len(ids)), 2 * (c // L + 1), c // L + 1,
                                           "stop" if done else None))
@@ -113,7 +114,7 @@ def test_streamed_reasoning_then_content_add_up_to_the_whole_answer(tok):
         assert "".join(d.get("content", "") for d in deltas) == "It is 42, as always."
         assert len(deltas) >= 4                                # several canvases, streamed as they land
         first_content = next(k for k, d in enumerate(deltas) if d.get("content"))
-        assert not any(d.get("reasoning_content") for d in deltas[first_content:])
+        assert not any(d.get("reasoning_content") for d in deltas[first_content + 1:])   # the thought ends first
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
 
 

@@ -76,6 +76,7 @@ class Request:
     on_event: Callable[[SeqEvent], None]
     n: int = 1
     stop: Sequence[str] = ()
+    keep_special: bool = False      # decode with special tokens (chat: the thought channel's markers)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     submitted: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -327,7 +328,8 @@ class Scheduler:
     def _emit(self, c: _Choice, reason: str | None) -> str | None:
         pad = self.engine.sampler.pad_id
         ids = tuple(t for t in c.tokens if t != pad)
-        text, hit = text_lib.cut_at_stop(text_lib.decode(self.tokenizer, ids), c.request.stop)
+        text, hit = text_lib.cut_at_stop(text_lib.decode(self.tokenizer, ids, c.request.keep_special),
+                                         c.request.stop)
         if hit and reason != "cancelled":
             reason = "stop"
         ev = SeqEvent(c.index, text, len(ids), c.steps, c.canvas, reason, ids, c.admitted_round, self.stats["rounds"])

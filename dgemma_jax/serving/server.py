@@ -135,7 +135,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    def submit_all(body, prompts: list[list[int]], queue: asyncio.Queue) -> list[Request]:
+    def submit_all(body, prompts: list[list[int]], queue: asyncio.Queue, chat: bool) -> list[Request]:
         loop = asyncio.get_running_loop()
         sampler = sampler_for(body)
         try:
@@ -148,6 +148,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
             for p, ids in enumerate(prompts):
                 n_tok = budget if budget is not None else scheduler.default_max_tokens(len(ids), default_max_tokens)
                 req = Request(ids, n_tok, sampler, seed, n=body.n, stop=body.stops,
+                              keep_special=chat and _has_chat_template(tok),
                               on_event=lambda ev, p=p: loop.call_soon_threadsafe(queue.put_nowait, (p, ev)))
                 reqs.append(scheduler.submit(req))
         except BaseException as e:
@@ -181,7 +182,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
     async def run(http: HTTPRequest, body, prompts: list[list[int]], chat: bool):
         check_model(body)
         queue: asyncio.Queue = asyncio.Queue()
-        reqs = submit_all(body, prompts, queue)
+        reqs = submit_all(body, prompts, queue, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         n_total = len(prompts) * body.n
         stamp = int(time.time())
