@@ -7,8 +7,6 @@ character offsets counted by hand in the hand-written rendered text.
 
 import json
 import os
-import signal
-import time
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +16,7 @@ import pytest
 from dgemma_jax.training.data import ChatSource, Layout, chat_turns
 from dgemma_jax.training.objective import ar_loss, gather_canvas
 from dgemma_jax.training.tokenizer import CharTokenizer
-from test_training_resume import _ckpt_steps, _finish, _losses, _start
+from test_training_resume import _finish, _kill_after_two_checkpoints, _losses, _start
 
 CHARS = "\n <>|abcdefghijklmnopqrstuvwxyz"
 TOK = CharTokenizer(CHARS)
@@ -225,16 +223,8 @@ def test_chat_run_kill9_then_resume_matches_uninterrupted_run(tmp_path):
     assert "chat data" in out and "truncated 4 contexts" in out
 
     killed = tmp_path / "killed"
-    proc = _start(killed, cache, **_overrides(path), **{"train.throttle_s": 0.3})
-    deadline = time.time() + 240
-    while len(_ckpt_steps(killed)) < 2:
-        assert proc.poll() is None, proc.communicate()[0][-4000:]
-        assert time.time() < deadline, "no checkpoints appeared"
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
-    resumed_from = max(_ckpt_steps(killed))
+    resumed_from = _kill_after_two_checkpoints(_start(killed, cache, **_overrides(path),
+                                                      **{"train.throttle_s": 0.3}), killed)
     assert 8 <= resumed_from < 16, resumed_from
 
     _finish(_start(killed, cache, **_overrides(path)))

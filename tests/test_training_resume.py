@@ -57,6 +57,19 @@ def _ckpt_steps(workdir):
     return sorted(int(n) for n in os.listdir(d) if n.isdigit())
 
 
+def _kill_after_two_checkpoints(proc, workdir) -> int:
+    """SIGKILL a training run once it has written two checkpoints; the last checkpoint's step."""
+    deadline = time.time() + 240
+    while len(_ckpt_steps(workdir)) < 2:
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert time.time() < deadline, "no checkpoints appeared"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    return max(_ckpt_steps(workdir))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("train_tiny")
@@ -101,16 +114,7 @@ def test_tiny_training_lowers_loss_and_keeps_router_frozen(runs):
 def test_kill9_then_resume_matches_uninterrupted_run(runs):
     base, cache, full = runs
     killed = base / "killed"
-    proc = _start(killed, cache, **{"train.throttle_s": 0.15})
-    deadline = time.time() + 240
-    while len(_ckpt_steps(killed)) < 2:
-        assert proc.poll() is None, proc.communicate()[0][-4000:]
-        assert time.time() < deadline, "no checkpoints appeared"
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
-    resumed_from = max(_ckpt_steps(killed))
+    resumed_from = _kill_after_two_checkpoints(_start(killed, cache, **{"train.throttle_s": 0.15}), killed)
     assert 10 <= resumed_from < 40, resumed_from
 
     _finish(_start(killed, cache))
