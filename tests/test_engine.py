@@ -286,3 +286,24 @@ def test_a_canvas_length_the_model_was_not_trained_for_is_warned(params):
     with warnings.catch_warnings():
         warnings.simplefilter("error", DgemmaWarning)
         Engine(CFG, params, _sampler())  # the trained length: no warning
+
+
+def test_donate_false_leaves_the_callers_cache_usable(params):
+    """Engine(donate=False) must not hand the caller's cache to XLA (it used to return the shared
+    fused program, which always donates); the default engine does donate it."""
+    tokens = np.asarray([[5, 6, 7, 8]], np.int32)
+    sampler = SamplerConfig(canvas_length=CFG.canvas_length, max_denoising_steps=4, eos_ids=(), pad_id=0)
+    results = {}
+    for donate in (False, True):
+        eng = Engine(CFG, params, sampler, donate=donate)
+        cache = eng.new_cache(1, 64)
+        out = eng.generate(tokens, rng=3, max_new_tokens=CFG.canvas_length, cache=cache)
+        results[donate] = np.asarray(out.tokens)
+        if donate:
+            with pytest.raises(RuntimeError, match="deleted|donated"):
+                np.asarray(cache.keys[0])
+        else:
+            assert np.asarray(cache.keys[0]).shape[1] == 64 and int(np.asarray(cache.lengths)[0]) == 0
+            again = eng.generate(tokens, rng=3, max_new_tokens=CFG.canvas_length, cache=cache)   # reusable
+            np.testing.assert_array_equal(np.asarray(again.tokens), results[False])
+    np.testing.assert_array_equal(results[False], results[True])
