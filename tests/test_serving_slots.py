@@ -218,3 +218,24 @@ def test_a_long_prompt_goes_into_its_slot_in_chunks_equal_to_one_prefill(bundled
     for got, want in zip(sch._cache.keys + sch._cache.values, ref.keys + ref.values):
         np.testing.assert_allclose(np.asarray(got)[1, :19], np.asarray(want)[0, :19], atol=2e-5)
         assert not np.asarray(got)[[0, 2]].any()          # the other rows untouched
+
+
+def test_slots_sharded_over_a_mesh(bundled):
+    """`dgemma serve --mesh`: parameters and the slots' cache on a 4-device mesh (fake CPU devices)."""
+    from dgemma_jax.parallel.mesh import make_mesh
+    from dgemma_jax.parallel.shardings import Shardings
+
+    cfg, params, sampler, tok = bundled
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (the suite runs with 8 fake CPU devices)")
+    sh = Shardings(cfg, make_mesh("expert=4", devices=jax.devices()[:4]), "serving")
+    sch = Scheduler.for_model(cfg, sh.place_params(params), tok, sampler, slots=4, shardings=sh)
+    prompts = ["s9350814272=", "s31415926535=", "s8877665544332211=", "s705182936="]
+    got = [_submit(sch, tok, sampler, p, seed=i, max_tokens=24)[0] for i, p in enumerate(prompts)]
+    sch.start()
+    try:
+        assert all(c.done.wait(300) for c in got)
+    finally:
+        sch.stop()
+    assert [c.final[0].text for c in got] == ["".join(sorted(p[1:-1])) for p in prompts]
+    assert len(sch._cache.keys[0].sharding.device_set) == 4
