@@ -202,13 +202,14 @@ def main(argv=None) -> int:
     from dgemma_jax.backends import skip_absent_tpu
     from dgemma_jax.errors import print_warnings_as_lines
 
-    skip_absent_tpu()  # no libtpu probing noise on a machine without a TPU
     print_warnings_as_lines()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    if args.command != "compile":  # AOT compilation for a TPU topology needs JAX's TPU plugin registered
+        skip_absent_tpu()  # no libtpu probing noise on a machine without a TPU
     try:
         return int(args.fn(args) or 0)
     except (UsageError, ValueError, FileNotFoundError) as e:

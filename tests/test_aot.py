@@ -185,3 +185,17 @@ def test_the_servers_slot_programs_compile_for_v6e_8(tmp_path):
     proj = rep["projection"]
     assert proj["rows"] == 4
     assert proj["tokens_per_second_all_rows"] == pytest.approx(4 * proj["tokens_per_second"])
+
+
+def test_compile_works_without_jax_platforms_set(tmp_path):
+    """The CLI drops JAX's TPU probe on machines without a TPU (libtpu's noise), but `compile` needs
+    the TPU plugin registered: with JAX_PLATFORMS unset, as users run it, a program with the Pallas
+    cache-attention kernel must still lower ('tpu_custom_call for an unknown platform tpu' before)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    r = subprocess.run([sys.executable, "-m", "dgemma_jax.cli", "compile", "--preset", "bench", "--topology",
+                        "v6e-8", "--context", "512", "--prompt", "16", "--programs", "denoise_step",
+                        "--out", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((tmp_path / "r.json").read_text())["programs"]["denoise_step"]["fits"]
