@@ -497,12 +497,13 @@ RECIPE_KEYS = {
     "model": ("preset", "param_dtype", "overrides"),
     "init": ("kind", "path", "name", "seed", "embedding_std"),
     "data": ("kind", "tokenizer", "chars", "tokenizer_path", "tasks", "path", "prompt_key", "response_key",
-             "bos_id", "separator", "min_prompt", "prompt_length", "num_canvases", "batch_size", "seed"),
+             "bos_id", "separator", "min_prompt", "prompt_length", "num_canvases", "batch_size", "seed",
+             "ar_loss", "overflow"),
     "lora": ("enabled", "rank", "alpha", "groups"),
     "train": ("workdir", "num_steps", "seed", "log_every", "checkpoint_every", "eval_every", "max_to_keep",
               "time_limit_s", "throttle_s", "export", "progress", "final_eval", "compilation_cache_dir", "mesh",
               "rules"),
-    "eval": ("num_examples", "batch_size", "seed", "sampler"),
+    "eval": ("num_examples", "batch_size", "seed", "sampler", "path", "prompt_key", "response_key"),
 }
 
 
