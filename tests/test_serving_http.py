@@ -212,7 +212,13 @@ def test_sigterm_drains_open_requests_then_exits_cleanly():
         with cf.ThreadPoolExecutor(6) as pool:
             futs = [pool.submit(ask, i) for i in range(6)]
             started.wait()
-            time.sleep(1.0)                       # the requests are in flight (2 running, 4 queued)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:    # all 6 accepted: 2 running, 4 queued
+                h = srv.health()
+                if h["busy_slots"] + h["queued"] + h["stats"].get("finished_stop", 0) >= 6:
+                    break
+                time.sleep(0.05)
+            assert h["busy_slots"] >= 1, h        # SIGTERM lands while requests are in flight
             srv.terminate()
             texts = [f.result(timeout=120) for f in futs]
         assert texts == [_sorted(PROMPTS[i]) for i in range(6)]
