@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from dgemma_jax.pipeline import decode, default_new_tokens, encode_prompt, warn_if_cut_short
+from dgemma_jax.pipeline import decode, default_new_tokens, encode_prompt, has_chat_template, warn_if_cut_short
 
 
 @dataclasses.dataclass
@@ -46,11 +46,7 @@ def split_reply(tokenizer, ids) -> tuple[str, str]:
     `strip_thinking` splits the thought off at (the thought would then stay in the answer)."""
     from dgemma_jax.io.chat import strip_thinking
 
-    try:
-        reply = tokenizer.decode([int(i) for i in ids], skip_special=False)
-    except TypeError:  # a simple tokenizer without skip_special
-        reply = tokenizer.decode([int(i) for i in ids])
-    return strip_thinking(reply)
+    return strip_thinking(decode(tokenizer, ids, keep_special=True))
 
 
 def common_prefix(a, b) -> int:
@@ -76,7 +72,7 @@ class ChatSession:
         self.thinking, self.max_new_tokens, self.seed = thinking, max_new_tokens, int(seed)
         self.cache_length = min(int(context), engine.config.max_position_embeddings)
         self.messages = [{"role": "system", "content": system}] if system else []
-        self.templated = not hasattr(tokenizer, "chars")
+        self.templated = has_chat_template(tokenizer)
         self.cache, self.cached_ids = None, []
         self.turns = 0
 

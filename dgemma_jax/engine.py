@@ -122,6 +122,23 @@ def prepare_inputs(config: ModelConfig, sampler: SamplerConfig, prompt_tokens, l
     return tokens, jnp.asarray(lengths, jnp.int32), int(cache_length), seed_canvas, pinned
 
 
+MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+                 "generated_code_size_in_bytes")
+
+
+def compiled_memory(compiled) -> dict[str, int]:
+    """What a compiled program needs on its device (XLA's memory analysis), with `total_bytes`:
+    arguments + outputs - the outputs aliased to (donated) arguments + temporaries + code. Empty where
+    the backend has no analysis."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    mem = {f: int(getattr(m, f, 0)) for f in MEMORY_FIELDS}
+    mem["total_bytes"] = (mem["argument_size_in_bytes"] + mem["output_size_in_bytes"] - mem["alias_size_in_bytes"]
+                          + mem["temp_size_in_bytes"] + mem["generated_code_size_in_bytes"])
+    return mem
+
+
 def new_tokens_that_fit(config: ModelConfig, sampler: SamplerConfig, context: int, limit: int,
                         cache_length: int | None = None) -> int:
     """The most new tokens (at most `limit`) whose canvases fit after `context` tokens: within the
@@ -157,7 +174,7 @@ class Engine:
         self.shardings = shardings
         self.donate = donate
         self.bucket = bool(bucket)
-        self._fused = {}
+        self._programs = {}
         self._pieces = None
 
     # ------------------------------------------------------------------ programs
@@ -173,18 +190,18 @@ class Engine:
     def _program(self, key, fn, donate=("cache",)):
         """`fn` jitted once per engine (donating `donate` unless `donate=False`), run inside the
         mesh's sharding context when the engine has one; `.lower` lowers it the same way."""
-        if key not in self._fused:
+        if key not in self._programs:
             jitted = jax.jit(fn, donate_argnames=donate if self.donate else ())
             if self.shardings is None:
-                self._fused[key] = jitted
+                self._programs[key] = jitted
             else:
                 def run(*args, **kwargs):
                     with self.shardings.context():
                         return jitted(*args, **kwargs)
 
                 run.lower = lambda *a, **k: _lower_in(self.shardings, jitted, *a, **k)
-                self._fused[key] = run
-        return self._fused[key]
+                self._programs[key] = run
+        return self._programs[key]
 
     def slot_programs(self):
         """(prefill_slot, slot_round) jitted for this engine: the continuous-batching programs of

@@ -67,12 +67,20 @@ def encode_prompt(tok, text: str) -> list[int]:
         return [tok.bos_id] + list(tok.encode(text))
 
 
-def decode(tok, ids) -> str:
+def decode(tok, ids, keep_special: bool = False) -> str:
+    """Text of token ids. keep_special: keep special tokens (a chat reply: a Gemma tokenizer's
+    `skip_special` also drops the `<|channel>` / `<channel|>` markers where the thought is split off)."""
     ids = [int(i) for i in ids]
     try:
-        return tok.decode(ids, skip_special=True)
-    except TypeError:
+        return tok.decode(ids, skip_special=not keep_special)
+    except TypeError:  # a character tokenizer: no special tokens to keep or skip
         return tok.decode(ids)
+
+
+def has_chat_template(tok) -> bool:
+    """Whether prompts are rendered with the Gemma 4 chat template: not for the character-level
+    tokenizers of the small from-scratch models, which cannot spell its turn markers."""
+    return not hasattr(tok, "chars")
 
 
 class DiffusionGemma:

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.engine import compiled_memory
 from dgemma_jax.parallel.hbm_traffic import hbm_traffic
 
 
@@ -257,12 +258,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
                 progress(name, index, len(programs), time.perf_counter() - t0, entry)
             continue
         entry["compile_seconds"] = round(time.perf_counter() - t0, 2)
-        m = compiled.memory_analysis()
-        mem = {k: int(getattr(m, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
-                                               "alias_size_in_bytes", "temp_size_in_bytes",
-                                               "generated_code_size_in_bytes")}
-        total = (mem["argument_size_in_bytes"] + mem["output_size_in_bytes"] - mem["alias_size_in_bytes"]
-                 + mem["temp_size_in_bytes"] + mem["generated_code_size_in_bytes"])
+        mem = compiled_memory(compiled)
+        total = mem.pop("total_bytes")
         entry.update(memory=mem, total_bytes=total, fits=total <= topo.hbm_bytes, **_cost(compiled))
         # the compiler counts no FLOPs inside a Pallas kernel (the cache-attention kernel, model/flash.py):
         # its FLOPs are counted from the shapes it was traced with and added

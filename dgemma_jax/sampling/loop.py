@@ -66,14 +66,11 @@ class RowKnobs:
         """Host-built knobs of one `SamplerConfig` per row; `budget` >= every row's step budget is
         the loop's own (the static sampler's `max_denoising_steps`)."""
         samplers = list(samplers)
-        table = np.zeros((len(samplers), budget), np.float32)
         for b, s in enumerate(samplers):
             if s.max_denoising_steps > budget:
                 raise ValueError(f"row {b} asks for {s.max_denoising_steps} denoising steps; this loop runs at "
                                  f"most {budget}")
-            t = ops.temperature_table(s)
-            table[b, :len(t)] = t
-            table[b, len(t):] = t[-1]
+        table = np.stack([_temperature_row(s, budget) for s in samplers])
         return cls(jnp.asarray(table), jnp.asarray([s.max_denoising_steps for s in samplers], jnp.int32),
                    jnp.asarray([s.entropy_bound for s in samplers], jnp.float32),
                    jnp.asarray([s.confidence_threshold for s in samplers], jnp.float32))
@@ -100,6 +97,17 @@ def seed_key(seed: int) -> jax.Array:
         return jax.random.wrap_key_data(np.array([hi, lo], np.uint32))
     key = jax.random.key(np.uint32(lo))  # another key implementation: fold the high word in
     return jax.random.fold_in(key, hi) if hi else key
+
+
+@functools.lru_cache(maxsize=256)
+def _temperature_row(sampler: SamplerConfig, budget: int) -> np.ndarray:
+    """A sampler's temperature per step over `budget` steps (its last one repeated past its own
+    budget); cached, since a server rebuilds its slots' knobs every round from few distinct configs."""
+    t = ops.temperature_table(sampler)
+    row = np.full((budget,), t[-1], np.float32)
+    row[:len(t)] = t
+    row.flags.writeable = False
+    return row
 
 
 def row_keys(rng, batch: int) -> jax.Array:

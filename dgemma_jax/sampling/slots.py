@@ -8,8 +8,9 @@ Between rounds the host retires finished requests and prefills waiting ones into
 
 A slot's canvas c uses the key `fold_in(row_key, c)` and commits exactly as `generate_fused` does
 (EOS truncation, no commit after the request's last canvas), so a request runs the same algorithm
-as `Engine.generate` with that row key. Every shape is fixed by (N, cache length), so a request's
-tokens do not depend on what the other slots hold (tests/test_serving_slots.py).
+as `Engine.generate` with that row key. Every shape is fixed by (N, cache length); on XLA:CPU a row's
+logits were then bit-identical whatever the other slots held (tests/test_serving_slots.py), so a
+request's tokens do not depend on them there.
 """
 
 from __future__ import annotations

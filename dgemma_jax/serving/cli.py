@@ -33,9 +33,7 @@ def cmd_serve(args) -> int:
     print(f"dgemma serve: compiling the slot programs for {args.slots} slot(s) x {context} tokens ...",
           file=sys.stderr, flush=True)
     scheduler.start()
-    mem = scheduler.memory.get("slot_round", {})
-    need = sum(mem.get(k, 0) for k in ("argument_size_in_bytes", "temp_size_in_bytes")) + \
-        mem.get("output_size_in_bytes", 0) - mem.get("alias_size_in_bytes", 0)
+    need = scheduler.memory.get("slot_round", {}).get("total_bytes", 0)
     print(f"dgemma serve: {name}, {args.slots} slot(s), context {context} tokens per slot, canvas "
           f"{sampler.canvas_length}, up to {scheduler.engine.sampler.max_denoising_steps} steps per canvas; "
           f"compiled in {scheduler.stats['startup_compile_ms'] / 1e3:.1f} s; the denoise round needs "

@@ -14,7 +14,8 @@ round, without waiting for the others.
 
 Reproducibility: choice i of a request with seed s uses the row key `row_keys(s, n)[i]` (the key
 `Engine.generate(rng=s)` gives row i of a batch of n), its own sampler settings (`RowKnobs`), and
-programs whose shapes depend only on (slots, context): its tokens do not depend on what else runs.
+programs whose shapes depend only on (slots, context): on XLA:CPU its tokens were the same whatever
+else ran (tests/test_serving_*.py); not verified on TPU or GPU.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from dgemma_jax.engine import Engine
+from dgemma_jax.engine import Engine, compiled_memory, new_tokens_that_fit
+from dgemma_jax.pipeline import decode
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, row_keys
 from dgemma_jax.serving import text as text_lib
@@ -131,7 +133,6 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._default_knobs = self.default_sampler
         self.memory: dict[str, dict[str, int]] = {}
         self.stats = collections.Counter()
         self.error: BaseException | None = None
@@ -158,16 +159,14 @@ class Scheduler:
             raise ValueError(f"the prompt is {prompt_len} tokens; with one canvas of {l} it exceeds this server's "
                              f"context of {self.context} tokens per request: shorten the prompt")
         if prompt_len + (n_canvas - 1) * l > self.context or prompt_len + n_canvas * l > cfg.max_position_embeddings:
-            most = min((self.context - prompt_len) // l + 1, (cfg.max_position_embeddings - prompt_len) // l) * l
+            most = new_tokens_that_fit(cfg, self.engine.sampler, prompt_len, max_tokens, self.context)
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens={max_tokens} ({n_canvas} canvases of {l}) "
                              f"do not fit this server's context of {self.context} tokens per request; "
                              f"ask for at most {most} tokens or shorten the prompt")
 
     def default_max_tokens(self, prompt_len: int, limit: int) -> int:
         """The most tokens (<= limit, whole canvases) that fit after a prompt of `prompt_len`."""
-        cfg, l = self.engine.config, self.canvas_length
-        canvases = min((self.context - prompt_len) // l + 1, (cfg.max_position_embeddings - prompt_len) // l)
-        return max(l, min(int(limit), canvases * l))
+        return new_tokens_that_fit(self.engine.config, self.engine.sampler, prompt_len, limit, self.context)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -221,14 +220,14 @@ class Scheduler:
     # ------------------------------------------------------------------ programs
     def _args_round(self):
         n = self.slots
-        knobs = RowKnobs.from_samplers([self._default_knobs] * n, self.engine.sampler.max_denoising_steps)
+        knobs = RowKnobs.from_samplers([self.default_sampler] * n, self.engine.sampler.max_denoising_steps)
         keys = jax.random.wrap_key_data(np.zeros((n, 2), np.uint32))
         return dict(cache=self._cache, keys=keys, canvas_index=np.zeros(n, np.int32), active=np.zeros(n, bool),
                     last=np.zeros(n, bool), knobs=knobs)
 
     def _compile_round(self):
         compiled = self._round.lower(self.engine.params, **self._args_round()).compile()
-        self.memory["slot_round"] = _memory(compiled)
+        self.memory["slot_round"] = compiled_memory(compiled)
         return compiled
 
     def _prefill_for(self, width: int):
@@ -236,7 +235,7 @@ class Scheduler:
             compiled = self._prefill.lower(self.engine.params, cache=self._cache, slot=np.int32(0),
                                            tokens=np.zeros((1, width), np.int32),
                                            length=np.ones((1,), np.int32), fresh=np.bool_(True)).compile()
-            self.memory[f"prefill_slot_{width}"] = _memory(compiled)
+            self.memory[f"prefill_slot_{width}"] = compiled_memory(compiled)
             self._compiled_prefill[width] = compiled
         return self._compiled_prefill[width]
 
@@ -295,7 +294,7 @@ class Scheduler:
     def _one_round(self) -> None:
         n, l = self.slots, self.canvas_length
         busy = list(self._busy)
-        samplers = [c.request.sampler if c else self._default_knobs for c in busy]
+        samplers = [c.request.sampler if c else self.default_sampler for c in busy]
         knobs = RowKnobs.from_samplers(samplers, self.engine.sampler.max_denoising_steps)
         keys = np.zeros((n, 2), np.uint32)
         canvas_index, active, last = np.zeros(n, np.int32), np.zeros(n, bool), np.zeros(n, bool)
@@ -328,7 +327,7 @@ class Scheduler:
     def _emit(self, c: _Choice, reason: str | None) -> str | None:
         pad = self.engine.sampler.pad_id
         ids = tuple(t for t in c.tokens if t != pad)
-        text, hit = text_lib.cut_at_stop(text_lib.decode(self.tokenizer, ids, c.request.keep_special),
+        text, hit = text_lib.cut_at_stop(decode(self.tokenizer, ids, c.request.keep_special),
                                          c.request.stop)
         if hit and reason != "cancelled":
             reason = "stop"
@@ -351,12 +350,3 @@ class Scheduler:
             except Exception:  # noqa: BLE001
                 pass
 
-
-def _memory(compiled) -> dict[str, int]:
-    """Bytes the compiled program needs (XLA's memory analysis; empty where the backend has none)."""
-    m = compiled.memory_analysis()
-    if m is None:
-        return {}
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-              "generated_code_size_in_bytes")
-    return {f: int(getattr(m, f)) for f in fields if hasattr(m, f)}

@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dgemma_jax.io.chat import history_without_thinking, render_chat
-from dgemma_jax.pipeline import encode_prompt
+from dgemma_jax.pipeline import encode_prompt, has_chat_template
 from dgemma_jax.serving import text as text_lib
 from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, SeqEvent, ShuttingDown
 from dgemma_jax.serving.schema import ChatRequest, CompletionRequest
@@ -47,11 +47,6 @@ class APIError(Exception):
 def _error(status: int, message: str, kind: str, code: str | None = None, param: str | None = None):
     return JSONResponse({"error": {"message": message, "type": kind, "code": code, "param": param}},
                         status_code=status)
-
-
-def _has_chat_template(tokenizer) -> bool:
-    # the character-level tokenizers of the small from-scratch models cannot spell Gemma's turn markers
-    return not hasattr(tokenizer, "chars")
 
 
 def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
@@ -101,7 +96,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
 
     def chat_ids(body: ChatRequest) -> list[int]:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        if not _has_chat_template(tok):
+        if not has_chat_template(tok):
             users = [m for m in messages if m["role"] == "user"]
             if len(messages) != 1 or len(users) != 1:
                 raise APIError(400, f"{model_name} has no chat template (a character-level model): send exactly one "
@@ -148,7 +143,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
             for p, ids in enumerate(prompts):
                 n_tok = budget if budget is not None else scheduler.default_max_tokens(len(ids), default_max_tokens)
                 req = Request(ids, n_tok, sampler, seed, n=body.n, stop=body.stops,
-                              keep_special=chat and _has_chat_template(tok),
+                              keep_special=chat and has_chat_template(tok),
                               on_event=lambda ev, p=p: loop.call_soon_threadsafe(queue.put_nowait, (p, ev)))
                 reqs.append(scheduler.submit(req))
         except BaseException as e:

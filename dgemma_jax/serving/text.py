@@ -6,17 +6,7 @@ from typing import Sequence
 
 from dgemma_jax.io.chat import strip_thinking
 
-__all__ = ["decode", "cut_at_stop", "stream_safe", "split_reasoning", "delta"]
-
-
-def decode(tokenizer, ids, keep_special: bool = False) -> str:
-    """Text of generated ids. keep_special: keep special tokens (a chat reply: its `<|channel>`
-    markers are where `split_reasoning` separates the thought from the answer)."""
-    ids = [int(i) for i in ids]
-    try:
-        return tokenizer.decode(ids, skip_special=not keep_special)
-    except TypeError:  # a character tokenizer: no special tokens to keep or skip
-        return tokenizer.decode(ids)
+__all__ = ["cut_at_stop", "stream_safe", "split_reasoning", "delta"]
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
