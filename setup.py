@@ -31,7 +31,7 @@ setup(
         "uvicorn>=0.29",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "openai>=1.40"],
+        "test": ["pytest>=8", "pytest-timeout", "openai>=1.40", "httpx>=0.27"],
         # The numerical reference: Hugging Face transformers' diffusion_gemma on CPU.
         # torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
         "ref": ["transformers==5.23.0", "torch==2.13.0"],
