@@ -31,7 +31,12 @@ def get_config():
     c.init = ml_collections.ConfigDict(dict(kind="random", seed=0, embedding_std=0.125))
     c.data = ml_collections.ConfigDict(dict(
         kind="tasks", tokenizer="tasks",
-        tasks=[dict(name="sort", min_len=9, max_len=16)],
+        # the input-kind mixture (dgemma_jax/training/tasks.py, DIGIT_KINDS): uniform digits alone
+        # almost never show long runs of one digit, and the model trained on them alone sorted only
+        # ~70% of all-same / dominant-digit / two-digit inputs (counting a run's length is the hard part)
+        tasks=[dict(name="sort", min_len=9, max_len=16,
+                    kinds=dict(random=0.3, same=0.1, dominant=0.2, two=0.2, leading_zeros=0.1, sorted=0.05,
+                               reversed=0.05))],
         prompt_length=19, num_canvases=3, batch_size=64, seed=0,
     ))
     c.objective = ml_collections.ConfigDict(dict(t_eps=1e-3, sc_prob=0.5, ar_weight=1.0, ar_on_prompt=False,

@@ -6,6 +6,11 @@ with the real sampler, sweep max_denoising_steps, and write
     benchmarks/results/bundled_step_sweep.{json,png}, bundled_tokens_per_forward.png,
     benchmarks/results/bundled_loss_curve.png, bundled_training.json
 
+Besides the held-out sample of the training mix, it evaluates each input kind of
+dgemma_jax/training/tasks.py (DIGIT_KINDS: random, all-same, dominant digit, two distinct digits,
+leading zeros, sorted, reverse sorted) on its own held-out problems (`--category-n` each, eval seed
+!= data seed) and writes the per-category table.
+
 Usage:  python scripts/train_bundled.py [--workdir /tmp/dgemma_bundled] [--eval-n 1000] [--sweep-n 500]
         python scripts/train_bundled.py --skip-train     # re-evaluate the workdir's export/
 """
@@ -24,6 +29,7 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 CI_SAMPLE = {"n": 100, "seed": 2024}     # tests/test_training_bundled.py evaluates exactly this sample
+CI_CATEGORIES = {"n": 100, "seed": 2024}  # ... and these per-category samples
 EVAL_SEED = 12345
 SWEEP_STEPS = (1, 2, 4, 8, 16, 48)
 
@@ -35,6 +41,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="override train.num_steps")
     ap.add_argument("--eval-n", type=int, default=1000)
     ap.add_argument("--sweep-n", type=int, default=500)
+    ap.add_argument("--category-n", type=int, default=500, help="held-out problems per input kind")
     ap.add_argument("--assets", default=None, help="output asset dir (default dgemma_jax/assets/<model name>)")
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--skip-train", action="store_true", help="evaluate/export an existing workdir")
@@ -47,6 +54,7 @@ def main(argv=None):
     from dgemma_jax.training import bundled
     from dgemma_jax.training.checkpoint import load_params
     from dgemma_jax.training.evaluate import evaluate_exact_match, sweep_steps
+    from dgemma_jax.training.tasks import DIGIT_KINDS, kind_problems
     from dgemma_jax.training.plots import plot_loss_curve, plot_step_sweep, plot_tokens_per_forward
     from dgemma_jax.training.train import Run, _d, load_config, train
 
@@ -80,6 +88,20 @@ def main(argv=None):
                                    bundled.heldout_pairs(meta_tasks, CI_SAMPLE["n"], CI_SAMPLE["seed"]),
                                    seed=CI_SAMPLE["seed"], **kw)
     print(json.dumps({k: v for k, v in main_eval.items() if k != "samples"}), flush=True)
+    sort_spec = next(t for t in tasks if t["name"] == "sort")
+    categories, ci_categories = {}, {}
+    print(f"per-category eval: {args.category_n} held-out problems per kind ...", flush=True)
+    for kind in DIGIT_KINDS:
+        r = evaluate_exact_match(mcfg, params, sampler, tok, kind_problems(sort_spec, kind, args.category_n, EVAL_SEED),
+                                 seed=EVAL_SEED, **kw)
+        categories[kind] = {k: r[k] for k in ("n", "correct", "accuracy", "mean_steps_per_canvas",
+                                              "tokens_per_forward", "failures")}
+        c = evaluate_exact_match(mcfg, params, sampler, tok,
+                                 kind_problems(sort_spec, kind, CI_CATEGORIES["n"], CI_CATEGORIES["seed"]),
+                                 seed=CI_CATEGORIES["seed"], **kw)
+        ci_categories[kind] = c["correct"]
+        print(f"  {kind:14s} {r['correct']}/{r['n']} = {r['accuracy']:.4f}   (CI sample {c['correct']}/{c['n']})"
+              + (f"   e.g. {r['failures'][0]}" if r["failures"] else ""), flush=True)
     print(f"sweeping max_denoising_steps {SWEEP_STEPS} on {args.sweep_n} examples ...", flush=True)
     sweep = sweep_steps(mcfg, params, sampler, tok, bundled.heldout_pairs(meta_tasks, args.sweep_n, EVAL_SEED + 1),
                         steps=SWEEP_STEPS, seed=EVAL_SEED + 1, **kw)
@@ -107,6 +129,10 @@ def main(argv=None):
         "sampler": dataclasses.asdict(sampler),
         "eval": {k: v for k, v in main_eval.items()} | {"seed": EVAL_SEED},
         "ci_sample": {"n": CI_SAMPLE["n"], "seed": CI_SAMPLE["seed"], "accuracy": ci_eval["accuracy"]},
+        "category_eval": {"seed": EVAL_SEED, "task": sort_spec,
+                          "generator": "dgemma_jax.training.tasks.kind_problems(task, kind, n, seed)",
+                          "kinds": categories},
+        "ci_categories": {"n": CI_CATEGORIES["n"], "seed": CI_CATEGORIES["seed"], "correct": ci_categories},
         "step_sweep": sweep,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -119,7 +145,8 @@ def main(argv=None):
         json.dump({"model": mcfg.name, "n": args.sweep_n, "sampler": dataclasses.asdict(sampler),
                    "rows": sweep}, f, indent=1)
     with open(os.path.join(args.results, "bundled_training.json"), "w") as f:
-        json.dump({k: v for k, v in metadata.items() if k != "step_sweep"} | {"wall_seconds_train_call": wall_train},
+        json.dump({k: v for k, v in metadata.items() if k != "step_sweep"} | {"wall_seconds_train_call": wall_train,
+                   "load_average_at_end": os.getloadavg()},
                   f, indent=1)
     title = f"{mcfg.name}: sort 9-16 digits, canvas {mcfg.canvas_length}, n={args.sweep_n}"
     plot_step_sweep(sweep, os.path.join(args.results, "bundled_step_sweep.png"), title)

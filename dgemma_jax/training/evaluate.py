@@ -30,14 +30,15 @@ def evaluate_exact_match(config: ModelConfig, params: Any, sampler: SamplerConfi
 
     Prompts are BOS + tokenizer.encode(prompt), right-padded to `prompt_width` (one compiled shape;
     the last batch is padded with copies and the copies are not scored). Returns accuracy, per-row
-    denoiser passes, mean steps per canvas, tokens per forward pass (HF's metric) and a few samples.
+    denoiser passes, mean steps per canvas, tokens per forward pass (HF's metric), a few samples
+    (the first `keep`) and a few failures (the first `keep` wrong answers).
     """
     from dgemma_jax.engine import Engine
 
     engine = engine or Engine(config, params, sampler)
     n = len(pairs)
     correct, tpf, steps_per_canvas, passes = [], [], [], []
-    samples = []
+    samples, failures = [], []
     t0 = time.time()
     for s in range(0, n, batch_size):
         chunk = list(pairs[s:s + batch_size])
@@ -53,19 +54,24 @@ def evaluate_exact_match(config: ModelConfig, params: Any, sampler: SamplerConfi
             text = tokenizer.decode(gen[i])
             ok = text == chunk[i][1]
             correct.append(ok)
+            row = {"prompt": chunk[i][0], "target": chunk[i][1], "output": text, "correct": bool(ok)}
             if len(samples) < keep:
-                samples.append({"prompt": chunk[i][0], "target": chunk[i][1], "output": text, "correct": bool(ok)})
+                samples.append(row)
+            if not ok and len(failures) < keep:
+                failures.append(row)
         tpf.extend(tp.tolist())
         passes.extend(st.sum(-1).tolist())
         steps_per_canvas.extend(st[st > 0].tolist())
     return {
         "n": n,
         "accuracy": float(np.mean(correct)),
+        "correct": int(np.sum(correct)),
         "mean_steps_per_canvas": float(np.mean(steps_per_canvas)) if steps_per_canvas else 0.0,
         "mean_passes_per_example": float(np.mean(passes)),
         "tokens_per_forward": float(np.mean(tpf)),
         "seconds": time.time() - t0,
         "samples": samples,
+        "failures": failures,
     }
 
 
@@ -75,6 +81,6 @@ def sweep_steps(config: ModelConfig, params: Any, sampler: SamplerConfig, tokeni
     rows = []
     for n in steps:
         r = evaluate_exact_match(config, params, sampler.replace(max_denoising_steps=int(n)), tokenizer, pairs, **kw)
-        r = {k: v for k, v in r.items() if k != "samples"}
+        r = {k: v for k, v in r.items() if k not in ("samples", "failures")}
         rows.append({"max_denoising_steps": int(n), **r})
     return rows

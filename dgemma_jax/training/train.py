@@ -570,6 +570,6 @@ def main(config) -> dict[str, Any]:
     summary = train(config)
     printable = {k: v for k, v in summary.items() if k != "run"}
     if "eval" in printable:
-        printable["eval"] = {k: v for k, v in printable["eval"].items() if k != "samples"}
+        printable["eval"] = {k: v for k, v in printable["eval"].items() if k not in ("samples", "failures")}
     print(json.dumps(_jsonable(printable), indent=1))
     return summary
