@@ -4,11 +4,13 @@ A small model with the full DiffusionGemma code path (MoE with a shared dense ML
 layers, K=V global attention, self-conditioning) learns digit tasks with answers longer than one
 canvas. Reproduce with `python scripts/train_bundled.py --fresh`.
 
-Measured (2 shared CPU cores, load ~5-7 from other jobs): 3000 steps in 1335 s (22 min, compile and
-periodic evals included); exact match 0.999 on 1000 held-out problems with the sampler below
-(max 16 steps, released temperature/entropy settings), ~2.0 denoising steps per canvas, 3.2 tokens
-per decoder pass. Numbers: dgemma_jax/assets/dgemma-tiny-digits/metadata.json,
-benchmarks/results/bundled_*.
+Measured (2 CPU cores shared with other jobs, load average 6-7 throughout): 3000 steps in 2927 s
+(49 min, compile and periodic evals included; the same steps took 1335 s on a quieter machine);
+exact match with the sampler below (max 16 steps, released temperature/entropy settings) on 500
+held-out problems of each input kind: random 500, all-same 500, dominant digit 499, two digits 498,
+leading zeros 499, sorted 500, reverse sorted 500; 999/1000 on the training mix; ~2.0 denoising
+steps per canvas, 3.2 tokens per decoder pass. Numbers: dgemma_jax/assets/dgemma-tiny-digits/
+metadata.json, benchmarks/results/bundled_*.
 
 From-scratch choices that differ from the published SFT recipe: peak LR 3e-3 (-> 1e-4), b1 0.9,
 a small embedding init (std 1/8 = 1/sqrt(D): unit-RMS inputs, O(1) initial logits), and the AR
