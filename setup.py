@@ -26,9 +26,11 @@ setup(
         "tqdm",
         "rich",
         "matplotlib",
+        "jinja2>=3.1",  # the checkpoint's chat template
         # the server (`dgemma serve`)
         "fastapi>=0.110",
         "uvicorn>=0.29",
+        "pydantic>=2",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "openai>=1.40", "httpx>=0.27"],

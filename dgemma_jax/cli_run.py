@@ -18,7 +18,7 @@ from dgemma_jax.pipeline import load_checkpoint as load_for_cli
 def sampler_from_args(args, config, base):
     from dgemma_jax.sampling.config import SamplerConfig
 
-    s = base or SamplerConfig(canvas_length=config.canvas_length, eos_ids=config.eos_ids, pad_id=config.pad_id)
+    s = base or SamplerConfig.for_model(config)
     changes = {}
     for flag, field in (("steps", "max_denoising_steps"), ("t_max", "t_max"), ("t_min", "t_min"),
                         ("entropy_bound", "entropy_bound"), ("confidence", "confidence_threshold"),

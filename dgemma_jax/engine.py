@@ -165,8 +165,7 @@ class Engine:
                  shardings: Any | None = None, donate: bool = True, bucket: bool = True):
         self.config = config
         self.params = params
-        self.sampler = sampler or SamplerConfig(canvas_length=config.canvas_length,
-                                                eos_ids=config.eos_ids, pad_id=config.pad_id)
+        self.sampler = sampler or SamplerConfig.for_model(config)
         _check_sampler(config, self.sampler)
         mismatch = canvas_length_warning(config, self.sampler)
         if mismatch:

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from dgemma_jax import ModelConfig, param_shapes
+from dgemma_jax import ModelConfig, SamplerConfig, param_shapes
 
 RELEASED = "diffusiongemma-26b-a4b"
 
@@ -306,3 +306,21 @@ def test_from_hf_reads_transformers_config(name):
     hf_cfg = json.loads(json.dumps(hf_cfg))
     assert "per_layer_config" in hf_cfg["text_config"]
     assert _neutral(ModelConfig.from_hf(hf_cfg)) == _neutral(ours)
+
+
+def test_sampler_for_model_is_the_one_default_everywhere():
+    import dgemma_jax
+    from dgemma_jax.engine import Engine
+    from dgemma_jax.model import init_params
+
+    cfg = ModelConfig.preset("tiny-2layer").replace(eos_ids=(1, 5), pad_id=3, canvas_length=8)
+    s = SamplerConfig.for_model(cfg)
+    assert (s.canvas_length, s.eos_ids, s.pad_id) == (8, (1, 5), 3)
+    assert s.max_denoising_steps == 48 and s.t_max == 0.8  # the released settings otherwise
+    assert SamplerConfig.for_model(cfg, max_denoising_steps=4).max_denoising_steps == 4
+    params = init_params(cfg, jax.random.key(0))
+    assert Engine(cfg, params).sampler == s
+    # the curated top level
+    for name in ("ModelConfig", "SamplerConfig", "Engine", "generate", "DiffusionGemma", "load_hf"):
+        assert name in dgemma_jax.__all__ and getattr(dgemma_jax, name) is not None
+    assert dgemma_jax.SamplerConfig is SamplerConfig

@@ -215,8 +215,7 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         cfg = cfg.replace(moe_dispatch="ragged")  # what "auto" resolves to on TPU
     topo = topology(topology_name)
     devs = devices if devices is not None else tpu_devices(topology_name)
-    sampler = sampler or SamplerConfig(canvas_length=cfg.canvas_length, max_denoising_steps=48,
-                                       eos_ids=tuple(e for e in cfg.eos_ids))
+    sampler = sampler or SamplerConfig.for_model(cfg, max_denoising_steps=48)
     if context < prompt + sampler.canvas_length:
         raise ValueError(f"context {context} must hold the prompt ({prompt}) plus a canvas ({sampler.canvas_length})")
     max_new_tokens = max_new_tokens or max(sampler.canvas_length, context - prompt)

@@ -17,7 +17,7 @@ def cmd_serve(args) -> int:
     if sampler is None:  # a checkpoint without generation settings: the released defaults
         from dgemma_jax.sampling.config import SamplerConfig
 
-        sampler = SamplerConfig(canvas_length=cfg.canvas_length, eos_ids=cfg.eos_ids, pad_id=cfg.pad_id)
+        sampler = SamplerConfig.for_model(cfg)
     shardings = None
     if args.mesh:
         from dgemma_jax.parallel.mesh import make_mesh
