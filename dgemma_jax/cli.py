@@ -89,7 +89,7 @@ def cmd_inspect(args) -> int:
 
 # ---------------------------------------------------------------------------- compile
 def cmd_compile(args) -> int:
-    from dgemma_jax.parallel import aot
+    from dgemma_jax.perf import aot
 
     if args.topology not in aot.TOPOLOGIES:
         raise UsageError(f"unknown --topology {args.topology!r}; choose one of {', '.join(aot.TOPOLOGIES)}")

@@ -61,26 +61,19 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None):
 
 def encode_prompt(tok, text: str) -> list[int]:
     """BOS + the prompt's ids (the training layout of every model here)."""
-    try:
-        return list(tok.encode(text, add_bos=True))
-    except TypeError:  # a simple tokenizer without add_bos
-        return [tok.bos_id] + list(tok.encode(text))
+    return list(tok.encode(text, add_bos=True))
 
 
 def decode(tok, ids, keep_special: bool = False) -> str:
     """Text of token ids. keep_special: keep special tokens (a chat reply: a Gemma tokenizer's
     `skip_special` also drops the `<|channel>` / `<channel|>` markers where the thought is split off)."""
-    ids = [int(i) for i in ids]
-    try:
-        return tok.decode(ids, skip_special=not keep_special)
-    except TypeError:  # a character tokenizer: no special tokens to keep or skip
-        return tok.decode(ids)
+    return tok.decode([int(i) for i in ids], skip_special=not keep_special)
 
 
 def has_chat_template(tok) -> bool:
     """Whether prompts are rendered with the Gemma 4 chat template: not for the character-level
     tokenizers of the small from-scratch models, which cannot spell its turn markers."""
-    return not hasattr(tok, "chars")
+    return tok.has_chat_template
 
 
 class DiffusionGemma:

@@ -12,9 +12,42 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="dgem
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
+SLOW_LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_tests.txt")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="run every tier (CI does): the default run leaves out the tests marked slow "
+                          "and those listed in tests/slow_tests.txt")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "ref: needs transformers+torch (the [ref] extra)")
-    config.addinivalue_line("markers", "slow: longer end-to-end tests")
+    config.addinivalue_line("markers", "slow: longer end-to-end tests (run with --full, or -m slow)")
+
+
+def _slow_prefixes() -> list[str]:
+    with open(SLOW_LIST) as f:
+        return [line.split("#")[0].strip() for line in f if line.split("#")[0].strip()]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tiers: the tests in tests/slow_tests.txt (module paths or node ids, measured as the slow ones)
+    get the `slow` marker; a plain `pytest -q` deselects them, `--full` (or any explicit `-m`) keeps
+    them."""
+    prefixes = _slow_prefixes()
+    for item in items:
+        nodeid = item.nodeid
+        if any(nodeid == p or nodeid.startswith(p + "::") or nodeid.startswith(p + "[") for p in prefixes):
+            item.add_marker(pytest.mark.slow)
+    if config.getoption("--full") or config.option.markexpr:
+        return
+    keep, slow = [], []
+    for item in items:
+        (slow if item.get_closest_marker("slow") else keep).append(item)
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = keep
 
 
 def _memory_map_count() -> int | None:

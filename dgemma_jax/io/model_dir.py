@@ -267,7 +267,7 @@ def load_model_tokenizer(path: str | os.PathLike):
         with open(file) as f:
             head = f.read(200)
         if '"type": "char"' in head or '"type":"char"' in head:
-            from dgemma_jax.training.tokenizer import CharTokenizer
+            from dgemma_jax.io.char_tokenizer import CharTokenizer
 
             return CharTokenizer.load(file)
         path = file

@@ -62,11 +62,11 @@ def build_tokenizer(dc: dict):
 
         return task_tokenizer()
     if kind == "char":
-        from dgemma_jax.training.tokenizer import CharTokenizer
+        from dgemma_jax.io.char_tokenizer import CharTokenizer
 
         return CharTokenizer(dc["chars"])
     if kind == "char_file":
-        from dgemma_jax.training.tokenizer import CharTokenizer
+        from dgemma_jax.io.char_tokenizer import CharTokenizer
 
         return CharTokenizer.load(dc["tokenizer_path"])
     if kind == "hf":

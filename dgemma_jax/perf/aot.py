@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.engine import compiled_memory
-from dgemma_jax.parallel.hbm_traffic import hbm_traffic
+from dgemma_jax.perf.hbm_traffic import hbm_traffic
 
 
 PROJECTION_LABEL = ("projection from the TPU compiler (cost_analysis FLOPs plus the attention kernel's, the compiled "
@@ -297,8 +297,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
 
 
 def _add_efficiency(entry: dict, cfg: ModelConfig, sh, topo: Topology, batch: int, context: int):
-    """The step's counted FLOPs and bytes against what it must do (parallel/roofline.py)."""
-    from dgemma_jax.parallel import roofline
+    """The step's counted FLOPs and bytes against what it must do (perf/roofline.py)."""
+    from dgemma_jax.perf import roofline
 
     chips = sh.mesh.devices.size
     useful = roofline.denoise_step_flops(cfg, batch, context) / chips
