@@ -20,7 +20,7 @@ import numpy as np
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import DgemmaWarning
-from dgemma_jax.model.api import check_tokens
+from dgemma_jax.model.api import check_tokens, encode_pass
 from dgemma_jax.model.cache import KVCache, init_cache
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.sampling import generate as gen
@@ -314,7 +314,4 @@ def jit_denoise_canvas(params, config, sampler, cache, keys, canvas=None, pinned
 @functools.partial(jax.jit, static_argnames=("config", "logits_mode"), donate_argnames=("cache",))
 def jit_prefill(params, config, tokens, lengths, cache, logits_mode="none"):
     """The separately jitted prefill/commit pass, cache donated."""
-    from dgemma_jax.model.transformer import Transformer
-
-    return Transformer(config).apply({"params": params}, tokens, cache.lengths, lengths, cache, logits_mode,
-                                     method="encode")
+    return encode_pass(params, config, tokens, cache.lengths, lengths, cache, logits_mode)

@@ -25,7 +25,7 @@ from flax import struct
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.cache import KVCache
-from dgemma_jax.model.transformer import Transformer
+from dgemma_jax.model.api import encode_pass
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import denoise_canvas, denoise_step, init_state, initial_canvas, loop_running
@@ -59,15 +59,11 @@ def canvas_keys(keys: jax.Array, index) -> jax.Array:
 def commit(params, config: ModelConfig, cache: KVCache, tokens: jax.Array, active: jax.Array) -> KVCache:
     """Causal pass writing `tokens` [B, L] into the cache for the `active` rows (others write nothing)."""
     n = jnp.where(active, tokens.shape[1], 0).astype(jnp.int32)
-    _, cache = Transformer(config).apply({"params": params}, tokens, cache.lengths, n, cache, "none",
-                                         method="encode")
-    return cache
+    return encode_pass(params, config, tokens, cache.lengths, n, cache)[1]
 
 
 def prefill_prompt(params, config: ModelConfig, tokens, lengths, cache: KVCache) -> KVCache:
-    _, cache = Transformer(config).apply({"params": params}, tokens, cache.lengths, lengths, cache, "none",
-                                         method="encode")
-    return cache
+    return encode_pass(params, config, tokens, cache.lengths, lengths, cache)[1]
 
 
 def finish_canvas(sampler: SamplerConfig, argmax: jax.Array, finished: jax.Array):

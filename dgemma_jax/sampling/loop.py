@@ -28,7 +28,7 @@ from flax import struct
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.cache import KVCache
-from dgemma_jax.model.transformer import Transformer
+from dgemma_jax.model.api import denoise_features
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.fused import head_step
@@ -164,8 +164,7 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
     """One denoising step for every unfinished row (pure; jit it or run it in a while_loop).
 
     knobs: optional per-row sampler settings (`RowKnobs`); default: `sampler`'s for every row."""
-    model = Transformer(config)
-    h = model.apply({"params": params}, state.canvas, context_end, cache, state.soft, method="denoise_features")
+    h = denoise_features(params, config, state.canvas, context_end, cache, state.soft)
     step_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, state.step)))(keys)  # [B, 2]
     if knobs is None:
         temp, bound, last = ops.temperature(sampler, state.step), sampler.entropy_bound, None
