@@ -180,6 +180,45 @@ def test_bare_names_and_transformer_prefix(tmp_path):
     assert set(mm) == {name for name, _, _ in vision_layout()} and skipped == []
 
 
+def test_kauldron_training_checkpoint(tmp_path):
+    """A Kauldron trainer step (a checkpoint-manager step directory whose item sits in `default/`, the
+    params next to opt_state/step/collections: gemma `_checkpoint.py` `_get_metadata_and_path`,
+    `_is_kauldron_layout`) gives the same parameters; its detect_source says gemma."""
+    import orbax.checkpoint as ocp
+
+    from dgemma_jax.io.convert import detect_source, restore_gemma, split_gemma
+
+    values, tree = _fixture(seed=7)
+    state = {"params": tree, "opt_state": {"mu": np.zeros(3, np.float32)}, "step": np.array(12, np.int64),
+             "collections": {"stats": np.zeros(2, np.float32)}}
+    with ocp.CheckpointManager(str(tmp_path / "run")) as mgr:
+        mgr.save(12, args=ocp.args.Composite(default=ocp.args.StandardSave(state)))
+        mgr.wait_until_finished()
+    step = tmp_path / "run" / "12"
+    assert (step / "default").is_dir() and detect_source(str(step)) == "gemma"
+    params, mm, skipped = split_gemma(restore_gemma(str(step)), ModelConfig.preset(PRESET))
+    check_against_fixture(params, values)
+    assert set(mm) == {name for name, _, _ in vision_layout()} and skipped == []
+
+
+def test_copy_without_finalisation_marker(tmp_path, monkeypatch):
+    """Where orbax's Checkpointer refuses a copy it thinks unfinished (as public bucket copies can look),
+    the restore goes through the handler, which does not check."""
+    import orbax.checkpoint as ocp
+
+    from dgemma_jax.io.convert import restore_gemma, split_gemma
+
+    values, tree = _fixture(seed=9)
+    _save(tmp_path / "src", tree)
+
+    def refuse(self, *a, **k):
+        raise ValueError("Found incomplete checkpoint at " + str(a[0]))
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "restore", refuse)
+    params, _, _ = split_gemma(restore_gemma(str(tmp_path / "src")), ModelConfig.preset(PRESET))
+    check_against_fixture(params, values)
+
+
 def test_stacked_layout():
     """`transformer/stacked_layers/attention_type_{j}/...` with a leading axis (layer = period*i + j,
     period = number of attention types: gemma `_compat.unstack_params`) reads as the layers it stacks."""

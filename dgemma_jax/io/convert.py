@@ -217,10 +217,9 @@ def split_gemma(tree: dict, cfg: ModelConfig) -> tuple[dict, dict, list[str]]:
     return params, mm, rest
 
 
-def gemma_to_params(tree: dict, cfg: ModelConfig, period: int | None = None) -> dict:
+def gemma_to_params(tree: dict, cfg: ModelConfig) -> dict:
     """A restored gemma-library tree (any layout) -> our parameter tree (numpy); multimodal and other
-    tensors outside the text model are left out (see `split_gemma`). `period` is read from the names."""
-    del period
+    tensors outside the text model are left out (see `split_gemma`)."""
     return split_gemma(tree, cfg)[0]
 
 
