@@ -207,6 +207,17 @@ def test_generate_from_a_hub_repo_pinned_to_a_revision(fake_hub, capsys):
 
     dg = DiffusionGemma.from_pretrained("my-org/dgemma-tiny", revision="main")
     assert dg.config.name == "dgemma-tiny-digits" and fake_hub.calls[-1][1]["revision"] == "main"
+    # dgemma inspect asks for the config files only; dgemma convert for any layout (a gemma orbax tree)
+    from dgemma_jax.io.locations import CONFIG_FILES, HUB_IGNORED
+
+    capsys.readouterr()
+    assert dgemma(["inspect", "--checkpoint", "my-org/dgemma-tiny@v3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["name"] == "dgemma-tiny-digits"
+    assert fake_hub.calls[-1] == ("my-org/dgemma-tiny", {"revision": "v3", "allow_patterns": list(CONFIG_FILES)})
+    from dgemma_jax.io.locations import resolve
+
+    assert resolve("my-org/gemma-layout", check=False) == str(fake_hub.path)
+    assert fake_hub.calls[-1][1] == {"revision": None, "ignore_patterns": HUB_IGNORED}
 
 
 def _hub_error(name, status=404):

@@ -36,6 +36,8 @@ import sys
 
 # files a checkpoint needs, as huggingface_hub allow_patterns (fnmatch: "*" also matches "/")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "params/*"]
+# any directory (check=False: a gemma-library orbax tree for `dgemma convert`): all but other frameworks' weights
+HUB_IGNORED = ["*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.onnx", "*.gguf", "*.tflite"]
 # the files that describe a checkpoint without its weights (`dgemma inspect`)
 CONFIG_FILES = ("dgemma_model.json", "config.json", "generation_config.json")
 MANIFEST = ".dgemma_mirror.json"
@@ -258,9 +260,12 @@ def hub_snapshot(repo: str, revision: str | None = None, files: str = "all", che
     at = f"{repo}@{revision}" if revision else repo
     what = f"the Hugging Face Hub repo {at!r}" if explicit else \
         f"{at!r} (no local directory of that name, so read as a Hugging Face Hub repo id)"
-    patterns = list(CONFIG_FILES) if files == "config" else HUB_PATTERNS
+    if files == "config":
+        which = {"allow_patterns": list(CONFIG_FILES)}
+    else:
+        which = {"allow_patterns": HUB_PATTERNS} if check else {"ignore_patterns": HUB_IGNORED}
     try:
-        path = snapshot_download(repo, revision=revision, allow_patterns=patterns)
+        path = snapshot_download(repo, revision=revision, **which)
     except errors.LocalEntryNotFoundError:
         raise CheckpointNotFound(
             f"{what} is not in the Hugging Face cache and the Hub cannot be reached (offline or HF_HUB_OFFLINE=1): "
