@@ -101,6 +101,47 @@ def test_the_mirror_follows_the_remote_directory(memory_store, capsys):
     assert not [f for f in os.listdir(local) if ".part" in f]
 
 
+def test_an_interrupted_copy_is_finished_by_the_next_run(memory_store, monkeypatch, capsys):
+    """A copy that fails midway is a one-line error; nothing half-written is taken for a file, and the
+    next run copies what is missing (a leftover .part of a killed process is removed)."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from dgemma_jax.io.locations import mirror_path, resolve
+
+    fs, root = memory_store
+    fs.put(asset_path(), f"{root}/tiny", recursive=True)
+    url = f"memory:/{root}/tiny"
+    real_get, copied = MemoryFileSystem.get_file, []
+
+    def flaky_get(self, rpath, lpath, *a, **kw):
+        if len(copied) == 3:
+            with open(lpath, "wb") as f:
+                f.write(b"half")
+            raise ConnectionResetError("the connection dropped")
+        copied.append(rpath)
+        return real_get(self, rpath, lpath, *a, **kw)
+
+    monkeypatch.setattr(MemoryFileSystem, "get_file", flaky_get)
+    capsys.readouterr()
+    assert dgemma(["generate", "--checkpoint", url, "--prompt", PROMPT]) == 2
+    err = capsys.readouterr().err
+    progress, msg = err.strip().splitlines()  # the copy's progress line, then the error in one line
+    assert progress.startswith("dgemma: copying") and msg.startswith("dgemma: error:")
+    assert "ConnectionResetError: the connection dropped" in msg and url in msg
+    local = mirror_path(url)
+    assert not [f for _, _, fs_ in os.walk(local) for f in fs_ if ".part" in f]
+    with open(os.path.join(local, "tokenizer.json.part999999999"), "w") as f:
+        f.write("left by a killed copy")
+    monkeypatch.setattr(MemoryFileSystem, "get_file", real_get)
+    capsys.readouterr()
+    assert resolve(url) == local
+    assert "13 file(s)" in capsys.readouterr().err  # the 16 files less the 3 copied before
+    for rel in fs.find(f"{root}/tiny"):
+        with open(os.path.join(local, os.path.relpath(rel, f"{root}/tiny")), "rb") as f:
+            assert f.read() == fs.cat(rel), rel
+    assert not os.path.exists(os.path.join(local, "tokenizer.json.part999999999"))
+
+
 def test_a_remote_safetensors_directory_loads_like_the_local_one(memory_store, tmp_path, capsys):
     """Hugging Face format (config.json + model.safetensors + tokenizer) from a URL: load_hf,
     dgemma inspect (the config files only) and dgemma convert."""

@@ -196,6 +196,7 @@ def _mirror(url: str, files: str, check: bool, progress: bool) -> str:
         _check_listing(url, rels, need_weights=files != "config")
     local = mirror_path(url)
     os.makedirs(local, exist_ok=True)
+    _remove_stale_parts(local)
     manifest_file = os.path.join(local, MANIFEST)
     try:
         with open(manifest_file) as f:
@@ -239,6 +240,26 @@ def _mirror(url: str, files: str, check: bool, progress: bool) -> str:
             del manifest[rel]
         _write_manifest(manifest_file, manifest)
     return local
+
+
+def _remove_stale_parts(local: str) -> None:
+    """Files a killed copy left half-written (<name>.part<pid> of a process that is gone)."""
+    for dirpath, _, names in os.walk(local):
+        for name in names:
+            m = re.search(r"\.part(\d+)$", name)
+            if not m:
+                continue
+            try:
+                os.kill(int(m.group(1)), 0)
+                continue  # a copy in progress in another process
+            except ProcessLookupError:
+                pass
+            except (PermissionError, OverflowError):
+                continue
+            try:
+                os.remove(os.path.join(dirpath, name))
+            except OSError:
+                pass
 
 
 def _write_manifest(path: str, manifest: dict) -> None:
