@@ -2,11 +2,11 @@
 commands, `DiffusionGemma.from_pretrained`, `load_hf`, `convert`, the trainer's init) goes through
 `resolve`; nothing else knows about URLs or the Hub.
 
-    resolve("/data/ckpt")                        # a local directory: returned as it is
-    resolve("gs://my-bucket/diffusiongemma")     # any fsspec URL (gs://, s3://, memory://, ...): mirrored
-    resolve("google/diffusiongemma-26b-a4b")     # a Hugging Face Hub repo id: huggingface_hub.snapshot_download
-    resolve("google/diffusiongemma-26b-a4b@v1.0")                  # pinned to a revision (branch, tag, commit)
-    resolve("hf://google/diffusiongemma-26b-a4b", revision="abc123")  # hf:// says "the Hub" explicitly
+    resolve("/data/ckpt")                                 # a local directory: returned as it is
+    resolve("gs://my-bucket/diffusiongemma")              # any fsspec URL (gs://, s3://, memory://): mirrored
+    resolve("google/diffusiongemma-26B-A4B-it")           # a Hugging Face Hub repo id: snapshot_download
+    resolve("google/diffusiongemma-26B-A4B-it@v1.0")      # pinned to a revision (branch, tag, commit)
+    resolve("hf://google/diffusiongemma-26B-A4B-it", revision="abc123")  # hf:// says "the Hub" explicitly
 
 Both checkpoint formats (ours: dgemma_model.json + an orbax params/ tree; Hugging Face:
 config.json + *.safetensors + tokenizer files) come from every kind of location.
