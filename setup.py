@@ -20,6 +20,10 @@ setup(
         "ml-collections==1.1.0",
         "numpy>=1.26",
         "safetensors>=0.4",
+        # checkpoint locations (dgemma_jax/io/locations.py): fsspec URLs (gs:// through gcsfs) and Hub repo ids
+        "fsspec>=2023.1",
+        "gcsfs>=2023.1",
+        "huggingface_hub>=0.26",
         "ml-dtypes",
         "tokenizers>=0.20",
         "sentencepiece>=0.2",

@@ -102,7 +102,7 @@ def cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else _strip_final_newline(sys.stdin.read())
     if not prompt:
         raise UsageError("empty prompt: pass --prompt TEXT or pipe text on stdin")
-    cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype)
+    cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype, args.revision)
     sampler = sampler_from_args(args, cfg, sampler)
     ids = encode_prompt(tok, prompt)
     if args.max_prompt and len(ids) > args.max_prompt:
@@ -149,7 +149,7 @@ def cmd_chat(args) -> int:
     from dgemma_jax.chat_session import ChatSession
     from dgemma_jax.engine import Engine
 
-    cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype)
+    cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype, args.revision)
     sampler = sampler_from_args(args, cfg, sampler)
     session = ChatSession(Engine(cfg, params, sampler), tok, system=args.system, thinking=args.thinking,
                           context=args.context, max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -177,9 +177,11 @@ def cmd_chat(args) -> int:
 # ---------------------------------------------------------------------------- convert
 def cmd_convert(args) -> int:
     from dgemma_jax.io import convert
+    from dgemma_jax.io.locations import resolve
 
-    src_fmt = args.from_format or convert.detect_source(args.src)
-    n = convert.convert(args.src, args.dst, src_fmt, dtype=args.dtype, preset=args.preset, progress=not args.quiet,
+    src = resolve(args.src, args.revision, check=False)
+    src_fmt = args.from_format or convert.detect_source(src)
+    n = convert.convert(src, args.dst, src_fmt, dtype=args.dtype, preset=args.preset, progress=not args.quiet,
                         overwrite=args.force)
     print(f"converted {n} tensors from {src_fmt} at {args.src} to a dgemma_jax checkpoint at {args.dst}")
     return 0
@@ -241,6 +243,17 @@ def bench_scratch_path() -> str:
 
 
 # ---------------------------------------------------------------------------- parser
+CHECKPOINT_HELP = ("a checkpoint (Hugging Face or dgemma_jax format): a local directory, a gs:// (or other fsspec) "
+                   "URL, or a Hugging Face Hub repo id, optionally REPO@REVISION (default: the bundled model)")
+
+
+def checkpoint_flags(s):
+    """--checkpoint and --revision, the same for every command that loads a model."""
+    s.add_argument("--checkpoint", help=CHECKPOINT_HELP)
+    s.add_argument("--revision", default=None,
+                   help="the Hub revision of --checkpoint: a branch, tag or commit (default: main)")
+
+
 def add_commands(sub, positive):
     def sampler_flags(s):
         s.add_argument("--steps", type=positive(int), help="max denoising steps per canvas (default 48)")
@@ -253,7 +266,7 @@ def add_commands(sub, positive):
         s.add_argument("--seed", type=_seed, default=0, help="any 64-bit integer (default 0)")
         s.add_argument("--max-new-tokens", type=positive(int), dest="max_new_tokens",
                        help=f"default: {DEFAULT_NEW_TOKENS}, or as many whole canvases as fit the model's positions")
-        s.add_argument("--checkpoint", help="Hugging Face or dgemma_jax checkpoint directory (default: bundled)")
+        checkpoint_flags(s)
         s.add_argument("--dtype", choices=["float32", "bfloat16"])
 
     s = sub.add_parser("generate", help="prompt -> text")
@@ -276,8 +289,9 @@ def add_commands(sub, positive):
     s.set_defaults(fn=cmd_chat)
 
     s = sub.add_parser("convert", help="Hugging Face safetensors or gemma-library orbax -> dgemma_jax checkpoint")
-    s.add_argument("src")
-    s.add_argument("dst")
+    s.add_argument("src", help="a checkpoint directory, a gs:// (fsspec) URL, or a Hugging Face Hub repo id[@revision]")
+    s.add_argument("dst", help="a local directory")
+    s.add_argument("--revision", default=None, help="Hub revision of SRC (branch, tag or commit)")
     s.add_argument("--from", dest="from_format", choices=["hf", "gemma"], default=None)
     s.add_argument("--preset", default=None, help="model preset of a gemma-layout checkpoint (default: the 26B)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"])

@@ -2,6 +2,7 @@
 
     from dgemma_jax.pipeline import DiffusionGemma
     dg = DiffusionGemma.from_pretrained("/path/to/checkpoint")   # HF or dgemma_jax dir; None = bundled model
+    dg = DiffusionGemma.from_pretrained("gs://bucket/ckpt")      # or any fsspec URL, or a Hub repo id[@revision]
     dg.generate("s93421=")                     # -> text
     dg.generate(["a12+34=", "s321="])          # -> list of texts (one batch)
     dg.chat([{"role": "user", "content": "Hi!"}])
@@ -45,16 +46,23 @@ def warn_if_cut_short(config, max_new: int, finished, context: int, cache_length
                   "shorten the prompt", DgemmaWarning, stacklevel=3)
 
 
-def load_checkpoint(checkpoint: str | None, dtype: str | None = None):
-    """-> (config, params, sampler | None, tokenizer); None or "bundled": the bundled small model."""
+def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: str | None = None):
+    """-> (config, params, sampler | None, tokenizer); None or "bundled": the bundled small model.
+
+    checkpoint: a local directory, an fsspec URL (gs://...) or a Hugging Face Hub repo id, optionally
+    REPO@REVISION (`dgemma_jax.io.locations`); revision: the Hub revision (branch, tag or commit)."""
     if checkpoint in (None, "", BUNDLED):
+        if revision is not None:
+            raise UsageError("--revision applies to a Hugging Face Hub checkpoint; pass --checkpoint REPO_ID too")
         try:
             from dgemma_jax.training import load_bundled
         except ImportError as e:
             raise UsageError(f"the bundled model is not available ({e}); pass a checkpoint directory") from None
         return load_bundled()
+    from dgemma_jax.io.locations import resolve
     from dgemma_jax.io.model_dir import load_model, load_model_tokenizer
 
+    checkpoint = resolve(checkpoint, revision)
     cfg, params, sampler = load_model(checkpoint, dtype=dtype)
     return cfg, params, sampler, load_model_tokenizer(checkpoint)
 
@@ -87,8 +95,9 @@ class DiffusionGemma:
 
     @classmethod
     def from_pretrained(cls, checkpoint: str | None = None, dtype: str | None = None, sampler=None,
-                        shardings=None) -> "DiffusionGemma":
-        cfg, params, saved_sampler, tok = load_checkpoint(checkpoint, dtype)
+                        shardings=None, revision: str | None = None) -> "DiffusionGemma":
+        """checkpoint: a local directory, gs:// (any fsspec URL) or a Hub repo id[@revision]; None: bundled."""
+        cfg, params, saved_sampler, tok = load_checkpoint(checkpoint, dtype, revision)
         return cls(cfg, params, tok, sampler or saved_sampler, shardings)
 
     @property

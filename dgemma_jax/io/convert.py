@@ -330,7 +330,11 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
     """Convert `src` into a dgemma_jax checkpoint directory `dst`; returns the number of tensors.
 
     An existing non-empty `dst` is an error unless `overwrite` (`dgemma convert --force`). A source
-    without a tokenizer file converts with a DgemmaWarning: the checkpoint then needs one copied in."""
+    without a tokenizer file converts with a DgemmaWarning: the checkpoint then needs one copied in.
+    `src` may also be a gs:// (fsspec) URL or a Hub repo id[@revision] (`dgemma_jax.io.locations`)."""
+    from dgemma_jax.io.locations import resolve
+
+    src = resolve(src, check=False)
     if os.path.exists(dst) and os.path.realpath(dst) == os.path.realpath(src):
         raise ValueError(f"the destination {dst!r} is the source directory; convert into a new directory")
     if os.path.exists(dst) and not overwrite and (not os.path.isdir(dst) or os.listdir(dst)):
