@@ -20,9 +20,10 @@ setup(
         "ml-collections==1.1.0",
         "numpy>=1.26",
         "safetensors>=0.4",
-        # checkpoint locations (dgemma_jax/io/locations.py): fsspec URLs (gs:// through gcsfs) and Hub repo ids
+        # checkpoint locations (dgemma_jax/io/locations.py): fsspec URLs and Hub repo ids (gs:// needs the
+        # [gcs] extra, which [tpu] includes)
         "fsspec>=2023.1",
-        "gcsfs>=2023.1",
+        "etils[epath]",  # orbax's path type (io/convert.py restores through its handler)
         "huggingface_hub>=0.26",
         "ml-dtypes",
         "tokenizers>=0.20",
@@ -41,7 +42,8 @@ setup(
         # The numerical reference: Hugging Face transformers' diffusion_gemma on CPU.
         # torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
         "ref": ["transformers==5.23.0", "torch==2.13.0"],
-        "tpu": [f"jax[tpu]=={JAX_VERSION}"],
+        "tpu": [f"jax[tpu]=={JAX_VERSION}", "gcsfs>=2023.1"],
+        "gcs": ["gcsfs>=2023.1"],
     },
     entry_points={"console_scripts": ["dgemma=dgemma_jax.cli:main"]},
 )

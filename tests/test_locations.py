@@ -190,6 +190,18 @@ def test_remote_errors_are_one_line(memory_store, capsys):
     assert "--revision applies to Hugging Face Hub repo ids" in msg
 
 
+def test_gs_without_gcsfs_names_the_extra(monkeypatch, capsys):
+    # gcsfs is an extra ([gcs], part of [tpu]); fsspec raises ImportError for gs:// without it
+    import fsspec
+
+    def no_gcsfs(url, **kw):
+        raise ImportError("Install gcsfs to access Google Storage")
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", no_gcsfs)
+    msg = _one_line_error(capsys, ["generate", "--checkpoint", "gs://bucket/model", "--prompt", PROMPT])
+    assert "gcsfs" in msg and "dgemma_jax[gcs]" in msg
+
+
 def test_where_a_location_goes():
     from dgemma_jax.io.locations import kind, mirror_path, resolve, split_revision
 

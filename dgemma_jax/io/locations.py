@@ -11,7 +11,7 @@ commands, `DiffusionGemma.from_pretrained`, `load_hf`, `convert`, the trainer's 
 Both checkpoint formats (ours: dgemma_model.json + an orbax params/ tree; Hugging Face:
 config.json + *.safetensors + tokenizer files) come from every kind of location.
 
-Remote URLs are copied file by file through fsspec (gs:// needs gcsfs, installed with dgemma_jax)
+Remote URLs are copied file by file through fsspec (gs:// needs gcsfs: the [gcs] extra, part of [tpu])
 into a local mirror, ``$DGEMMA_CACHE/checkpoints/<protocol>/<path>`` (DGEMMA_CACHE defaults to
 ``$XDG_CACHE_HOME/dgemma_jax``, i.e. ``~/.cache/dgemma_jax``). A manifest in the mirror records each
 file's size and version stamp (etag / md5 / generation / mtime, whatever the store reports); a later
@@ -128,7 +128,8 @@ def _open_fs(url: str):
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError as e:  # the protocol's package (gcsfs, s3fs, ...) is not installed
-        raise CheckpointNotFound(f"cannot read {url!r}: {e}".replace("\n", " ")) from None
+        fix = " (pip install 'dgemma_jax[gcs]')" if url.startswith(("gs://", "gcs://")) else ""
+        raise CheckpointNotFound(f"cannot read {url!r}: {e}{fix}".replace("\n", " ")) from None
     except ValueError as e:  # an unknown protocol
         raise CheckpointNotFound(f"cannot read {url!r}: {e}") from None
 
