@@ -11,7 +11,7 @@ import numpy as np
 
 from dgemma_jax.errors import UsageError
 
-from dgemma_jax.pipeline import DEFAULT_NEW_TOKENS, decode, default_new_tokens, encode_prompt, warn_if_cut_short
+from dgemma_jax.engine import DEFAULT_NEW_TOKENS, default_new_tokens, warn_if_cut_short
 from dgemma_jax.pipeline import load_checkpoint as load_for_cli
 
 
@@ -84,11 +84,11 @@ def _render_step(ev, tok, tty: bool, stream):
     settled = ev.canvas[0] == arg
     if not tty:
         frac = settled.mean()
-        stream.write(f"[canvas {ev.canvas_index} step {ev.step:>2} settled {frac:4.0%}] {decode(tok, arg)!r}\n")
+        stream.write(f"[canvas {ev.canvas_index} step {ev.step:>2} settled {frac:4.0%}] {tok.decode(arg, skip_special=True)!r}\n")
         return
     out = []
     for t, ok in zip(arg, settled):
-        s = decode(tok, [t]).replace("\n", "\\n")
+        s = tok.decode([t], skip_special=True).replace("\n", "\\n")
         out.append(f"\x1b[1m{s}\x1b[0m" if ok else f"\x1b[2m{s}\x1b[0m")
     stream.write(f"\r\x1b[2K[{ev.canvas_index}:{ev.step:>2}] " + "".join(out))
     stream.flush()
@@ -104,7 +104,7 @@ def cmd_generate(args) -> int:
         raise UsageError("empty prompt: pass --prompt TEXT or pipe text on stdin")
     cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype, args.revision)
     sampler = sampler_from_args(args, cfg, sampler)
-    ids = encode_prompt(tok, prompt)
+    ids = tok.encode(prompt, add_bos=True)
     if args.max_prompt and len(ids) > args.max_prompt:
         raise UsageError(f"the prompt is {len(ids)} tokens, longer than --max-prompt {args.max_prompt}")
     engine = Engine(cfg, params, sampler)
@@ -131,7 +131,7 @@ def cmd_generate(args) -> int:
         out_tokens, steps, finished = np.asarray(out.tokens), np.asarray(out.steps), np.asarray(out.finished)
     jax.block_until_ready(out_tokens)
     dt = time.perf_counter() - t0
-    text = decode(tok, out_tokens[0])
+    text = tok.decode(out_tokens[0], skip_special=True)
     print(text)
     if args.max_new_tokens is None:
         warn_if_cut_short(cfg, max_new, finished, len(ids))

@@ -333,7 +333,6 @@ def test_every_tokenizer_type_implements_the_protocol(sp_dir, hf_dir):
     """One interface for the pipeline, the server and the trainer: encode(text, add_bos), decode(ids,
     skip_special), the special ids and has_chat_template, with no per-type fallbacks."""
     from dgemma_jax.io.char_tokenizer import CharTokenizer
-    from dgemma_jax.pipeline import decode, encode_prompt, has_chat_template
 
     char = CharTokenizer("0123456789=")
     sp = load_tokenizer(sp_dir)
@@ -341,15 +340,15 @@ def test_every_tokenizer_type_implements_the_protocol(sp_dir, hf_dir):
     for tok in (char, sp, hf):
         assert isinstance(tok, Tokenizer), type(tok)
         text = "12=3" if tok is char else "hello world"
-        ids = encode_prompt(tok, text)
+        ids = tok.encode(text, add_bos=True)
         assert ids[0] == tok.bos_id and ids[1:] == tok.encode(text)
-        assert decode(tok, ids[1:]) == text
+        assert tok.decode(ids[1:], skip_special=True) == text
     assert (char.bos_id, char.eos_ids, char.pad_id, char.eos_id) == (2, (1,), 0, 1)
     assert char.decode(char.encode("12") + [1] + char.encode("3")) == "12"  # stops at EOS
     assert char.id_to_piece(1) == "<eos>" and char.id_to_piece(3) == "0" and char.piece_to_id("=") == 13
     with pytest.raises(ValueError, match="outside the vocabulary"):
         char.id_to_piece(14)
-    assert not has_chat_template(char) and has_chat_template(sp) and has_chat_template(hf)
+    assert not char.has_chat_template and sp.has_chat_template and hf.has_chat_template
 
 
 @pytest.mark.ref

@@ -20,7 +20,7 @@ import numpy as np
 from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model.cache import KVCache, check_replicas
+from dgemma_jax.model.cache import KVCache, check_replicas, init_cache
 from dgemma_jax.model.layers import LORA_COLLECTION
 from dgemma_jax.model.transformer import Transformer
 
@@ -63,8 +63,6 @@ def soft_embed_pass(params, config: ModelConfig, logits, adapters=None):
 
 def _boxed_init(config: ModelConfig, rng):
     tokens = jnp.zeros((1, 2), jnp.int32)
-    from dgemma_jax.model.cache import init_cache
-
     cache = init_cache(config, 1, 2)
     return _model(config).init(rng, tokens, cache, method="init_all")["params"]
 
@@ -161,8 +159,6 @@ def prefill(params: Params, config: ModelConfig, tokens, lengths=None, cache: KV
     if lengths.shape != (b,):
         raise ValueError(f"lengths must have shape [{b}] (one per row); got {tuple(lengths.shape)}")
     if cache is None:
-        from dgemma_jax.model.cache import init_cache
-
         cache = init_cache(config, b, t)
     _check_cache(config, cache, b)
     if logits not in ("all", "last", "none"):

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from dgemma_jax.model.layers import softcap
+from dgemma_jax.model.moe import target_backend
 from dgemma_jax.parallel.context import constrain
 from dgemma_jax.sampling.ops import StepStats, sanitize_logits
 
@@ -147,8 +148,6 @@ def head_sample_stats_full(h: jax.Array, embedding: jax.Array, cap: float, tempe
 
 def head_step(h, embedding, cap, temperature, keys, embed_scale):
     """The denoising step's fused head for the backend being compiled for (see the module doc)."""
-    from dgemma_jax.model.moe import target_backend
-
     if target_backend() == "cpu":
         return head_sample_stats(h, embedding, cap, temperature, keys, embed_scale)
     return head_sample_stats_full(h, embedding, cap, temperature, keys, embed_scale)

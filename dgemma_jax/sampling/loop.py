@@ -27,8 +27,9 @@ import numpy as np
 from flax import struct
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model.cache import KVCache
 from dgemma_jax.model.api import denoise_features
+from dgemma_jax.model.cache import KVCache
+from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.fused import head_step
@@ -141,8 +142,6 @@ def initial_canvas(keys: jax.Array, length: int, vocab_size: int) -> jax.Array:
 def init_state(config: ModelConfig, sampler: SamplerConfig, canvas: jax.Array,
                done: jax.Array | None = None) -> LoopState:
     b, l = canvas.shape
-    from dgemma_jax.model.layers import dtype_of
-
     return LoopState(
         step=jnp.zeros((), jnp.int32),
         canvas=canvas.astype(jnp.int32),
