@@ -38,10 +38,19 @@ def _parity(preset: str):
 
 
 def _sampling():
-    from tests.golden import sampling_case
+    """Run the live tests of tests/test_sampling_hf_parity.py, recording the reference's values."""
+    import subprocess
 
-    arrays, digest = sampling_case.hf_outputs()
-    return arrays, {"inputs_sha256": digest, "case": "tests/golden/sampling_case.py"}
+    from tests.golden.reference_source import RECORD_ENV, recorded
+
+    root = os.path.dirname(os.path.dirname(store.GOLDEN_DIR))
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = os.path.join(tmp, "sampling.npz")
+        env = dict(os.environ, **{RECORD_ENV: rec})
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "live",
+                        "tests/test_sampling_hf_parity.py"], cwd=root, env=env, check=True)
+        arrays, digest = recorded(rec)
+    return arrays, {"inputs_sha256": digest, "case": "the live tests of tests/test_sampling_hf_parity.py"}
 
 
 def _trace():
