@@ -32,8 +32,10 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "openai>=1.40", "httpx>=0.27"],
-        # The numerical reference: Hugging Face transformers' diffusion_gemma on CPU.
-        # torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
+        # The numerical reference: Hugging Face transformers' diffusion_gemma on CPU. Not needed by the
+        # default tests (they read tests/golden); install it with the CPU wheel index, else pip takes
+        # the multi-GB CUDA build of torch:
+        #   pip install -e ".[test,ref]" --extra-index-url https://download.pytorch.org/whl/cpu
         "ref": ["transformers==5.23.0", "torch==2.13.0"],
         "tpu": [f"jax[tpu]=={JAX_VERSION}"],
     },
