@@ -37,20 +37,21 @@ def _parity(preset: str):
     return arrays, {"inputs_sha256": digest, "case": f"tests/golden/parity_case.py preset {preset}"}
 
 
-def _sampling():
-    """Run the live tests of tests/test_sampling_hf_parity.py, recording the reference's values."""
+def _recorded(test_file: str):
+    """Run the live tests of `test_file`, recording the reference's values (tests/golden/reference_source.py)."""
     import subprocess
 
     from tests.golden.reference_source import RECORD_ENV, recorded
 
     root = os.path.dirname(os.path.dirname(store.GOLDEN_DIR))
     with tempfile.TemporaryDirectory() as tmp:
-        rec = os.path.join(tmp, "sampling.npz")
+        rec = os.path.join(tmp, "recorded.npz")
         env = dict(os.environ, **{RECORD_ENV: rec})
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "live",
-                        "tests/test_sampling_hf_parity.py"], cwd=root, env=env, check=True)
+        env.pop("DGEMMA_HIDE_TORCH", None)
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "live", test_file],
+                       cwd=root, env=env, check=True)
         arrays, digest = recorded(rec)
-    return arrays, {"inputs_sha256": digest, "case": "the live tests of tests/test_sampling_hf_parity.py"}
+    return arrays, {"inputs_sha256": digest, "case": f"the live tests of {test_file}"}
 
 
 def _trace():
@@ -64,7 +65,8 @@ def builders() -> dict:
     from tests.golden import parity_case
 
     out = {parity_case.golden_name(p): (lambda p=p: _parity(p)) for p in parity_case.PRESETS}
-    out["sampling"] = _sampling
+    out["sampling"] = lambda: _recorded("tests/test_sampling_hf_parity.py")
+    out["chat_template"] = lambda: _recorded("tests/test_chat_template.py")
     out["trace"] = _trace
     return out
 
