@@ -67,6 +67,7 @@ def builders() -> dict:
     out = {parity_case.golden_name(p): (lambda p=p: _parity(p)) for p in parity_case.PRESETS}
     out["sampling"] = lambda: _recorded("tests/test_sampling_hf_parity.py")
     out["chat_template"] = lambda: _recorded("tests/test_chat_template.py")
+    out["config"] = lambda: _recorded("tests/test_config.py")
     out["trace"] = _trace
     return out
 
