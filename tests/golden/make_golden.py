@@ -68,6 +68,7 @@ def builders() -> dict:
     out["sampling"] = lambda: _recorded("tests/test_sampling_hf_parity.py")
     out["chat_template"] = lambda: _recorded("tests/test_chat_template.py")
     out["config"] = lambda: _recorded("tests/test_config.py")
+    out["tokenizer"] = lambda: _recorded("tests/test_tokenizer.py")
     out["trace"] = _trace
     return out
 
