@@ -69,6 +69,7 @@ def builders() -> dict:
     out["chat_template"] = lambda: _recorded("tests/test_chat_template.py")
     out["config"] = lambda: _recorded("tests/test_config.py")
     out["tokenizer"] = lambda: _recorded("tests/test_tokenizer.py")
+    out["bf16_reference"] = lambda: _recorded("tests/test_model_behaviour.py")
     out["trace"] = _trace
     return out
 
