@@ -23,6 +23,7 @@ setup(
         "ml-dtypes",
         "tokenizers>=0.20",
         "sentencepiece>=0.2",
+        "jinja2>=3.1",  # checkpoints' chat templates (dgemma_jax.io.chat); not pulled by anything else without [ref]
         "tqdm",
         "rich",
         "matplotlib",
