@@ -9,7 +9,9 @@ injected into `DiffusionGemmaForBlockDiffusion.generate()`:
     head's inverse-CDF rule with the engine's uniforms) applied to transformers' own probabilities.
 Everything else (the model, temperatures, entropy-bound acceptance, stopping, EOS handling, left
 padding) is transformers' code. The run: the tiny-2layer preset with numpy weights, a left-padded
-batch of 3 prompts of different lengths, 3 canvases, an EOS id that ends one row in its second canvas.
+batch of 3 prompts of different lengths, 3 canvases, and an EOS id chosen from a first run without
+EOS (`_pick_eos`): one that row 0 first produces in its second canvas and row 1 never produces, so
+row 0 (and, in the recorded run, row 2) ends in its second canvas while row 1 runs all three.
 
 Recorded per canvas k and step s (-1 where a step did not run): the next input canvas, the argmax
 canvas, the accepted-token mask, the sampled tokens, the finished-denoising flags; the final sequences
