@@ -321,7 +321,7 @@ def build_models(seed):
 
     import dgemma_jax
     from dgemma_jax.config import ModelConfig
-    from dgemma_jax.testing.hf_reference import build_preset, save_reference
+    from tests.reference.hf_reference import build_preset, save_reference
 
     t0 = now()
     torch.manual_seed(seed)
@@ -803,7 +803,7 @@ def parity_check(hf, ctx, threads, reps):
     self-conditioning input, which equals none: SC MLP(RMSNorm(0)) = 0)."""
     import jax.numpy as jnp
 
-    from dgemma_jax.testing.hf_reference import denoiser_logits, encoder_logits
+    from tests.reference.hf_reference import denoiser_logits, encoder_logits
 
     cfg, prompt = ctx["cfg"], ctx["prompt"]
     canvas = np.random.default_rng(3).integers(0, cfg.vocab_size, (CANVAS,))

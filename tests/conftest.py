@@ -1,7 +1,24 @@
 import os
+import sys
 import tempfile
 
 import pytest
+
+# DGEMMA_HIDE_TORCH=1: behave as an install without the [ref] extra (no torch, no transformers), even
+# in a venv that has them: `import torch` / `import transformers` raise ImportError, so the live
+# reference tests skip and the golden-file tests must pass on their own.
+HIDDEN_MODULES = ("torch", "transformers", "torchvision", "torchaudio")
+
+
+class _HideModules:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN_MODULES:
+            raise ModuleNotFoundError(f"{name} is hidden by DGEMMA_HIDE_TORCH=1", name=name)
+        return None
+
+
+if os.environ.get("DGEMMA_HIDE_TORCH") == "1":
+    sys.meta_path.insert(0, _HideModules())
 
 # Tests run on the CPU; 8 fake devices let sharding tests build real meshes.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -24,6 +41,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "ref: needs transformers+torch (the [ref] extra)")
     config.addinivalue_line("markers", "slow: longer end-to-end tests (run with --full, or -m slow)")
+    config.addinivalue_line("markers", "golden: compares with reference outputs stored in tests/golden (no torch)")
 
 
 def _slow_prefixes() -> list[str]:

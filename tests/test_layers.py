@@ -28,11 +28,14 @@ LAYERS = [
     ("dgemma_jax.chat_session",),
     ("dgemma_jax.pipeline",),
     ("dgemma_jax.serving", "dgemma_jax.perf", "dgemma_jax.cli_run"),
-    ("dgemma_jax.cli", "dgemma_jax"),
+    ("dgemma_jax.cli",),
 ]
+PACKAGE_ROOT = len(LAYERS) - 1  # `dgemma_jax` itself (its __init__), not every module under it
 
 
 def layer_of(module: str) -> int:
+    if module == "dgemma_jax":
+        return PACKAGE_ROOT
     best, best_len = None, -1
     for i, names in enumerate(LAYERS):
         for n in names:

@@ -139,6 +139,12 @@ def initial_canvas(keys: jax.Array, length: int, vocab_size: int) -> jax.Array:
     return jax.vmap(lambda k: ops.uniform_tokens(jax.random.fold_in(k, 0x5eed), (length,), vocab_size))(keys)
 
 
+def denoise_step_keys(keys: jax.Array, step) -> jax.Array:
+    """[B, 2] keys of denoising step `step` from a canvas's row keys [B]: [:, 0] draws the samples
+    (the head's uniforms or Gumbel noise), [:, 1] the renoise tokens."""
+    return jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, step)))(keys)
+
+
 def init_state(config: ModelConfig, sampler: SamplerConfig, canvas: jax.Array,
                done: jax.Array | None = None) -> LoopState:
     b, l = canvas.shape
@@ -164,7 +170,7 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
 
     knobs: optional per-row sampler settings (`RowKnobs`); default: `sampler`'s for every row."""
     h = denoise_features(params, config, state.canvas, context_end, cache, state.soft)
-    step_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, state.step)))(keys)  # [B, 2]
+    step_keys = denoise_step_keys(keys, state.step)  # [B, 2]
     if knobs is None:
         temp, bound, last = ops.temperature(sampler, state.step), sampler.entropy_bound, None
     else:
