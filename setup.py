@@ -20,22 +20,32 @@ setup(
         "ml-collections==1.1.0",
         "numpy>=1.26",
         "safetensors>=0.4",
+        # checkpoint locations (dgemma_jax/io/locations.py): fsspec URLs and Hub repo ids (gs:// needs the
+        # [gcs] extra, which [tpu] includes)
+        "fsspec>=2023.1",
+        "etils[epath]",  # orbax's path type (io/convert.py restores through its handler)
+        "huggingface_hub>=0.26",
         "ml-dtypes",
         "tokenizers>=0.20",
         "sentencepiece>=0.2",
+        "jinja2>=3.1",  # checkpoints' chat templates (dgemma_jax.io.chat); not pulled by anything else without [ref]
         "tqdm",
         "rich",
         "matplotlib",
         # the server (`dgemma serve`)
         "fastapi>=0.110",
         "uvicorn>=0.29",
+        "pydantic>=2",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "openai>=1.40", "httpx>=0.27"],
-        # The numerical reference: Hugging Face transformers' diffusion_gemma on CPU.
-        # torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
+        # The numerical reference: Hugging Face transformers' diffusion_gemma on CPU. Not needed by the
+        # default tests (they read tests/golden); install it with the CPU wheel index, else pip takes
+        # the multi-GB CUDA build of torch:
+        #   pip install -e ".[test,ref]" --extra-index-url https://download.pytorch.org/whl/cpu
         "ref": ["transformers==5.23.0", "torch==2.13.0"],
-        "tpu": [f"jax[tpu]=={JAX_VERSION}"],
+        "tpu": [f"jax[tpu]=={JAX_VERSION}", "gcsfs>=2023.1"],
+        "gcs": ["gcsfs>=2023.1"],
     },
     entry_points={"console_scripts": ["dgemma=dgemma_jax.cli:main"]},
 )

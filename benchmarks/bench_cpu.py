@@ -321,7 +321,7 @@ def build_models(seed):
 
     import dgemma_jax
     from dgemma_jax.config import ModelConfig
-    from dgemma_jax.testing.hf_reference import build_preset, save_reference
+    from tests.reference.hf_reference import build_preset, save_reference
 
     t0 = now()
     torch.manual_seed(seed)
@@ -582,13 +582,11 @@ def jax_generate_setup(ctx):
     """AOT-compile the fused generate (512 new tokens) and run it once as the warm-up."""
     import jax.numpy as jnp
 
-    from dgemma_jax.sampling import generate as gen
-
     out = ctx["res"]["dgemma_jax"]
     log("jax: fused generate, 512 new tokens: AOT compile + warm-up call")
     lens = jnp.array([PROMPT_LEN], jnp.int32)
     c_gen, out["compile"]["generate_fused_512"] = aot(
-        gen.fused_jit, ctx["params"], config=ctx["cfg"], sampler=ctx["sampler"], max_new_tokens=MAX_NEW,
+        ctx["engine"].fused_program(MAX_NEW), ctx["params"],
         prompt_tokens=ctx["tokens"], prompt_lengths=lens, cache=ctx["fresh"](), keys=ctx["keys"], seed_canvas=None,
         pinned=None)
     out["memory"]["generate_fused_512"] = xla_memory(c_gen)
@@ -631,17 +629,16 @@ def jax_batch_scaling(ctx):
     import jax
     import jax.numpy as jnp
 
-    from dgemma_jax.sampling import generate as gen
     from dgemma_jax.sampling.loop import row_keys
 
-    cfg, engine, prompt, quick = ctx["cfg"], ctx["engine"], ctx["prompt"], ctx["quick"]
+    engine, prompt, quick = ctx["engine"], ctx["prompt"], ctx["quick"]
     bs = ctx["res"]["dgemma_jax"].setdefault("batch_scaling", {})
     for b in ctx["res"]["config"]["batches"]:
         log(f"jax: batch scaling, batch {b}, {CANVAS} new tokens")
         tb = jnp.asarray(np.repeat(prompt[None], b, 0), jnp.int32)
         kb = row_keys(jnp.asarray(0), b)
         lb = jnp.full((b,), PROMPT_LEN, jnp.int32)
-        comp, ct = aot(gen.fused_jit, ctx["params"], config=cfg, sampler=ctx["sampler"], max_new_tokens=CANVAS,
+        comp, ct = aot(engine.fused_program(CANVAS), ctx["params"],
                        prompt_tokens=tb, prompt_lengths=lb, cache=engine.new_cache(b, PROMPT_LEN), keys=kb,
                        seed_canvas=None, pinned=None)
         jax.block_until_ready(engine.new_cache(b, PROMPT_LEN))
@@ -806,7 +803,7 @@ def parity_check(hf, ctx, threads, reps):
     self-conditioning input, which equals none: SC MLP(RMSNorm(0)) = 0)."""
     import jax.numpy as jnp
 
-    from dgemma_jax.testing.hf_reference import denoiser_logits, encoder_logits
+    from tests.reference.hf_reference import denoiser_logits, encoder_logits
 
     cfg, prompt = ctx["cfg"], ctx["prompt"]
     canvas = np.random.default_rng(3).integers(0, cfg.vocab_size, (CANVAS,))

@@ -33,14 +33,13 @@ import dgemma_jax as dg  # noqa: E402
 from dgemma_jax import ModelConfig, init_params  # noqa: E402
 from dgemma_jax.engine import Engine, bucket_length, prepare_inputs  # noqa: E402
 from dgemma_jax.sampling import SamplerConfig  # noqa: E402
-from dgemma_jax.sampling import generate as gen  # noqa: E402
 
 STEPS = 16
 
 
 def run(engine: Engine, prompts, max_new: int) -> dict:
     times, tokens = [], []
-    before = gen.fused_jit._cache_size()
+    before = engine.fused_program(max_new)._cache_size()
     for i, p in enumerate(prompts):
         t0 = time.perf_counter()
         out = engine.generate(p[None], None, rng=i, max_new_tokens=max_new)
@@ -49,7 +48,7 @@ def run(engine: Engine, prompts, max_new: int) -> dict:
         tokens.append(np.asarray(out.tokens))
         assert (np.asarray(out.steps) == STEPS).all(), "early stop fired"
     return {"seconds_per_prompt": [round(t, 3) for t in times], "total_s": round(sum(times), 2),
-            "programs_compiled": gen.fused_jit._cache_size() - before, "tokens": tokens}
+            "programs_compiled": engine.fused_program(max_new)._cache_size() - before, "tokens": tokens}
 
 
 def first_pass_logit_difference(cfg, params, sampler, prompt, max_new: int) -> dict:

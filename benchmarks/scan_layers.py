@@ -116,7 +116,7 @@ def run_cpu(groups: int, rounds: int) -> dict:
 
 
 def run_tpu(groups: int, topo: str) -> dict:
-    from dgemma_jax.parallel.aot import tpu_devices
+    from dgemma_jax.perf.aot import tpu_devices
 
     dev = tpu_devices(topo)[0]
     cfg = group_config(groups, "bfloat16")

@@ -1,15 +1,24 @@
 """dgemma_jax: DiffusionGemma (uniform-state text diffusion with a Gemma 4 MoE) in JAX/Flax.
 
 Public API (see README "Library API"):
-  ModelConfig, SamplerConfig      frozen, validated configs
+  ModelConfig, SamplerConfig      frozen, validated configs (`SamplerConfig.for_model(config)`)
+  Engine, generate                compiled prefill + multi-canvas denoising (fused or streamed)
+  DiffusionGemma                  text in, text out: `DiffusionGemma.from_pretrained(path).generate(...)`
   load_hf, save_hf                Hugging Face checkpoints <-> params (safetensors, no torch)
   init_params, init_cache         random parameters, an empty KV cache
   prefill, denoise, soft_embed    the two model passes (causal encoder; bidirectional denoiser)
 """
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.engine import Engine, generate
 from dgemma_jax.io.hf import load_hf, save_hf
 from dgemma_jax.model import (KVCache, cache_shape, denoise, init_cache, init_params, logical_axes,
                               param_shapes, prefill, soft_embed)
+from dgemma_jax.pipeline import DiffusionGemma
+from dgemma_jax.sampling.config import SamplerConfig
+
+__all__ = ["DiffusionGemma", "Engine", "KVCache", "ModelConfig", "SamplerConfig", "cache_shape", "denoise",
+           "generate", "init_cache", "init_params", "load_hf", "logical_axes", "param_shapes", "prefill",
+           "save_hf", "soft_embed"]
 
 __version__ = "0.1.0"

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
-from dgemma_jax.pipeline import decode, default_new_tokens, encode_prompt, has_chat_template, warn_if_cut_short
+from dgemma_jax.engine import default_new_tokens, warn_if_cut_short
+from dgemma_jax.io.chat import history_without_thinking, render_chat, strip_thinking
 
 
 @dataclasses.dataclass
@@ -44,9 +46,7 @@ def split_reply(tokenizer, ids) -> tuple[str, str]:
     """(thought, answer) of a chat reply's token ids. Decoded with its special tokens, since a
     Gemma tokenizer's `skip_special` also drops the `<|channel>` / `<channel|>` markers that
     `strip_thinking` splits the thought off at (the thought would then stay in the answer)."""
-    from dgemma_jax.io.chat import strip_thinking
-
-    return strip_thinking(decode(tokenizer, ids, keep_special=True))
+    return strip_thinking(tokenizer.decode(ids, skip_special=False))
 
 
 def common_prefix(a, b) -> int:
@@ -72,23 +72,19 @@ class ChatSession:
         self.thinking, self.max_new_tokens, self.seed = thinking, max_new_tokens, int(seed)
         self.cache_length = min(int(context), engine.config.max_position_embeddings)
         self.messages = [{"role": "system", "content": system}] if system else []
-        self.templated = has_chat_template(tokenizer)
+        self.templated = tokenizer.has_chat_template
         self.cache, self.cached_ids = None, []
         self.turns = 0
 
     def prompt_ids(self) -> list[int]:
         """The tokens of the conversation so far plus the generation prompt."""
-        from dgemma_jax.io.chat import history_without_thinking, render_chat
-
         if not self.templated:
-            return encode_prompt(self.tokenizer, self.messages[-1]["content"])
+            return self.tokenizer.encode(self.messages[-1]["content"], add_bos=True)
         text = render_chat(history_without_thinking(self.messages), add_generation_prompt=True,
                            enable_thinking=self.thinking)
         return list(self.tokenizer.encode(text))  # the text starts with <bos>
 
     def send(self, text: str) -> ChatTurn:
-        import jax.numpy as jnp
-
         engine, sampler = self.engine, self.engine.sampler
         self.messages.append({"role": "user", "content": text})
         ids = self.prompt_ids()
@@ -107,7 +103,7 @@ class ChatSession:
                               cache_length=None if cache is not None else self.cache_length)
         tokens = np.asarray(out.tokens)[0]
         gen = [int(t) for t in tokens if int(t) != sampler.pad_id]
-        thought, answer = split_reply(self.tokenizer, gen) if self.templated else ("", decode(self.tokenizer, gen))
+        thought, answer = split_reply(self.tokenizer, gen) if self.templated else ("", self.tokenizer.decode(gen, skip_special=True))
         if self.max_new_tokens is None:
             warn_if_cut_short(engine.config, max_new, np.asarray(out.finished), len(ids), self.cache_length)
         self.messages.append({"role": "assistant", "content": answer})

@@ -49,11 +49,17 @@ def cmd_inspect(args) -> int:
         from dgemma_jax.pipeline import BUNDLED
 
         if args.checkpoint in (None, "", BUNDLED):
+            if args.revision is not None:
+                raise UsageError("--revision applies to a Hugging Face Hub checkpoint; pass --checkpoint REPO_ID too")
             from dgemma_jax.training.bundled import asset_path
 
             cfg = load_config(asset_path())
-        else:
-            cfg = load_config(args.checkpoint)
+        else:  # a remote checkpoint: its config files only, not the weights
+            from dgemma_jax.io.locations import kind, resolve
+
+            local = kind(args.checkpoint) == "local"
+            cfg = load_config(resolve(args.checkpoint, args.revision, files="all" if local else "config"),
+                              need_weights=local)
     counts = cfg.param_count()
     bytes_per = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.param_dtype]
     info = {
@@ -89,7 +95,7 @@ def cmd_inspect(args) -> int:
 
 # ---------------------------------------------------------------------------- compile
 def cmd_compile(args) -> int:
-    from dgemma_jax.parallel import aot
+    from dgemma_jax.perf import aot
 
     if args.topology not in aot.TOPOLOGIES:
         raise UsageError(f"unknown --topology {args.topology!r}; choose one of {', '.join(aot.TOPOLOGIES)}")
@@ -162,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("inspect", help="config, parameter counts (total/active), memory by dtype")
     s.add_argument("--preset", default=None, choices=ModelConfig.preset_names(),
                    help="describe a preset instead of a checkpoint (e.g. diffusiongemma-26b-a4b)")
-    s.add_argument("--checkpoint", help="Hugging Face or dgemma_jax checkpoint directory (default: bundled)")
+    from dgemma_jax.cli_run import checkpoint_flags
+
+    checkpoint_flags(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_inspect)
 

@@ -11,14 +11,14 @@ import numpy as np
 
 from dgemma_jax.errors import UsageError
 
-from dgemma_jax.pipeline import DEFAULT_NEW_TOKENS, decode, default_new_tokens, encode_prompt, warn_if_cut_short
+from dgemma_jax.engine import DEFAULT_NEW_TOKENS, default_new_tokens, warn_if_cut_short
 from dgemma_jax.pipeline import load_checkpoint as load_for_cli
 
 
 def sampler_from_args(args, config, base):
     from dgemma_jax.sampling.config import SamplerConfig
 
-    s = base or SamplerConfig(canvas_length=config.canvas_length, eos_ids=config.eos_ids, pad_id=config.pad_id)
+    s = base or SamplerConfig.for_model(config)
     changes = {}
     for flag, field in (("steps", "max_denoising_steps"), ("t_max", "t_max"), ("t_min", "t_min"),
                         ("entropy_bound", "entropy_bound"), ("confidence", "confidence_threshold"),
@@ -84,11 +84,11 @@ def _render_step(ev, tok, tty: bool, stream):
     settled = ev.canvas[0] == arg
     if not tty:
         frac = settled.mean()
-        stream.write(f"[canvas {ev.canvas_index} step {ev.step:>2} settled {frac:4.0%}] {decode(tok, arg)!r}\n")
+        stream.write(f"[canvas {ev.canvas_index} step {ev.step:>2} settled {frac:4.0%}] {tok.decode(arg, skip_special=True)!r}\n")
         return
     out = []
     for t, ok in zip(arg, settled):
-        s = decode(tok, [t]).replace("\n", "\\n")
+        s = tok.decode([t], skip_special=True).replace("\n", "\\n")
         out.append(f"\x1b[1m{s}\x1b[0m" if ok else f"\x1b[2m{s}\x1b[0m")
     stream.write(f"\r\x1b[2K[{ev.canvas_index}:{ev.step:>2}] " + "".join(out))
     stream.flush()
@@ -102,9 +102,9 @@ def cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else _strip_final_newline(sys.stdin.read())
     if not prompt:
         raise UsageError("empty prompt: pass --prompt TEXT or pipe text on stdin")
-    cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype)
+    cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype, args.revision)
     sampler = sampler_from_args(args, cfg, sampler)
-    ids = encode_prompt(tok, prompt)
+    ids = tok.encode(prompt, add_bos=True)
     if args.max_prompt and len(ids) > args.max_prompt:
         raise UsageError(f"the prompt is {len(ids)} tokens, longer than --max-prompt {args.max_prompt}")
     engine = Engine(cfg, params, sampler)
@@ -131,7 +131,7 @@ def cmd_generate(args) -> int:
         out_tokens, steps, finished = np.asarray(out.tokens), np.asarray(out.steps), np.asarray(out.finished)
     jax.block_until_ready(out_tokens)
     dt = time.perf_counter() - t0
-    text = decode(tok, out_tokens[0])
+    text = tok.decode(out_tokens[0], skip_special=True)
     print(text)
     if args.max_new_tokens is None:
         warn_if_cut_short(cfg, max_new, finished, len(ids))
@@ -149,7 +149,7 @@ def cmd_chat(args) -> int:
     from dgemma_jax.chat_session import ChatSession
     from dgemma_jax.engine import Engine
 
-    cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype)
+    cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype, args.revision)
     sampler = sampler_from_args(args, cfg, sampler)
     session = ChatSession(Engine(cfg, params, sampler), tok, system=args.system, thinking=args.thinking,
                           context=args.context, max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -177,9 +177,11 @@ def cmd_chat(args) -> int:
 # ---------------------------------------------------------------------------- convert
 def cmd_convert(args) -> int:
     from dgemma_jax.io import convert
+    from dgemma_jax.io.locations import resolve
 
-    src_fmt = args.from_format or convert.detect_source(args.src)
-    n = convert.convert(args.src, args.dst, src_fmt, dtype=args.dtype, preset=args.preset, progress=not args.quiet,
+    src = resolve(args.src, args.revision, check=False)
+    src_fmt = args.from_format or convert.detect_source(src)
+    n = convert.convert(src, args.dst, src_fmt, dtype=args.dtype, preset=args.preset, progress=not args.quiet,
                         overwrite=args.force)
     print(f"converted {n} tensors from {src_fmt} at {args.src} to a dgemma_jax checkpoint at {args.dst}")
     return 0
@@ -241,6 +243,17 @@ def bench_scratch_path() -> str:
 
 
 # ---------------------------------------------------------------------------- parser
+CHECKPOINT_HELP = ("a checkpoint (Hugging Face or dgemma_jax format): a local directory, a gs:// (or other fsspec) "
+                   "URL, or a Hugging Face Hub repo id, optionally REPO@REVISION (default: the bundled model)")
+
+
+def checkpoint_flags(s):
+    """--checkpoint and --revision, the same for every command that loads a model."""
+    s.add_argument("--checkpoint", help=CHECKPOINT_HELP)
+    s.add_argument("--revision", default=None,
+                   help="the Hub revision of --checkpoint: a branch, tag or commit (default: main)")
+
+
 def add_commands(sub, positive):
     def sampler_flags(s):
         s.add_argument("--steps", type=positive(int), help="max denoising steps per canvas (default 48)")
@@ -253,7 +266,7 @@ def add_commands(sub, positive):
         s.add_argument("--seed", type=_seed, default=0, help="any 64-bit integer (default 0)")
         s.add_argument("--max-new-tokens", type=positive(int), dest="max_new_tokens",
                        help=f"default: {DEFAULT_NEW_TOKENS}, or as many whole canvases as fit the model's positions")
-        s.add_argument("--checkpoint", help="Hugging Face or dgemma_jax checkpoint directory (default: bundled)")
+        checkpoint_flags(s)
         s.add_argument("--dtype", choices=["float32", "bfloat16"])
 
     s = sub.add_parser("generate", help="prompt -> text")
@@ -276,8 +289,9 @@ def add_commands(sub, positive):
     s.set_defaults(fn=cmd_chat)
 
     s = sub.add_parser("convert", help="Hugging Face safetensors or gemma-library orbax -> dgemma_jax checkpoint")
-    s.add_argument("src")
-    s.add_argument("dst")
+    s.add_argument("src", help="a checkpoint directory, a gs:// (fsspec) URL, or a Hugging Face Hub repo id[@revision]")
+    s.add_argument("dst", help="a local directory")
+    s.add_argument("--revision", default=None, help="Hub revision of SRC (branch, tag or commit)")
     s.add_argument("--from", dest="from_format", choices=["hf", "gemma"], default=None)
     s.add_argument("--preset", default=None, help="model preset of a gemma-layout checkpoint (default: the 26B)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"])

@@ -10,6 +10,7 @@ compilation. Everything it runs is the pure code of `dgemma_jax.model` and `dgem
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Any, Iterator
@@ -20,7 +21,7 @@ import numpy as np
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import DgemmaWarning
-from dgemma_jax.model.api import check_tokens
+from dgemma_jax.model.api import check_tokens, encode_pass
 from dgemma_jax.model.cache import KVCache, init_cache
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.sampling import generate as gen
@@ -151,6 +152,30 @@ def new_tokens_that_fit(config: ModelConfig, sampler: SamplerConfig, context: in
     return max(1, min(int(limit), canvases * step))
 
 
+# new tokens when not given, by the library and the command line alike: as many whole canvases of
+# this many tokens as fit the model's positions (and a chat's cache) after the prompt
+DEFAULT_NEW_TOKENS = 256
+
+
+def default_new_tokens(config, sampler, context: int, cache_length: int | None = None) -> int:
+    """The new-token budget when none is given: DEFAULT_NEW_TOKENS, capped to whole canvases that fit."""
+    return new_tokens_that_fit(config, sampler, context, DEFAULT_NEW_TOKENS, cache_length)
+
+
+def warn_if_cut_short(config, max_new: int, finished, context: int, cache_length: int | None = None) -> None:
+    """Warn (DgemmaWarning) when the default budget was capped by the room left after the prompt and
+    a row used all of it without an end of sequence: its text is cut short, not finished."""
+    if max_new >= DEFAULT_NEW_TOKENS or bool(np.all(np.asarray(finished))):
+        return
+    room = f"the model's {config.max_position_embeddings} positions"
+    if cache_length is not None and cache_length < config.max_position_embeddings:
+        room = f"the {cache_length}-token context"
+    warnings.warn(f"the output was cut short at {max_new} new tokens (of {DEFAULT_NEW_TOKENS} by default) without "
+                  f"an end of sequence: a {context}-token prompt leaves no room for more in {room}; "
+                  "shorten the prompt", DgemmaWarning, stacklevel=3)
+
+
+
 class Engine:
     """A model + sampler with compiled programs (built lazily, cached per input shape).
 
@@ -165,8 +190,7 @@ class Engine:
                  shardings: Any | None = None, donate: bool = True, bucket: bool = True):
         self.config = config
         self.params = params
-        self.sampler = sampler or SamplerConfig(canvas_length=config.canvas_length,
-                                                eos_ids=config.eos_ids, pad_id=config.pad_id)
+        self.sampler = sampler or SamplerConfig.for_model(config)
         _check_sampler(config, self.sampler)
         mismatch = canvas_length_warning(config, self.sampler)
         if mismatch:
@@ -175,26 +199,29 @@ class Engine:
         self.donate = donate
         self.bucket = bool(bucket)
         self._programs = {}
-        self._pieces = None
+        self._streaming = None
 
     # ------------------------------------------------------------------ programs
-    def fused_program(self, max_new_tokens: int, with_seed: bool = False):
+    def fused_program(self, max_new_tokens: int):
         """The jitted fused generate for `max_new_tokens` (cache donated unless `donate=False`)."""
-        if self.shardings is None and self.donate:  # shared by every engine with equal configs
-            return functools.partial(gen.fused_jit, config=self.config, sampler=self.sampler,
-                                     max_new_tokens=int(max_new_tokens))
         fn = functools.partial(gen.generate_fused, config=self.config, sampler=self.sampler,
                                max_new_tokens=int(max_new_tokens))
-        return self._program(("fused", int(max_new_tokens), with_seed), fn)
+        return self._program(("fused", int(max_new_tokens)), fn)
 
     def _program(self, key, fn, donate=("cache",)):
-        """`fn` jitted once per engine (donating `donate` unless `donate=False`), run inside the
-        mesh's sharding context when the engine has one; `.lower` lowers it the same way."""
+        """`fn` jitted (donating `donate` unless `donate=False`), run inside the mesh's sharding
+        context when the engine has one; `.lower` lowers it the same way. Engines without a mesh
+        and with equal configs share one jit (and so its compiled programs) per `key`."""
         if key not in self._programs:
-            jitted = jax.jit(fn, donate_argnames=donate if self.donate else ())
+            dn = tuple(donate) if self.donate else ()
             if self.shardings is None:
-                self._programs[key] = jitted
+                shared = (key, self.config, self.sampler, dn)
+                if shared not in _SHARED_PROGRAMS:
+                    _SHARED_PROGRAMS[shared] = jax.jit(fn, donate_argnames=dn)
+                self._programs[key] = _SHARED_PROGRAMS[shared]
             else:
+                jitted = jax.jit(fn, donate_argnames=dn)
+
                 def run(*args, **kwargs):
                     with self.shardings.context():
                         return jitted(*args, **kwargs)
@@ -216,10 +243,23 @@ class Engine:
         return pre, rnd
 
     @property
-    def pieces(self) -> gen.Pieces:
-        if self._pieces is None:
-            self._pieces = gen.Pieces(self.config, self.sampler, donate=self.donate, shardings=self.shardings)
-        return self._pieces
+    def programs(self) -> "StreamPrograms":
+        """The streaming drivers' programs, jitted here: prefill_prompt, canvas_step (the same canvas
+        step as the fused program's loop body), and start_state / step_state / canvas_end for the
+        step-by-step driver."""
+        if self._streaming is None:
+            cfg, smp = self.config, self.sampler
+            self._streaming = StreamPrograms(
+                sampler=smp,
+                prefill_prompt=self._program(("prefill_prompt",), functools.partial(gen.prefill_prompt, config=cfg)),
+                canvas_step=self._program(("canvas_step",), functools.partial(_canvas_step, config=cfg, sampler=smp)),
+                start_state=self._program(("start_state",), functools.partial(_start_state, config=cfg, sampler=smp),
+                                          donate=()),
+                step_state=self._program(("step_state",), functools.partial(_step_state, config=cfg, sampler=smp),
+                                         donate=()),
+                canvas_end=self._program(("canvas_end",), functools.partial(_canvas_end, config=cfg, sampler=smp)),
+            )
+        return self._streaming
 
     def new_cache(self, batch: int, length: int) -> KVCache:
         if self.shardings is not None:
@@ -246,7 +286,7 @@ class Engine:
         max_new_tokens = self.sampler.canvas_length if max_new_tokens is None else max_new_tokens
         tokens, lengths, keys, cache, seed_canvas, pinned = self._prepare(
             prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache)
-        fn = self.fused_program(max_new_tokens, seed_canvas is not None)
+        fn = self.fused_program(max_new_tokens)
         return fn(self.params, prompt_tokens=tokens, prompt_lengths=lengths, cache=cache, keys=keys,
                   seed_canvas=seed_canvas, pinned=pinned)
 
@@ -270,7 +310,7 @@ class Engine:
         max_new_tokens = self.sampler.canvas_length if max_new_tokens is None else max_new_tokens
         tokens, lengths, keys, cache, seed_canvas, pinned = self._prepare(
             prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length)
-        return which(self.pieces, self.params, tokens, lengths, cache, keys, max_new_tokens, seed_canvas, pinned)
+        return which(self.programs, self.params, tokens, lengths, cache, keys, max_new_tokens, seed_canvas, pinned)
 
     def stream(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
                seed_canvas=None, pinned=None, cache_length: int | None = None) -> Iterator[gen.CanvasEvent]:
@@ -283,6 +323,39 @@ class Engine:
         """Per-step driver: yields a `StepEvent` per denoising step and a `CanvasEvent` per canvas."""
         return self._iter(gen.iter_steps, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned,
                           cache_length)
+
+
+# jits shared by engines without a mesh: (program key, config, sampler, donated) -> jitted function
+_SHARED_PROGRAMS: dict = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamPrograms:
+    """The jitted programs the streaming drivers (`gen.iter_canvases`, `gen.iter_steps`) call."""
+
+    sampler: SamplerConfig
+    prefill_prompt: Any
+    canvas_step: Any
+    start_state: Any
+    step_state: Any
+    canvas_end: Any
+
+
+# the streaming programs' call signatures (config and sampler bound as static keywords)
+def _canvas_step(params, cache, keys, index, last, finished, seed_canvas, pinned, *, config, sampler):
+    return gen.canvas_step(params, config, sampler, cache, keys, index, last, finished, seed_canvas, pinned)
+
+
+def _start_state(keys, index, finished, seed_canvas, pinned, *, config, sampler):
+    return gen.start_state(config, sampler, keys, index, finished, seed_canvas, pinned)
+
+
+def _step_state(params, cache, keys, index, state, seed, pinned, *, config, sampler):
+    return gen.step_state(params, config, sampler, cache, keys, index, state, seed, pinned)
+
+
+def _canvas_end(params, cache, argmax, finished, last, *, config, sampler):
+    return gen.canvas_end(params, config, sampler, cache, argmax, finished, last)
 
 
 def _lower_in(shardings, jitted, *args, **kwargs):
@@ -315,7 +388,4 @@ def jit_denoise_canvas(params, config, sampler, cache, keys, canvas=None, pinned
 @functools.partial(jax.jit, static_argnames=("config", "logits_mode"), donate_argnames=("cache",))
 def jit_prefill(params, config, tokens, lengths, cache, logits_mode="none"):
     """The separately jitted prefill/commit pass, cache donated."""
-    from dgemma_jax.model.transformer import Transformer
-
-    return Transformer(config).apply({"params": params}, tokens, cache.lengths, lengths, cache, logits_mode,
-                                     method="encode")
+    return encode_pass(params, config, tokens, cache.lengths, lengths, cache, logits_mode)

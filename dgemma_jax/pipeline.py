@@ -2,6 +2,7 @@
 
     from dgemma_jax.pipeline import DiffusionGemma
     dg = DiffusionGemma.from_pretrained("/path/to/checkpoint")   # HF or dgemma_jax dir; None = bundled model
+    dg = DiffusionGemma.from_pretrained("gs://bucket/ckpt")      # or any fsspec URL, or a Hub repo id[@revision]
     dg.generate("s93421=")                     # -> text
     dg.generate(["a12+34=", "s321="])          # -> list of texts (one batch)
     dg.chat([{"role": "user", "content": "Hi!"}])
@@ -13,74 +14,29 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dgemma_jax.engine import default_new_tokens, warn_if_cut_short
 from dgemma_jax.errors import UsageError
 
 BUNDLED = "bundled"
-# new tokens when not given, by the library and the command line alike: as many whole canvases of
-# this many tokens as fit the model's positions (and a chat's cache) after the prompt
-DEFAULT_NEW_TOKENS = 256
+def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: str | None = None):
+    """-> (config, params, sampler | None, tokenizer); None or "bundled": the bundled small model.
 
-
-def default_new_tokens(config, sampler, context: int, cache_length: int | None = None) -> int:
-    """The new-token budget when none is given: DEFAULT_NEW_TOKENS, capped to whole canvases that fit."""
-    from dgemma_jax.engine import new_tokens_that_fit
-
-    return new_tokens_that_fit(config, sampler, context, DEFAULT_NEW_TOKENS, cache_length)
-
-
-def warn_if_cut_short(config, max_new: int, finished, context: int, cache_length: int | None = None) -> None:
-    """Warn (DgemmaWarning) when the default budget was capped by the room left after the prompt and
-    a row used all of it without an end of sequence: its text is cut short, not finished."""
-    if max_new >= DEFAULT_NEW_TOKENS or bool(np.all(np.asarray(finished))):
-        return
-    import warnings
-
-    from dgemma_jax.errors import DgemmaWarning
-
-    room = f"the model's {config.max_position_embeddings} positions"
-    if cache_length is not None and cache_length < config.max_position_embeddings:
-        room = f"the {cache_length}-token context"
-    warnings.warn(f"the output was cut short at {max_new} new tokens (of {DEFAULT_NEW_TOKENS} by default) without "
-                  f"an end of sequence: a {context}-token prompt leaves no room for more in {room}; "
-                  "shorten the prompt", DgemmaWarning, stacklevel=3)
-
-
-def load_checkpoint(checkpoint: str | None, dtype: str | None = None):
-    """-> (config, params, sampler | None, tokenizer); None or "bundled": the bundled small model."""
+    checkpoint: a local directory, an fsspec URL (gs://...) or a Hugging Face Hub repo id, optionally
+    REPO@REVISION (`dgemma_jax.io.locations`); revision: the Hub revision (branch, tag or commit)."""
     if checkpoint in (None, "", BUNDLED):
+        if revision is not None:
+            raise UsageError("--revision applies to a Hugging Face Hub checkpoint; pass --checkpoint REPO_ID too")
         try:
             from dgemma_jax.training import load_bundled
         except ImportError as e:
             raise UsageError(f"the bundled model is not available ({e}); pass a checkpoint directory") from None
         return load_bundled()
+    from dgemma_jax.io.locations import resolve
     from dgemma_jax.io.model_dir import load_model, load_model_tokenizer
 
+    checkpoint = resolve(checkpoint, revision)
     cfg, params, sampler = load_model(checkpoint, dtype=dtype)
     return cfg, params, sampler, load_model_tokenizer(checkpoint)
-
-
-def encode_prompt(tok, text: str) -> list[int]:
-    """BOS + the prompt's ids (the training layout of every model here)."""
-    try:
-        return list(tok.encode(text, add_bos=True))
-    except TypeError:  # a simple tokenizer without add_bos
-        return [tok.bos_id] + list(tok.encode(text))
-
-
-def decode(tok, ids, keep_special: bool = False) -> str:
-    """Text of token ids. keep_special: keep special tokens (a chat reply: a Gemma tokenizer's
-    `skip_special` also drops the `<|channel>` / `<channel|>` markers where the thought is split off)."""
-    ids = [int(i) for i in ids]
-    try:
-        return tok.decode(ids, skip_special=not keep_special)
-    except TypeError:  # a character tokenizer: no special tokens to keep or skip
-        return tok.decode(ids)
-
-
-def has_chat_template(tok) -> bool:
-    """Whether prompts are rendered with the Gemma 4 chat template: not for the character-level
-    tokenizers of the small from-scratch models, which cannot spell its turn markers."""
-    return not hasattr(tok, "chars")
 
 
 class DiffusionGemma:
@@ -94,8 +50,9 @@ class DiffusionGemma:
 
     @classmethod
     def from_pretrained(cls, checkpoint: str | None = None, dtype: str | None = None, sampler=None,
-                        shardings=None) -> "DiffusionGemma":
-        cfg, params, saved_sampler, tok = load_checkpoint(checkpoint, dtype)
+                        shardings=None, revision: str | None = None) -> "DiffusionGemma":
+        """checkpoint: a local directory, gs:// (any fsspec URL) or a Hub repo id[@revision]; None: bundled."""
+        cfg, params, saved_sampler, tok = load_checkpoint(checkpoint, dtype, revision)
         return cls(cfg, params, tok, sampler or saved_sampler, shardings)
 
     @property
@@ -105,7 +62,7 @@ class DiffusionGemma:
     def encode_batch(self, texts: Sequence[str]):
         if not texts:
             raise ValueError("no prompts: pass a string or a non-empty list of strings")
-        ids = [encode_prompt(self.tokenizer, t) for t in texts]
+        ids = [self.tokenizer.encode(t, add_bos=True) for t in texts]
         width = max(len(x) for x in ids)
         tokens = np.full((len(ids), width), self.config.pad_id, np.int32)
         for i, x in enumerate(ids):
@@ -128,7 +85,7 @@ class DiffusionGemma:
         out = self.engine.generate(tokens, lengths, rng=seed, max_new_tokens=max_new_tokens, **kw)
         if not given:
             warn_if_cut_short(self.config, max_new_tokens, out.finished, context, kw.get("cache_length"))
-        texts = [decode(self.tokenizer, row) for row in np.asarray(out.tokens)]
+        texts = [self.tokenizer.decode(row, skip_special=True) for row in np.asarray(out.tokens)]
         return texts[0] if single else texts
 
     def chat(self, messages: Sequence[dict], max_new_tokens: int | None = None, enable_thinking: bool = False,

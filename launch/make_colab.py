@@ -139,7 +139,15 @@ except ImportError:
 
 
 def resolve_checkpoint(ckpt):
-    \"\"\"A local directory for CHECKPOINT (copied from gs:// or downloaded from the Hub).\"\"\"
+    \"\"\"A local directory for CHECKPOINT (copied from gs:// or downloaded from the Hub, REPO@REVISION
+    pins a revision): dgemma_jax.io.locations.resolve, the same as `dgemma generate --checkpoint`.\"\"\"
+    # Private bucket: first run `from google.colab import auth; auth.authenticate_user()`.
+    try:
+        from dgemma_jax.io.locations import resolve
+    except ImportError:  # a dgemma_jax from before checkpoint locations
+        pass
+    else:
+        return resolve(ckpt)
     if os.path.isdir(ckpt):
         return ckpt
     local = os.path.join("/content" if os.path.isdir("/content") else os.getcwd(), "checkpoint")

@@ -1,7 +1,24 @@
 import os
+import sys
 import tempfile
 
 import pytest
+
+# DGEMMA_HIDE_TORCH=1: behave as an install without the [ref] extra (no torch, no transformers), even
+# in a venv that has them: `import torch` / `import transformers` raise ImportError, so the live
+# reference tests skip and the golden-file tests must pass on their own.
+HIDDEN_MODULES = ("torch", "transformers", "torchvision", "torchaudio")
+
+
+class _HideModules:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN_MODULES:
+            raise ModuleNotFoundError(f"{name} is hidden by DGEMMA_HIDE_TORCH=1", name=name)
+        return None
+
+
+if os.environ.get("DGEMMA_HIDE_TORCH") == "1":
+    sys.meta_path.insert(0, _HideModules())
 
 # Tests run on the CPU; 8 fake devices let sharding tests build real meshes.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -12,9 +29,43 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="dgem
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
+SLOW_LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_tests.txt")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="run every tier (CI does): the default run leaves out the tests marked slow "
+                          "and those listed in tests/slow_tests.txt")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "ref: needs transformers+torch (the [ref] extra)")
-    config.addinivalue_line("markers", "slow: longer end-to-end tests")
+    config.addinivalue_line("markers", "slow: longer end-to-end tests (run with --full, or -m slow)")
+    config.addinivalue_line("markers", "golden: compares with reference outputs stored in tests/golden (no torch)")
+
+
+def _slow_prefixes() -> list[str]:
+    with open(SLOW_LIST) as f:
+        return [line.split("#")[0].strip() for line in f if line.split("#")[0].strip()]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tiers: the tests in tests/slow_tests.txt (module paths or node ids, measured as the slow ones)
+    get the `slow` marker; a plain `pytest -q` deselects them, `--full` (or any explicit `-m`) keeps
+    them."""
+    prefixes = _slow_prefixes()
+    for item in items:
+        nodeid = item.nodeid
+        if any(nodeid == p or nodeid.startswith(p + "::") or nodeid.startswith(p + "[") for p in prefixes):
+            item.add_marker(pytest.mark.slow)
+    if config.getoption("--full") or config.option.markexpr:
+        return
+    keep, slow = [], []
+    for item in items:
+        (slow if item.get_closest_marker("slow") else keep).append(item)
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = keep
 
 
 def _memory_map_count() -> int | None:

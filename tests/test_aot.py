@@ -57,7 +57,7 @@ def test_compile_prints_a_progress_line_per_program_and_no_libtpu_noise():
 
 
 def test_default_mesh_puts_every_chip_on_the_model(tmp_path):
-    from dgemma_jax.parallel.aot import compile_report
+    from dgemma_jax.perf.aot import compile_report
 
     rep = compile_report("tiny-2layer", "v5e-4", context=64, prompt=16, programs=("denoise_step",))
     assert rep["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 4} and rep["fits"]
@@ -68,7 +68,7 @@ def test_tpu_step_attends_to_the_cache_through_the_kernel():
     run per head shard; its FLOPs, which the compiler cannot see, are counted from its shapes and
     account for what the compiler no longer counts."""
     from dgemma_jax import ModelConfig
-    from dgemma_jax.parallel.aot import compile_report
+    from dgemma_jax.perf.aot import compile_report
 
     cfg = ModelConfig.preset("tiny-6layer", global_head_dim=128, canvas_length=128)
     reps = {mode: compile_report(cfg.replace(attn_kernel=mode), "v5e-8", mesh="expert=4,tensor=2", context=256,
@@ -109,7 +109,7 @@ def test_lora_training_step_compiles_for_v5e_8(tmp_path):
 def _tpu_compiled(fn, *args):
     import jax
 
-    from dgemma_jax.parallel.aot import tpu_devices
+    from dgemma_jax.perf.aot import tpu_devices
 
     dev = tpu_devices("v5e-1")[0]
     shard = jax.sharding.SingleDeviceSharding(dev)
@@ -123,7 +123,7 @@ def test_hbm_traffic_counts_what_crosses_hbm():
     import jax
     import jax.numpy as jnp
 
-    from dgemma_jax.parallel.hbm_traffic import hbm_traffic
+    from dgemma_jax.perf.hbm_traffic import hbm_traffic
 
     x = jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16)
@@ -154,7 +154,7 @@ def test_hbm_traffic_reads_loops_and_branches_like_cost_analysis():
     import jax
     import jax.numpy as jnp
 
-    from dgemma_jax.parallel.hbm_traffic import hbm_traffic
+    from dgemma_jax.perf.hbm_traffic import hbm_traffic
 
     w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((128, 4096), jnp.bfloat16)

@@ -11,7 +11,6 @@ import pytest
 from dgemma_jax import ModelConfig, init_params
 from dgemma_jax.engine import Engine, bucket_length, prepare_inputs
 from dgemma_jax.sampling import SamplerConfig
-from dgemma_jax.sampling import generate as gen
 
 CFG = ModelConfig.preset("tiny-2layer")
 SAMPLER = SamplerConfig(canvas_length=16, max_denoising_steps=4, eos_ids=(1,))
@@ -44,9 +43,9 @@ def test_nearby_prompt_lengths_share_one_program_and_the_tokens(params):
     outs = {}
     for bucket in (True, False):
         eng = Engine(CFG, params, SAMPLER, bucket=bucket)
-        before = gen.fused_jit._cache_size()
+        before = eng.fused_program(32)._cache_size()
         outs[bucket] = [eng.generate(*_batch(w, w), rng=w, max_new_tokens=32) for w in widths]
-        compiled = gen.fused_jit._cache_size() - before
+        compiled = eng.fused_program(32)._cache_size() - before
         assert compiled == (1 if bucket else len(widths)), (bucket, compiled)
     for w, a, b in zip(widths, outs[True], outs[False]):
         np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens), err_msg=f"width {w}")

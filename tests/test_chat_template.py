@@ -9,14 +9,19 @@ thinking blocks dropped from model turns; continued assistant turns; image/audio
 It is run through transformers' own machinery (a PreTrainedTokenizerFast whose `chat_template`
 is set to it) and compared with our Python renderer, and a few outputs are also pinned as
 literal strings written out by hand from the format.
+
+transformers' outputs come from tests/golden/chat_template.npz by default (no torch or transformers
+needed; each value's inputs are hashed and checked) and, under the `ref` marker, from transformers run
+now: every comparison runs against both. `python -m tests.golden.make_golden chat_template` rewrites
+the file from the live run.
 """
 
+import hashlib
 import json
 
+import numpy as np
 import pytest
 
-pytestmark = pytest.mark.ref
-transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from dgemma_jax.io.chat import (  # noqa: E402
@@ -166,20 +171,66 @@ GOLDEN = [
 
 
 @pytest.fixture(scope="module")
-def hf_tok(tmp_path_factory):
+def tok_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("gemma4_like")
     _gemma_like_tokenizer_json(d / "tokenizer.json")
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), bos_token="<bos>",
+    return d
+
+
+class _HFChat:
+    """transformers' `apply_chat_template` with GEMMA4_TEXT_TEMPLATE, live or from the golden file."""
+
+    def __init__(self, source, tok_dir, tok=None):
+        self.source, self.dir, self.tok = source, tok_dir, tok
+        with open(tok_dir / "tokenizer.json") as f:
+            self.tokenizer_json = f.read()
+
+    def _value(self, kind, compute, messages, add_generation_prompt, enable_thinking):
+        inputs = json.dumps([kind, messages, add_generation_prompt, enable_thinking], sort_keys=True)
+        key = f"{kind}/{hashlib.sha256(inputs.encode()).hexdigest()[:20]}"
+        extra = (self.tokenizer_json,) if kind == "ids" else ()
+        return self.source.value(key, compute, inputs, GEMMA4_TEXT_TEMPLATE, *extra)
+
+    def render(self, messages, add_generation_prompt=True, enable_thinking=None):
+        """enable_thinking=None: the argument is not passed."""
+        kw = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        return str(self._value("render", lambda: np.asarray(self.tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)),
+            messages, add_generation_prompt, enable_thinking))
+
+    def ids(self, messages, enable_thinking):
+        def compute():
+            hf = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                              enable_thinking=enable_thinking)
+            return np.asarray(list(hf["input_ids"] if hasattr(hf, "keys") else hf), np.int64)
+
+        return [int(i) for i in self._value("ids", compute, messages, True, enable_thinking)]
+
+
+@pytest.fixture(scope="module", params=["golden", pytest.param("live", marks=pytest.mark.ref)])
+def hf_tok(request, tok_dir, tmp_path_factory):
+    from tests.golden.reference_source import GoldenReference, LiveReference, record_path
+
+    if request.param == "golden":
+        # the tokenizer helper's vocabulary order varies between processes: use the file transformers was given
+        golden = GoldenReference("chat_template")
+        d = tmp_path_factory.mktemp("gemma4_like_golden")
+        (d / "tokenizer.json").write_text(str(golden.value("tokenizer_json", None)))
+        yield _HFChat(golden, d)
+        return
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"), bos_token="<bos>",
                                                eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
     tok.chat_template = GEMMA4_TEXT_TEMPLATE
     assert tok.convert_tokens_to_ids(["<|turn>", "<turn|>", "<bos>"]) == [105, 106, 2]
-    tok.dir = d
-    return tok
+    live = LiveReference(record_path())
+    live.value("tokenizer_json", lambda: np.asarray((tok_dir / "tokenizer.json").read_text()))
+    yield _HFChat(live, tok_dir, tok)
+    live.flush()
 
 
 def _hf_render(hf_tok, messages, add_generation_prompt, enable_thinking):
-    return hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                      enable_thinking=enable_thinking)
+    return hf_tok.render(messages, add_generation_prompt, enable_thinking)
 
 
 CASES = [(name, gen, think) for name in CONVERSATIONS for gen in (True, False) for think in (False, True)]
@@ -196,7 +247,7 @@ def test_render_matches_transformers(hf_tok, name, add_generation_prompt, enable
 
 def test_enable_thinking_default_is_off(hf_tok):
     messages = CONVERSATIONS["system_user"]
-    hf = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)  # no enable_thinking
+    hf = hf_tok.render(messages, True)  # no enable_thinking
     assert render_chat(messages) == hf
     assert hf.endswith("<|turn>model\n" + EMPTY_THOUGHT)
 
@@ -212,9 +263,7 @@ def test_token_ids_match_transformers(hf_tok):
     ours_tok = load_tokenizer(hf_tok.dir)
     for name, messages in CONVERSATIONS.items():
         for think in (False, True):
-            hf = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                            enable_thinking=think)
-            hf_ids = list(hf["input_ids"] if hasattr(hf, "keys") else hf)
+            hf_ids = hf_tok.ids(messages, think)
             ids = ours_tok.encode(render_chat(messages, enable_thinking=think))
             assert ids == hf_ids, name
             assert ids[0] == 2 and ids.count(2) == 1  # exactly one BOS

@@ -122,7 +122,8 @@ def test_error_paths(hf_checkpoint, tmp_path):
 
 
 def test_convert_gemma_layout(tmp_path):
-    """The gemma library's orbax layout converts to our checkpoint with identical parameters."""
+    """Round trip through our own export of the gemma layout (`params_to_gemma`): identical parameters.
+    The release's layout itself, written from Google's code, is tested in test_convert_gemma.py."""
     import jax
     import orbax.checkpoint as ocp
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from dgemma_jax import ModelConfig, param_shapes
+from dgemma_jax import ModelConfig, SamplerConfig, param_shapes
 
 RELEASED = "diffusiongemma-26b-a4b"
 
@@ -293,16 +293,51 @@ def test_from_hf_bad_values():
         ModelConfig.from_hf(cfg)
 
 
-@pytest.mark.ref
-@pytest.mark.parametrize("name", ["tiny-2layer", "tiny-6layer"])
-def test_from_hf_reads_transformers_config(name):
-    """The config.json that transformers itself writes (per_layer_config form) reads back exactly."""
+@pytest.fixture(scope="module", params=["golden", pytest.param("live", marks=pytest.mark.ref)])
+def hf_config_source(request):
+    """transformers' config dicts: from tests/golden/config.npz, or made by transformers now (ref)."""
+    from tests.golden.reference_source import GoldenReference, LiveReference, record_path
+
+    if request.param == "golden":
+        yield GoldenReference("config")
+        return
     pytest.importorskip("transformers")
     pytest.importorskip("torch")
-    from dgemma_jax.testing import hf_reference as ref
+    live = LiveReference(record_path())
+    yield live
+    live.flush()
 
+
+@pytest.mark.parametrize("name", ["tiny-2layer", "tiny-6layer"])
+def test_from_hf_reads_transformers_config(name, hf_config_source):
+    """The config.json that transformers itself writes (per_layer_config form) reads back exactly."""
     ours = ModelConfig.preset(name)
-    hf_cfg = ref.make_config(ours.to_hf_text_config(), ours.canvas_length).to_dict()
-    hf_cfg = json.loads(json.dumps(hf_cfg))
+    text_kwargs = ours.to_hf_text_config()
+
+    def compute():
+        from tests.reference import hf_reference as ref
+
+        return np.asarray(json.dumps(ref.make_config(text_kwargs, ours.canvas_length).to_dict()))
+
+    hf_cfg = json.loads(str(hf_config_source.value(
+        f"config/{name}", compute, json.dumps(text_kwargs, sort_keys=True), ours.canvas_length)))
     assert "per_layer_config" in hf_cfg["text_config"]
     assert _neutral(ModelConfig.from_hf(hf_cfg)) == _neutral(ours)
+
+
+def test_sampler_for_model_is_the_one_default_everywhere():
+    import dgemma_jax
+    from dgemma_jax.engine import Engine
+    from dgemma_jax.model import init_params
+
+    cfg = ModelConfig.preset("tiny-2layer").replace(eos_ids=(1, 5), pad_id=3, canvas_length=8)
+    s = SamplerConfig.for_model(cfg)
+    assert (s.canvas_length, s.eos_ids, s.pad_id) == (8, (1, 5), 3)
+    assert s.max_denoising_steps == 48 and s.t_max == 0.8  # the released settings otherwise
+    assert SamplerConfig.for_model(cfg, max_denoising_steps=4).max_denoising_steps == 4
+    params = init_params(cfg, jax.random.key(0))
+    assert Engine(cfg, params).sampler == s
+    # the curated top level
+    for name in ("ModelConfig", "SamplerConfig", "Engine", "generate", "DiffusionGemma", "load_hf"):
+        assert name in dgemma_jax.__all__ and getattr(dgemma_jax, name) is not None
+    assert dgemma_jax.SamplerConfig is SamplerConfig

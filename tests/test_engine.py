@@ -46,7 +46,7 @@ def test_while_loop_equals_python_loop(params, early_stop):
     sampler = _sampler()
     tokens, lengths = _prompts()
     eng = Engine(CFG, params, sampler)
-    cache = eng.pieces.prefill(params, tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
+    cache = eng.programs.prefill_prompt(params, tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
                                cache=eng.new_cache(3, 40))
     keys = row_keys(jax.random.key(3), 3)
     canvas = jax.random.randint(jax.random.key(4), (3, 16), 0, CFG.vocab_size, jnp.int32)
@@ -69,7 +69,7 @@ def test_pinned_positions_never_change(params):
     sampler = _sampler(max_denoising_steps=8)
     tokens, lengths = _prompts()
     eng = Engine(CFG, params, sampler)
-    cache = eng.pieces.prefill(params, tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
+    cache = eng.programs.prefill_prompt(params, tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
                                cache=eng.new_cache(3, 40))
     keys = row_keys(jax.random.key(0), 3)
     seed = jax.random.randint(jax.random.key(9), (3, 16), 0, CFG.vocab_size, jnp.int32)
@@ -199,7 +199,7 @@ def test_a_huge_stability_threshold_runs_like_one_past_the_budget(params):
     for s in (2, 7, 10**9):
         sampler = _sampler(stability_threshold=s)
         eng = Engine(CFG, params, sampler)
-        cache = eng.pieces.prefill(params, tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
+        cache = eng.programs.prefill_prompt(params, tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
                                    cache=eng.new_cache(3, 40))
         out[s] = jit_denoise_canvas(params, CFG, sampler, cache, keys, canvas, pinned)
     assert out[2].history.shape == (3, 2, 16)

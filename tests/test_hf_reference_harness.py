@@ -1,4 +1,4 @@
-"""Checks of the Hugging Face reference harness (dgemma_jax/testing/hf_reference.py) against HF's own forward.
+"""Checks of the Hugging Face reference harness (tests/reference/hf_reference.py) against HF's own forward.
 
 These do not touch the JAX model: they make sure the pass-by-pass driver, the randomised weights and the saved
 checkpoint are what the JAX comparisons assume.
@@ -16,10 +16,10 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 try:
-    from dgemma_jax.testing import hf_reference as R
+    from tests.reference import hf_reference as R
 except ModuleNotFoundError:  # not installed: run from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from dgemma_jax.testing import hf_reference as R
+    from tests.reference import hf_reference as R
 
 from safetensors.numpy import load_file  # noqa: E402
 

@@ -383,28 +383,61 @@ def test_bfloat16_argmax_agreement(bf16_models):
     assert den[0] >= 0.99, f"denoiser bf16 argmax agreement {den[0]:.4f} over {den[1]} positions"
 
 
-@pytest.mark.ref
-def test_bfloat16_no_worse_than_reference(bf16_models):
+@pytest.fixture(scope="module", params=["golden", pytest.param("live", marks=pytest.mark.ref)])
+def bf16_reference(request, bf16_models):
+    """The transformers reference's denoiser logits in float32 and in bfloat16 on bf16_models' checkpoint
+    and _bf16_inputs: from tests/golden/bf16_reference.npz (default, no torch) or run now (marker `ref`;
+    `python -m tests.golden.make_golden bf16_reference` records it). Keys h32_{batch}_{row}, h16_{...}."""
+    from safetensors.numpy import load_file
+
+    from tests.golden.reference_source import GoldenReference, LiveReference, record_path
+
+    cfg, _, _, _, path = bf16_models
+    if request.param == "golden":
+        source = GoldenReference("bf16_reference")
+    else:
+        pytest.importorskip("transformers")
+        pytest.importorskip("torch")
+        source = LiveReference(record_path())
+    inputs = list(_bf16_inputs(cfg))
+
+    def compute():
+        import torch
+
+        from tests.reference import hf_reference as ref
+
+        hf32 = ref.load_reference(path)
+        hf16 = ref.load_reference(path).to(torch.bfloat16)
+        out = {}
+        for i, (tokens, canvas) in enumerate(inputs):
+            for r in range(2):
+                _, hc = ref.encoder_logits(hf32, tokens[r])
+                out[f"h32_{i}_{r}"] = ref.denoiser_logits(hf32, hc, canvas[r])
+                _, hc = ref.encoder_logits(hf16, tokens[r])
+                out[f"h16_{i}_{r}"] = ref.denoiser_logits(hf16, hc, canvas[r])
+        return out
+
+    with open(os.path.join(path, "config.json")) as f:
+        config_json = f.read()
+    value = source.value("bf16", compute, config_json, load_file(os.path.join(path, "model.safetensors")), inputs)
+    yield value
+    if request.param == "live":
+        source.flush()
+
+
+def test_bfloat16_no_worse_than_reference(bf16_models, bf16_reference):
     """Control for the test above: the transformers reference run in bfloat16 on the same checkpoint and inputs
     agrees with its own float32 run about as well as we do (a random tiny model amplifies rounding)."""
-    pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    from dgemma_jax.testing import hf_reference as ref
-
     cfg, params, cfg16, params16, path = bf16_models
-    hf32 = ref.load_reference(path)
-    hf16 = ref.load_reference(path).to(torch.bfloat16)
     res = {k: [] for k in ("o32", "o16", "h32", "h16")}
-    for tokens, canvas in _bf16_inputs(cfg):
+    for i, (tokens, canvas) in enumerate(_bf16_inputs(cfg)):
         _, c32 = prefill(params, cfg, tokens, None, init_cache(cfg, 2, M))
         _, c16 = prefill(params16, cfg16, tokens, None, init_cache(cfg16, 2, M))
         res["o32"].append(np.asarray(denoise(params, cfg, canvas, c32)))
         res["o16"].append(np.asarray(denoise(params16, cfg16, canvas, c16)))
         for r in range(2):
-            _, hc = ref.encoder_logits(hf32, tokens[r])
-            res["h32"].append(ref.denoiser_logits(hf32, hc, canvas[r])[None])
-            _, hc = ref.encoder_logits(hf16, tokens[r])
-            res["h16"].append(ref.denoiser_logits(hf16, hc, canvas[r])[None])
+            res["h32"].append(np.asarray(bf16_reference[f"h32_{i}_{r}"])[None])
+            res["h16"].append(np.asarray(bf16_reference[f"h16_{i}_{r}"])[None])
     res = {k: np.concatenate(v).reshape(-1, cfg.vocab_size) for k, v in res.items()}
     np.testing.assert_allclose(res["o32"], res["h32"], rtol=2e-3, atol=2e-3)  # float32 parity holds
     ours, theirs = _agreement(res["o32"], res["o16"]), _agreement(res["h32"], res["h16"])

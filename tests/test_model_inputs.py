@@ -371,15 +371,22 @@ def test_load_hf_bad_dtype(checkpoint):
         load_hf(checkpoint[2], dtype="float64")
 
 
-@pytest.mark.ref
-def test_load_hf_transformers_checkpoint_missing_tensor(tmp_path):
-    """The same on a checkpoint written by transformers' save_pretrained (HF harness)."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("torch")
-    from dgemma_jax.testing import hf_reference as ref
-
+@pytest.mark.parametrize("source", ["golden", pytest.param("live", marks=pytest.mark.ref)])
+def test_load_hf_transformers_checkpoint_missing_tensor(tmp_path, source):
+    """The same on a checkpoint in the layout transformers' save_pretrained writes: written by it now
+    (live, HF harness), or rebuilt without torch from the config.json and tensor list it wrote, stored
+    in tests/golden/parity_tiny-2layer.npz (golden)."""
     path = tmp_path / "hf"
-    ref.save_reference(ref.build_preset("tiny-2layer", seed=3), path)
+    if source == "golden":
+        from tests.golden import parity_case, store
+
+        parity_case.rebuild_checkpoint(store.load(parity_case.golden_name("tiny-2layer"))[0], path)
+    else:
+        pytest.importorskip("transformers")
+        pytest.importorskip("torch")
+        from tests.reference import hf_reference as ref
+
+        ref.save_reference(ref.build_preset("tiny-2layer", seed=3), path)
     cfg, _ = load_hf(path)  # control: loads as is
     assert cfg.num_layers == 2
     name = "model.encoder.language_model.layers.1.layer_scalar"

@@ -31,3 +31,50 @@ def test_python_requires_is_what_the_pinned_dependencies_need():
     assert f"Python {version}+" in readme
     assert not re.search(r"Python 3\.(\d+)\+", readme.replace(f"Python {version}+", "")), \
         "the README states another Python version"
+
+
+def _imported_top_level(paths) -> set[str]:
+    import ast
+
+    names = set()
+    for path in paths:
+        tree = ast.parse(open(path).read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+def _declared_distributions() -> set[str]:
+    setup_py = open(os.path.join(ROOT, "setup.py")).read()
+    setup_py = setup_py.replace("{JAX_VERSION}", "")
+    return {re.split(r"[\[<>=!~ ]", spec)[0].lower().replace("_", "-")
+            for spec in re.findall(r"f?\"([A-Za-z0-9_.\-]+(?:\[[a-z,]+\])?(?:[<>=!~].*?)?)\"", setup_py)}
+
+
+def test_every_third_party_import_is_declared_in_setup_py():
+    # CI once failed at collection: the tests imported httpx, which the local venv had only because
+    # an older openai depended on it (openai 3.x brings httpx2). Whatever the package or its tests
+    # import directly must be declared directly.
+    import sys
+    from importlib.metadata import packages_distributions
+
+    files = []
+    for top in ("dgemma_jax", "tests", "benchmarks", "scripts"):
+        for dirpath, _, names in os.walk(os.path.join(ROOT, top)):
+            files += [os.path.join(dirpath, n) for n in names if n.endswith(".py")]
+    local = {"dgemma_jax", "tests", "helpers", "conftest"} | {
+        os.path.splitext(n)[0] for top in ("tests", "benchmarks", "scripts")
+        for n in os.listdir(os.path.join(ROOT, top))}
+    declared = _declared_distributions() | {"jaxlib"}  # jax pins jaxlib to its own version
+    dists = packages_distributions()
+    missing = {}
+    for name in sorted(_imported_top_level(files) - set(sys.stdlib_module_names) - local):
+        owners = {d.lower().replace("_", "-") for d in dists.get(name, [])}
+        if not owners:
+            continue  # not installed here: an optional dependency behind a guarded import
+        if not owners & declared:
+            missing[name] = sorted(owners)
+    assert not missing, f"imported but not declared in setup.py (module: distributions): {missing}"

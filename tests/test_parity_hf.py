@@ -1,24 +1,26 @@
 """Parity with the reference: transformers 5.23 DiffusionGemmaForBlockDiffusion (CPU, float32).
 
-Weights are drawn by the reference harness with every norm weight, router scale, per-expert scale
-and both layer_scalar copies randomised, saved with save_pretrained and read with our load_hf.
+Weights are drawn with numpy (tests.reference.random_checkpoint: every norm weight, router scale,
+per-expert scale and both layer_scalar copies randomised) into transformers' own checkpoint layout and
+read with our load_hf. Each preset runs twice with the same comparisons and tolerances:
+* "golden" (default tier, no torch): the reference's outputs read from tests/golden/parity_<preset>.npz
+  (made by `python -m tests.golden.make_golden`; the inputs' hash is checked first);
+* "live" (marker `ref`, skipped without torch/transformers): the reference run now.
 """
 
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.ref
-pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
+import jax.numpy as jnp
 
-import jax.numpy as jnp  # noqa: E402
-
-from dgemma_jax import denoise, init_cache, load_hf, prefill  # noqa: E402
-from dgemma_jax.testing import hf_reference as ref  # noqa: E402
+from dgemma_jax import denoise, init_cache, load_hf, prefill
+from tests.golden import parity_case as case
+from tests.golden import store
 
 TOL = 2e-3
-PRESETS = ["tiny-2layer", "tiny-6layer"]
 RESULTS = {}
+SOURCES = [pytest.param((p, "golden"), id=f"{p}-golden") for p in case.PRESETS] + [
+    pytest.param((p, "live"), id=f"{p}-live", marks=pytest.mark.ref) for p in case.PRESETS]
 
 
 def _compare(name, ours, theirs, gap_min=1e-2):
@@ -35,25 +37,30 @@ def _compare(name, ours, theirs, gap_min=1e-2):
     assert clear.mean() > 0.5, "the test model's logits are too flat to check argmax agreement"
 
 
-@pytest.fixture(scope="module", params=PRESETS)
+@pytest.fixture(scope="module", params=SOURCES)
 def models(request, tmp_path_factory):
-    name = request.param
-    hf_model = ref.build_preset(name, seed=1234)
+    name, source = request.param
     path = tmp_path_factory.mktemp(name)
-    ref.save_reference(hf_model, path)
-    hf_model = ref.load_reference(path)
+    if source == "golden":
+        arrays, meta = store.load(case.golden_name(name))
+        case.rebuild_checkpoint(arrays, path)
+        inp = case.inputs(path)
+        store.check_inputs(meta, *case.hash_items(path, inp))
+        reference = {k: arrays[k] for k in case.OUTPUT_KEYS}
+    else:
+        pytest.importorskip("transformers")
+        pytest.importorskip("torch")
+        from tests.reference import hf_reference as ref
+
+        ref.numpy_checkpoint(name, case.SEED, path)
+        inp = case.inputs(path)
+        reference = case.hf_outputs(ref.load_reference(path), inp)
     cfg, params = load_hf(path, dtype="float32")
-    return name, hf_model, cfg, params
-
-
-def _prompts(cfg, rng):
-    # Two prompts of different lengths; both longer than the sliding window.
-    lens = [cfg.sliding_window * 2 + 5, cfg.sliding_window + 3]
-    return [rng.randint(3, cfg.vocab_size, n) for n in lens]
+    return f"{name}/{source}", cfg, params, inp, reference
 
 
 def test_layer_scalars_loaded_per_mode(models):
-    _, _, cfg, params = models
+    _, cfg, params, _, _ = models
     enc = np.array([float(params[f"blocks_{i}"]["encoder_scalar"][0]) for i in range(cfg.num_layers)])
     dec = np.array([float(params[f"blocks_{i}"]["decoder_scalar"][0]) for i in range(cfg.num_layers)])
     assert not np.allclose(enc, dec), "the harness draws the encoder/decoder layer_scalar copies differently"
@@ -61,10 +68,10 @@ def test_layer_scalars_loaded_per_mode(models):
 
 
 def test_full_trajectory_parity(models):
-    """(a) encoder logits, (b) denoiser without SC, (c) with SC, (d) next canvas after a commit."""
-    name, hf_model, cfg, params = models
-    rng = np.random.RandomState(7)
-    prompts = _prompts(cfg, rng)
+    """(a) encoder logits, (b) denoiser without SC, (c) with SC, (d) next canvas after a commit (the
+    reference's argmax of (c) committed, self-conditioned on the reference's (b), on both sides)."""
+    name, cfg, params, inp, hf = models
+    prompts = inp["prompts"]
     b, t = len(prompts), max(len(p) for p in prompts)
     c = cfg.canvas_length
     tokens = np.zeros((b, t), np.int32)
@@ -75,22 +82,16 @@ def test_full_trajectory_parity(models):
     enc_logits, cache = prefill(params, cfg, tokens, lengths, cache)
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
 
-    canvas = rng.randint(0, cfg.vocab_size, (b, c)).astype(np.int32)
-    sc_logits = (rng.randn(b, c, cfg.vocab_size) * 3.0).astype(np.float32)
+    canvas, sc_logits, canvas2 = inp["canvas"], inp["sc_logits"], inp["canvas2"]
     den0 = denoise(params, cfg, canvas, cache)
     den1 = denoise(params, cfg, canvas, cache, self_conditioning=jnp.asarray(sc_logits))
 
-    committed = np.asarray(den1).argmax(-1).astype(np.int32)
+    committed = np.asarray(hf["committed"], np.int32)
     _, cache2 = prefill(params, cfg, committed, None, cache, logits="none")
-    canvas2 = rng.randint(0, cfg.vocab_size, (b, c)).astype(np.int32)
-    den2 = denoise(params, cfg, canvas2, cache2, self_conditioning=den0)
+    den2 = denoise(params, cfg, canvas2, cache2, self_conditioning=jnp.asarray(hf["den0"], jnp.float32))
 
     for i, p in enumerate(prompts):
-        hf_logits, hf_cache = ref.encoder_logits(hf_model, p)
-        _compare(f"{name}/a_encoder/row{i}", enc_logits[i, : len(p)], hf_logits)
-        _compare(f"{name}/b_denoise/row{i}", den0[i], ref.denoiser_logits(hf_model, hf_cache, canvas[i]))
-        _compare(f"{name}/c_denoise_sc/row{i}", den1[i],
-                 ref.denoiser_logits(hf_model, hf_cache, canvas[i], sc_logits=sc_logits[i]))
-        _, hf_cache = ref.encoder_append(hf_model, hf_cache, committed[i])
-        _compare(f"{name}/d_next_canvas/row{i}", den2[i],
-                 ref.denoiser_logits(hf_model, hf_cache, canvas2[i], sc_logits=np.asarray(den0[i])))
+        _compare(f"{name}/a_encoder/row{i}", enc_logits[i, : len(p)], hf[f"enc_{i}"])
+        _compare(f"{name}/b_denoise/row{i}", den0[i], hf["den0"][i])
+        _compare(f"{name}/c_denoise_sc/row{i}", den1[i], hf["den1"][i])
+        _compare(f"{name}/d_next_canvas/row{i}", den2[i], hf["den2"][i])

@@ -6,6 +6,12 @@ StableAndConfidentStoppingCriteria, DiffusionGemmaGenerationMixin._denoising_ste
 _finalize_canvas, _compute_tokens_per_forward). The random draws cannot be shared
 between torch and JAX, so the sampled and noise tokens are drawn in JAX and
 injected into HF (patching `torch.multinomial` and `EntropyBoundSampler.initialize_canvas`).
+
+Every test runs twice with the same comparisons: against the reference's values stored in
+tests/golden/sampling.npz (default tier, no torch; each value's inputs are hashed and checked)
+and against transformers run now (marker `ref`, skipped without torch). The golden file is
+written by `python -m tests.golden.make_golden sampling`, which runs this module's live tests
+with DGEMMA_GOLDEN_RECORD set.
 """
 
 import types
@@ -13,15 +19,10 @@ import types
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-hf = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
-from transformers.generation import EosTokenCriteria, LogitsProcessorList, StoppingCriteriaList  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from dgemma_jax.sampling import (  # noqa: E402
+from dgemma_jax.sampling import (
     SamplerConfig,
     apply_temperature,
     entropy_bound_accept,
@@ -36,9 +37,28 @@ from dgemma_jax.sampling import (  # noqa: E402
     uniform_tokens,
 )
 
-pytestmark = pytest.mark.ref
+from tests.golden.reference_source import GoldenReference, LiveReference, record_path
 
 B, L, V = 3, 32, 50
+torch = hf = EosTokenCriteria = LogitsProcessorList = StoppingCriteriaList = None  # set by the live source
+
+
+@pytest.fixture(scope="module", params=["golden", pytest.param("live", marks=pytest.mark.ref)])
+def ref(request):
+    """The reference's values: `ref.value(key, compute, *inputs)` (tests/golden/reference_source.py)."""
+    if request.param == "golden":
+        yield GoldenReference("sampling")
+        return
+    global torch, hf, EosTokenCriteria, LogitsProcessorList, StoppingCriteriaList
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    hf = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    from transformers.generation import EosTokenCriteria, LogitsProcessorList, StoppingCriteriaList
+    live = LiveReference(record_path())
+    yield live
+    live.flush()
+
+
 _stats = jax.jit(sample_step_stats, static_argnames=("chunk_size",))
 _accept = jax.jit(entropy_bound_accept)
 
@@ -93,28 +113,43 @@ def _hf_sampler(bound):
     )
 
 
+class _Divisor:
+    """`scores / T` returns T: reads the reference's own temperature tensor out of its processor."""
+
+    def __truediv__(self, temperature):
+        return temperature
+
+
 # ----------------------------------------------------------------- temperature
 
 
 @pytest.mark.parametrize("n_steps", [7, 48])
-def test_temperature_schedule_matches_hf(n_steps):
+def test_temperature_schedule_matches_hf(ref, n_steps):
     cfg = SamplerConfig(max_denoising_steps=n_steps)
-    proc = hf.LinearTemperatureScheduleLogitsProcessor(
-        t_min=cfg.t_min, t_max=cfg.t_max, max_denoising_steps=n_steps
-    )
     raw = _make_logits(1)
+
+    def compute():
+        proc = hf.LinearTemperatureScheduleLogitsProcessor(
+            t_min=cfg.t_min, t_max=cfg.t_max, max_denoising_steps=n_steps
+        )
+        temps, zs = [], []
+        for cur_step in range(n_steps, 0, -1):  # HF counts the remaining steps
+            cur = torch.tensor(cur_step, dtype=torch.int32)  # as in _denoising_step
+            t = proc(None, _Divisor(), cur)
+            assert t.dtype == torch.float32 and t.ndim == 0
+            temps.append(t.numpy())
+            zs.append(proc(None, _t(raw), cur).numpy())
+        return {"temperature": np.stack(temps), "z": np.stack(zs)}
+
+    hf_out = ref.value(f"temperature/{n_steps}", compute, raw, cfg.t_min, cfg.t_max, n_steps)
     steps = jnp.arange(n_steps, dtype=jnp.int32)
     ours_t = _np(jax.jit(lambda s: temperature(cfg, s))(steps))
-    for cur_step in range(n_steps, 0, -1):  # HF counts the remaining steps
-        step = n_steps - cur_step
-        cur = torch.tensor(cur_step, dtype=torch.int32)  # as in _denoising_step
-        # x / T == 1 exactly iff T_hf == T_ours (IEEE division)
-        ratio = proc(None, torch.tensor([ours_t[step]]), cur)
-        assert ratio.item() == 1.0, (step, ours_t[step])
-        hf_z = proc(None, _t(raw), cur).numpy()
+    for step in range(n_steps):
+        # x / T == 1 exactly iff T_hf == T_ours (IEEE division): the same float32 temperature
+        assert ours_t[step] == hf_out["temperature"][step], (step, ours_t[step])
         ours_z = _np(apply_temperature(jnp.asarray(raw), cfg, jnp.int32(step)))
         # XLA turns x / T into x * (1 / T): at most 1 ulp apart
-        np.testing.assert_array_max_ulp(ours_z, hf_z, maxulp=1)
+        np.testing.assert_array_max_ulp(ours_z, hf_out["z"][step], maxulp=1)
     assert ours_t[0] == np.float32(cfg.t_max)
 
 
@@ -122,12 +157,15 @@ def test_temperature_schedule_matches_hf(n_steps):
 
 
 @pytest.mark.parametrize("chunk_size", [None, 16])
-def test_entropy_and_argmax_match_hf(chunk_size):
+def test_entropy_and_argmax_match_hf(ref, chunk_size):
     raw = _make_logits(2)
     all_hf, moderate_count = [], 0
     for scale in (0.4, 0.8, 2.0):  # different temperatures
         z = raw / np.float32(scale)
-        hf_h = _hf_entropy(_t(z)).numpy()
+        hf_out = ref.value(f"entropy_argmax/{scale}",
+                           lambda: {"entropy": _hf_entropy(_t(z)).numpy(), "argmax": torch.argmax(_t(z), dim=-1).numpy()},
+                           z)
+        hf_h = hf_out["entropy"]
         st = _stats(jnp.asarray(z), gumbel=jnp.zeros_like(z), chunk_size=chunk_size)
         ours = _np(st.entropy)
         # torch computes -sum(p * (z - logsumexp(z))): the float32 cancellation
@@ -139,7 +177,7 @@ def test_entropy_and_argmax_match_hf(chunk_size):
         moderate = np.abs(z).max(-1) <= 8.0  # where torch itself is accurate
         moderate_count += moderate.sum()
         np.testing.assert_allclose(ours[moderate], hf_h[moderate], rtol=0, atol=1e-6)
-        np.testing.assert_array_equal(_np(st.argmax), torch.argmax(_t(z), dim=-1).numpy())
+        np.testing.assert_array_equal(_np(st.argmax), hf_out["argmax"])
         all_hf.append(hf_h)
     all_hf = np.concatenate(all_hf)
     assert all_hf.min() < 1e-4 and all_hf.max() > 3.0  # the range is covered
@@ -171,19 +209,23 @@ def _assert_same_up_to_ties(ours, hf_mask, h):
 
 
 @pytest.mark.parametrize("bound", [1e-4, 0.1, 0.5, 2.0, 10.0])
-def test_acceptance_mask_matches_hf(bound):
+def test_acceptance_mask_matches_hf(ref, bound):
     raw = _make_logits(3)
     cfg = SamplerConfig()
-    sampler = _hf_sampler(bound)
     counts = []
     for step in (0, 20, 47):
         z = _np(apply_temperature(jnp.asarray(raw), cfg, jnp.int32(step)))
-        canvas = torch.zeros((B, L), dtype=torch.long)
-        sampler.accept_canvas(canvas, canvas + 1, _t(z), torch.tensor(48 - step))
-        hf_mask = sampler.accepted_token_mask.numpy()
+
+        def compute():
+            sampler = _hf_sampler(bound)
+            canvas = torch.zeros((B, L), dtype=torch.long)
+            sampler.accept_canvas(canvas, canvas + 1, _t(z), torch.tensor(48 - step))
+            return {"mask": sampler.accepted_token_mask.numpy(), "entropy": _hf_entropy(_t(z)).numpy()}
+
+        hf_out = ref.value(f"acceptance/{bound}/{step}", compute, z, bound, step)
+        hf_mask, hf_h = hf_out["mask"], hf_out["entropy"]
         st = _stats(jnp.asarray(z), gumbel=jnp.zeros_like(z))
         # same entropies in: the rule itself must agree bit for bit
-        hf_h = _hf_entropy(_t(z)).numpy()
         _assert_same_up_to_ties(_accept(jnp.asarray(hf_h), bound), hf_mask, hf_h)
         # our own entropies (differ from torch's by ulps) on this data
         _assert_same_up_to_ties(_accept(st.entropy, bound), hf_mask, hf_h)
@@ -212,17 +254,19 @@ def _hf_mask_for_entropies(monkeypatch, h, bound):
     sampler = _hf_sampler(bound)
     canvas = torch.zeros(h.shape, dtype=torch.long)
     sampler.accept_canvas(canvas, canvas + 1, torch.zeros(h.shape + (2,)), torch.tensor(1))
-    return sampler.accepted_token_mask.numpy()
+    mask = sampler.accepted_token_mask.numpy()
+    monkeypatch.undo()
+    return mask
 
 
-def test_acceptance_ties_match_hf(monkeypatch):
+def test_acceptance_ties_match_hf(ref, monkeypatch):
     rng = np.random.default_rng(4)
     # dyadic values: every partial sum is exact, so only the order matters
     h = rng.choice(np.float32([0.0, 0.125, 0.25, 0.5, 1.0]), size=(6, L)).astype(np.float32)
     h[5] = 0.25  # a row of identical entropies
     straddling = 0
     for bound in (1 / 64, 0.125, 0.25, 0.5, 1.0, 2.0, 3.75):
-        hf_mask = _hf_mask_for_entropies(monkeypatch, h, bound)
+        hf_mask = ref.value(f"ties/{bound}", lambda: _hf_mask_for_entropies(monkeypatch, h, bound), h, bound)
         ours = _np(_accept(jnp.asarray(h), bound))
         straddling += _assert_same_up_to_ties(ours, hf_mask, h)
     assert straddling > 5  # ties across the cut-off were exercised
@@ -231,16 +275,21 @@ def test_acceptance_ties_match_hf(monkeypatch):
     assert np.flatnonzero(ours[5]).tolist() == list(range(16))
 
 
-def test_acceptance_rounding_at_the_boundary_matches_hf(monkeypatch):
+def test_acceptance_rounding_at_the_boundary_matches_hf(ref, monkeypatch):
     """Bounds equal to HF's own float32 `cumsum - h` values: exact boundary hits."""
     rng = np.random.default_rng(5)
     h = rng.uniform(0.0, 0.05, size=(4, 256)).astype(np.float32)
-    hs, _ = torch.sort(_t(h), dim=-1)
-    below = (torch.cumsum(hs, dim=-1) - hs).numpy()
+
+    def below():
+        hs, _ = torch.sort(_t(h), dim=-1)
+        return (torch.cumsum(hs, dim=-1) - hs).numpy()
+
+    below = ref.value("boundary/below", below, h)
     for k in (3, 17, 100, 200, 255):
         for row in range(4):
             bound = float(below[row, k])
-            hf_mask = _hf_mask_for_entropies(monkeypatch, h, bound)
+            hf_mask = ref.value(f"boundary/{k}/{row}", lambda: _hf_mask_for_entropies(monkeypatch, h, bound),
+                                h, bound)
             ours = _np(_accept(jnp.asarray(h), bound))
             assert len(np.unique(h[row])) == h.shape[1]  # no ties: exact equality
             np.testing.assert_array_equal(ours, hf_mask, err_msg=f"k={k} row={row}")
@@ -250,7 +299,7 @@ def test_acceptance_rounding_at_the_boundary_matches_hf(monkeypatch):
 # ------------------------------------------------------------------- renoising
 
 
-def test_renoised_canvas_matches_hf():
+def test_renoised_canvas_matches_hf(ref):
     raw = _make_logits(6)
     cfg = SamplerConfig(max_denoising_steps=10)
     key = jax.random.key(0)
@@ -262,11 +311,14 @@ def test_renoised_canvas_matches_hf():
         accept = _accept(st.entropy, cfg.entropy_bound)
         ours = _np(renoise(st.sampled, accept, noise))
 
-        sampler = _hf_sampler(cfg.entropy_bound)
-        sampler.initialize_canvas = lambda batch_size, device, _n=noise: _t(_n).long()
-        current = torch.full((B, L), 7, dtype=torch.long)
-        accepted = sampler.accept_canvas(current, _t(st.sampled).long(), _t(z), torch.tensor(10 - step))
-        hf_canvas = sampler.renoise_canvas(accepted, torch.tensor(10 - step)).numpy()
+        def compute():
+            sampler = _hf_sampler(cfg.entropy_bound)
+            sampler.initialize_canvas = lambda batch_size, device, _n=noise: _t(_n).long()
+            current = torch.full((B, L), 7, dtype=torch.long)
+            accepted = sampler.accept_canvas(current, _t(st.sampled).long(), _t(z), torch.tensor(10 - step))
+            return sampler.renoise_canvas(accepted, torch.tensor(10 - step)).numpy()
+
+        hf_canvas = ref.value(f"renoise/{step}", compute, _np(z), _np(st.sampled), _np(noise), step)
         np.testing.assert_array_equal(ours, hf_canvas)
         assert 0 < _np(accept).sum() < B * L
 
@@ -275,12 +327,9 @@ def test_renoised_canvas_matches_hf():
 
 
 @pytest.mark.parametrize("stability", [1, 2])
-def test_stop_decisions_match_hf_over_steps(stability):
+def test_stop_decisions_match_hf_over_steps(ref, stability):
     rng = np.random.default_rng(7)
     cfg = SamplerConfig(canvas_length=L, stability_threshold=stability)
-    crit = hf.StableAndConfidentStoppingCriteria(
-        stability_threshold=stability, confidence_threshold=cfg.confidence_threshold
-    )
     c0 = rng.integers(0, V, (B, L))
     c1 = c0.copy()
     c1[:, 5] = (c1[:, 5] + 1) % V
@@ -295,13 +344,23 @@ def test_stop_decisions_match_hf_over_steps(stability):
         ((c1, c1, c0), (30.0, 30.0, 5.0)),
         ((c1, c1, c0), (30.0, 30.0, 30.0)),
     ]
-    hist = init_history(B, cfg)
-    decisions = []
+    steps = []
     for canvases, margins in plan:
         argmax = np.stack([c[i] for i, c in enumerate(canvases)])
         logits = rng.standard_normal((B, L, V)).astype(np.float32)
         np.put_along_axis(logits, argmax[..., None], np.float32(margins)[:, None, None], axis=-1)
-        hf_stop = crit(_t(argmax), _t(logits)).numpy()
+        steps.append((argmax, logits))
+
+    def compute():
+        crit = hf.StableAndConfidentStoppingCriteria(
+            stability_threshold=stability, confidence_threshold=cfg.confidence_threshold
+        )
+        return np.stack([crit(_t(a), _t(lg)).numpy() for a, lg in steps])
+
+    hf_stops = ref.value(f"stop/{stability}", compute, steps, stability, cfg.confidence_threshold)
+    hist = init_history(B, cfg)
+    decisions = []
+    for (argmax, logits), hf_stop in zip(steps, hf_stops):
         h = _stats(jnp.asarray(logits), gumbel=jnp.zeros_like(logits)).entropy
         mean_h = jnp.mean(h, axis=-1)
         assert np.all(np.abs(_np(mean_h) - cfg.confidence_threshold) > 1e-4)
@@ -349,8 +408,29 @@ def _hf_step(monkeypatch, raw, canvas, argmax, sc, finished, cur_step, sampler, 
     return out
 
 
+class _HFSteps:
+    """HF's `_denoising_step` state carried across steps (live only)."""
+
+    def __init__(self, canvas, cfg, n_steps, stability, bound):
+        self.sampler = _hf_sampler(bound)
+        self.procs = LogitsProcessorList([hf.LinearTemperatureScheduleLogitsProcessor(
+            t_min=cfg.t_min, t_max=cfg.t_max, max_denoising_steps=n_steps)])
+        self.crit = hf.StableAndConfidentStoppingCriteria(stability, cfg.confidence_threshold)
+        self.crit.reset()
+        self.canvas, self.argmax = _t(canvas).long(), _t(canvas).long()
+        self.sc, self.fin = None, torch.zeros(B, dtype=torch.bool)
+
+    def step(self, monkeypatch, raw, cur_step, sampled, noise):
+        self.canvas, self.argmax, self.sc, self.fin = _hf_step(
+            monkeypatch, raw, self.canvas, self.argmax, self.sc, self.fin, cur_step,
+            self.sampler, self.procs, self.crit, sampled, noise)
+        # copies: HF updates `finished` in place at the next step
+        return {"canvas": self.canvas.numpy().copy(), "argmax": self.argmax.numpy().copy(),
+                "sc": self.sc.numpy().copy(), "finished": self.fin.numpy().copy()}
+
+
 @pytest.mark.parametrize("stability, bound", [(1, 0.1), (2, 1.0)])
-def test_denoising_steps_compose_like_hf(monkeypatch, stability, bound):
+def test_denoising_steps_compose_like_hf(ref, monkeypatch, stability, bound):
     """Our functions, chained as the loop will chain them, reproduce HF's
     `_denoising_step` (canvas, argmax, finished flags, SC logits) over a run
     in which rows stop at different steps."""
@@ -365,16 +445,10 @@ def test_denoising_steps_compose_like_hf(monkeypatch, stability, bound):
                      [0.0, 2, 5, 10, 15, 22, 28, 28],  # row 1 late
                      [0.0, 1, 2, 3, 4, 5, 6, 7]], np.float32)  # row 2 never confident
 
-    sampler = _hf_sampler(bound)
-    procs = LogitsProcessorList([hf.LinearTemperatureScheduleLogitsProcessor(
-        t_min=cfg.t_min, t_max=cfg.t_max, max_denoising_steps=n_steps)])
-    crit = hf.StableAndConfidentStoppingCriteria(stability, cfg.confidence_threshold)
-    crit.reset()
-
     key = jax.random.key(3)
     canvas = uniform_tokens(jax.random.fold_in(key, 99), (B, L), V)
-    hf_canvas, hf_argmax = _t(canvas).long(), _t(canvas).long()
-    hf_sc, hf_fin = None, torch.zeros(B, dtype=torch.bool)
+    start0 = _np(canvas)
+    hf_state = [None]
     argmax, sc = canvas, None
     fin = jnp.zeros((B,), bool)
     hist = init_history(B, cfg)
@@ -400,18 +474,22 @@ def test_denoising_steps_compose_like_hf(monkeypatch, stability, bound):
         fin = fin | stop
         canvas, sc = new_canvas, z
 
-        # HF
-        hf_canvas, hf_argmax, hf_sc, hf_fin = _hf_step(
-            monkeypatch, raw, hf_canvas, hf_argmax, hf_sc, hf_fin, n_steps - step,
-            sampler, procs, crit, _np(st.sampled), _np(noise))
+        # HF (its state carries over the steps; the golden file holds every step's result)
+        def compute(raw=raw, sampled=_np(st.sampled), noise=_np(noise), step=step):
+            if hf_state[0] is None:
+                hf_state[0] = _HFSteps(start0, cfg, n_steps, stability, bound)
+            return hf_state[0].step(monkeypatch, raw, n_steps - step, sampled, noise)
 
-        np.testing.assert_array_equal(_np(canvas), hf_canvas.numpy())
-        np.testing.assert_array_equal(_np(argmax), hf_argmax.numpy())
-        np.testing.assert_array_equal(_np(fin), hf_fin.numpy())
-        np.testing.assert_array_max_ulp(_np(sc), hf_sc.numpy(), maxulp=1)
+        hf_out = ref.value(f"compose/{stability}/{bound}/{step}", compute, start0, raw, _np(st.sampled), _np(noise),
+                           step, stability, bound)
+
+        np.testing.assert_array_equal(_np(canvas), hf_out["canvas"])
+        np.testing.assert_array_equal(_np(argmax), hf_out["argmax"])
+        np.testing.assert_array_equal(_np(fin), hf_out["finished"])
+        np.testing.assert_array_max_ulp(_np(sc), hf_out["sc"], maxulp=1)
         for r in np.flatnonzero(_np(fin)):
             finished_at.setdefault(int(r), step)
-        if bool(hf_fin.all()):
+        if bool(hf_out["finished"].all()):
             break
     assert finished_at.get(0) is not None and finished_at.get(2) is None
     assert finished_at[0] < finished_at.get(1, n_steps)
@@ -420,18 +498,13 @@ def test_denoising_steps_compose_like_hf(monkeypatch, stability, bound):
 # ------------------------------------------------------------------ EOS, metric
 
 
-def test_eos_truncation_matches_hf_finalize_canvas():
+def test_eos_truncation_matches_hf_finalize_canvas(ref):
     rng = np.random.default_rng(9)
     eos = [1, 106, 50]
     cfg = SamplerConfig(eos_ids=tuple(eos), pad_id=0, canvas_length=8)
-    gen_cfg = hf.DiffusionGemmaGenerationConfig(eos_token_id=eos, pad_token_id=0)
-    criteria = StoppingCriteriaList([EosTokenCriteria(eos)])
-    eos_tensor = torch.tensor(eos)
     b, c = 6, cfg.canvas_length
     prompt = rng.integers(200, 300, (b, 5))
-    hf_ids = _t(prompt).long()
-    hf_done = torch.zeros(b, dtype=torch.bool)
-    ours_seq, done = [prompt], jnp.zeros((b,), bool)
+    canvases = []
     for _ in range(4):
         canvas = rng.integers(2, 120, (b, c))  # no eos by chance (ids 1, 50, 106 excluded below)
         canvas[np.isin(canvas, eos)] = 7
@@ -441,33 +514,50 @@ def test_eos_truncation_matches_hf_finalize_canvas():
         if rng.random() < 0.5:
             canvas[2, 3], canvas[2, 5] = 106, 50
         canvas[4, rng.integers(0, c)] = rng.choice(eos) if rng.random() < 0.3 else 9
-        hf_ids, hf_done = hf.DiffusionGemmaGenerationMixin._finalize_canvas(
-            input_ids=torch.cat([hf_ids, _t(canvas).long()], dim=-1),
-            finished_sequences=hf_done,
-            generation_config=gen_cfg,
-            stopping_criteria=criteria,
-            canvas_length=c,
-            eos_tensor=eos_tensor,
-        )
+        canvases.append(canvas)
+
+    def compute():
+        gen_cfg = hf.DiffusionGemmaGenerationConfig(eos_token_id=eos, pad_token_id=0)
+        criteria = StoppingCriteriaList([EosTokenCriteria(eos)])
+        eos_tensor = torch.tensor(eos)
+        hf_ids = _t(prompt).long()
+        hf_done = torch.zeros(b, dtype=torch.bool)
+        ids, done = [], []
+        for canvas in canvases:
+            hf_ids, hf_done = hf.DiffusionGemmaGenerationMixin._finalize_canvas(
+                input_ids=torch.cat([hf_ids, _t(canvas).long()], dim=-1),
+                finished_sequences=hf_done,
+                generation_config=gen_cfg,
+                stopping_criteria=criteria,
+                canvas_length=c,
+                eos_tensor=eos_tensor,
+            )
+            ids.append(hf_ids.numpy().copy()), done.append(hf_done.numpy().copy())
+        return dict({f"ids_{i}": x for i, x in enumerate(ids)}, done=np.stack(done))
+
+    hf_out = ref.value("eos", compute, prompt, canvases, eos)
+    ours_seq, done = [prompt], jnp.zeros((b,), bool)
+    for i, canvas in enumerate(canvases):
         out, has_eos = truncate_at_eos(jnp.asarray(canvas, jnp.int32), cfg.eos_ids, cfg.pad_id,
                                        finished=done)
         done = done | has_eos
         ours_seq.append(_np(out))
-        np.testing.assert_array_equal(np.concatenate(ours_seq, -1), hf_ids.numpy())
-        np.testing.assert_array_equal(_np(done), hf_done.numpy())
+        np.testing.assert_array_equal(np.concatenate(ours_seq, -1), hf_out[f"ids_{i}"])
+        np.testing.assert_array_equal(_np(done), hf_out["done"][i])
     assert _np(done)[0] and _np(done)[1] and not _np(done)[3]
 
 
-def test_tokens_per_forward_matches_hf():
+def test_tokens_per_forward_matches_hf(ref):
     rng = np.random.default_rng(10)
     seqs = rng.integers(0, 5, (4, 3 + 16))  # plenty of pad (0) tokens
     passes = rng.integers(1, 40, (4,)).astype(np.int32)
-    hf_tpf = hf.DiffusionGemmaGenerationMixin._compute_tokens_per_forward(
-        _t(seqs), _t(passes), 3, 0).numpy()
+    hf_out = ref.value("tokens_per_forward", lambda: {
+        "pad": hf.DiffusionGemmaGenerationMixin._compute_tokens_per_forward(_t(seqs), _t(passes), 3, 0).numpy(),
+        "nopad": hf.DiffusionGemmaGenerationMixin._compute_tokens_per_forward(_t(seqs), _t(passes), 3, None).numpy(),
+    }, seqs, passes)
+    hf_tpf, hf_nopad = hf_out["pad"], hf_out["nopad"]
     np.testing.assert_array_equal(tokens_per_forward(seqs, passes, pad_id=0, prompt_length=3), hf_tpf)
     ours_j = tokens_per_forward(jnp.asarray(seqs), jnp.asarray(passes), pad_id=0, prompt_length=3)
     np.testing.assert_array_equal(_np(ours_j), hf_tpf)
-    hf_nopad = hf.DiffusionGemmaGenerationMixin._compute_tokens_per_forward(
-        _t(seqs), _t(passes), 3, None).numpy()
     np.testing.assert_allclose(tokens_per_forward(seqs, passes, pad_id=None, prompt_length=3),
                                hf_nopad, rtol=1e-7)

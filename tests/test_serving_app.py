@@ -11,7 +11,6 @@ from fastapi.testclient import TestClient
 
 from dgemma_jax.io.chat import render_chat
 from dgemma_jax.io.tokenizer import load_tokenizer
-from dgemma_jax.pipeline import decode
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.serving import text as text_lib
 from dgemma_jax.serving.scheduler import SeqEvent
@@ -41,7 +40,7 @@ class ScriptedScheduler:
         def play():
             for i in range(req.n):
                 for c in range(0, len(ids), L):
-                    text, hit = text_lib.cut_at_stop(decode(self.tokenizer, ids[:c + L], req.keep_special),
+                    text, hit = text_lib.cut_at_stop(self.tokenizer.decode(ids[:c + L], skip_special=not req.keep_special),
                                                      req.stop)
                     done = hit or c + L >= len(ids)
                     req.on_event(SeqEvent(i, text, min(c + L, len(ids)), 2 * (c // L + 1), c // L + 1,

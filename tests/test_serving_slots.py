@@ -9,7 +9,7 @@ import pytest
 
 import dgemma_jax as dg
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.pipeline import encode_prompt, load_checkpoint
+from dgemma_jax.pipeline import load_checkpoint
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, denoise_canvas, initial_canvas, row_keys
 from dgemma_jax.serving import text as text_lib
@@ -104,7 +104,7 @@ class _Collect:
 
 def _submit(sch, tok, sampler, prompt, seed, max_tokens=32, n=1, **kw):
     c = _Collect(n)
-    req = Request(encode_prompt(tok, prompt), max_tokens, sampler, seed, on_event=c, n=n, **kw)
+    req = Request(tok.encode(prompt, add_bos=True), max_tokens, sampler, seed, on_event=c, n=n, **kw)
     sch.submit(req)
     return c, req
 
@@ -211,7 +211,7 @@ def test_a_long_prompt_goes_into_its_slot_in_chunks_equal_to_one_prefill(bundled
     sch = Scheduler.for_model(cfg, params, tok, sampler, slots=3, context=64, prefill_chunk=8)
     assert sch.prefill_widths == (8, 8)
     sch._cache = sch.engine.new_cache(3, 64)
-    ids = np.asarray(encode_prompt(tok, "s8877665544332211="), np.int32)    # 19 tokens: chunks of 8, 8, 3
+    ids = np.asarray(tok.encode("s8877665544332211=", add_bos=True), np.int32)    # 19 tokens: chunks of 8, 8, 3
     sch._prefill_row(1, ids)
     _, ref = dg.prefill(params, cfg, ids[None], None, dg.init_cache(cfg, 1, 64), logits="none")
     assert np.asarray(sch._cache.lengths).tolist() == [0, 19, 0]

@@ -329,22 +329,77 @@ def test_base_class():
         _CharTokenizer("ab")._set_special_ids(bos_id=2, eos_ids=[9], pad_id=0, unk_id=None)
 
 
-@pytest.mark.ref
-def test_sentencepiece_agrees_with_transformers_gemma_tokenizer(sp_dir, tmp_path):
+def test_every_tokenizer_type_implements_the_protocol(sp_dir, hf_dir):
+    """One interface for the pipeline, the server and the trainer: encode(text, add_bos), decode(ids,
+    skip_special), the special ids and has_chat_template, with no per-type fallbacks."""
+    from dgemma_jax.io.char_tokenizer import CharTokenizer
+
+    char = CharTokenizer("0123456789=")
+    sp = load_tokenizer(sp_dir)
+    hf = load_tokenizer(hf_dir)
+    for tok in (char, sp, hf):
+        assert isinstance(tok, Tokenizer), type(tok)
+        text = "12=3" if tok is char else "hello world"
+        ids = tok.encode(text, add_bos=True)
+        assert ids[0] == tok.bos_id and ids[1:] == tok.encode(text)
+        assert tok.decode(ids[1:], skip_special=True) == text
+    assert (char.bos_id, char.eos_ids, char.pad_id, char.eos_id) == (2, (1,), 0, 1)
+    assert char.decode(char.encode("12") + [1] + char.encode("3")) == "12"  # stops at EOS
+    assert char.id_to_piece(1) == "<eos>" and char.id_to_piece(3) == "0" and char.piece_to_id("=") == 13
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        char.id_to_piece(14)
+    assert not char.has_chat_template and sp.has_chat_template and hf.has_chat_template
+
+
+@pytest.fixture(scope="module", params=["golden", pytest.param("live", marks=pytest.mark.ref)])
+def hf_gemma_tokenizer(request, sp_dir, tmp_path_factory):
+    """transformers' GemmaTokenizer on sp_dir's tokenizer.model: its special ids, size, converted
+    tokenizer.json and encode/decode results on TEXTS, from tests/golden/tokenizer.npz (default, no
+    transformers) or run now (marker `ref`; `python -m tests.golden.make_golden tokenizer` records it)."""
+    from tests.golden.reference_source import GoldenReference, LiveReference, record_path
+
+    texts = TEXTS + ["<bos>hello<eos><pad>", "<mask> and <unk>"]
+    model_bytes = (sp_dir / "tokenizer.model").read_bytes()
+    if request.param == "golden":
+        source = GoldenReference("tokenizer")
+    else:
+        transformers = pytest.importorskip("transformers")
+        source = LiveReference(record_path())
+
+    def compute():
+        out_dir = tmp_path_factory.mktemp("hf_gemma_tok")
+        hf = transformers.GemmaTokenizer.from_pretrained(str(sp_dir))
+        hf.save_pretrained(str(out_dir))
+        out = {"special": np.asarray([hf.bos_token_id, hf.eos_token_id, hf.pad_token_id]),
+               "size": np.asarray(len(hf)), "tokenizer_json": np.asarray((out_dir / "tokenizer.json").read_text())}
+        for i, text in enumerate(texts):
+            ids = hf.encode(text, add_special_tokens=False)
+            wrapped = [hf.bos_token_id] + ids + [hf.eos_token_id, hf.pad_token_id]
+            out.update({f"ids_{i}": np.asarray(ids, np.int64), f"decode_{i}": np.asarray(hf.decode(ids)),
+                        f"decode_wrapped_{i}": np.asarray(hf.decode(wrapped)),
+                        f"decode_wrapped_skip_{i}": np.asarray(hf.decode(wrapped, skip_special_tokens=True))})
+        return out
+
+    value = source.value("gemma_tokenizer", compute, model_bytes, texts)
+    yield texts, value
+    if request.param == "live":
+        source.flush()
+
+
+def test_sentencepiece_agrees_with_transformers_gemma_tokenizer(sp_dir, tmp_path, hf_gemma_tokenizer):
     """transformers' GemmaTokenizer (its SentencePiece -> tokenizer.json conversion, what Gemma
     checkpoints ship) and our readers of tokenizer.model and of the converted tokenizer.json give
     the same ids and text."""
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.GemmaTokenizer.from_pretrained(str(sp_dir))
-    hf.save_pretrained(str(tmp_path))
+    texts, hf = hf_gemma_tokenizer
+    (tmp_path / "tokenizer.json").write_text(str(hf["tokenizer_json"]))
     sp_tok, json_tok = load_tokenizer(sp_dir), load_tokenizer(tmp_path / "tokenizer.json")
-    assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (sp_tok.bos_id, sp_tok.eos_id, sp_tok.pad_id)
-    assert len(hf) == sp_tok.vocab_size == json_tok.vocab_size
-    for text in TEXTS + ["<bos>hello<eos><pad>", "<mask> and <unk>"]:
-        ids = hf.encode(text, add_special_tokens=False)
+    assert tuple(int(x) for x in hf["special"]) == (sp_tok.bos_id, sp_tok.eos_id, sp_tok.pad_id)
+    assert int(hf["size"]) == sp_tok.vocab_size == json_tok.vocab_size
+    for i, text in enumerate(texts):
+        ids = [int(x) for x in hf[f"ids_{i}"]]
         assert sp_tok.encode(text) == ids == json_tok.encode(text), text
-        assert sp_tok.decode(ids) == hf.decode(ids) == json_tok.decode(ids)
+        assert sp_tok.decode(ids) == str(hf[f"decode_{i}"]) == json_tok.decode(ids)
         wrapped = [sp_tok.bos_id] + ids + [sp_tok.eos_id, sp_tok.pad_id]
-        assert sp_tok.decode(wrapped) == hf.decode(wrapped)
+        assert sp_tok.decode(wrapped) == str(hf[f"decode_wrapped_{i}"])
         if not any(m in text for m in MARKERS):  # our reader also skips marker pieces; this HF conversion keeps them
-            assert sp_tok.decode(wrapped, skip_special=True) == hf.decode(wrapped, skip_special_tokens=True)
+            assert sp_tok.decode(wrapped, skip_special=True) == str(hf[f"decode_wrapped_skip_{i}"])

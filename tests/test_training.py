@@ -120,7 +120,7 @@ def test_block_mask_leakage(tiny):
 
 def test_self_conditioning_off_is_exactly_zero(tiny):
     cfg, params, lay, src = tiny
-    from dgemma_jax.model.transformer import Transformer
+    from dgemma_jax.model.api import denoise_logits
     from dgemma_jax.training.objective import encoder_pass
 
     batch = {k: jnp.asarray(v) for k, v in src.batch(1).items()}
@@ -133,9 +133,8 @@ def test_self_conditioning_off_is_exactly_zero(tiny):
     def run(sc_on):
         _, m = loss_fn(params, batch, jax.random.key(0), config=cfg, obj=obj, canvas_override=sel,
                        t_override=jnp.full((b,), 0.5), noise_override=noisy, sc_override=sc_on, return_logits=True)
-        model = Transformer(cfg)
-        _, cache = encoder_pass(model, params, batch["tokens"], batch["lengths"], False)
-        ref = model.apply({"params": params}, noisy, batch["prompt_lengths"], cache, None, method="denoise")
+        _, cache = encoder_pass(cfg, params, batch["tokens"], batch["lengths"], False)
+        ref = denoise_logits(params, cfg, noisy, batch["prompt_lengths"], cache)
         return m["logits"], ref
 
     off, ref = run(jnp.zeros((b,), bool))

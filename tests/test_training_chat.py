@@ -15,7 +15,7 @@ import pytest
 
 from dgemma_jax.training.data import ChatSource, Layout, chat_turns
 from dgemma_jax.training.objective import ar_loss, gather_canvas
-from dgemma_jax.training.tokenizer import CharTokenizer
+from dgemma_jax.io.char_tokenizer import CharTokenizer
 from test_training_resume import _finish, _kill_after_two_checkpoints, _losses, _start
 
 CHARS = "\n <>|abcdefghijklmnopqrstuvwxyz"

@@ -1,16 +1,37 @@
 """Checkpoint conversion into our format: Hugging Face safetensors, and the `gemma` library's orbax layout.
 
-The gemma (google-deepmind/gemma) layout, per layer `layer_{i}` (gemma4_backbone.md §4.2-4.3):
-`attn/q_einsum/w [N,D,H]`, `attn/kv_einsum/w [2,K,D,H]` (sliding) or `attn/k_einsum/w [K,D,H]`
-(global), `attn/attn_vec_einsum/w [N,H,D]`, `attn/{query,key}_norm/scale`, `mlp2/*` = dense MLP,
-`mlp/*` = MoE, `skip_scale`. Released checkpoints may be STACKED:
-`transformer/stacked_layers/attention_type_{j}/...` with a leading axis, layer = period * i + j.
-The self-conditioning block's names are matched by shape inside any `*self_cond*` subtree.
+The gemma-library (google-deepmind/gemma) layout of DiffusionGemma-26B-A4B, as its flax modules name the
+parameters (`gemma/gm/nn/gemma4/_modules.py`, `_moe.py`, `_layers.py`; `gemma/diffusion/_transformer.py`),
+with D = embed_dim, N/K = query/kv heads, H = head dim, F = dense hidden, E/I = experts/expert hidden:
+
+    embedder/input_embedding [V, D]                  final_norm/scale [D]
+    layer_{i}/pre_attention_norm/scale, post_attention_norm/scale, skip_scale [1]
+    layer_{i}/attn/q_einsum/w [N, D, H]              attn/attn_vec_einsum/w [N, H, D]
+    layer_{i}/attn/kv_einsum/w [2, K, D, H] (sliding) | attn/k_einsum/w [K, D, H] (global, k_eq_v)
+    layer_{i}/attn/query_norm/scale, attn/key_norm/scale [H]
+    layer_{i}/pre_ffw2_norm/scale, mlp2/gating_einsum [2, F, D], mlp2/linear [F, D], post_ffw2_norm/scale
+    layer_{i}/pre_ffw_norm/scale, mlp/router_logits/w [D, E], mlp/router_scale [D], mlp/per_expert_scale [E],
+              mlp/gating_einsum/w [E, 2, I, D], mlp/linear/w [E, I, D], post_ffw1_norm/scale, post_ffw_norm/scale
+    self_conditioner/pre_norm/scale [D], self_conditioner/ffw/gating_einsum [2, F, D], ffw/linear [F, D]
+
+`mlp2` and the self-conditioner's `ffw` are `FeedForward`s built with `nn.share_scope`: in memory their
+weights are bare (`mlp2/gating_einsum`), on disk they keep the Einsum's `w` leaf (`mlp2/gating_einsum/w`):
+gemma `gm/ckpts/_checkpoint.py` (`_reconcile_tree`) and `diffusion/hackable_diffusion_adapter/hd/
+gemma_checkpointer.py` (`_remap_and_match_params`, strips a trailing `/w` only where the model lacks it).
+Both spellings are accepted here. Other layouts the gemma loader knows are read too: names under a
+`transformer/` prefix (FLAT), layers stacked by attention pattern (`transformer/stacked_layers/
+attention_type_{j}/…` with a leading axis, layer = period·i + j: gemma `gm/ckpts/_compat.py`), and a
+Kauldron training checkpoint (`params` next to `opt_state`, or the tree under `default/`).
+
+The release also carries a vision encoder (`vision_encoder/…`, `embedder/mm_input_projection/w`; kept in
+float32): dgemma_jax has no vision path yet, so those tensors are copied, unconverted and under their gemma
+names, into `<dst>/gemma_multimodal/` (an orbax checkpoint) and the conversion says so in a warning.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from typing import Any, Callable
 
@@ -21,35 +42,52 @@ from dgemma_jax.config import ModelConfig
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
 
-# (gemma path inside a layer, our path inside a block, gemma -> ours)
+# where the vision (and any audio) tensors of a gemma checkpoint are kept, inside the output directory
+MULTIMODAL_DIR = "gemma_multimodal"
+
 _T = lambda *perm: (lambda x: np.transpose(x, perm))  # noqa: E731
 _ID = lambda x: x  # noqa: E731
 
 
 def _merge_gate_up(x):
-    """Expert gate/up [E, D, 2, F] -> our [E, D, 2F] (gate columns, then up columns)."""
+    """Expert gate/up [E, 2, I, D] -> our [E, D, 2I] (gate columns, then up columns), as MoERagged does."""
+    x = np.transpose(x, (0, 3, 1, 2))
     return x.reshape(x.shape[0], x.shape[1], -1)
 
+
+# (gemma name inside `layer_{i}/` as the release stores it, our path inside `blocks_{i}`, gemma -> ours).
+# A `.../w` name is also found without its `/w` (the in-memory spelling; see the module docstring).
 LAYER_TABLE: list[tuple[str, tuple, Callable]] = [
     ("pre_attention_norm/scale", ("pre_attn_norm", "scale"), _ID),
     ("post_attention_norm/scale", ("post_attn_norm", "scale"), _ID),
-    ("attn/q_einsum/w", ("attn", "q"), _T(1, 0, 2)),
-    ("attn/attn_vec_einsum/w", ("attn", "o"), _ID),
+    ("attn/q_einsum/w", ("attn", "q"), _T(1, 0, 2)),            # [N, D, H] -> [D, N, H]
+    ("attn/attn_vec_einsum/w", ("attn", "o"), _ID),             # [N, H, D]
     ("attn/query_norm/scale", ("attn", "q_norm", "scale"), _ID),
     ("attn/key_norm/scale", ("attn", "k_norm", "scale"), _ID),
     ("pre_ffw2_norm/scale", ("pre_dense_norm", "scale"), _ID),
-    ("mlp2/gating_einsum", ("dense_mlp", "gate_up"), _T(2, 0, 1)),
-    ("mlp2/linear", ("dense_mlp", "down"), _ID),
+    ("mlp2/gating_einsum/w", ("dense_mlp", "gate_up"), _T(2, 0, 1)),  # [2, F, D] -> [D, 2, F]
+    ("mlp2/linear/w", ("dense_mlp", "down"), _ID),                # [F, D]
     ("post_ffw2_norm/scale", ("post_dense_norm", "scale"), _ID),
     ("pre_ffw_norm/scale", ("pre_moe_norm", "scale"), _ID),
-    ("mlp/gating_einsum/w", ("moe", "gate_up"), lambda x: _merge_gate_up(np.transpose(x, (0, 3, 1, 2)))),
-    ("mlp/linear/w", ("moe", "down"), _ID),
-    ("mlp/router_logits/w", ("moe", "router"), _ID),
+    ("mlp/gating_einsum/w", ("moe", "gate_up"), _merge_gate_up),  # [E, 2, I, D] -> [E, D, 2I]
+    ("mlp/linear/w", ("moe", "down"), _ID),                     # [E, I, D]
+    ("mlp/router_logits/w", ("moe", "router"), _ID),            # [D, E]
     ("mlp/router_scale", ("moe", "router_scale"), _ID),
     ("mlp/per_expert_scale", ("moe", "expert_scale"), _ID),
     ("post_ffw1_norm/scale", ("post_moe_norm", "scale"), _ID),
     ("post_ffw_norm/scale", ("post_ffw_norm", "scale"), _ID),
 ]
+# the self-conditioning block (gemma/diffusion/_transformer.py `SelfConditioning`; its post_norm has no scale)
+SC_TABLE: list[tuple[str, tuple, Callable]] = [
+    ("self_conditioner/pre_norm/scale", ("sc_norm", "scale"), _ID),
+    ("self_conditioner/ffw/gating_einsum/w", ("sc_mlp", "gate_up"), _T(2, 0, 1)),  # [2, F, D] -> [D, 2, F]
+    ("self_conditioner/ffw/linear/w", ("sc_mlp", "down"), _ID),                    # [F, D]
+]
+# tensors of the multimodal encoders: carried aside, not converted
+_MM_PREFIXES = ("vision_encoder/", "audio_encoder/", "SigLiPFromPatches_0/", "embedder/mm_", "embedder/audio_")
+# namespaces of the text model: an unknown tensor inside one means a layout we do not understand
+_TEXT_PREFIXES = ("layer_", "embedder/", "final_norm/", "self_conditioner/")
+_STACKED = re.compile(r"^(.*?)stacked_layers/attention_type_(\d+)/(.*)$")
 
 
 def detect_source(path: str) -> str:
@@ -66,6 +104,7 @@ def detect_source(path: str) -> str:
 
 
 def _flatten(tree, prefix="") -> dict[str, Any]:
+    """Nested dicts (whose keys may themselves hold '/') -> {'a/b/c': leaf}."""
     out = {}
     if isinstance(tree, dict):
         for k, v in tree.items():
@@ -81,101 +120,191 @@ def _set(tree: dict, path: tuple, value):
     tree[path[-1]] = value
 
 
-def _unstack(flat: dict[str, Any], period: int) -> dict[str, Any]:
-    """transformer/stacked_layers/attention_type_{j}/X [n, ...] -> transformer/layer_{period*i+j}/X."""
+def _unstack(flat: dict[str, Any]) -> dict[str, Any]:
+    """`{prefix}stacked_layers/attention_type_{j}/X` [n, ...] -> `{prefix}layer_{period*i+j}/X`, the period
+    being the number of attention types (gemma `_compat.unstack_params`). The vision encoder's own
+    `stacked_layers/block` (an nn.scan) has no `attention_type_` and is left alone."""
+    hits = {name: _STACKED.match(name) for name in flat}
+    period = 1 + max((int(m.group(2)) for m in hits.values() if m), default=-1)
     out = {}
     for name, arr in flat.items():
-        marker = "stacked_layers/attention_type_"
-        if marker not in name:
+        m = hits[name]
+        if not m:
             out[name] = arr
             continue
-        head, rest = name.split(marker, 1)
-        j, sub = rest.split("/", 1)
-        arr = np.asarray(arr)
-        for i in range(arr.shape[0]):
-            out[f"{head}layer_{period * i + int(j)}/{sub}"] = arr[i]
+        head, j, sub = m.group(1), int(m.group(2)), m.group(3)
+        for i, piece in enumerate(np.asarray(arr)):
+            out[f"{head}layer_{period * i + j}/{sub}"] = piece
     return out
 
 
-def gemma_to_params(tree: dict, cfg: ModelConfig, period: int = 6) -> dict:
-    """A restored gemma-library tree (nested or flat names) -> our parameter tree (numpy)."""
-    flat = _unstack({k.removeprefix("params/"): v for k, v in _flatten(tree).items()}, period)
-    flat = {k.split("transformer/", 1)[-1] if "transformer/" in k else k: v for k, v in flat.items()}
+def gemma_names(tree: dict) -> dict[str, Any]:
+    """A restored gemma-library tree in any of its layouts -> {gemma name: array}, names as the NESTED
+    layout spells them (`layer_3/attn/q_einsum/w`, `vision_encoder/...`), `/w` leaves left as stored."""
+    if isinstance(tree, dict) and "params" in tree and ("opt_state" in tree or set(tree) == {"params"}):
+        tree = tree["params"]  # a Kauldron training state, or params wrapped once
+    flat = _unstack(_flatten(tree))
+    out = {}
+    for name, arr in flat.items():
+        name = name.removeprefix("transformer/")  # FLAT/STACKED keep the text model under `transformer/`
+        if name in out:
+            raise ValueError(f"gemma checkpoint holds {name!r} twice (with and without the transformer/ prefix)")
+        out[name] = arr
+    return out
+
+
+def _is_multimodal(name: str) -> bool:
+    return name.startswith(_MM_PREFIXES)
+
+
+def split_gemma(tree: dict, cfg: ModelConfig) -> tuple[dict, dict, list[str]]:
+    """(our parameter tree, {gemma name: tensor} of the multimodal encoders, [names skipped]).
+
+    Raises a one-line ValueError naming the first missing tensor, a tensor whose shape does not fit its
+    transform, or tensors inside the text model we do not know (a layout or model we cannot convert)."""
+    flat = gemma_names(tree)
     used: set[str] = set()
 
     def take(name):
-        if name not in flat:
-            raise ValueError(f"gemma checkpoint is missing {name!r} (have e.g. {sorted(flat)[:4]})")
-        used.add(name)
-        return np.asarray(flat[name])
+        alts = (name, name.removesuffix("/w")) if name.endswith("/w") else (name, name + "/w")
+        for a in alts:
+            if a in flat:
+                used.add(a)
+                return a, np.asarray(flat[a])
+        near = sorted(k for k in flat if k.rsplit("/", 1)[0] == name.rsplit("/", 1)[0])[:3]
+        raise ValueError(f"gemma checkpoint has no tensor {alts[0]!r} (nor {alts[1]!r})"
+                         + (f"; beside it: {near}" if near else "")
+                         + f"; not a {cfg.name} checkpoint in a layout dgemma_jax knows ({len(flat)} tensors read)")
+
+    def put(ours: tuple, name: str, fn: Callable = _ID):
+        key, x = take(name)
+        try:
+            y = fn(x)
+        except ValueError as e:
+            raise ValueError(f"gemma tensor {key!r} has shape {tuple(x.shape)}, which does not fit {cfg.name} ({e})") \
+                from None
+        _set(params, ours, y)
+        return x
 
     params: dict = {}
-    _set(params, ("embedding",), take("embedder/input_embedding"))
-    _set(params, ("final_norm", "scale"), take("final_norm/scale"))
+    layers = sorted({int(m.group(1)) for k in flat if (m := re.match(r"layer_(\d+)/", k))})
+    if layers and layers != list(range(cfg.num_layers)):
+        raise ValueError(f"gemma checkpoint has {len(layers)} layers (layer_{layers[0]}..layer_{layers[-1]}), "
+                         f"{cfg.name} has {cfg.num_layers}; pick the matching --preset")
+    put(("embedding",), "embedder/input_embedding")
+    put(("final_norm", "scale"), "final_norm/scale")
     for i in range(cfg.num_layers):
         pre, blk = f"layer_{i}/", f"blocks_{i}"
         for theirs, ours, fn in LAYER_TABLE:
-            _set(params, (blk,) + ours, fn(take(pre + theirs)))
-        if cfg.is_global(i):
-            _set(params, (blk, "attn", "k"), np.transpose(take(pre + "attn/k_einsum/w"), (1, 0, 2)))
+            put((blk,) + ours, pre + theirs, fn)
+        if cfg.is_global(i):  # k_eq_v: one [K, D, H] einsum, V = K
+            put((blk, "attn", "k"), pre + "attn/k_einsum/w", _T(1, 0, 2))
         else:
-            kv = take(pre + "attn/kv_einsum/w")
-            _set(params, (blk, "attn", "k"), np.transpose(kv[0], (1, 0, 2)))
+            kv = put((blk, "attn", "k"), pre + "attn/kv_einsum/w", lambda x: np.transpose(x[0], (1, 0, 2)))
             _set(params, (blk, "attn", "v"), np.transpose(kv[1], (1, 0, 2)))
-        skip = take(pre + "skip_scale").reshape(1)
-        _set(params, (blk, "encoder_scalar"), skip)
-        _set(params, (blk, "decoder_scalar"), skip.copy())
-    sc = {k: v for k, v in flat.items() if "self_cond" in k}
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    gate = [k for k, v in sc.items() if np.shape(v) == (2, f, d)]
-    down = [k for k, v in sc.items() if np.shape(v) == (f, d)]
-    norm = [k for k, v in sc.items() if np.shape(v) == (d,)]
-    if len(gate) != 1 or len(down) != 1 or len(norm) != 1:
-        raise ValueError(f"cannot identify the self-conditioning block in the gemma checkpoint (found {sorted(sc)})")
-    used.update(gate + down + norm)
-    _set(params, ("sc_mlp", "gate_up"), np.transpose(np.asarray(sc[gate[0]]), (2, 0, 1)))
-    _set(params, ("sc_mlp", "down"), np.asarray(sc[down[0]]))
-    _set(params, ("sc_norm", "scale"), np.asarray(sc[norm[0]]))
-    unused = sorted(k for k in set(flat) - used if "vision" not in k and "audio" not in k)
-    if unused:
-        raise ValueError(f"unexpected tensors in the gemma checkpoint: {unused[:6]}")
-    return params
+        skip = put((blk, "encoder_scalar"), pre + "skip_scale", lambda x: x.reshape(1))
+        _set(params, (blk, "decoder_scalar"), skip.reshape(1).copy())
+    for theirs, ours, fn in SC_TABLE:
+        put(ours, theirs, fn)
+    rest = sorted(set(flat) - used)
+    mm = {k: flat[k] for k in rest if _is_multimodal(k)}
+    rest = [k for k in rest if k not in mm]
+    unknown = [k for k in rest if k.startswith(_TEXT_PREFIXES)]
+    if unknown:
+        more = f" (and {len(unknown) - 6} more)" if len(unknown) > 6 else ""
+        raise ValueError(f"gemma checkpoint has tensors dgemma_jax does not know inside the text model: "
+                         f"{unknown[:6]}{more}; its layout or model differs from {cfg.name}")
+    return params, mm, rest
+
+
+def gemma_to_params(tree: dict, cfg: ModelConfig) -> dict:
+    """A restored gemma-library tree (any layout) -> our parameter tree (numpy); multimodal and other
+    tensors outside the text model are left out (see `split_gemma`)."""
+    return split_gemma(tree, cfg)[0]
 
 
 def params_to_gemma(params: dict, cfg: ModelConfig) -> dict:
-    """Our tree -> the gemma-library nested layout (flat layers); the inverse of `gemma_to_params`."""
-    inv = {}
+    """Our tree -> the gemma-library NESTED layout as it is stored (`/w` leaves on `mlp2` and the
+    self-conditioner's `ffw`); the inverse of `gemma_to_params` (for export and round-trip tests)."""
+    inv: dict = {}
 
     def put(name, x):
-        _set(inv, tuple(("transformer/" + name).split("/")), np.asarray(x))
+        _set(inv, tuple(name.split("/")), np.asarray(x))
 
+    def get(tree, path):
+        for p in path:
+            tree = tree[p]
+        return np.asarray(tree)
+
+    inverse = {"attn/q_einsum/w": _T(1, 0, 2), "mlp2/gating_einsum/w": _T(1, 2, 0),
+               "mlp/gating_einsum/w": lambda x: np.transpose(x.reshape(x.shape[0], x.shape[1], 2, -1), (0, 2, 3, 1))}
     put("embedder/input_embedding", params["embedding"])
     put("final_norm/scale", params["final_norm"]["scale"])
     for i in range(cfg.num_layers):
         blk, pre = params[f"blocks_{i}"], f"layer_{i}/"
-        for theirs, ours, fn in LAYER_TABLE:
-            node = blk
-            for p in ours:
-                node = node[p]
-            x = np.asarray(node)
-            # inverse of each transform
-            if theirs in ("attn/q_einsum/w",):
-                x = np.transpose(x, (1, 0, 2))
-            elif theirs == "mlp2/gating_einsum":
-                x = np.transpose(x, (1, 2, 0))
-            elif theirs == "mlp/gating_einsum/w":
-                x = np.transpose(x.reshape(x.shape[0], x.shape[1], 2, -1), (0, 2, 3, 1))
-            put(pre + theirs, x)
-        k = np.transpose(np.asarray(blk["attn"]["k"]), (1, 0, 2))
+        for theirs, ours, _ in LAYER_TABLE:
+            put(pre + theirs, inverse.get(theirs, _ID)(get(blk, ours)))
+        k = np.transpose(get(blk, ("attn", "k")), (1, 0, 2))
         if cfg.is_global(i):
             put(pre + "attn/k_einsum/w", k)
         else:
-            put(pre + "attn/kv_einsum/w", np.stack([k, np.transpose(np.asarray(blk["attn"]["v"]), (1, 0, 2))]))
+            put(pre + "attn/kv_einsum/w", np.stack([k, np.transpose(get(blk, ("attn", "v")), (1, 0, 2))]))
         put(pre + "skip_scale", blk["decoder_scalar"])
     put("self_conditioner/pre_norm/scale", params["sc_norm"]["scale"])
-    put("self_conditioner/mlp/gating_einsum", np.transpose(np.asarray(params["sc_mlp"]["gate_up"]), (1, 2, 0)))
-    put("self_conditioner/mlp/linear", params["sc_mlp"]["down"])
+    put("self_conditioner/ffw/gating_einsum/w", np.transpose(get(params, ("sc_mlp", "gate_up")), (1, 2, 0)))
+    put("self_conditioner/ffw/linear/w", params["sc_mlp"]["down"])
     return inv
+
+
+def restore_gemma(src: str) -> dict:
+    """Restore a gemma-library orbax checkpoint as host numpy arrays, with a target built from the
+    checkpoint's own metadata: that ignores the devices and sharding it was saved with, so a checkpoint
+    written by a multi-device (sharded) job restores on any machine."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    def tree_metadata(ckptr, path):
+        try:
+            meta = ckptr.metadata(path)
+        except (FileNotFoundError, ValueError, KeyError, OSError):
+            return None
+        item = getattr(meta, "item_metadata", meta)
+        return getattr(item, "tree", item) if item is not None else None
+
+    path = os.path.abspath(src)
+    with ocp.PyTreeCheckpointer() as ckptr:
+        tree = tree_metadata(ckptr, path)
+        if not isinstance(tree, dict) and os.path.isdir(os.path.join(path, "default")):
+            path = os.path.join(path, "default")  # a checkpoint-manager step: the item sits in default/
+            tree = tree_metadata(ckptr, path)
+        if not isinstance(tree, dict):
+            raise ValueError(f"{src!r} has no readable orbax tree metadata (_METADATA); it is not a complete "
+                             "gemma-library orbax checkpoint")
+        restore_args = jax.tree.map(
+            lambda m: ocp.RestoreArgs(restore_type=np.ndarray, dtype=getattr(m, "dtype", None)), tree)
+        args = ocp.args.PyTreeRestore(restore_args=restore_args)
+        try:
+            return ckptr.restore(path, args=args)
+        except ValueError as e:
+            if "incomplete" not in str(e).lower():
+                raise
+        # a copy without orbax's finalisation marker (as public bucket copies can be): restore with the
+        # handler, which does not look for it
+        from etils import epath
+
+        return ocp.PyTreeCheckpointHandler().restore(epath.Path(path), args=args)
+
+
+def _save_multimodal(dst: str, mm: dict) -> str:
+    import orbax.checkpoint as ocp
+
+    tree: dict = {}
+    for name, x in mm.items():
+        _set(tree, tuple(name.split("/")), np.asarray(x))
+    out = os.path.join(os.path.abspath(dst), MULTIMODAL_DIR)
+    with ocp.PyTreeCheckpointer() as ckptr:
+        ckptr.save(out, tree, force=True)
+    return out
 
 
 def _check_shapes(params, cfg: ModelConfig):
@@ -201,7 +330,11 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
     """Convert `src` into a dgemma_jax checkpoint directory `dst`; returns the number of tensors.
 
     An existing non-empty `dst` is an error unless `overwrite` (`dgemma convert --force`). A source
-    without a tokenizer file converts with a DgemmaWarning: the checkpoint then needs one copied in."""
+    without a tokenizer file converts with a DgemmaWarning: the checkpoint then needs one copied in.
+    `src` may also be a gs:// (fsspec) URL or a Hub repo id[@revision] (`dgemma_jax.io.locations`)."""
+    from dgemma_jax.io.locations import resolve
+
+    src = resolve(src, check=False)
     if os.path.exists(dst) and os.path.realpath(dst) == os.path.realpath(src):
         raise ValueError(f"the destination {dst!r} is the source directory; convert into a new directory")
     if os.path.exists(dst) and not overwrite and (not os.path.isdir(dst) or os.listdir(dst)):
@@ -223,6 +356,7 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
         except ImportError:  # pragma: no cover
             wrap = None
     sampler = None
+    multimodal, skipped = {}, []
     if src_format == "hf":
         from dgemma_jax.io.hf import load_hf
         from dgemma_jax.io.model_dir import hf_sampler
@@ -230,14 +364,10 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
         cfg, params = load_hf(src, dtype=dtype, progress=wrap)
         sampler = hf_sampler(src, cfg)
     elif src_format == "gemma":
-        import orbax.checkpoint as ocp
-
         cfg = ModelConfig.preset(preset or "diffusiongemma-26b-a4b")
         if dtype:
             cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
-        with ocp.StandardCheckpointer() as ckptr:
-            tree = ckptr.restore(os.path.abspath(src))
-        params = gemma_to_params(tree, cfg)
+        params, multimodal, skipped = split_gemma(restore_gemma(src), cfg)
         params = jax.tree.map(lambda x: jnp.asarray(x, cfg.param_dtype), params)
     else:
         raise ValueError(f"unknown source format {src_format!r}; use 'hf' or 'gemma'")
@@ -253,11 +383,25 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
                     tok = p
     leaves = jax.tree.leaves(params)
     save_model(dst, cfg, params, sampler=sampler, tokenizer_file=tok)
+    import warnings
+
+    from dgemma_jax.errors import DgemmaWarning
+
+    if overwrite and os.path.isdir(os.path.join(dst, MULTIMODAL_DIR)):
+        shutil.rmtree(os.path.join(dst, MULTIMODAL_DIR))  # from an earlier conversion into this directory
+    if multimodal:
+        kept = _save_multimodal(dst, multimodal)
+        encoders = sorted({k.split("/", 1)[0] if not k.startswith("embedder/") else "embedder/" + k.split("/")[1]
+                           for k in multimodal})
+        warnings.warn(f"{src!r} carries multimodal weights ({len(multimodal)} tensors: {', '.join(encoders)}); "
+                      f"dgemma_jax has no vision path yet, so they were not converted: they are kept, unchanged and "
+                      f"under their gemma names, in {kept!r}; the converted model is text-only", DgemmaWarning,
+                      stacklevel=2)
+    if skipped:
+        more = f" (and {len(skipped) - 6} more)" if len(skipped) > 6 else ""
+        warnings.warn(f"{src!r} holds {len(skipped)} tensor(s) outside the model that were not converted: "
+                      f"{skipped[:6]}{more}", DgemmaWarning, stacklevel=2)
     if tok is None:
-        import warnings
-
-        from dgemma_jax.errors import DgemmaWarning
-
         warnings.warn(f"no tokenizer came along: {src!r} has no tokenizer.json or tokenizer.model, so the checkpoint "
                       f"at {dst!r} has none; copy the model's tokenizer file into {dst!r} before generating",
                       DgemmaWarning, stacklevel=2)

@@ -178,8 +178,12 @@ def _check(cfg: ModelConfig, st: SafetensorsDir, table: list[Entry]):
 
 def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
             shardings: Any | None = None, config_overrides: dict | None = None,
-            progress: Callable[[Iterator], Iterator] | None = None):
+            progress: Callable[[Iterator], Iterator] | None = None, revision: str | None = None):
     """Read a Hugging Face DiffusionGemma directory (config.json + safetensors) -> (ModelConfig, params).
+
+    path: a local directory, a gs:// (or other fsspec) URL, or a Hub repo id[@revision]
+    (`dgemma_jax.io.locations`: remote files are copied into a local cache first); revision: the
+    Hub revision (branch, tag or commit).
 
     dtype: parameter dtype ("float32", "bfloat16"; default: float32 for float32 files, else bfloat16).
     shardings: optional pytree of `jax.sharding.Sharding` matching the params: each tensor is put
@@ -188,7 +192,9 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
     import jax
     import jax.numpy as jnp
 
-    path = os.fspath(path)
+    from dgemma_jax.io.locations import resolve
+
+    path = resolve(path, revision)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
     cfg = ModelConfig.from_hf(path)

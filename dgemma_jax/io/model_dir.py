@@ -27,8 +27,9 @@ META = "dgemma_model.json"
 FORMAT = "dgemma_jax.model"
 
 
-def detect_format(path: str | os.PathLike) -> str:
-    """'dgemma' or 'hf'; raises FileNotFoundError / ValueError naming what is missing."""
+def detect_format(path: str | os.PathLike, need_weights: bool = True) -> str:
+    """'dgemma' or 'hf'; raises FileNotFoundError / ValueError naming what is missing.
+    need_weights=False: a Hugging Face config.json alone will do (describing a model, not loading it)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")
@@ -37,7 +38,7 @@ def detect_format(path: str | os.PathLike) -> str:
     if os.path.isfile(os.path.join(path, META)):
         return "dgemma"
     if os.path.isfile(os.path.join(path, "config.json")):
-        if any(f.endswith(".safetensors") for f in os.listdir(path)):
+        if not need_weights or any(f.endswith(".safetensors") for f in os.listdir(path)):
             return "hf"
         raise ValueError(f"{path!r} has a config.json but no *.safetensors weights")
     raise ValueError(f"{path!r} is not a checkpoint: expected {META} (dgemma_jax) or config.json + *.safetensors "
@@ -56,8 +57,8 @@ def config_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
-def load_config(path: str | os.PathLike) -> ModelConfig:
-    fmt = detect_format(path)
+def load_config(path: str | os.PathLike, need_weights: bool = True) -> ModelConfig:
+    fmt = detect_format(path, need_weights)
     if fmt == "hf":
         return ModelConfig.from_hf(path)
     return config_from_dict(_read_meta(path)["config"])
@@ -267,7 +268,7 @@ def load_model_tokenizer(path: str | os.PathLike):
         with open(file) as f:
             head = f.read(200)
         if '"type": "char"' in head or '"type":"char"' in head:
-            from dgemma_jax.training.tokenizer import CharTokenizer
+            from dgemma_jax.io.char_tokenizer import CharTokenizer
 
             return CharTokenizer.load(file)
         path = file

@@ -65,6 +65,8 @@ class Tokenizer(abc.ABC):
     eos_ids: tuple[int, ...] = ()
     pad_id: int | None = None
     unk_id: int | None = None
+    # whether prompts are rendered with the Gemma 4 chat template (a Gemma vocabulary spells its markers)
+    has_chat_template: bool = True
 
     @property
     @abc.abstractmethod

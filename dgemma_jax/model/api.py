@@ -1,7 +1,12 @@
-"""Functional entry points of the model: parameters and cache in, results and new cache out.
+"""The model's one facade: parameters and cache in, results and new cache out.
 
-These functions check their inputs when they are concrete (outside `jax.jit`) and raise a
-`ValueError` that names the problem; inside a trace they only check shapes and dtypes.
+Two levels, and the only code that calls `Transformer.apply`:
+* traceable passes for the drivers (sampling, the engine, training) to use inside their own jits:
+  `encode_pass`, `denoise_logits`, `denoise_features`, `soft_embed_pass`; `adapters` adds the
+  unmerged LoRA collection;
+* checked, jitted entry points for users: `prefill`, `denoise`, `soft_embed`. They check their
+  inputs when they are concrete (outside `jax.jit`) and raise a `ValueError` that names the
+  problem; inside a trace they only check shapes and dtypes.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import numpy as np
 from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model.cache import KVCache, check_replicas
+from dgemma_jax.model.cache import KVCache, check_replicas, init_cache
+from dgemma_jax.model.layers import LORA_COLLECTION
 from dgemma_jax.model.transformer import Transformer
 
 Params = Any
@@ -25,10 +31,38 @@ def _model(config: ModelConfig) -> Transformer:
     return Transformer(config)
 
 
+def variables(params, adapters=None) -> dict:
+    """The model's variables: the parameters, plus the unmerged LoRA collection when given."""
+    return {"params": params} if adapters is None else {"params": params, LORA_COLLECTION: adapters}
+
+
+# ------------------------------------------------------------------ traceable passes (drivers)
+def encode_pass(params, config: ModelConfig, tokens, starts, num_new, cache: KVCache, logits_mode: str = "none",
+                adapters=None):
+    """Causal pass over tokens [B, T] written at cache slots starts[b] + t for t < num_new[b].
+
+    Returns (logits per `logits_mode` -- "all" [B, T, V], "last" [B, V], "none" None -- , new cache)."""
+    return _model(config).apply(variables(params, adapters), tokens, starts, num_new, cache, logits_mode,
+                                method="encode")
+
+
+def denoise_logits(params, config: ModelConfig, canvas, context_end, cache: KVCache, soft=None, adapters=None):
+    """Bidirectional pass over canvas [B, L] after context_end[b] committed tokens: float32 [B, L, V]."""
+    return _model(config).apply(variables(params, adapters), canvas, context_end, cache, soft, method="denoise")
+
+
+def denoise_features(params, config: ModelConfig, canvas, context_end, cache: KVCache, soft=None):
+    """The denoiser up to the final norm, [B, L, D] (the fused sampler applies the head itself)."""
+    return _model(config).apply({"params": params}, canvas, context_end, cache, soft, method="denoise_features")
+
+
+def soft_embed_pass(params, config: ModelConfig, logits, adapters=None):
+    """Self-conditioning soft embedding of logits [B, L, V]: [B, L, D]."""
+    return _model(config).apply(variables(params, adapters), logits, method="soft_embed")
+
+
 def _boxed_init(config: ModelConfig, rng):
     tokens = jnp.zeros((1, 2), jnp.int32)
-    from dgemma_jax.model.cache import init_cache
-
     cache = init_cache(config, 1, 2)
     return _model(config).init(rng, tokens, cache, method="init_all")["params"]
 
@@ -93,18 +127,17 @@ def _check_cache(config: ModelConfig, cache: KVCache, batch: int):
 # ---------------------------------------------------------------------------- passes
 @functools.partial(jax.jit, static_argnames=("config", "logits_mode"))
 def _prefill(params, config, tokens, lengths, cache, logits_mode):
-    return _model(config).apply({"params": params}, tokens, cache.lengths, lengths, cache, logits_mode,
-                                method="encode")
+    return encode_pass(params, config, tokens, cache.lengths, lengths, cache, logits_mode)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _denoise(params, config, canvas, cache, context_end, soft):
-    return _model(config).apply({"params": params}, canvas, context_end, cache, soft, method="denoise")
+    return denoise_logits(params, config, canvas, context_end, cache, soft)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _soft_embed(params, config, logits):
-    return _model(config).apply({"params": params}, logits, method="soft_embed")
+    return soft_embed_pass(params, config, logits)
 
 
 def prefill(params: Params, config: ModelConfig, tokens, lengths=None, cache: KVCache | None = None, *,
@@ -126,8 +159,6 @@ def prefill(params: Params, config: ModelConfig, tokens, lengths=None, cache: KV
     if lengths.shape != (b,):
         raise ValueError(f"lengths must have shape [{b}] (one per row); got {tuple(lengths.shape)}")
     if cache is None:
-        from dgemma_jax.model.cache import init_cache
-
         cache = init_cache(config, b, t)
     _check_cache(config, cache, b)
     if logits not in ("all", "last", "none"):

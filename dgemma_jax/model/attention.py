@@ -20,6 +20,7 @@ from dgemma_jax.config import ModelConfig
 from dgemma_jax.model import flash, masks
 from dgemma_jax.model.cache import window_slice, write_tokens
 from dgemma_jax.model.layers import RMSNorm, adapter, apply_rope, param, project, rms_normalize, rope_inv_freq
+from dgemma_jax.model.moe import target_backend
 from dgemma_jax.parallel.context import constrain, head_parallel
 
 CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
@@ -225,6 +226,4 @@ class Attention(nn.Module):
         mode = self.cfg.attn_kernel
         if mode == "xla" or (self.window is not None and self.cfg.denoise_window != "block"):
             return False
-        from dgemma_jax.model.moe import target_backend
-
         return mode == "splash" or target_backend() == "tpu"

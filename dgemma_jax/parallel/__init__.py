@@ -1,4 +1,4 @@
-"""Meshes, logical-axis sharding rules, multi-host start-up and TPU AOT compilation.
+"""Meshes, logical-axis sharding rules and multi-host start-up (AOT reports live in `dgemma_jax.perf`).
 
 Submodules load lazily (the model imports `parallel.context`, which must stay dependency-free).
 """

@@ -13,6 +13,9 @@ import threading
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dgemma_jax.parallel.rules import CACHE_AXES, spec_for
 
 _STATE = threading.local()
 
@@ -40,8 +43,6 @@ def constrain(x: jax.Array, logical: tuple) -> jax.Array:
     ctx = active()
     if ctx is None:
         return x
-    from dgemma_jax.parallel.rules import spec_for
-
     mesh, rules = ctx
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(x.shape, logical, rules, mesh)))
 
@@ -67,10 +68,6 @@ def expert_parallel(fn, z, weights, experts, gate_up, down, adapters=None):
     ctx = active()
     if ctx is None:
         return fn(z, weights, experts, gate_up, down, adapters)
-    from jax.sharding import PartitionSpec as P
-
-    from dgemma_jax.parallel.rules import spec_for
-
     mesh, rules = ctx
     tok = _axes(spec_for(z.shape[:1], ("batch",), rules, mesh)[0])
     ex = tuple(a for a in _axes(spec_for(gate_up.shape[:1], ("experts",), rules, mesh)[0]) if a not in tok)
@@ -112,10 +109,6 @@ def head_parallel(fn, q, k, v, valid):
     ctx = active()
     if ctx is None:
         return fn(q, k, v, valid)
-    from jax.sharding import PartitionSpec as P
-
-    from dgemma_jax.parallel.rules import CACHE_AXES, spec_for
-
     mesh, rules = ctx
     qs = spec_for(q.shape, ("batch", None, "heads", None), rules, mesh)
     ks = spec_for(k.shape, CACHE_AXES, rules, mesh)

@@ -14,11 +14,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import linen as nn
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model.api import logical_axes, param_shapes
-from dgemma_jax.model.cache import KVCache, init_cache
+from dgemma_jax.model.api import _boxed_init, logical_axes, param_shapes
+from dgemma_jax.model.cache import KVCache, cache_shape, init_cache
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.parallel.context import sharding_context
 from dgemma_jax.parallel.rules import CACHE_AXES, _axis_size, rules_for, spec_for
@@ -76,8 +78,6 @@ class Shardings:
 
     def cache_shape(self, batch: int, length: int) -> KVCache:
         """The sharded cache's shapes (`jax.ShapeDtypeStruct`s, nothing allocated)."""
-        from dgemma_jax.model.cache import cache_shape
-
         return cache_shape(self.config, batch, length, dtype_of(self.config.dtype), self.kv_replicas)
 
     def init_cache(self, batch: int, length: int) -> KVCache:
@@ -92,9 +92,6 @@ class Shardings:
 
     def init_params(self, rng) -> Any:
         """Random parameters created directly in their shards (no full host copy)."""
-        from dgemma_jax.model.api import _boxed_init
-        from flax import linen as nn
-
         fn = jax.jit(lambda r: nn.meta.unbox(_boxed_init(self.config, r)), out_shardings=self.params)
         return fn(rng)
 
@@ -115,6 +112,4 @@ def fetch(x) -> np.ndarray:
     """A (replicated or sharded) global array as a host numpy array, on every process."""
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(x)
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))

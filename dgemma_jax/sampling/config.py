@@ -134,6 +134,17 @@ class SamplerConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
+    def for_model(cls, config: Any, **overrides: Any) -> "SamplerConfig":
+        """The released sampler settings for a model: its canvas length, EOS ids and pad id.
+
+        The one place a default sampler is derived from a `ModelConfig` (the engine, the CLI, the
+        server and the AOT reports all call this); `overrides` replace any field.
+        """
+        kw = dict(canvas_length=config.canvas_length, eos_ids=tuple(config.eos_ids), pad_id=config.pad_id)
+        kw.update(overrides)
+        return cls(**kw)
+
+    @classmethod
     def from_hf_generation_config(
         cls, generation_config: Mapping[str, Any], **overrides: Any
     ) -> "SamplerConfig":

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from dgemma_jax.model.layers import softcap
+from dgemma_jax.model.moe import target_backend
 from dgemma_jax.parallel.context import constrain
 from dgemma_jax.sampling.ops import StepStats, sanitize_logits
 
@@ -51,6 +52,13 @@ def _sub_block(c: int, target: int = 64) -> int:
         if c % d == 0:
             return d
     return 1
+
+
+def chunk_uniforms(keys: jax.Array, chunk_index, length: int) -> jax.Array:
+    """The CPU head's two uniforms per position for vocab chunk `chunk_index`: [B, 2, length] float32
+    from keys [B] (row 0 picks the token inside the chunk, row 1 decides whether the running sample
+    moves into this chunk). `dgemma_jax.sampling.draws` exposes them for external references."""
+    return jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, chunk_index), (2, length), jnp.float32))(keys)
 
 
 def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperature: jax.Array, keys: jax.Array,
@@ -107,7 +115,7 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
         acc = carry["acc"] * alpha[..., None] + jnp.einsum("blc,cd->bld", w, e_c.astype(jnp.float32))
         # a draw inside the chunk by inverting its cumulative mass: first the sub-block, then the
         # token inside it (two short cumulative sums instead of one over the whole chunk)
-        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, idx), (2, l), jnp.float32))(keys)
+        u = chunk_uniforms(keys, idx, l)
         target = u[:, 0] * s_c
         cum_sub = jnp.cumsum(sub_mass, axis=-1)
         j = jnp.minimum(jnp.sum(cum_sub < target[..., None], axis=-1), nsub - 1).astype(jnp.int32)
@@ -147,8 +155,6 @@ def head_sample_stats_full(h: jax.Array, embedding: jax.Array, cap: float, tempe
 
 def head_step(h, embedding, cap, temperature, keys, embed_scale):
     """The denoising step's fused head for the backend being compiled for (see the module doc)."""
-    from dgemma_jax.model.moe import target_backend
-
     if target_backend() == "cpu":
         return head_sample_stats(h, embedding, cap, temperature, keys, embed_scale)
     return head_sample_stats_full(h, embedding, cap, temperature, keys, embed_scale)

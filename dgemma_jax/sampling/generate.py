@@ -1,10 +1,13 @@
 """Multi-canvas generation: prefill, then per canvas denoise -> truncate at EOS -> commit.
 
-Two drivers give identical tokens for the same keys:
-* `generate_fused`: the whole generation is one traceable program (outer `lax.while_loop` over
-  canvases around the inner denoising loop); jit it once.
-* `iter_canvases`: a Python loop over canvases that yields each finished canvas (streaming),
-  built from the same jitted pieces; `iter_steps` additionally yields every denoising step.
+One `canvas_step` (start from noise or a seed, denoise to completion, truncate at EOS, commit) and
+two drivers around it that give identical tokens for the same keys:
+* `generate_fused`: the whole generation is one traceable program (an outer `lax.while_loop` over
+  canvases, each a `canvas_step`).
+* `iter_canvases`: a Python loop that runs the jitted `canvas_step` once per canvas and yields each
+  finished canvas (streaming); `iter_steps` runs the same canvas step by step (`canvas_start`,
+  `denoise_step`, `canvas_end`) and yields every denoising step.
+Everything here is pure and traceable; the engine (`dgemma_jax.engine`) owns the jits.
 
 Canvas c of a row uses the key `fold_in(row_key, c)`. A row that emitted an EOS is finished: its
 later canvases are all pad and are neither denoised nor committed. The output has exactly
@@ -14,7 +17,6 @@ later canvases are all pad and are neither denoised nor committed. The output ha
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Iterator
 
@@ -24,8 +26,8 @@ import numpy as np
 from flax import struct
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.model.api import encode_pass
 from dgemma_jax.model.cache import KVCache
-from dgemma_jax.model.transformer import Transformer
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import denoise_canvas, denoise_step, init_state, initial_canvas, loop_running
@@ -59,15 +61,11 @@ def canvas_keys(keys: jax.Array, index) -> jax.Array:
 def commit(params, config: ModelConfig, cache: KVCache, tokens: jax.Array, active: jax.Array) -> KVCache:
     """Causal pass writing `tokens` [B, L] into the cache for the `active` rows (others write nothing)."""
     n = jnp.where(active, tokens.shape[1], 0).astype(jnp.int32)
-    _, cache = Transformer(config).apply({"params": params}, tokens, cache.lengths, n, cache, "none",
-                                         method="encode")
-    return cache
+    return encode_pass(params, config, tokens, cache.lengths, n, cache)[1]
 
 
 def prefill_prompt(params, config: ModelConfig, tokens, lengths, cache: KVCache) -> KVCache:
-    _, cache = Transformer(config).apply({"params": params}, tokens, cache.lengths, lengths, cache, "none",
-                                         method="encode")
-    return cache
+    return encode_pass(params, config, tokens, cache.lengths, lengths, cache)[1]
 
 
 def finish_canvas(sampler: SamplerConfig, argmax: jax.Array, finished: jax.Array):
@@ -76,10 +74,44 @@ def finish_canvas(sampler: SamplerConfig, argmax: jax.Array, finished: jax.Array
     return toks, finished | has_eos
 
 
-def _seed(sampler, keys, seed_canvas, pinned, config):
+def canvas_start(config: ModelConfig, sampler: SamplerConfig, keys: jax.Array, index, seed_canvas=None,
+                 pinned=None):
+    """Canvas `index`'s start: (canvas [B, L], pinned [B, L] or None).
+
+    Uniform noise from the canvas keys; with a `seed_canvas`, the first canvas starts from it and holds
+    its `pinned` positions (later canvases hold none). `index` may be traced."""
+    noise = initial_canvas(keys, sampler.canvas_length, config.vocab_size)
     if seed_canvas is None:
-        return initial_canvas(keys, sampler.canvas_length, config.vocab_size), None
-    return seed_canvas.astype(jnp.int32), pinned
+        return noise, None
+    first = jnp.asarray(index) == 0
+    start = jnp.where(first, seed_canvas.astype(jnp.int32), noise)
+    return start, None if pinned is None else pinned & first
+
+
+def canvas_end(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, argmax: jax.Array,
+               finished: jax.Array, last):
+    """Finish a denoised canvas: EOS truncation, then the commit of the rows that go on.
+
+    Returns (tokens [B, L], finished_after [B], cache). A row that emitted an EOS, and every row after
+    the `last` canvas, commits nothing; the causal pass is skipped when no row goes on."""
+    toks, finished_after = finish_canvas(sampler, argmax, finished)
+    active = ~finished_after & ~jnp.asarray(last)
+    cache = jax.lax.cond(jnp.any(active), lambda cc: commit(params, config, cc, toks, active), lambda cc: cc, cache)
+    return toks, finished_after, cache
+
+
+def canvas_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, keys: jax.Array, index,
+                last, finished: jax.Array, seed_canvas=None, pinned=None):
+    """One canvas of a generation: start (noise or seed/pins), denoise to completion, finish, commit.
+
+    keys: [B] per-row keys (canvas c uses `fold_in(key, c)`); index / last: the canvas index and
+    whether it is the final one (either may be traced); finished: [B] rows already done (frozen).
+    Returns (cache, tokens [B, L], steps [B], finished_after [B])."""
+    k = canvas_keys(keys, index)
+    start, pin = canvas_start(config, sampler, k, index, seed_canvas, pinned)
+    state = denoise_canvas(params, config, sampler, cache, k, canvas=start, pinned=pin, done=finished)
+    toks, finished_after, cache = canvas_end(params, config, sampler, cache, state.argmax, finished, last)
+    return cache, toks, state.steps, finished_after
 
 
 def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_tokens, prompt_lengths,
@@ -100,22 +132,11 @@ def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_t
 
     def body(carry):
         c, cache, out, steps, finished = carry
-        k = canvas_keys(keys, c)
-        if seed_canvas is None:
-            start, pin = initial_canvas(k, l, config.vocab_size), None
-        else:
-            rnd = initial_canvas(k, l, config.vocab_size)
-            start = jnp.where(c == 0, seed_canvas.astype(jnp.int32), rnd)
-            pin = None if pinned is None else pinned & (c == 0)
-        state = denoise_canvas(params, config, sampler, cache, k, canvas=start, pinned=pin, done=finished)
-        toks, finished_after = finish_canvas(sampler, state.argmax, finished)
+        cache, toks, n_steps, finished = canvas_step(params, config, sampler, cache, keys, c, c + 1 >= n_canvas,
+                                                     finished, seed_canvas, pinned)
         out = jax.lax.dynamic_update_slice_in_dim(out, toks, c * l, axis=1)
-        steps = jax.lax.dynamic_update_slice_in_dim(steps, state.steps[:, None], c, axis=1)
-        last = c + 1 >= n_canvas
-        active = ~finished_after & ~last
-        cache = jax.lax.cond(jnp.any(active), lambda cc: commit(params, config, cc, toks, active),
-                             lambda cc: cc, cache)
-        return c + 1, cache, out, steps, finished_after
+        steps = jax.lax.dynamic_update_slice_in_dim(steps, n_steps[:, None], c, axis=1)
+        return c + 1, cache, out, steps, finished
 
     def cond(carry):
         c, _, _, _, finished = carry
@@ -124,6 +145,21 @@ def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_t
     c, cache, out, steps, finished = jax.lax.while_loop(
         cond, body, (jnp.zeros((), jnp.int32), cache, out, steps, finished))
     return GenerateOutput(out[:, :max_new_tokens], steps, finished, c, cache)
+
+
+def start_state(config: ModelConfig, sampler: SamplerConfig, keys: jax.Array, index, finished: jax.Array,
+                seed_canvas=None, pinned=None):
+    """The step-by-step driver's start of canvas `index`: (LoopState, start canvas, pinned or None)."""
+    start, pin = canvas_start(config, sampler, canvas_keys(keys, index), index, seed_canvas, pinned)
+    return init_state(config, sampler, start, finished), start, pin
+
+
+def step_state(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, keys: jax.Array, index,
+               state, seed=None, pinned=None):
+    """One denoising step of canvas `index` for the step-by-step driver: (new state, still running)."""
+    new = denoise_step(params, config, sampler, cache, cache.lengths, canvas_keys(keys, index), state, seed=seed,
+                       pinned=pinned)
+    return new, loop_running(new, sampler)
 
 
 @dataclasses.dataclass
@@ -147,119 +183,51 @@ class StepEvent:
     done: np.ndarray         # [B]
 
 
-class Pieces:
-    """The separately jitted programs used by the Python drivers.
-
-    They are module-level jits with the configs as static arguments, so every `Pieces` (and every
-    `Engine`) with equal configs shares one compilation per input shape.
-    """
-
-    def __init__(self, config: ModelConfig, sampler: SamplerConfig, donate: bool = True, shardings=None):
-        self.config, self.sampler = config, sampler
-        if shardings is None:
-            pre, com = (_prefill_donated, _commit_donated) if donate else (_prefill_jit, _commit_jit)
-            jits = dict(prefill=pre, commit=com, canvas=_canvas_jit, step=_step_jit, start=_start_jit,
-                        finish=_finish_jit)
-        else:  # private jits, traced inside the mesh's sharding context
-            dn = ("cache",) if donate else ()
-            jits = dict(
-                prefill=_in_context(shardings, jax.jit(prefill_prompt, static_argnames=("config",),
-                                                       donate_argnames=dn)),
-                commit=_in_context(shardings, jax.jit(commit, static_argnames=("config",), donate_argnames=dn)),
-                canvas=_in_context(shardings, jax.jit(_canvas_driver, static_argnames=("config", "sampler"))),
-                step=_in_context(shardings, jax.jit(_step_driver, static_argnames=("config", "sampler"))),
-                start=_in_context(shardings, jax.jit(_start_state, static_argnames=("config", "sampler"))),
-                finish=_in_context(shardings, jax.jit(finish_canvas, static_argnums=(0,))),
-            )
-        self.prefill = functools.partial(jits["prefill"], config=config)
-        self.commit = functools.partial(jits["commit"], config=config)
-        self.canvas = functools.partial(jits["canvas"], config=config, sampler=sampler)
-        self.step = functools.partial(jits["step"], config=config, sampler=sampler)
-        self.start = functools.partial(jits["start"], config=config, sampler=sampler)
-        self.finish = functools.partial(jits["finish"], sampler)
-
-
-def _in_context(shardings, fn):
-    def run(*args, **kwargs):
-        with shardings.context():
-            return fn(*args, **kwargs)
-
-    return run
-
-
-def _canvas_driver(params, cache, keys, start, pinned, done, *, config, sampler):
-    return denoise_canvas(params, config, sampler, cache, keys, canvas=start, pinned=pinned, done=done)
-
-
-def _step_driver(params, cache, keys, state, seed, pinned, *, config, sampler):
-    new = denoise_step(params, config, sampler, cache, cache.lengths, keys, state, seed=seed, pinned=pinned)
-    return new, loop_running(new, sampler)
-
-
-def _start_state(keys, seed_canvas, done, *, config, sampler):
-    canvas = initial_canvas(keys, sampler.canvas_length, config.vocab_size) if seed_canvas is None else seed_canvas
-    return init_state(config, sampler, canvas, done)
-
-
-_prefill_jit = jax.jit(prefill_prompt, static_argnames=("config",))
-_prefill_donated = jax.jit(prefill_prompt, static_argnames=("config",), donate_argnames=("cache",))
-_commit_jit = jax.jit(commit, static_argnames=("config",))
-_commit_donated = jax.jit(commit, static_argnames=("config",), donate_argnames=("cache",))
-_canvas_jit = jax.jit(_canvas_driver, static_argnames=("config", "sampler"))
-_step_jit = jax.jit(_step_driver, static_argnames=("config", "sampler"))
-_start_jit = jax.jit(_start_state, static_argnames=("config", "sampler"))
-_finish_jit = jax.jit(finish_canvas, static_argnums=(0,))
-fused_jit = jax.jit(generate_fused, static_argnames=("config", "sampler", "max_new_tokens"),
-                    donate_argnames=("cache",))
-
-
-def _iterate(pieces: Pieces, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens, seed_canvas,
+def _iterate(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens, seed_canvas,
              pinned, per_step: bool) -> Iterator:
-    sampler, config = pieces.sampler, pieces.config
-    n_canvas = num_canvases(max_new_tokens, sampler.canvas_length)
-    cache = pieces.prefill(params, tokens=prompt_tokens, lengths=prompt_lengths, cache=cache)
+    """The streaming driver. programs: the engine's jits of prefill_prompt, canvas_step, start_state,
+    step_state and canvas_end (config and sampler bound), as attributes of those names."""
+    l = programs.sampler.canvas_length
+    n_canvas = num_canvases(max_new_tokens, l)
+    cache = programs.prefill_prompt(params, tokens=prompt_tokens, lengths=prompt_lengths, cache=cache)
     finished = jnp.zeros((prompt_tokens.shape[0],), bool)
     for c in range(n_canvas):
-        k = canvas_keys(keys, c)
-        seed = seed_canvas.astype(jnp.int32) if (c == 0 and seed_canvas is not None) else None
-        pin = pinned if (c == 0 and seed is not None) else None
+        index, last = jnp.int32(c), jnp.bool_(c + 1 >= n_canvas)
         if per_step:
-            state = pieces.start(k, seed, finished)
-            start = state.canvas
+            state, start, pin = programs.start_state(keys, index, finished, seed_canvas, pinned)
             running = True
             while running:
-                state, running = pieces.step(params, cache, k, state, start if pin is not None else None, pin)
+                state, running = programs.step_state(params, cache, keys, index, state,
+                                                     None if pin is None else start, pin)
                 yield StepEvent(c, int(state.step), np.asarray(state.argmax), np.asarray(state.canvas),
                                 np.asarray(state.done))
+            toks, finished_after, cache = programs.canvas_end(params, cache, state.argmax, finished, last)
+            steps = state.steps
         else:
-            start = initial_canvas(k, sampler.canvas_length, config.vocab_size) if seed is None else seed
-            state = pieces.canvas(params, cache, k, start, pin, finished)
-        toks, finished_after = pieces.finish(state.argmax, finished)
-        last = c + 1 >= n_canvas
-        active = ~finished_after & (not last)
+            cache, toks, steps, finished_after = programs.canvas_step(params, cache, keys, index, last, finished,
+                                                                      seed_canvas, pinned)
         # the last canvas's event carries only the tokens still owed (max_new_tokens in all, as generate)
-        owed = max_new_tokens - c * sampler.canvas_length
-        yield CanvasEvent(c, np.asarray(toks)[:, :owed], np.asarray(state.steps), np.asarray(finished_after))
+        owed = max_new_tokens - c * l
+        yield CanvasEvent(c, np.asarray(toks)[:, :owed], np.asarray(steps), np.asarray(finished_after))
         finished = finished_after
-        if bool(jnp.all(finished)) or last:
+        if bool(jnp.all(finished)):
             break
-        cache = pieces.commit(params, cache=cache, tokens=toks, active=active)
     yield cache
 
 
-def iter_canvases(pieces: Pieces, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens,
+def iter_canvases(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens,
                   seed_canvas=None, pinned=None) -> Iterator[CanvasEvent]:
     """Yield each finished canvas as soon as it is committed (streaming driver)."""
-    for ev in _iterate(pieces, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens, seed_canvas,
+    for ev in _iterate(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens, seed_canvas,
                        pinned, per_step=False):
         if isinstance(ev, CanvasEvent):
             yield ev
 
 
-def iter_steps(pieces: Pieces, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens,
+def iter_steps(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens,
                seed_canvas=None, pinned=None) -> Iterator[StepEvent | CanvasEvent]:
     """Yield every denoising step (a `StepEvent`) and every finished canvas (a `CanvasEvent`)."""
-    for ev in _iterate(pieces, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens, seed_canvas,
+    for ev in _iterate(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens, seed_canvas,
                        pinned, per_step=True):
         if not isinstance(ev, KVCache):
             yield ev

@@ -27,8 +27,9 @@ import numpy as np
 from flax import struct
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.model.api import denoise_features
 from dgemma_jax.model.cache import KVCache
-from dgemma_jax.model.transformer import Transformer
+from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.fused import head_step
@@ -138,11 +139,15 @@ def initial_canvas(keys: jax.Array, length: int, vocab_size: int) -> jax.Array:
     return jax.vmap(lambda k: ops.uniform_tokens(jax.random.fold_in(k, 0x5eed), (length,), vocab_size))(keys)
 
 
+def denoise_step_keys(keys: jax.Array, step) -> jax.Array:
+    """[B, 2] keys of denoising step `step` from a canvas's row keys [B]: [:, 0] draws the samples
+    (the head's uniforms or Gumbel noise), [:, 1] the renoise tokens."""
+    return jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, step)))(keys)
+
+
 def init_state(config: ModelConfig, sampler: SamplerConfig, canvas: jax.Array,
                done: jax.Array | None = None) -> LoopState:
     b, l = canvas.shape
-    from dgemma_jax.model.layers import dtype_of
-
     return LoopState(
         step=jnp.zeros((), jnp.int32),
         canvas=canvas.astype(jnp.int32),
@@ -164,9 +169,8 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
     """One denoising step for every unfinished row (pure; jit it or run it in a while_loop).
 
     knobs: optional per-row sampler settings (`RowKnobs`); default: `sampler`'s for every row."""
-    model = Transformer(config)
-    h = model.apply({"params": params}, state.canvas, context_end, cache, state.soft, method="denoise_features")
-    step_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, state.step)))(keys)  # [B, 2]
+    h = denoise_features(params, config, state.canvas, context_end, cache, state.soft)
+    step_keys = denoise_step_keys(keys, state.step)  # [B, 2]
     if knobs is None:
         temp, bound, last = ops.temperature(sampler, state.step), sampler.entropy_bound, None
     else:

@@ -13,11 +13,11 @@ def cmd_serve(args) -> int:
     from dgemma_jax.serving.scheduler import Scheduler
     from dgemma_jax.serving.server import serve
 
-    cfg, params, sampler, tok = load_checkpoint(args.checkpoint, args.dtype)
+    cfg, params, sampler, tok = load_checkpoint(args.checkpoint, args.dtype, args.revision)
     if sampler is None:  # a checkpoint without generation settings: the released defaults
         from dgemma_jax.sampling.config import SamplerConfig
 
-        sampler = SamplerConfig(canvas_length=cfg.canvas_length, eos_ids=cfg.eos_ids, pad_id=cfg.pad_id)
+        sampler = SamplerConfig.for_model(cfg)
     shardings = None
     if args.mesh:
         from dgemma_jax.parallel.mesh import make_mesh
@@ -47,7 +47,9 @@ def cmd_serve(args) -> int:
 
 def add_command(sub, positive) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching over N slots")
-    s.add_argument("--checkpoint", help="Hugging Face or dgemma_jax checkpoint directory (default: bundled)")
+    from dgemma_jax.cli_run import checkpoint_flags
+
+    checkpoint_flags(s)
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=positive(int), default=8000)

@@ -31,7 +31,6 @@ import jax
 import numpy as np
 
 from dgemma_jax.engine import Engine, compiled_memory, new_tokens_that_fit
-from dgemma_jax.pipeline import decode
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, row_keys
 from dgemma_jax.serving import text as text_lib
@@ -327,7 +326,7 @@ class Scheduler:
     def _emit(self, c: _Choice, reason: str | None) -> str | None:
         pad = self.engine.sampler.pad_id
         ids = tuple(t for t in c.tokens if t != pad)
-        text, hit = text_lib.cut_at_stop(decode(self.tokenizer, ids, c.request.keep_special),
+        text, hit = text_lib.cut_at_stop(self.tokenizer.decode(ids, skip_special=not c.request.keep_special),
                                          c.request.stop)
         if hit and reason != "cancelled":
             reason = "stop"

@@ -28,7 +28,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dgemma_jax.io.chat import history_without_thinking, render_chat
-from dgemma_jax.pipeline import encode_prompt, has_chat_template
 from dgemma_jax.serving import text as text_lib
 from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, SeqEvent, ShuttingDown
 from dgemma_jax.serving.schema import ChatRequest, CompletionRequest
@@ -85,7 +84,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
             if not item:
                 raise APIError(400, "the prompt is empty", param="prompt")
             try:
-                return encode_prompt(tok, item)
+                return tok.encode(item, add_bos=True)
             except ValueError as e:
                 raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
         bad = [t for t in item if not 0 <= t < cfg.vocab_size]
@@ -96,7 +95,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
 
     def chat_ids(body: ChatRequest) -> list[int]:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        if not has_chat_template(tok):
+        if not tok.has_chat_template:
             users = [m for m in messages if m["role"] == "user"]
             if len(messages) != 1 or len(users) != 1:
                 raise APIError(400, f"{model_name} has no chat template (a character-level model): send exactly one "
@@ -143,7 +142,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
             for p, ids in enumerate(prompts):
                 n_tok = budget if budget is not None else scheduler.default_max_tokens(len(ids), default_max_tokens)
                 req = Request(ids, n_tok, sampler, seed, n=body.n, stop=body.stops,
-                              keep_special=chat and has_chat_template(tok),
+                              keep_special=chat and tok.has_chat_template,
                               on_event=lambda ev, p=p: loop.call_soon_threadsafe(queue.put_nowait, (p, ev)))
                 reqs.append(scheduler.submit(req))
         except BaseException as e:

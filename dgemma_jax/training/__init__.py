@@ -25,7 +25,7 @@ from dgemma_jax.training.lora import init_lora, merge as merge_lora
 from dgemma_jax.training.objective import ObjectiveConfig, loss_fn
 from dgemma_jax.training.optim import make_optimizer
 from dgemma_jax.training.step import LoraSpec, TrainState, init_train_state, make_train_step
-from dgemma_jax.training.tokenizer import CharTokenizer
+from dgemma_jax.io.char_tokenizer import CharTokenizer
 from dgemma_jax.training.train import load_config, main, train
 
 __all__ = [

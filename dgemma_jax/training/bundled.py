@@ -27,7 +27,7 @@ import numpy as np
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.training.tokenizer import CharTokenizer
+from dgemma_jax.io.char_tokenizer import CharTokenizer
 
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 DEFAULT_NAME = "dgemma-tiny-digits"

@@ -25,9 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.model.api import denoise_logits, encode_pass, soft_embed_pass
 from dgemma_jax.model.cache import init_cache
-from dgemma_jax.model.layers import LORA_COLLECTION
-from dgemma_jax.model.transformer import Transformer
 from dgemma_jax.training.corruption import corrupt, sample_t
 
 WEIGHTINGS = ("none", "inv_t")
@@ -80,16 +79,12 @@ def token_ce(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
-def variables(params, adapters=None) -> dict:
-    """The model's variables: the parameters, plus the unmerged LoRA collection when training adapters."""
-    return {"params": params} if adapters is None else {"params": params, LORA_COLLECTION: adapters}
-
-
-def encoder_pass(model: Transformer, params, tokens, lengths, want_logits: bool, cache_dtype=None, adapters=None):
+def encoder_pass(config: ModelConfig, params, tokens, lengths, want_logits: bool, cache_dtype=None, adapters=None):
+    """The causal pass over whole training rows into a fresh cache: (logits or None, cache)."""
     b, t = tokens.shape
-    cache = init_cache(model.cfg, b, t, cache_dtype)
-    return model.apply(variables(params, adapters), tokens, jnp.zeros((b,), jnp.int32), lengths, cache,
-                       "all" if want_logits else "none", method="encode")
+    cache = init_cache(config, b, t, cache_dtype)
+    return encode_pass(params, config, tokens, jnp.zeros((b,), jnp.int32), lengths, cache,
+                       "all" if want_logits else "none", adapters=adapters)
 
 
 def ar_loss(logits, tokens, lengths, prompt_lengths, on_prompt: bool):
@@ -117,7 +112,6 @@ def loss_fn(params, batch: dict, rng: jax.Array, *, config: ModelConfig, obj: Ob
     "logits" [B, L, V] (pass 2), "clean" [B, L] and "noisy" [B, L].
     """
     L = obj.canvas_length
-    model = Transformer(config)
     tokens = batch["tokens"].astype(jnp.int32)
     lengths = batch["lengths"].astype(jnp.int32)
     plen = batch["prompt_lengths"].astype(jnp.int32)
@@ -135,18 +129,18 @@ def loss_fn(params, batch: dict, rng: jax.Array, *, config: ModelConfig, obj: Ob
         noisy = noise_override.astype(jnp.int32)
 
     want_ar = obj.ar_weight > 0
-    enc_logits, cache = encoder_pass(model, params, tokens, lengths, want_ar, adapters=adapters)
+    enc_logits, cache = encoder_pass(config, params, tokens, lengths, want_ar, adapters=adapters)
 
     soft = None
     sc_on = jnp.zeros((b,), bool)
     if obj.sc_prob > 0 or sc_override is not None:
         sc_on = jax.random.bernoulli(k_sc, obj.sc_prob, (b,)) if sc_override is None else sc_override
         sg = jax.lax.stop_gradient
-        sg_vars = variables(sg(params), None if adapters is None else sg(adapters))
-        logits1 = model.apply(sg_vars, noisy, start, sg(cache), None, method="denoise")
-        soft = model.apply(variables(params, adapters), sg(logits1), method="soft_embed")
+        logits1 = denoise_logits(sg(params), config, noisy, start, sg(cache), None,
+                                 adapters=None if adapters is None else sg(adapters))
+        soft = soft_embed_pass(params, config, sg(logits1), adapters=adapters)
         soft = soft * sc_on[:, None, None].astype(soft.dtype)
-    logits = model.apply(variables(params, adapters), noisy, start, cache, soft, method="denoise")
+    logits = denoise_logits(params, config, noisy, start, cache, soft, adapters=adapters)
 
     ce = token_ce(logits, clean)                                # [B, L]
     per_example = ce.mean(-1)

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dgemma_jax.training.tokenizer import CharTokenizer
+from dgemma_jax.io.char_tokenizer import CharTokenizer
 
 DIGITS = "0123456789"
 TASK_PREFIX = {"sort": "s", "reverse": "r", "add": "a"}

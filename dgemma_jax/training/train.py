@@ -62,11 +62,11 @@ def build_tokenizer(dc: dict):
 
         return task_tokenizer()
     if kind == "char":
-        from dgemma_jax.training.tokenizer import CharTokenizer
+        from dgemma_jax.io.char_tokenizer import CharTokenizer
 
         return CharTokenizer(dc["chars"])
     if kind == "char_file":
-        from dgemma_jax.training.tokenizer import CharTokenizer
+        from dgemma_jax.io.char_tokenizer import CharTokenizer
 
         return CharTokenizer.load(dc["tokenizer_path"])
     if kind == "hf":
@@ -102,12 +102,14 @@ def build_model_and_params(mc: dict, ic: dict, vocab_size: int | None):
     if kind == "hf":
         from dgemma_jax.io.hf import load_hf
 
-        cfg, params = load_hf(ic["path"], dtype=mc.get("param_dtype"))
+        cfg, params = load_hf(ic["path"], dtype=mc.get("param_dtype"), revision=ic.get("revision") or None)
         return cfg.replace(**overrides) if overrides else cfg, params
     if kind == "bundled":  # the config comes with the checkpoint; overrides change execution knobs
+        from dgemma_jax.io.locations import resolve
         from dgemma_jax.training.bundled import load_bundled
 
-        cfg, params, _, _ = load_bundled(ic.get("name") or None, ic.get("path") or None)
+        path = resolve(ic["path"], ic.get("revision") or None) if ic.get("path") else None
+        cfg, params, _, _ = load_bundled(ic.get("name") or None, path)
         return cfg.replace(**overrides) if overrides else cfg, params
     if mc.get("preset"):
         cfg = ModelConfig.preset(mc["preset"], **overrides)
@@ -119,10 +121,11 @@ def build_model_and_params(mc: dict, ic: dict, vocab_size: int | None):
     if vocab_size is not None and cfg.vocab_size < vocab_size:
         raise ValueError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's {vocab_size}")
     if kind == "orbax":  # params saved by save_params (e.g. a run's export/ or an asset's params/)
+        from dgemma_jax.io.locations import resolve
         from dgemma_jax.model.api import param_shapes
         from dgemma_jax.training.checkpoint import load_params
 
-        return cfg, load_params(ic["path"], param_shapes(cfg))
+        return cfg, load_params(resolve(ic["path"], check=False), param_shapes(cfg))
     if kind != "random":
         raise ValueError(f"unknown init.kind {kind!r}: use 'random', 'hf', 'orbax' or 'bundled'")
     from dgemma_jax.model.api import init_params
@@ -495,7 +498,7 @@ def _progress(tc: dict, start: int, total: int):
 # override must name one of them, so a typo is an error instead of a silently ignored setting.
 RECIPE_KEYS = {
     "model": ("preset", "param_dtype", "overrides"),
-    "init": ("kind", "path", "name", "seed", "embedding_std"),
+    "init": ("kind", "path", "revision", "name", "seed", "embedding_std"),
     "data": ("kind", "tokenizer", "chars", "tokenizer_path", "tasks", "path", "prompt_key", "response_key",
              "bos_id", "separator", "min_prompt", "prompt_length", "num_canvases", "batch_size", "seed",
              "ar_loss", "overflow"),

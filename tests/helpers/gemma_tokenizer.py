@@ -13,7 +13,7 @@ def gemma_like_tokenizer_json(path):
     for i in range(105 - len(SPECIALS)):   # dense ids: <unused0> is 5, ..., <unused99> is 104
         vocab[f"<unused{i}>"] = len(vocab)
     vocab.update({piece: i for i, piece in MARKERS.items()})
-    for ch in pre_tokenizers.ByteLevel.alphabet():
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):  # alphabet() order varies between processes
         vocab[ch] = len(vocab)
     tok = Tok(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

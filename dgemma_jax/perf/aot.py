@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.engine import compiled_memory
-from dgemma_jax.parallel.hbm_traffic import hbm_traffic
+from dgemma_jax.perf.hbm_traffic import hbm_traffic
 
 
 PROJECTION_LABEL = ("projection from the TPU compiler (cost_analysis FLOPs plus the attention kernel's, the compiled "
@@ -215,8 +215,7 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         cfg = cfg.replace(moe_dispatch="ragged")  # what "auto" resolves to on TPU
     topo = topology(topology_name)
     devs = devices if devices is not None else tpu_devices(topology_name)
-    sampler = sampler or SamplerConfig(canvas_length=cfg.canvas_length, max_denoising_steps=48,
-                                       eos_ids=tuple(e for e in cfg.eos_ids))
+    sampler = sampler or SamplerConfig.for_model(cfg, max_denoising_steps=48)
     if context < prompt + sampler.canvas_length:
         raise ValueError(f"context {context} must hold the prompt ({prompt}) plus a canvas ({sampler.canvas_length})")
     max_new_tokens = max_new_tokens or max(sampler.canvas_length, context - prompt)
@@ -298,8 +297,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
 
 
 def _add_efficiency(entry: dict, cfg: ModelConfig, sh, topo: Topology, batch: int, context: int):
-    """The step's counted FLOPs and bytes against what it must do (parallel/roofline.py)."""
-    from dgemma_jax.parallel import roofline
+    """The step's counted FLOPs and bytes against what it must do (perf/roofline.py)."""
+    from dgemma_jax.perf import roofline
 
     chips = sh.mesh.devices.size
     useful = roofline.denoise_step_flops(cfg, batch, context) / chips

@@ -23,6 +23,7 @@ import math
 import jax
 
 from dgemma_jax.config import SLIDING, ModelConfig
+from dgemma_jax.model.api import param_shapes
 
 _MATMULS = ("attn/q", "attn/k", "attn/v", "attn/o", "dense_mlp/gate_up", "dense_mlp/down", "moe/router",
             "sc_mlp/gate_up", "sc_mlp/down")
@@ -34,8 +35,6 @@ def _path(p) -> str:
 
 def denoise_step_flops(config: ModelConfig, batch: int, context: int) -> float:
     """Useful FLOPs of one denoising step (all chips together) at a cache of `context` slots."""
-    from dgemma_jax.model.api import param_shapes
-
     tokens = batch * config.canvas_length
     total = 0.0
     for path, leaf in jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]:
@@ -62,8 +61,6 @@ def _keys_read(config: ModelConfig, layer: int, context: int) -> int:
 
 def denoise_step_bytes_per_chip(config: ModelConfig, shardings, batch: int, context: int) -> dict[str, float]:
     """{"params", "cache", "total"}: bytes one chip must read for one step (its shards)."""
-    from dgemma_jax.model.api import param_shapes
-
     def shard_bytes(leaf, sharding):
         return math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
 

@@ -59,6 +59,7 @@ __all__ = [
     "release_like_generation_config",
     "save_reference",
     "load_reference",
+    "numpy_checkpoint",
     "new_cache",
     "cache_lengths",
     "encoder_logits",
@@ -352,6 +353,35 @@ def load_reference(path: str | os.PathLike, attn_implementation: str = "sdpa") -
         os.fspath(path), dtype=torch.float32, attn_implementation=attn_implementation
     )
     return model.eval()
+
+
+def numpy_checkpoint(name: str, seed: int, path: str | os.PathLike, canvas_length: int | None = None) -> dict:
+    """A preset's checkpoint whose weights are drawn with numpy (``random_checkpoint``), not torch.
+
+    transformers builds and saves the preset (that fixes config.json and the tensor list); every tensor is
+    then redrawn by ``random_checkpoint.random_state_dict(spec, seed)`` and written to ``path``, so the JAX
+    side can rebuild the same checkpoint without torch from ``config_json``, ``generation_config_json``,
+    ``spec`` and ``seed`` (what the golden files store).  Load it with ``load_reference(path)``.
+    Returns ``{"path", "config_json", "generation_config_json", "spec": [(name, shape), ...], "seed"}``.
+    """
+    import tempfile
+
+    from safetensors import safe_open
+
+    from tests.reference.random_checkpoint import write_checkpoint
+
+    model = build_preset(name, seed=0, canvas_length=canvas_length, randomize=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_reference(model, tmp)
+        with open(os.path.join(tmp, "config.json")) as f:
+            config_json = f.read()
+        with open(os.path.join(tmp, "generation_config.json")) as f:
+            generation_config_json = f.read()
+        with safe_open(os.path.join(tmp, "model.safetensors"), "np") as f:
+            spec = [(k, tuple(int(d) for d in f.get_slice(k).get_shape())) for k in sorted(f.keys())]
+    write_checkpoint(path, config_json, generation_config_json, spec, seed)
+    return {"path": os.fspath(path), "config_json": config_json, "generation_config_json": generation_config_json,
+            "spec": spec, "seed": int(seed)}
 
 
 # ----------------------------------------------------------------------------------------------------------------

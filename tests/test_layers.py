@@ -1,0 +1,98 @@
+"""The package's import graph runs one way: each module imports only from its own layer or below.
+
+Layers, low to high (a module's layer is the first pattern that matches its dotted name):
+errors/backends/config < low-level sharding (mesh, rules, context, distributed) < the model <
+shardings (which places a model's parameters and cache on a mesh) < sampling < the engine < io <
+training < chat_session < pipeline < serving, the perf reports and the CLI's runners < the CLI and
+the package root. Every `from dgemma_jax... import` counts, at module level or inside a function.
+"""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "dgemma_jax")
+
+LAYERS = [
+    ("dgemma_jax.errors", "dgemma_jax.backends", "dgemma_jax.config"),
+    ("dgemma_jax.parallel", "dgemma_jax.parallel.mesh", "dgemma_jax.parallel.rules", "dgemma_jax.parallel.context",
+     "dgemma_jax.parallel.distributed"),
+    ("dgemma_jax.model",),
+    ("dgemma_jax.parallel.shardings",),
+    ("dgemma_jax.sampling",),
+    ("dgemma_jax.engine",),
+    ("dgemma_jax.io",),
+    ("dgemma_jax.training",),
+    ("dgemma_jax.chat_session",),
+    ("dgemma_jax.pipeline",),
+    ("dgemma_jax.serving", "dgemma_jax.perf", "dgemma_jax.cli_run"),
+    ("dgemma_jax.cli",),
+]
+PACKAGE_ROOT = len(LAYERS) - 1  # `dgemma_jax` itself (its __init__), not every module under it
+
+
+def layer_of(module: str) -> int:
+    if module == "dgemma_jax":
+        return PACKAGE_ROOT
+    best, best_len = None, -1
+    for i, names in enumerate(LAYERS):
+        for n in names:
+            if (module == n or module.startswith(n + ".")) and len(n) > best_len:
+                best, best_len = i, len(n)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS in {__file__}")
+    return best
+
+
+def _modules():
+    for dirpath, _, names in os.walk(PACKAGE):
+        for n in names:
+            if n.endswith(".py"):
+                path = os.path.join(dirpath, n)
+                rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                yield (rel[: -len(".__init__")] if rel.endswith(".__init__") else rel), path
+
+
+def _imports(path: str):
+    tree = ast.parse(open(path).read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "dgemma_jax":
+            for alias in node.names:  # `from dgemma_jax.x import y` may name a submodule y
+                sub = f"{node.module}.{alias.name}"
+                yield sub if any(sub == m for m, _ in MODULES) else node.module, node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "dgemma_jax":
+                    yield alias.name, node.lineno
+
+
+MODULES = list(_modules())
+
+
+def test_no_import_runs_from_a_lower_layer_to_a_higher_one():
+    bad = []
+    for module, path in MODULES:
+        mine = layer_of(module)
+        for target, line in _imports(path):
+            if layer_of(target) > mine:
+                bad.append(f"{os.path.relpath(path, ROOT)}:{line} imports {target} "
+                           f"(layer {layer_of(target)} over its own {mine})")
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_the_perf_reports_are_used_only_by_the_cli():
+    users = sorted({module for module, path in MODULES for target, _ in _imports(path)
+                    if target.startswith("dgemma_jax.perf") and not module.startswith("dgemma_jax.perf")})
+    assert users == ["dgemma_jax.cli"], users
+
+
+@pytest.mark.parametrize("module", ["dgemma_jax.model.attention", "dgemma_jax.sampling.loop",
+                                    "dgemma_jax.parallel.context", "dgemma_jax.io.tokenizer"])
+def test_the_check_sees_a_violation(module, tmp_path):
+    # the checker itself: a higher layer imported from a low module is reported
+    path = dict(MODULES)[module]
+    fake = tmp_path / "m.py"
+    fake.write_text(open(path).read() + "\nfrom dgemma_jax.cli import main\n")
+    assert any(layer_of(t) > layer_of(module) for t, _ in _imports(str(fake)))
