@@ -39,7 +39,6 @@ def test_bundled_model_sorts_every_input_kind():
     from dgemma_jax.training.evaluate import evaluate_exact_match
     from dgemma_jax.training.tasks import DIGIT_KINDS, kind_problems
 
-    t0 = time.time()
     config, params, sampler, tok = bundled.load_bundled()
     meta = bundled.load_metadata()
     cat, ci = meta["category_eval"], meta["ci_categories"]
@@ -59,7 +58,6 @@ def test_bundled_model_sorts_every_input_kind():
     correct = dict(zip(DIGIT_KINDS, ok.sum(-1).tolist()))
     failures = [s for s in r["samples"] if not s["correct"]]
     assert all(c >= 98 for c in correct.values()), (correct, failures)
-    assert time.time() - t0 < 60
 
 
 def test_bundled_tokenizer_roundtrip():
