@@ -135,7 +135,8 @@ def test_an_interrupted_copy_is_finished_by_the_next_run(memory_store, monkeypat
     monkeypatch.setattr(MemoryFileSystem, "get_file", real_get)
     capsys.readouterr()
     assert resolve(url) == local
-    assert "13 file(s)" in capsys.readouterr().err  # the 16 files less the 3 copied before
+    total = len(fs.find(f"{root}/tiny"))
+    assert f"{total - 3} file(s)" in capsys.readouterr().err  # all files less the 3 copied before
     for rel in fs.find(f"{root}/tiny"):
         with open(os.path.join(local, os.path.relpath(rel, f"{root}/tiny")), "rb") as f:
             assert f.read() == fs.cat(rel), rel
