@@ -175,7 +175,6 @@ def warn_if_cut_short(config, max_new: int, finished, context: int, cache_length
                   "shorten the prompt", DgemmaWarning, stacklevel=3)
 
 
-
 class Engine:
     """A model + sampler with compiled programs (built lazily, cached per input shape).
 
@@ -350,8 +349,8 @@ def _start_state(keys, index, finished, seed_canvas, pinned, *, config, sampler)
     return gen.start_state(config, sampler, keys, index, finished, seed_canvas, pinned)
 
 
-def _step_state(params, cache, keys, index, state, seed, pinned, *, config, sampler):
-    return gen.step_state(params, config, sampler, cache, keys, index, state, seed, pinned)
+def _step_state(params, cache, canvas_keys, state, seed, pinned, *, config, sampler):
+    return gen.step_state(params, config, sampler, cache, canvas_keys, state, seed, pinned)
 
 
 def _canvas_end(params, cache, argmax, finished, last, *, config, sampler):

@@ -57,7 +57,7 @@ def _sub_block(c: int, target: int = 64) -> int:
 def chunk_uniforms(keys: jax.Array, chunk_index, length: int) -> jax.Array:
     """The CPU head's two uniforms per position for vocab chunk `chunk_index`: [B, 2, length] float32
     from keys [B] (row 0 picks the token inside the chunk, row 1 decides whether the running sample
-    moves into this chunk). `dgemma_jax.sampling.draws` exposes them for external references."""
+    moves into this chunk). `tests.reference.draws` exposes them for external references."""
     return jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, chunk_index), (2, length), jnp.float32))(keys)
 
 

@@ -149,16 +149,18 @@ def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_t
 
 def start_state(config: ModelConfig, sampler: SamplerConfig, keys: jax.Array, index, finished: jax.Array,
                 seed_canvas=None, pinned=None):
-    """The step-by-step driver's start of canvas `index`: (LoopState, start canvas, pinned or None)."""
-    start, pin = canvas_start(config, sampler, canvas_keys(keys, index), index, seed_canvas, pinned)
-    return init_state(config, sampler, start, finished), start, pin
+    """The step-by-step driver's start of canvas `index`: (LoopState, the canvas's row keys, start
+    canvas, pinned or None); the keys go to every `step_state` of the canvas."""
+    k = canvas_keys(keys, index)
+    start, pin = canvas_start(config, sampler, k, index, seed_canvas, pinned)
+    return init_state(config, sampler, start, finished), k, start, pin
 
 
-def step_state(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, keys: jax.Array, index,
+def step_state(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, canvas_keys_: jax.Array,
                state, seed=None, pinned=None):
-    """One denoising step of canvas `index` for the step-by-step driver: (new state, still running)."""
-    new = denoise_step(params, config, sampler, cache, cache.lengths, canvas_keys(keys, index), state, seed=seed,
-                       pinned=pinned)
+    """One denoising step for the step-by-step driver (canvas_keys_: from `start_state`): (new state,
+    still running)."""
+    new = denoise_step(params, config, sampler, cache, cache.lengths, canvas_keys_, state, seed=seed, pinned=pinned)
     return new, loop_running(new, sampler)
 
 
@@ -194,11 +196,10 @@ def _iterate(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_n
     for c in range(n_canvas):
         index, last = jnp.int32(c), jnp.bool_(c + 1 >= n_canvas)
         if per_step:
-            state, start, pin = programs.start_state(keys, index, finished, seed_canvas, pinned)
+            state, k, start, pin = programs.start_state(keys, index, finished, seed_canvas, pinned)
             running = True
             while running:
-                state, running = programs.step_state(params, cache, keys, index, state,
-                                                     None if pin is None else start, pin)
+                state, running = programs.step_state(params, cache, k, state, None if pin is None else start, pin)
                 yield StepEvent(c, int(state.step), np.asarray(state.argmax), np.asarray(state.canvas),
                                 np.asarray(state.done))
             toks, finished_after, cache = programs.canvas_end(params, cache, state.argmax, finished, last)

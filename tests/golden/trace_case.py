@@ -1,6 +1,6 @@
 """The end-to-end trace: transformers' own `generate()` fed the project's random draws.
 
-The project's draws for a run with `rng=RNG` (`dgemma_jax.sampling.draws.canvas_draws`: start
+The project's draws for a run with `rng=RNG` (`tests.reference.draws.canvas_draws`: start
 canvases, the head's sampling uniforms, renoise tokens, all from the engine's own key functions) are
 injected into `DiffusionGemmaForBlockDiffusion.generate()`:
   * `EntropyBoundSampler.initialize_canvas` (the block's start canvas, then one renoise draw per step)
@@ -68,7 +68,7 @@ def sampler_config(canvas_length: int, eos_id: int):
 
 
 def all_draws(rng: int, batch: int, canvas_length: int, vocab_size: int) -> list[dict]:
-    from dgemma_jax.sampling.draws import canvas_draws
+    from tests.reference.draws import canvas_draws
 
     return [canvas_draws(rng, batch, k, N, canvas_length, vocab_size) for k in range(K)]
 
@@ -94,7 +94,7 @@ def run_hf(model, rng: int, eos_id: int) -> dict:
     import torch
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
-    from dgemma_jax.sampling.draws import categorical_from_uniforms
+    from tests.reference.draws import categorical_from_uniforms
 
     C = model.config.canvas_length
     V = model.config.text_config.vocab_size
