@@ -19,12 +19,9 @@ See benchmarks/README.md for what each number means. Statistic: the minimum over
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,7 +37,11 @@ for _p in (ROOT, HERE):  # the package, and this folder's modules when run throu
 
 import numpy as np  # noqa: E402
 
-from gemm_ceiling import gemm_ceiling, samples  # noqa: E402
+from gemm_ceiling import gemm_ceiling, gemm_ceiling_markdown, samples  # noqa: E402
+from dgemma_jax.perf import report  # noqa: E402
+from dgemma_jax.perf import compiled  # noqa: E402
+from dgemma_jax.perf.report import loadavg, machine_info, ms, pct  # noqa: E402
+from dgemma_jax.perf.roofline import causal_pass_flops, denoise_step_flops_by_part  # noqa: E402
 from dgemma_jax.sampling.fused import vocab_chunk  # noqa: E402
 
 PROMPT_LEN = 512
@@ -161,160 +162,6 @@ def maxrss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def machine_info():
-    """The machine, versions, thread settings and git commit (torch/transformers None without `[ref]`)."""
-    import jax
-    import jaxlib
-
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        torch = transformers = None
-
-    cpu_model = ""
-    flags = []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and not cpu_model:
-                    cpu_model = line.split(":", 1)[1].strip()
-                if line.startswith("flags") and not flags:
-                    flags = [x for x in line.split(":", 1)[1].split() if x.startswith(("avx", "fma", "amx"))]
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        commit = ""
-    mem_total = None
-    try:
-        with open("/proc/meminfo") as f:
-            mem_total = int(f.readline().split()[1]) / 2**20
-    except OSError:
-        pass
-    return {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "hostname": platform.node(),
-        "platform": platform.platform(),
-        "cpu_model": cpu_model,
-        "cpu_flags": flags,
-        "nproc": os.cpu_count(),
-        "nproc_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "mem_total_gb": mem_total,
-        "python": sys.version.split()[0],
-        "numpy": np.__version__,
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "jax_backend": jax.default_backend(),
-        "jax_devices": [str(d) for d in jax.devices()],
-        "torch": torch and torch.__version__,
-        "torch_threads": torch and torch.get_num_threads(),
-        "torch_interop_threads": torch and torch.get_num_interop_threads(),
-        "transformers": transformers and transformers.__version__,
-        "env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                                               "XLA_FLAGS", "JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL",
-                                               "OMP_WAIT_POLICY", "KMP_BLOCKTIME")},
-        "git_commit": commit,
-    }
-
-
-def loadavg():
-    try:
-        return list(os.getloadavg())
-    except OSError:
-        return None
-
-
-# ====================================================================== FLOP counting
-def layer_macs(cfg, i, n_queries, keys_per_query_total):
-    """Useful multiply-accumulates of layer i for n_queries tokens (keys_per_query_total = sum of keys seen)."""
-    d, n = cfg.hidden_size, cfg.num_heads
-    hd, kv = cfg.layer_head_dim(i), cfg.layer_kv_heads(i)
-    proj = d * n * hd + d * kv * hd + (0 if cfg.is_global(i) else d * kv * hd) + n * hd * d
-    return {
-        "qkvo_proj": n_queries * proj,
-        "attention": 2 * n * hd * keys_per_query_total,  # QK^T and PV
-        "dense_mlp": n_queries * 3 * d * cfg.intermediate_size,
-        "experts_topk": n_queries * cfg.top_k * 3 * d * cfg.moe_intermediate_size,
-        "router": n_queries * d * cfg.num_experts,
-    }
-
-
-def _add(acc, part):
-    for k, v in part.items():
-        acc[k] = acc.get(k, 0) + v
-
-
-def denoise_flops(cfg, context, canvas=CANVAS, batch=1):
-    """Useful FLOPs (2 x MACs) of one denoise step: trunk + self-conditioning MLP + head + soft embedding."""
-    acc = {}
-    for i in range(cfg.num_layers):
-        if cfg.is_global(i):
-            keys = context + canvas
-        else:
-            keys = min(cfg.sliding_window - 1, context) + canvas
-        _add(acc, layer_macs(cfg, i, canvas, canvas * keys))
-    d, v = cfg.hidden_size, cfg.vocab_size
-    acc["sc_mlp"] = canvas * 3 * d * cfg.intermediate_size
-    acc["head_logits"] = canvas * d * v
-    acc["sc_soft_embedding"] = canvas * v * d
-    out = {k: 2 * batch * m for k, m in acc.items()}
-    out["trunk"] = sum(out[k] for k in ("qkvo_proj", "attention", "dense_mlp", "experts_topk", "router", "sc_mlp"))
-    out["total"] = out["trunk"] + out["head_logits"] + out["sc_soft_embedding"]
-    return out
-
-
-def encode_flops(cfg, context, new, batch=1, head_tokens=0):
-    """Useful FLOPs of a causal pass of `new` tokens after `context` committed ones (+ head on head_tokens)."""
-    acc = {}
-    for i in range(cfg.num_layers):
-        keys = 0
-        for t in range(new):
-            seen = context + t + 1
-            keys += seen if cfg.is_global(i) else min(cfg.sliding_window, seen)
-        _add(acc, layer_macs(cfg, i, new, keys))
-    acc["head_logits"] = head_tokens * cfg.hidden_size * cfg.vocab_size
-    out = {k: 2 * batch * m for k, m in acc.items()}
-    out["total"] = sum(out.values())
-    return out
-
-
-def xla_cost(compiled):
-    try:
-        c = compiled.cost_analysis()
-    except Exception as e:  # noqa: BLE001
-        return {"error": repr(e)}
-    if isinstance(c, (list, tuple)):
-        c = c[0] if c else {}
-    return {k: float(c[k]) for k in ("flops", "bytes accessed", "transcendentals") if k in c}
-
-
-def xla_memory(compiled):
-    try:
-        m = compiled.memory_analysis()
-    except Exception as e:  # noqa: BLE001
-        return {"error": repr(e)}
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-              "generated_code_size_in_bytes")
-    out = {f: int(getattr(m, f)) for f in fields if hasattr(m, f)}
-    if out:
-        out["total_mb"] = (out.get("argument_size_in_bytes", 0) + out.get("output_size_in_bytes", 0)
-                           - out.get("alias_size_in_bytes", 0) + out.get("temp_size_in_bytes", 0)) / 2**20
-    return out
-
-
-def aot(jitted, *args, **kwargs):
-    """AOT lower + compile: (compiled, {lower_s, compile_s})."""
-    t0 = now()
-    lowered = jitted.lower(*args, **kwargs)
-    t1 = now()
-    compiled = lowered.compile()
-    t2 = now()
-    return compiled, {"lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0}
-
-
 # ====================================================================== setup
 def build_models(seed):
     import torch
@@ -408,9 +255,9 @@ def jax_pieces(cfg, params, prompt, quick, res):
 
     # ---------------------------------------------------------------- prefill (512 tokens)
     log("jax: prefill 512")
-    c_pre, compile_["prefill_512"] = aot(jit_prefill, params, cfg, tokens, n512, fresh(), "none")
-    memory["prefill_512"] = xla_memory(c_pre)
-    cost["prefill_512"] = xla_cost(c_pre)
+    c_pre, compile_["prefill_512"] = compiled.compile_timed(jit_prefill, params, cfg, tokens, n512, fresh(), "none")
+    memory["prefill_512"] = compiled.memory(c_pre)
+    cost["prefill_512"] = compiled.cost(c_pre)
     ts = []
     for i in range(1 + (2 if quick else 4)):
         c = fresh()
@@ -427,9 +274,10 @@ def jax_pieces(cfg, params, prompt, quick, res):
     log("jax: commit 256")
     canvas_tok = jnp.asarray(np.random.default_rng(7).integers(3, cfg.vocab_size, (1, CANVAS)), jnp.int32)
     n256 = jnp.array([CANVAS], jnp.int32)
-    c_com, compile_["commit_256"] = aot(jit_prefill, params, cfg, canvas_tok, n256, copy_cache(base), "none")
-    memory["commit_256"] = xla_memory(c_com)
-    cost["commit_256"] = xla_cost(c_com)
+    c_com, compile_["commit_256"] = compiled.compile_timed(jit_prefill, params, cfg, canvas_tok, n256,
+                                                           copy_cache(base), "none")
+    memory["commit_256"] = compiled.memory(c_com)
+    cost["commit_256"] = compiled.cost(c_com)
     ts = []
     for i in range(1 + (2 if quick else 4)):
         c = copy_cache(base)
@@ -445,8 +293,8 @@ def jax_pieces(cfg, params, prompt, quick, res):
     log("jax: AR 1-token decode")
     one = jnp.asarray([[5]], jnp.int32)
     n1 = jnp.array([1], jnp.int32)
-    c_ar, compile_["ar_decode_1"] = aot(jit_prefill, params, cfg, one, n1, copy_cache(base), "last")
-    memory["ar_decode_1"], cost["ar_decode_1"] = xla_memory(c_ar), xla_cost(c_ar)
+    c_ar, compile_["ar_decode_1"] = compiled.compile_timed(jit_prefill, params, cfg, one, n1, copy_cache(base), "last")
+    memory["ar_decode_1"], cost["ar_decode_1"] = compiled.memory(c_ar), compiled.cost(c_ar)
     c = copy_cache(base)
     ts = []
     for i in range(1 + (8 if quick else 24)):
@@ -501,29 +349,29 @@ def jax_pieces(cfg, params, prompt, quick, res):
     if not quick:  # quick mode takes the fused per-step time from the fused generate instead
         progs.append(("denoise_canvas", jit_denoise_canvas, (params, cfg, sampler, base, keys)))
     for name, fn, args in progs:
-        comp, compile_[name] = aot(fn, *args)
-        memory[name], cost[name] = xla_memory(comp), xla_cost(comp)
+        comp, compile_[name] = compiled.compile_timed(fn, *args)
+        memory[name], cost[name] = compiled.memory(comp), compiled.cost(comp)
     st = jax.block_until_ready(jit_denoise_step(params, cfg, sampler, base, keys, state0))
     soft = st.soft  # a realistic self-conditioning input for the model-math pieces
     margs = (params, start, base, soft)
     for name, fn in (("trunk", trunk), ("trunk_plus_head_logits", trunk_head)):
-        comp, compile_[name] = aot(fn, *margs)
-        memory[name], cost[name] = xla_memory(comp), xla_cost(comp)
+        comp, compile_[name] = compiled.compile_timed(fn, *margs)
+        memory[name], cost[name] = compiled.memory(comp), compiled.cost(comp)
     h = jax.block_until_ready(trunk(*margs))
     jax.block_until_ready(trunk_head(*margs))
     temp = ops.temperature(sampler, 3)
     fargs = margs + (temp,)
-    comp, compile_["forward_with_sc"] = aot(forward_with_sc, *fargs)
-    memory["forward_with_sc"], cost["forward_with_sc"] = xla_memory(comp), xla_cost(comp)
+    comp, compile_["forward_with_sc"] = compiled.compile_timed(forward_with_sc, *fargs)
+    memory["forward_with_sc"], cost["forward_with_sc"] = compiled.memory(comp), compiled.cost(comp)
     jax.block_until_ready(forward_with_sc(*fargs))
     skeys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, 3)))(keys)
     hargs = (h, params["embedding"], temp, skeys[:, 0])
-    comp, compile_["head_sampler_pass"] = aot(head_sampler, *hargs)
-    memory["head_sampler_pass"], cost["head_sampler_pass"] = xla_memory(comp), xla_cost(comp)
+    comp, compile_["head_sampler_pass"] = compiled.compile_timed(head_sampler, *hargs)
+    memory["head_sampler_pass"], cost["head_sampler_pass"] = compiled.memory(comp), compiled.cost(comp)
     # The same pass with one vocab chunk (no scan): XLA counts a scan body only once, this one exactly.
     one_chunk = jax.jit(lambda h, e, t, k: head_sample_stats(h, e, cfg.final_logit_softcap, t, k, cfg.embed_scale,
                                                              chunk=cfg.vocab_size))
-    cost["head_sampler_pass_one_chunk"] = xla_cost(one_chunk.lower(*hargs).compile())
+    cost["head_sampler_pass_one_chunk"] = compiled.cost(one_chunk.lower(*hargs).compile())
     stats, _ = jax.block_until_ready(head_sampler(*hargs))
     rargs = (stats.entropy, stats.sampled, stats.argmax, state0.history, skeys[0, 1])
     jax.block_until_ready(sampler_rest(*rargs))
@@ -585,12 +433,12 @@ def jax_generate_setup(ctx):
     out = ctx["res"]["dgemma_jax"]
     log("jax: fused generate, 512 new tokens: AOT compile + warm-up call")
     lens = jnp.array([PROMPT_LEN], jnp.int32)
-    c_gen, out["compile"]["generate_fused_512"] = aot(
+    c_gen, out["compile"]["generate_fused_512"] = compiled.compile_timed(
         ctx["engine"].fused_program(MAX_NEW), ctx["params"],
         prompt_tokens=ctx["tokens"], prompt_lengths=lens, cache=ctx["fresh"](), keys=ctx["keys"], seed_canvas=None,
         pinned=None)
-    out["memory"]["generate_fused_512"] = xla_memory(c_gen)
-    out["xla_cost"]["generate_fused_512"] = xla_cost(c_gen)
+    out["memory"]["generate_fused_512"] = compiled.memory(c_gen)
+    out["xla_cost"]["generate_fused_512"] = compiled.cost(c_gen)
     out["generate_512"] = {}
     out["generate_512"]["first_call_after_aot_s"] = jax_generate_once(ctx)
     out["generate_512_runs"] = []
@@ -638,7 +486,7 @@ def jax_batch_scaling(ctx):
         tb = jnp.asarray(np.repeat(prompt[None], b, 0), jnp.int32)
         kb = row_keys(jnp.asarray(0), b)
         lb = jnp.full((b,), PROMPT_LEN, jnp.int32)
-        comp, ct = aot(engine.fused_program(CANVAS), ctx["params"],
+        comp, ct = compiled.compile_timed(engine.fused_program(CANVAS), ctx["params"],
                        prompt_tokens=tb, prompt_lengths=lb, cache=engine.new_cache(b, PROMPT_LEN), keys=kb,
                        seed_canvas=None, pinned=None)
         jax.block_until_ready(engine.new_cache(b, PROMPT_LEN))
@@ -651,7 +499,7 @@ def jax_batch_scaling(ctx):
         assert (np.asarray(gb.steps) == STEPS).all()
         s = summary(ts)
         s.update(compile_s=ct["total_s"], tokens=b * CANVAS, tokens_per_s=b * CANVAS / s["min_s"],
-                 memory=xla_memory(comp), xla_flops=xla_cost(comp).get("flops"))
+                 memory=compiled.memory(comp), xla_flops=compiled.cost(comp)["flops"])
         bs[str(b)] = s
 
 
@@ -947,43 +795,6 @@ def derive(res):
     return d
 
 
-def ms(x):
-    return "—" if x is None else f"{1e3 * x:,.1f}"
-
-
-def pct(x):
-    return "—" if x is None else f"{100 * x:.1f}%"
-
-
-def gemm_ceiling_markdown(gc, step_s):
-    """The GEMM-ceiling table: the step's products, each timed alone, JAX (XLA:CPU) vs torch."""
-    j, t = gc["jax"], gc["torch"]
-    L = ["## GEMM ceiling of the denoise step (each matrix product at its own shape, timed alone)", "",
-         "| products | calls per step x shape (batch x m x k x n) | useful GFLOP | XLA:CPU ms | % of peak | torch ms "
-         "| % of peak |", "|---|---|---:|---:|---:|---:|---:|"]
-    for group, g in j["groups"].items():
-        counts = {}
-        for s in gc["shapes"]:
-            if s["group"] == group:
-                counts[s["shape"]] = counts.get(s["shape"], 0) + s["count"]
-        shapes = [f"{c} x {shape}" for shape, c in counts.items()]
-        L.append(f"| {group} | {', '.join(shapes)} | {g['gflop']:.2f} | {g['ms']:.1f} | {g['pct_of_peak']:.1f}% "
-                 f"| {t['groups'][group]['ms']:.1f} | {t['groups'][group]['pct_of_peak']:.1f}% |")
-    L.append(f"| **sum: a step that is nothing but its products** | | "
-             f"{gc['useful_gflop']:.2f} | **{j['ms']:.1f}** | **{j['pct_of_peak']:.1f}%** | {t['ms']:.1f} | "
-             f"{t['pct_of_peak']:.1f}% |")
-    L.append("")
-    L.append(f"Expert rows are the exact mean share (perfectly even routing, no buffer padding); times are the best "
-             f"of the repetitions less the framework's trivial-call time (JAX {gc['call_overhead_ms']['jax']:.3f} "
-             f"ms, torch {gc['call_overhead_ms']['torch']:.3f} ms), with the operands hot in cache. So the XLA:CPU "
-             f"column is about the fastest a step built on XLA:CPU's matrix products could run at these shapes: "
-             f"{j['pct_of_peak']:.1f}% of peak with zero time for softmax, sampling, norms, routing and weight "
-             f"streaming. The fused step measured above takes {ms(step_s)} ms, "
-             f"{step_s * 1e3 - j['ms']:.1f} ms over that ceiling.")
-    L.append("")
-    return L
-
-
 def markdown(res):
     d = res["derived"]
     m = res["machine"]
@@ -1216,9 +1027,7 @@ def main(argv=None):
     if args.render:
         with open(args.render) as f:
             md = markdown(json.load(f))
-        md_path = args.md or os.path.splitext(args.render)[0] + ".md"
-        with open(md_path, "w") as f:
-            f.write(md + "\n")
+        report.write({}, None, md + "\n", args.md or os.path.splitext(args.render)[0] + ".md")
         print(md)
         return 0
     pinned = pin_cores(args.cores) if args.cores else None
@@ -1250,12 +1059,12 @@ def main(argv=None):
     res["config"]["model_config"] = {k: (list(v) if isinstance(v, tuple) else v)
                                      for k, v in cfg.__dict__.items()}
     prompt = np.random.default_rng(1000 + args.seed).integers(3, cfg.vocab_size, (PROMPT_LEN,)).astype(np.int32)
-    res["flops"] = {
-        "denoise_step_context_512": denoise_flops(cfg, PROMPT_LEN),
-        "denoise_step_context_768": denoise_flops(cfg, PROMPT_LEN + CANVAS),
-        "prefill_512": encode_flops(cfg, 0, PROMPT_LEN),
-        "commit_256": encode_flops(cfg, PROMPT_LEN, CANVAS),
-        "ar_decode_1": encode_flops(cfg, PROMPT_LEN, 1, head_tokens=1),
+    res["flops"] = {  # dgemma_jax/perf/roofline.py: the useful FLOPs (2 x multiply-accumulates)
+        "denoise_step_context_512": denoise_step_flops_by_part(cfg, 1, PROMPT_LEN, CANVAS),
+        "denoise_step_context_768": denoise_step_flops_by_part(cfg, 1, PROMPT_LEN + CANVAS, CANVAS),
+        "prefill_512": causal_pass_flops(cfg, 1, 0, PROMPT_LEN),
+        "commit_256": causal_pass_flops(cfg, 1, PROMPT_LEN, CANVAS),
+        "ar_decode_1": causal_pass_flops(cfg, 1, PROMPT_LEN, 1, head_tokens=1),
     }
 
     log("matmul peak")
@@ -1314,13 +1123,8 @@ def main(argv=None):
     res["derived"] = derive(res)
     res["wall_s"] = now() - t_start
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1, default=lambda o: repr(o))
     md = markdown(res)
-    md_path = args.md or os.path.splitext(args.out)[0] + ".md"
-    with open(md_path, "w") as f:
-        f.write(md + "\n")
+    md_path = report.write(res, args.out, md + "\n", args.md)
     print(md)
     log(f"wrote {args.out} and {md_path} ({res['wall_s']:.0f} s)")
     import shutil

@@ -185,9 +185,9 @@ def lora_step_program(config: ModelConfig, shardings, batch: int, prompt: int, n
 
 
 def _cost(compiled) -> dict:
-    ca = compiled.cost_analysis()
-    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-    return {"flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0))}
+    from dgemma_jax.perf.compiled import cost
+
+    return {k: v for k, v in cost(compiled).items() if k in ("flops", "bytes_accessed")}
 
 
 def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | None = None, rules: str = "latency",
