@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 from gemm_ceiling import gemm_ceiling, gemm_ceiling_markdown, samples  # noqa: E402
 from dgemma_jax.perf import report  # noqa: E402
 from dgemma_jax.perf import compiled  # noqa: E402
-from dgemma_jax.perf.report import loadavg, machine_info, ms, pct  # noqa: E402
+from dgemma_jax.perf.report import loadavg, machine_info, ms, pct, table  # noqa: E402
 from dgemma_jax.perf.roofline import causal_pass_flops, denoise_step_flops_by_part  # noqa: E402
 from dgemma_jax.sampling.fused import vocab_chunk  # noqa: E402
 
@@ -842,31 +842,31 @@ def markdown(res):
     L.append("")
     dj, dh, r = d.get("jax"), d.get("hf"), d.get("ratio_hf_over_jax", {})
     if dj and dh:
-        L += ["## Side by side, batch 1", "",
-              "| | transformers | dgemma_jax | transformers / dgemma_jax |", "|---|---:|---:|---:|"]
-        L.append(f"| **per canvas** (total / {N_CANVAS}), ms | {ms(dh['per_canvas_s'])} | {ms(dj['per_canvas_s'])} | "
-                 f"**{r['per_canvas']:.2f}x** |")
-        L.append(f"| tokens / s ({MAX_NEW} tokens incl. prefill) | {dh['tokens_per_s']:.1f} | "
-                 f"{dj['tokens_per_s']:.1f} | {dj['tokens_per_s'] / dh['tokens_per_s']:.2f}x |")
-        L.append(f"| **denoise step**, ms (JAX: {dj['step_fused_source']}) | {ms(dh['step_s'])} | "
-                 f"{ms(dj['step_fused_canvas_loop_s'])} | **{r['per_step_fused']:.2f}x** |")
+        rows = [(f"**per canvas** (total / {N_CANVAS}), ms", ms(dh["per_canvas_s"]), ms(dj["per_canvas_s"]),
+                 f"**{r['per_canvas']:.2f}x**"),
+                (f"tokens / s ({MAX_NEW} tokens incl. prefill)", f"{dh['tokens_per_s']:.1f}",
+                 f"{dj['tokens_per_s']:.1f}",
+                 f"{dj['tokens_per_s'] / dh['tokens_per_s']:.2f}x"),
+                (f"**denoise step**, ms (JAX: {dj['step_fused_source']})", ms(dh["step_s"]),
+                 ms(dj["step_fused_canvas_loop_s"]), f"**{r['per_step_fused']:.2f}x**")]
         if dj["step_fused_source"].startswith("jit_denoise_canvas"):
-            L.append(f"| denoise step, ms (JAX: (generate - prefill - commit) / {STEPS * N_CANVAS}) | | "
-                     f"{ms(dj['step_fused_from_generate_s'])} | {r['per_step_fused_from_generate']:.2f}x |")
-        L.append(f"| denoise step, ms (JAX: separately jitted step in a Python loop) | | "
-                 f"{ms(dj['step_separately_jitted_s'])} | {r['per_step_separately_jitted']:.2f}x |")
-        L.append(f"| · trunk: embedding, SC MLP, 6 layers, ms | {ms(dh['trunk_s'])} | {ms(dj['trunk_s'])} | "
-                 f"{r['trunk']:.2f}x |")
-        L.append(f"| · after the trunk: head, softcap, temperature, sampling, argmax, entropy, acceptance, SC "
-                 f"soft embedding, ms | {ms(dh['after_trunk_s'])} | {ms(dj['after_trunk_s'])} | "
-                 f"{r['after_trunk']:.2f}x |")
-        L.append(f"| prefill {PROMPT_LEN} tokens, ms | {ms(dh['prefill_512_s'])} | {ms(dj['prefill_512_s'])} | "
-                 f"{r['prefill_512']:.2f}x |")
+            rows.append((f"denoise step, ms (JAX: (generate - prefill - commit) / {STEPS * N_CANVAS})", "",
+                         ms(dj["step_fused_from_generate_s"]), f"{r['per_step_fused_from_generate']:.2f}x"))
+        rows += [("denoise step, ms (JAX: separately jitted step in a Python loop)", "",
+                  ms(dj["step_separately_jitted_s"]), f"{r['per_step_separately_jitted']:.2f}x"),
+                 ("· trunk: embedding, SC MLP, 6 layers, ms", ms(dh["trunk_s"]), ms(dj["trunk_s"]),
+                  f"{r['trunk']:.2f}x"),
+                 ("· after the trunk: head, softcap, temperature, sampling, argmax, entropy, acceptance, SC soft "
+                  "embedding, ms", ms(dh["after_trunk_s"]), ms(dj["after_trunk_s"]), f"{r['after_trunk']:.2f}x"),
+                 (f"prefill {PROMPT_LEN} tokens, ms", ms(dh["prefill_512_s"]), ms(dj["prefill_512_s"]),
+                  f"{r['prefill_512']:.2f}x")]
         if r.get("commit_256"):
-            L.append(f"| commit {CANVAS} tokens (into {PROMPT_LEN}), ms | {ms(dh['commit_256_s'])} | "
-                     f"{ms(dj['commit_256_s'])} | {r['commit_256']:.2f}x |")
-        L.append(f"| denoise step useful FLOPs / time / machine peak | {pct(dh['step_fraction_of_peak'])} | "
-                 f"{pct(dj['step_fraction_of_peak'])} | |")
+            rows.append((f"commit {CANVAS} tokens (into {PROMPT_LEN}), ms", ms(dh["commit_256_s"]),
+                         ms(dj["commit_256_s"]), f"{r['commit_256']:.2f}x"))
+        rows.append(("denoise step useful FLOPs / time / machine peak", pct(dh["step_fraction_of_peak"]),
+                     pct(dj["step_fraction_of_peak"]), ""))
+        L += ["## Side by side, batch 1", ""] + table(("", "transformers", "dgemma_jax", "transformers / dgemma_jax"),
+                                                     rows)
         L.append("")
         L.append(f"transformers' step split (hooks, mean of {STEPS * N_CANVAS} steps): decoder forward "
                  f"{ms(dh['decoder_forward_s'])} ms = decoder layers "
@@ -937,15 +937,14 @@ def markdown(res):
         L.append("")
         if res.get("gemm_ceiling"):
             L += gemm_ceiling_markdown(res["gemm_ceiling"], dj["step_fused_canvas_loop_s"])
-        L += ["## AR-style decode vs denoise (dgemma_jax, batch 1)", "",
-              "| | ms per pass | positions / s |", "|---|---:|---:|"]
-        L.append(f"| 1-token causal decode, cache holding {PROMPT_LEN}+ (`jit_prefill`, logits='last') | "
-                 f"{ms(dj['ar_decode_1_s'])} | {dj['ar_tokens_per_s']:.1f} |")
-        L.append(f"| {CANVAS}-token denoise step (fused loop) | {ms(dj['step_fused_canvas_loop_s'])} | "
-                 f"{dj['denoise_positions_per_s']:.1f} |")
         canvas_s = STEPS * dj["step_fused_canvas_loop_s"] + dj["commit_256_s"]
-        L.append(f"| a canvas: {STEPS} steps + commit | {ms(canvas_s)}"
-                 f" | {dj['denoise_effective_tokens_per_s_16_steps']:.1f} (tokens) |")
+        L += ["## AR-style decode vs denoise (dgemma_jax, batch 1)", ""] + table(("", "ms per pass", "positions / s"), [
+            (f"1-token causal decode, cache holding {PROMPT_LEN}+ (`jit_prefill`, logits='last')",
+             ms(dj["ar_decode_1_s"]), f"{dj['ar_tokens_per_s']:.1f}"),
+            (f"{CANVAS}-token denoise step (fused loop)", ms(dj["step_fused_canvas_loop_s"]),
+             f"{dj['denoise_positions_per_s']:.1f}"),
+            (f"a canvas: {STEPS} steps + commit", ms(canvas_s),
+             f"{dj['denoise_effective_tokens_per_s_16_steps']:.1f} (tokens)")])
         L.append("")
         L.append(f"Parallelism ratio per pass: a denoise step costs {dj['step_time_over_ar_time']:.1f}x a 1-token "
                  f"decode but covers {CANVAS} positions: {dj['parallelism_ratio_per_pass']:.1f}x the positions per "
@@ -956,11 +955,9 @@ def markdown(res):
         bsj = dj.get("batch_scaling", {})
         bsh = dh.get("batch_scaling", {}) if dh else {}
         if bsj:
-            L += [f"## Batch scaling (fused generate, {CANVAS} new tokens = 1 canvas, same prompt per row)", "",
-                  "| batch | dgemma_jax s | dgemma_jax tok/s | vs b=1 | transformers s | transformers tok/s | vs b=1 "
-                  "| JAX / HF |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            rows = []
             for b in sorted(set(bsj) | set(bsh), key=int):
-                cells = []
+                cells = [b]
                 for side in (bsj.get(b), bsh.get(b)):
                     if side:
                         up = f"{side['speedup_vs_b1']:.2f}x" if side.get("speedup_vs_b1") else "—"
@@ -969,26 +966,29 @@ def markdown(res):
                         cells += ["—", "—", "—"]
                 rb = r.get("batch", {}).get(b)
                 cells.append(f"{rb:.2f}x" if rb else "—")
-                L.append(f"| {b} | " + " | ".join(cells) + " |")
+                rows.append(cells)
+            L += [f"## Batch scaling (fused generate, {CANVAS} new tokens = 1 canvas, same prompt per row)", ""]
+            L += table(("batch", "dgemma_jax s", "dgemma_jax tok/s", "vs b=1", "transformers s", "transformers tok/s",
+                        "vs b=1", "JAX / HF"), rows, "r" * 8)
             if bsh.get("1", {}).get("derived_from"):
                 L.append("")
                 L.append("transformers at batch 1: prefill + first canvas of the 512-token run (until its commit "
                          "pass starts).")
             L.append("")
-        L += ["## Compile time and memory (dgemma_jax)", "",
-              "| program | AOT lower + compile s | XLA arguments MB | XLA temp MB | XLA GFLOP (raw) |",
-              "|---|---:|---:|---:|---:|"]
         jj = res["dgemma_jax"]
-        for k, v in jj["compile"].items():
-            mem = jj["memory"].get(k, {})
-            cst = jj["xla_cost"].get(k, {})
-            L.append(f"| {k} | {v['total_s']:.1f} | {mem.get('argument_size_in_bytes', 0) / 2**20:.1f} | "
-                     f"{mem.get('temp_size_in_bytes', 0) / 2**20:.1f} | {cst.get('flops', 0) / 1e9:.2f} |")
-        for b, v in jj.get("batch_scaling", {}).items():
-            mem = v.get("memory", {})
-            L.append(f"| generate_fused_256, batch {b} | {v['compile_s']:.1f} | "
-                     f"{mem.get('argument_size_in_bytes', 0) / 2**20:.1f} | "
-                     f"{mem.get('temp_size_in_bytes', 0) / 2**20:.1f} | {(v.get('xla_flops') or 0) / 1e9:.2f} |")
+
+        def mb(mem, field):
+            return f"{mem.get(field, 0) / 2**20:.1f}"
+
+        rows = [(k, f"{v['total_s']:.1f}", mb(jj["memory"].get(k, {}), "argument_size_in_bytes"),
+                 mb(jj["memory"].get(k, {}), "temp_size_in_bytes"),
+                 f"{jj['xla_cost'].get(k, {}).get('flops', 0) / 1e9:.2f}") for k, v in jj["compile"].items()]
+        rows += [(f"generate_fused_256, batch {b}", f"{v['compile_s']:.1f}",
+                  mb(v.get("memory", {}), "argument_size_in_bytes"),
+                  mb(v.get("memory", {}), "temp_size_in_bytes"), f"{(v.get('xla_flops') or 0) / 1e9:.2f}")
+                 for b, v in jj.get("batch_scaling", {}).items()]
+        L += ["## Compile time and memory (dgemma_jax)", ""] + table(
+            ("program", "AOT lower + compile s", "XLA arguments MB", "XLA temp MB", "XLA GFLOP (raw)"), rows)
         L.append("")
         L.append(f"First fused-generate call after its AOT compile minus the steady state: "
                  f"{dj['first_call_minus_steady_generate_s']:+.2f} s. Process max RSS {res['max_rss_mb']:.0f} MB; "

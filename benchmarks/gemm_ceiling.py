@@ -131,23 +131,23 @@ def gemm_ceiling(cfg, context: int, canvas: int, chunk: int, peak_gflops: float,
 
 def gemm_ceiling_markdown(gc, step_s):
     """The GEMM-ceiling table: the step's products, each timed alone, JAX (XLA:CPU) vs torch."""
-    from dgemma_jax.perf.report import ms
+    from dgemma_jax.perf.report import ms, table
 
     j, t = gc["jax"], gc["torch"]
-    L = ["## GEMM ceiling of the denoise step (each matrix product at its own shape, timed alone)", "",
-         "| products | calls per step x shape (batch x m x k x n) | useful GFLOP | XLA:CPU ms | % of peak | torch ms "
-         "| % of peak |", "|---|---|---:|---:|---:|---:|---:|"]
+    rows = []
     for group, g in j["groups"].items():
         counts = {}
         for s in gc["shapes"]:
             if s["group"] == group:
                 counts[s["shape"]] = counts.get(s["shape"], 0) + s["count"]
         shapes = [f"{c} x {shape}" for shape, c in counts.items()]
-        L.append(f"| {group} | {', '.join(shapes)} | {g['gflop']:.2f} | {g['ms']:.1f} | {g['pct_of_peak']:.1f}% "
-                 f"| {t['groups'][group]['ms']:.1f} | {t['groups'][group]['pct_of_peak']:.1f}% |")
-    L.append(f"| **sum: a step that is nothing but its products** | | "
-             f"{gc['useful_gflop']:.2f} | **{j['ms']:.1f}** | **{j['pct_of_peak']:.1f}%** | {t['ms']:.1f} | "
-             f"{t['pct_of_peak']:.1f}% |")
+        rows.append((group, ", ".join(shapes), f"{g['gflop']:.2f}", f"{g['ms']:.1f}", f"{g['pct_of_peak']:.1f}%",
+                     f"{t['groups'][group]['ms']:.1f}", f"{t['groups'][group]['pct_of_peak']:.1f}%"))
+    rows.append(("**sum: a step that is nothing but its products**", "", f"{gc['useful_gflop']:.2f}",
+                 f"**{j['ms']:.1f}**", f"**{j['pct_of_peak']:.1f}%**", f"{t['ms']:.1f}", f"{t['pct_of_peak']:.1f}%"))
+    L = ["## GEMM ceiling of the denoise step (each matrix product at its own shape, timed alone)", ""]
+    L += table(("products", "calls per step x shape (batch x m x k x n)", "useful GFLOP", "XLA:CPU ms", "% of peak",
+                "torch ms", "% of peak"), rows, "llrrrrr")
     L.append("")
     L.append(f"Expert rows are the exact mean share (perfectly even routing, no buffer padding); times are the best "
              f"of the repetitions less the framework's trivial-call time (JAX {gc['call_overhead_ms']['jax']:.3f} "

@@ -28,10 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling be
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_cpu import machine_info  # noqa: E402
 import dgemma_jax as dg  # noqa: E402
 from dgemma_jax import ModelConfig, init_params  # noqa: E402
 from dgemma_jax.engine import Engine, bucket_length, prepare_inputs  # noqa: E402
+from dgemma_jax.perf.report import machine_info, write  # noqa: E402
 from dgemma_jax.sampling import SamplerConfig  # noqa: E402
 
 STEPS = 16
@@ -104,9 +104,7 @@ def main(argv=None):
     res["first_pass_logits"] = [first_pass_logit_difference(cfg, params, sampler, p, 256) for p in prompts]
     res["speedup_total"] = round(res["exact_shapes"]["total_s"] / res["buckets"]["total_s"], 2)
     print(json.dumps({k: v for k, v in res.items() if k != "machine"}, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write(res, args.out)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ The stacking here is a prototype (the library keeps one parameter subtree per la
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -33,12 +32,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_cpu import aot  # noqa: E402
 from gemm_ceiling import samples  # noqa: E402
 from dgemma_jax.config import GLOBAL, SLIDING, ModelConfig  # noqa: E402
 from dgemma_jax.model.api import param_shapes  # noqa: E402
 from dgemma_jax.model.cache import init_cache  # noqa: E402
 from dgemma_jax.model.transformer import Block  # noqa: E402
+from dgemma_jax.perf.compiled import compile_timed, cost  # noqa: E402
+from dgemma_jax.perf.report import write  # noqa: E402
 
 GROUP = (SLIDING,) * 5 + (GLOBAL,)
 CONTEXT, CANVAS = 512, 256
@@ -100,7 +100,7 @@ def run_cpu(groups: int, rounds: int) -> dict:
     progs = {"unrolled": (unrolled, (blocks, x, ce, keys, values)), "scan": (scanned, (sb, x, ce, sk, sv))}
     out = {}
     for name, (fn, args) in progs.items():
-        compiled, t = aot(jax.jit(fn), *args)
+        compiled, t = compile_timed(jax.jit(fn), *args)
         out[name] = {"compile": t, "samples_s": [], "_c": compiled, "_a": args}
     for _ in range(rounds):  # alternate so drift hits both alike
         for rec in out.values():
@@ -132,13 +132,11 @@ def run_tpu(groups: int, topo: str) -> dict:
     stk = lambda s: jax.ShapeDtypeStruct((g,) + s.shape, s.dtype, sharding=s.sharding)  # noqa: E731
     sb = [jax.tree.map(stk, blocks[j]) for j in range(n)]
     sk, sv = [stk(keys[j]) for j in range(n)], [stk(values[j]) for j in range(n)]
-    aot(jax.jit(lambda a: a * 2), x)  # the first TPU compile also initialises the compiler: keep it out
+    compile_timed(jax.jit(lambda a: a * 2), x)  # the first TPU compile also initialises the compiler: keep it out
     out = {}
     for name, fn, args in (("unrolled", unrolled, (blocks, x, ce, keys, values)), ("scan", scanned, (sb, x, ce, sk, sv))):
-        compiled, t = aot(jax.jit(fn), *args)
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        out[name] = {"compile": t, "flops": float(cost.get("flops", 0.0))}
+        compiled, t = compile_timed(jax.jit(fn), *args)
+        out[name] = {"compile": t, "flops": cost(compiled)["flops"]}
     # cost_analysis takes a loop body once: G x the scan's count vs the unrolled count shows whether the
     # scan recomputes anything. (No HBM-traffic comparison: our HLO reader also takes the body once and
     # counts an async slice of a stacked operand at the operand's full size, so it cannot compare them.)
@@ -171,9 +169,7 @@ def main(argv=None):
         print(f"TPU {t['topology']} AOT compile: unrolled {t['unrolled']['compile']['compile_s']:.1f} s, "
               f"scan {t['scan']['compile']['compile_s']:.1f} s; FLOPs scan x groups / unrolled "
               f"{t['scan']['flops_x_groups_over_unrolled']:.3f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write(res, args.out)
     return res
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import json
 import os
 import platform
 import sys
@@ -23,6 +22,7 @@ import numpy as np
 import openai
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dgemma_jax.perf.report import write  # noqa: E402
 from tests.helpers.serve import ServerProcess  # noqa: E402
 
 
@@ -93,8 +93,7 @@ def main(argv=None):
                 for a, b in zip(by["slots_1"][c]["texts"], by["slots_8"][c]["texts"])]
         report["same_text_1_vs_8_slots"] = f"{sum(same)}/{len(same)}"
         print("8 slots over 1 (requests/s):", report["speedup_8_slots_over_1"])
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write(report, args.out)
     print("wrote", args.out)
 
 

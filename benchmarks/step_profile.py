@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import json
 import os
 import re
 import sys
@@ -39,8 +38,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_cpu import machine_info  # noqa: E402
 from gemm_ceiling import samples  # noqa: E402
+from dgemma_jax.perf import report  # noqa: E402
 
 # (part, op_name pattern), first match wins; op_name is the scope path JAX writes into the HLO
 PARTS = (
@@ -198,10 +197,10 @@ def markdown(res: dict) -> str:
     lines = [f"Denoise step profile ({res['config']['preset']} config, context {res['config']['context']}, "
              f"canvas {res['config']['canvas']}, {r['calls']} traced steps): wall {r['wall_ms_median']:.1f} ms "
              f"per step, leaf operations {r['leaf_ms']:.1f} thread ms = products {r['products_ms']:.1f} "
-             f"+ other {r['other_ms']:.1f}.", "",
-             "| part | products, ms | other, ms | operations |", "|---|---:|---:|---:|"]
-    for part, row in r["parts"].items():
-        lines.append(f"| {part} | {row['products_ms']:.1f} | {row['other_ms']:.1f} | {row['ops']} |")
+             f"+ other {r['other_ms']:.1f}.", ""]
+    lines += report.table(("part", "products, ms", "other, ms", "operations"),
+                          [(part, f"{row['products_ms']:.1f}", f"{row['other_ms']:.1f}", row["ops"])
+                           for part, row in r["parts"].items()])
     return "\n".join(lines) + "\n"
 
 
@@ -216,15 +215,11 @@ def main(argv=None):
     step, step_args = step_program(args.preset, args.context, args.canvas)
     with tempfile.TemporaryDirectory(prefix="dgemma_profile_") as d:
         res = {"config": {"preset": args.preset, "context": args.context, "canvas": args.canvas},
-               "machine": machine_info(),
+               "machine": report.machine_info(),
                "step": profile(step, step_args, args.calls, d)}
     text = markdown(res)
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-            f.write(text)
+    report.write(res, args.out, text)
     return res
 
 

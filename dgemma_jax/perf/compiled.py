@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import time
 
-from dgemma_jax.engine import MEMORY_FIELDS, compiled_memory as memory  # noqa: F401  (re-exported)
+from dgemma_jax.engine import MEMORY_FIELDS, compiled_memory as memory
+
+__all__ = ["COST_FIELDS", "MEMORY_FIELDS", "compile_timed", "cost", "memory"]
 
 COST_FIELDS = {"flops": "flops", "bytes_accessed": "bytes accessed", "transcendentals": "transcendentals"}
 

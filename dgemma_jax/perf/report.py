@@ -104,10 +104,14 @@ def pct(fraction) -> str:
 
 
 def table(header, rows, align=None) -> list[str]:
-    """A markdown table's lines. align: one of "l"/"r" per column (default: the first left, the rest right)."""
+    """A markdown table's lines: header, rule, rows (an empty cell renders as "| |").
+    align: "l" or "r" per column (default: the first left, the rest right)."""
     align = align or "l" + "r" * (len(header) - 1)
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"]
-    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+    def line(cells):
+        return "|" + "|".join(f" {c} " if str(c) else " " for c in cells) + "|"
+
+    return [line(header), "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"] + [line(r) for r in rows]
 
 
 def write(res: dict, out: str | None, markdown: str | None = None, md_path: str | None = None) -> str | None:
