@@ -22,6 +22,7 @@ the step reads (window - 1 slots of K and V on sliding layers, all slots on glob
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -46,8 +47,10 @@ def _path(p) -> str:
     return "/".join(str(getattr(k, "key", k)) for k in p)
 
 
+@functools.lru_cache(maxsize=16)
 def _token_macs(config: ModelConfig) -> dict[str, int]:
-    """Multiply-accumulates per token of every weight product, by part (from the parameter shapes)."""
+    """Multiply-accumulates per token of every weight product, by part (from the parameter shapes, traced
+    once per config; read-only)."""
     out = {part: 0 for part, _ in _PARTS}
     for path, leaf in jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]:
         name = _path(path)
