@@ -1,6 +1,6 @@
 """dgemma_jax: DiffusionGemma (uniform-state text diffusion with a Gemma 4 MoE) in JAX/Flax.
 
-Public API (see README "Library API"):
+Public API (see README "Library API"; in full: docs/api.md):
   ModelConfig, SamplerConfig      frozen, validated configs (`SamplerConfig.for_model(config)`)
   Runtime                         how programs run: mesh, platform, MoE dispatch, attention kernel
   Engine, generate                compiled prefill + multi-canvas denoising (fused or streamed)
