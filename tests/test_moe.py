@@ -227,10 +227,7 @@ def test_expert_shards_sum_to_the_oracle(strategy, shards, skew):
 def test_ragged_blocks_cost_one_block():
     """Sharded ragged dispatch compiles to a loop whose body does ONE block of grouped matmuls
     (1.25x the shard's share of pairs), not the worst case of all pairs."""
-    from dgemma_jax import ModelConfig
-
     n, e, k, d, f, shards = 256, 16, 4, 64, 32, 8
-    cfg = ModelConfig.preset("tiny-2layer", num_experts=e, top_k=k, hidden_size=d, moe_intermediate_size=f)
     args = (jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.float32),
             jax.ShapeDtypeStruct((n, k), jnp.int32), jax.ShapeDtypeStruct((e // shards, d, 2 * f), jnp.float32),
             jax.ShapeDtypeStruct((e // shards, f, d), jnp.float32))

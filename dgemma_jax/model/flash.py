@@ -45,8 +45,7 @@ def supported(rows: int, keys: int, head_dim: int) -> bool:
 
 def _kernel(rows: int, keys: int, interpret: bool):
     # deferred: the Pallas TPU ops load Mosaic machinery that only the kernel path needs
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk, splash_attention_mask as sm
 
     block_q = _divisor(rows, 1024)
     block_kv = _divisor(keys, 1024)

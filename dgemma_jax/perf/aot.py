@@ -89,8 +89,8 @@ def tpu_devices(name: str):
     topo = topology(name)
     # compile-only use: several processes may load libtpu at once (no chips are claimed)
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    try:  # deferred: loading the topology module probes for libtpu, needed only for a TPU compile
-        from jax.experimental import topologies
+    try:
+        from jax.experimental import topologies  # deferred: it probes for libtpu, needed only for a TPU compile
     except ImportError as e:  # pragma: no cover
         raise RuntimeError("jax.experimental.topologies is unavailable in this jax") from e
     try:
