@@ -1,7 +1,8 @@
 """dgemma_jax: DiffusionGemma (uniform-state text diffusion with a Gemma 4 MoE) in JAX/Flax.
 
-Public API (see README "Library API"):
+Public API (see README "Library API"; in full: docs/api.md):
   ModelConfig, SamplerConfig      frozen, validated configs (`SamplerConfig.for_model(config)`)
+  Runtime                         how programs run: mesh, platform, MoE dispatch, attention kernel
   Engine, generate                compiled prefill + multi-canvas denoising (fused or streamed)
   DiffusionGemma                  text in, text out: `DiffusionGemma.from_pretrained(path).generate(...)`
   load_hf, save_hf                Hugging Face checkpoints <-> params (safetensors, no torch)
@@ -15,9 +16,10 @@ from dgemma_jax.io.hf import load_hf, save_hf
 from dgemma_jax.model import (KVCache, cache_shape, denoise, init_cache, init_params, logical_axes,
                               param_shapes, prefill, soft_embed)
 from dgemma_jax.pipeline import DiffusionGemma
+from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
 
-__all__ = ["DiffusionGemma", "Engine", "KVCache", "ModelConfig", "SamplerConfig", "cache_shape", "denoise",
+__all__ = ["DiffusionGemma", "Engine", "KVCache", "ModelConfig", "Runtime", "SamplerConfig", "cache_shape", "denoise",
            "generate", "init_cache", "init_params", "load_hf", "logical_axes", "param_shapes", "prefill",
            "save_hf", "soft_embed"]
 

@@ -189,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "step on a batch of --batch rows of --prompt + canvases up to --context; use --rules training), "
                         "slot_round, prefill_slot (the server's programs: --batch slots, one --prompt per prefill)")
     s.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
-    s.add_argument("--moe-dispatch", choices=["ragged", "capacity", "dense"], default=None)
+    s.add_argument("--moe-dispatch", choices=["auto", "ragged", "capacity", "dense"], default="auto",
+                   help="MoE dispatch the programs are compiled with (auto: ragged on TPU)")
     s.add_argument("--out", help="write the report as JSON here")
     s.set_defaults(fn=cmd_compile)
 

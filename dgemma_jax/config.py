@@ -18,9 +18,19 @@ SLIDING = "sliding"
 GLOBAL = "global"
 
 _DTYPES = ("float32", "bfloat16", "float16")
-MOE_DISPATCH = ("auto", "dense", "ragged", "capacity")
-ATTN_KERNELS = ("auto", "xla", "splash")
 DENOISE_WINDOWS = ("block", "band")
+# how a program runs, not what the checkpoint computes: fields of `dgemma_jax.runtime.Runtime`
+# (ModelConfig held them in earlier versions; recipes and stored configs may still name them)
+RUNTIME_CHOICES = ("moe_dispatch", "moe_capacity_factor", "moe_shard_rows_factor", "attn_kernel", "attn_key_block",
+                   "remat")
+
+
+def _no_runtime_choices(changes: Mapping[str, Any]) -> None:
+    named = sorted(k for k in changes if k in RUNTIME_CHOICES)
+    if named:
+        raise ValueError(f"{', '.join(named)} {'is' if len(named) == 1 else 'are'} not part of ModelConfig: how a "
+                         f"program runs is a dgemma_jax.Runtime; pass e.g. Engine(..., runtime=Runtime("
+                         f"{named[0]}=...))")
 
 
 def layer_pattern(num_layers: int, period: int = 6) -> tuple[str, ...]:
@@ -64,22 +74,12 @@ class ModelConfig:
     pad_id: int = 0
     bos_id: int = 2
     eos_ids: tuple[int, ...] = (1, 106, 50)
-    # Numerics and execution strategy (not part of the checkpoint).
+    # Numerics (not stored in the checkpoint's config; how a program runs is a `dgemma_jax.Runtime`).
     dtype: str = "float32"
     param_dtype: str = "float32"
-    moe_dispatch: str = "auto"
-    moe_capacity_factor: float = 1.25
-    moe_shard_rows_factor: float = 1.25
+    # which committed slots a sliding layer's canvas sees in the denoiser (model/masks.py): "block" =
+    # the same last window-1 committed tokens for every canvas position; "band" = position q sees (q - window, E)
     denoise_window: str = "block"
-    remat: bool = False  # recompute each block in the backward pass (training memory)
-    # keys per block when attending over a longer key set (the global layers over a long cache):
-    # blocks are merged by log-sum-exp, so no [heads, tokens, keys] score array larger than one
-    # block is ever live (on TPU such blocks stay in on-chip memory instead of round-tripping HBM)
-    attn_key_block: int = 4096
-    # how the denoiser's canvas attends to the cache where the mask allows (global layers, "block"
-    # sliding windows): "auto" = the fused Pallas kernel (model/flash.py) when compiling for TPU and
-    # XLA elsewhere; "xla" = always XLA; "splash" = the kernel on any backend (interpreted off TPU)
-    attn_kernel: str = "auto"
     name: str = "custom"
 
     def __post_init__(self):
@@ -126,18 +126,6 @@ class ModelConfig:
         for f in ("dtype", "param_dtype"):
             if getattr(self, f) not in _DTYPES:
                 bad(f, getattr(self, f), f"must be one of {_DTYPES}")
-        if self.moe_dispatch not in MOE_DISPATCH:
-            bad("moe_dispatch", self.moe_dispatch, f"must be one of {MOE_DISPATCH}")
-        if not self.moe_capacity_factor > 0:
-            bad("moe_capacity_factor", self.moe_capacity_factor, "must be > 0")
-        if not self.moe_shard_rows_factor > 0:
-            bad("moe_shard_rows_factor", self.moe_shard_rows_factor, "must be > 0")
-        if not (isinstance(self.attn_key_block, int) and self.attn_key_block >= 1):
-            bad("attn_key_block", self.attn_key_block, "must be a positive int")
-        if self.attn_kernel not in ATTN_KERNELS:
-            bad("attn_kernel", self.attn_kernel, f"must be one of {ATTN_KERNELS}")
-        if not isinstance(self.remat, bool):
-            bad("remat", self.remat, "must be True or False")
         if self.denoise_window not in DENOISE_WINDOWS:
             bad("denoise_window", self.denoise_window, f"must be one of {DENOISE_WINDOWS}")
         for f in ("pad_id", "bos_id"):
@@ -150,6 +138,7 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ derived
     def replace(self, **changes) -> "ModelConfig":
+        _no_runtime_choices(changes)
         return dataclasses.replace(self, **changes)
 
     def is_global(self, layer: int) -> bool:
@@ -189,6 +178,7 @@ class ModelConfig:
         """A named configuration. `ModelConfig.preset_names()` lists them."""
         if name not in _PRESETS:
             raise ValueError(f"unknown preset {name!r}; available presets: {', '.join(sorted(_PRESETS))}")
+        _no_runtime_choices(overrides)
         kw = dict(_PRESETS[name])
         kw.update(overrides)
         kw.setdefault("name", name)
@@ -279,6 +269,7 @@ class ModelConfig:
         if rl.get("rope_type", "default") != "default" or rg.get("rope_type", "proportional") != "proportional":
             raise ValueError(f"unsupported rope types {rl.get('rope_type')!r}/{rg.get('rope_type')!r}: "
                              "DiffusionGemma uses 'default' on sliding and 'proportional' on full layers")
+        _no_runtime_choices(overrides)
         kw.update(overrides)
         return ModelConfig(**kw)
 

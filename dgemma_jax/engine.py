@@ -1,7 +1,9 @@
 """Compiled entry points: prefill, denoise step, denoise canvas and the fused generate.
 
 The engine is the one place that knows about `jax.jit`, buffer donation, shardings and AOT
-compilation. Everything it runs is the pure code of `dgemma_jax.model` and `dgemma_jax.sampling`.
+compilation. Everything it runs is the pure code of `dgemma_jax.model` and `dgemma_jax.sampling`,
+given the engine's `Runtime` (mesh and rules, platform, MoE dispatch, attention kernel) as a static
+argument: one code path with or without a mesh.
 
     engine = Engine(config, params, SamplerConfig(...))
     out = engine.generate(prompt_tokens, lengths, rng=0, max_new_tokens=512)
@@ -24,6 +26,7 @@ from dgemma_jax.errors import DgemmaWarning
 from dgemma_jax.model.api import check_tokens, encode_pass
 from dgemma_jax.model.cache import KVCache, init_cache
 from dgemma_jax.model.layers import dtype_of
+from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import generate as gen
 from dgemma_jax.sampling import slots as slots_lib
 from dgemma_jax.sampling.config import SamplerConfig
@@ -180,13 +183,17 @@ class Engine:
 
     shardings: optional `dgemma_jax.parallel.Shardings` placing params, cache and activations on a
     mesh; without it everything runs on the default device.
+    runtime: how the programs run (`dgemma_jax.Runtime`: platform, MoE dispatch, attention kernel,
+    ...); default `Runtime()`. The shardings' mesh and rules are filled in when it has no mesh.
+    donate: give the cache's buffers to the programs (False: a cache passed in stays usable).
     bucket: pad prompt widths and derived cache lengths up to `bucket_length` (default), so that
     prompts of different lengths reuse a few compiled programs instead of compiling one per length;
     the outputs agree up to the order of floating-point sums. False compiles for the exact shapes given.
     """
 
     def __init__(self, config: ModelConfig, params: Any, sampler: SamplerConfig | None = None, *,
-                 shardings: Any | None = None, donate: bool = True, bucket: bool = True):
+                 shardings: Any | None = None, runtime: Runtime | None = None, donate: bool = True,
+                 bucket: bool = True):
         self.config = config
         self.params = params
         self.sampler = sampler or SamplerConfig.for_model(config)
@@ -195,6 +202,7 @@ class Engine:
         if mismatch:
             warnings.warn(mismatch, DgemmaWarning, stacklevel=2)
         self.shardings = shardings
+        self.runtime = _runtime_for(runtime, shardings)
         self.donate = donate
         self.bucket = bool(bucket)
         self._programs = {}
@@ -204,30 +212,31 @@ class Engine:
     def fused_program(self, max_new_tokens: int):
         """The jitted fused generate for `max_new_tokens` (cache donated unless `donate=False`)."""
         fn = functools.partial(gen.generate_fused, config=self.config, sampler=self.sampler,
-                               max_new_tokens=int(max_new_tokens))
+                               max_new_tokens=int(max_new_tokens), runtime=self.runtime)
         return self._program(("fused", int(max_new_tokens)), fn)
 
     def _program(self, key, fn, donate=("cache",)):
-        """`fn` jitted (donating `donate` unless `donate=False`), run inside the mesh's sharding
-        context when the engine has one; `.lower` lowers it the same way. Engines without a mesh
-        and with equal configs share one jit (and so its compiled programs) per `key`."""
+        """`fn` (its static arguments, the runtime among them, bound) jitted, donating `donate` unless
+        `donate=False`. Engines with equal configs, runtimes and donation share one jit (and so its
+        compiled programs) per `key`."""
         if key not in self._programs:
             dn = tuple(donate) if self.donate else ()
-            if self.shardings is None:
-                shared = (key, self.config, self.sampler, dn)
-                if shared not in _SHARED_PROGRAMS:
-                    _SHARED_PROGRAMS[shared] = jax.jit(fn, donate_argnames=dn)
-                self._programs[key] = _SHARED_PROGRAMS[shared]
-            else:
-                jitted = jax.jit(fn, donate_argnames=dn)
-
-                def run(*args, **kwargs):
-                    with self.shardings.context():
-                        return jitted(*args, **kwargs)
-
-                run.lower = lambda *a, **k: _lower_in(self.shardings, jitted, *a, **k)
-                self._programs[key] = run
+            shared = (key, self.config, self.sampler, self.runtime, dn)
+            if shared not in _SHARED_PROGRAMS:
+                _SHARED_PROGRAMS[shared] = jax.jit(fn, donate_argnames=dn)
+            self._programs[key] = _SHARED_PROGRAMS[shared]
         return self._programs[key]
+
+    def step_program(self):
+        """One denoise step (`sampling.loop.denoise_step` over the cache's committed context), jitted:
+        step(params, cache, keys, state) -> new state."""
+        return self._program(("denoise_step",), functools.partial(_denoise_step, config=self.config,
+                                                                  sampler=self.sampler, runtime=self.runtime),
+                             donate=())
+
+    def commit_program(self):
+        """The causal commit of a canvas, cache donated: commit(params, cache=, tokens=, active=) -> cache."""
+        return self._program(("commit",), functools.partial(gen.commit, config=self.config, runtime=self.runtime))
 
     def slot_programs(self):
         """(prefill_slot, slot_round) jitted for this engine: the continuous-batching programs of
@@ -236,9 +245,11 @@ class Engine:
         prefill_slot(params, cache=, slot=, tokens= [1, W], length= [1], fresh=) -> cache (one prompt chunk)
         slot_round(params, cache=, keys=, canvas_index=, active=, last=, knobs=) -> RoundOutput (keywords)
         """
-        pre = self._program(("prefill_slot",), functools.partial(slots_lib.prefill_slot, config=self.config))
+        rt = self.runtime
+        pre = self._program(("prefill_slot",), functools.partial(slots_lib.prefill_slot, config=self.config,
+                                                                runtime=rt))
         rnd = self._program(("slot_round",), functools.partial(slots_lib.slot_round, config=self.config,
-                                                              sampler=self.sampler))
+                                                              sampler=self.sampler, runtime=rt))
         return pre, rnd
 
     @property
@@ -247,16 +258,15 @@ class Engine:
         step as the fused program's loop body), and start_state / step_state / canvas_end for the
         step-by-step driver."""
         if self._streaming is None:
-            cfg, smp = self.config, self.sampler
+            bound = dict(config=self.config, sampler=self.sampler, runtime=self.runtime)
             self._streaming = StreamPrograms(
-                sampler=smp,
-                prefill_prompt=self._program(("prefill_prompt",), functools.partial(gen.prefill_prompt, config=cfg)),
-                canvas_step=self._program(("canvas_step",), functools.partial(_canvas_step, config=cfg, sampler=smp)),
-                start_state=self._program(("start_state",), functools.partial(_start_state, config=cfg, sampler=smp),
-                                          donate=()),
-                step_state=self._program(("step_state",), functools.partial(_step_state, config=cfg, sampler=smp),
-                                         donate=()),
-                canvas_end=self._program(("canvas_end",), functools.partial(_canvas_end, config=cfg, sampler=smp)),
+                sampler=self.sampler,
+                prefill_prompt=self._program(("prefill_prompt",), functools.partial(
+                    gen.prefill_prompt, config=self.config, runtime=self.runtime)),
+                canvas_step=self._program(("canvas_step",), functools.partial(_canvas_step, **bound)),
+                start_state=self._program(("start_state",), functools.partial(_start_state, **bound), donate=()),
+                step_state=self._program(("step_state",), functools.partial(_step_state, **bound), donate=()),
+                canvas_end=self._program(("canvas_end",), functools.partial(_canvas_end, **bound)),
             )
         return self._streaming
 
@@ -324,8 +334,23 @@ class Engine:
                           cache_length)
 
 
-# jits shared by engines without a mesh: (program key, config, sampler, donated) -> jitted function
+# jits shared by engines: (program key, config, sampler, runtime, donated) -> jitted function
 _SHARED_PROGRAMS: dict = {}
+
+
+def _runtime_for(runtime: Runtime | None, shardings) -> Runtime:
+    """The engine's runtime: the one given (default `Runtime()`), on the shardings' mesh and rules."""
+    runtime = runtime if runtime is not None else Runtime()
+    if not isinstance(runtime, Runtime):
+        raise ValueError(f"runtime must be a dgemma_jax.Runtime; got {type(runtime).__name__}")
+    if shardings is None:
+        return runtime
+    if runtime.mesh is None:
+        return runtime.replace(mesh=shardings.mesh, rules=shardings.rules)
+    if runtime.mesh != shardings.mesh or runtime.rules != tuple(shardings.rules):
+        raise ValueError("the runtime's mesh and rules differ from the shardings': build it with "
+                         "shardings.runtime(...) or leave its mesh unset")
+    return runtime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,51 +365,54 @@ class StreamPrograms:
     canvas_end: Any
 
 
-# the streaming programs' call signatures (config and sampler bound as static keywords)
-def _canvas_step(params, cache, keys, index, last, finished, seed_canvas, pinned, *, config, sampler):
-    return gen.canvas_step(params, config, sampler, cache, keys, index, last, finished, seed_canvas, pinned)
+# the programs' call signatures (config, sampler and runtime bound as static keywords)
+def _canvas_step(params, cache, keys, index, last, finished, seed_canvas, pinned, *, config, sampler, runtime):
+    return gen.canvas_step(params, config, sampler, cache, keys, index, last, finished, seed_canvas, pinned,
+                           runtime)
 
 
-def _start_state(keys, index, finished, seed_canvas, pinned, *, config, sampler):
+def _start_state(keys, index, finished, seed_canvas, pinned, *, config, sampler, runtime):
+    del runtime  # no model pass: the canvas start is sampler arithmetic
     return gen.start_state(config, sampler, keys, index, finished, seed_canvas, pinned)
 
 
-def _step_state(params, cache, canvas_keys, state, seed, pinned, *, config, sampler):
-    return gen.step_state(params, config, sampler, cache, canvas_keys, state, seed, pinned)
+def _step_state(params, cache, canvas_keys, state, seed, pinned, *, config, sampler, runtime):
+    return gen.step_state(params, config, sampler, cache, canvas_keys, state, seed, pinned, runtime)
 
 
-def _canvas_end(params, cache, argmax, finished, last, *, config, sampler):
-    return gen.canvas_end(params, config, sampler, cache, argmax, finished, last)
+def _canvas_end(params, cache, argmax, finished, last, *, config, sampler, runtime):
+    return gen.canvas_end(params, config, sampler, cache, argmax, finished, last, runtime)
 
 
-def _lower_in(shardings, jitted, *args, **kwargs):
-    with shardings.context():
-        return jitted.lower(*args, **kwargs)
+def _denoise_step(params, cache, keys, state, *, config, sampler, runtime):
+    return denoise_step(params, config, sampler, cache, cache.lengths, keys, state, runtime=runtime)
 
 
 # ---------------------------------------------------------------------- functional API
 def generate(params, config: ModelConfig, prompt_tokens, lengths=None, sampler_config: SamplerConfig | None = None,
              rng: Any = 0, *, max_new_tokens: int | None = None, seed_canvas=None, pinned=None,
-             cache_length: int | None = None) -> gen.GenerateOutput:
+             cache_length: int | None = None, runtime: Runtime | None = None) -> gen.GenerateOutput:
     """Prefill + multi-canvas denoising, one compiled program. See `Engine.generate`."""
-    return Engine(config, params, sampler_config).generate(
+    return Engine(config, params, sampler_config, runtime=runtime).generate(
         prompt_tokens, lengths, rng=rng, max_new_tokens=max_new_tokens, seed_canvas=seed_canvas, pinned=pinned,
         cache_length=cache_length)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampler"))
-def jit_denoise_step(params, config, sampler, cache, keys, state, seed=None, pinned=None):
+@functools.partial(jax.jit, static_argnames=("config", "sampler", "runtime"))
+def jit_denoise_step(params, config, sampler, cache, keys, state, seed=None, pinned=None, runtime=None):
     """The separately jitted denoise step (one bidirectional pass + sampler update)."""
-    return denoise_step(params, config, sampler, cache, cache.lengths, keys, state, seed=seed, pinned=pinned)
+    return denoise_step(params, config, sampler, cache, cache.lengths, keys, state, seed=seed, pinned=pinned,
+                        runtime=runtime)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampler"))
-def jit_denoise_canvas(params, config, sampler, cache, keys, canvas=None, pinned=None, done=None):
+@functools.partial(jax.jit, static_argnames=("config", "sampler", "runtime"))
+def jit_denoise_canvas(params, config, sampler, cache, keys, canvas=None, pinned=None, done=None, runtime=None):
     """One canvas denoised to completion in one `lax.while_loop`."""
-    return denoise_canvas(params, config, sampler, cache, keys, canvas=canvas, pinned=pinned, done=done)
+    return denoise_canvas(params, config, sampler, cache, keys, canvas=canvas, pinned=pinned, done=done,
+                          runtime=runtime)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "logits_mode"), donate_argnames=("cache",))
-def jit_prefill(params, config, tokens, lengths, cache, logits_mode="none"):
+@functools.partial(jax.jit, static_argnames=("config", "logits_mode", "runtime"), donate_argnames=("cache",))
+def jit_prefill(params, config, tokens, lengths, cache, logits_mode="none", runtime=None):
     """The separately jitted prefill/commit pass, cache donated."""
-    return encode_pass(params, config, tokens, cache.lengths, lengths, cache, logits_mode)
+    return encode_pass(params, config, tokens, cache.lengths, lengths, cache, logits_mode, runtime=runtime)

@@ -71,8 +71,8 @@ def test_tpu_step_attends_to_the_cache_through_the_kernel():
     from dgemma_jax.perf.aot import compile_report
 
     cfg = ModelConfig.preset("tiny-6layer", global_head_dim=128, canvas_length=128)
-    reps = {mode: compile_report(cfg.replace(attn_kernel=mode), "v5e-8", mesh="expert=4,tensor=2", context=256,
-                                 prompt=16, programs=("denoise_step",))["programs"]["denoise_step"]
+    reps = {mode: compile_report(cfg, "v5e-8", mesh="expert=4,tensor=2", context=256, prompt=16, attn_kernel=mode,
+                                 programs=("denoise_step",))["programs"]["denoise_step"]
             for mode in ("auto", "xla")}
     kernel, xla = reps["auto"], reps["xla"]
     # one global layer; 4 query heads over tensor=2: 2 per chip; 128 canvas queries, 256 slots, head_dim 128

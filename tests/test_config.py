@@ -120,8 +120,8 @@ def test_preset_names_and_unknown_preset():
 
 
 def test_preset_overrides():
-    c = ModelConfig.preset("tiny-6layer", moe_dispatch="dense", canvas_length=8)
-    assert c.moe_dispatch == "dense" and c.canvas_length == 8 and c.name == "tiny-6layer"
+    c = ModelConfig.preset("tiny-6layer", dtype="bfloat16", canvas_length=8)
+    assert c.dtype == "bfloat16" and c.canvas_length == 8 and c.name == "tiny-6layer"
     with pytest.raises(ValueError, match="top_k"):
         ModelConfig.preset("tiny-6layer", top_k=99)
 
@@ -142,10 +142,6 @@ BAD = [
     (dict(layer_types=("sliding",) * 5 + ("full",)), "layer_types"),
     (dict(dtype="float64"), "dtype"),
     (dict(param_dtype="int8"), "param_dtype"),
-    (dict(moe_dispatch="sparse"), "moe_dispatch"),
-    (dict(moe_capacity_factor=0.0), "moe_capacity_factor"),
-    (dict(attn_key_block=0), "attn_key_block"),
-    (dict(attn_kernel="pallas"), "attn_kernel"),
     (dict(denoise_window="diagonal"), "denoise_window"),
     (dict(eos_ids=(1, 256)), "eos_ids"),
     (dict(eos_ids=(-1,)), "eos_ids"),
@@ -187,8 +183,8 @@ def test_frozen_and_hashable():
     b = ModelConfig.preset("tiny-6layer", layer_types=list(a.layer_types), eos_ids=[1])
     assert a == b and hash(a) == hash(b)
     assert isinstance(b.layer_types, tuple) and isinstance(b.eos_ids, tuple)
-    c = a.replace(moe_dispatch="dense")
-    assert c != a and a.moe_dispatch == "auto"  # replace returns a new object
+    c = a.replace(denoise_window="band")
+    assert c != a and a.denoise_window == "block"  # replace returns a new object
     assert len({a, b, c}) == 2
 
     # usable as a static jit argument: equal configs share the compiled function
@@ -254,9 +250,9 @@ def test_from_hf_directory_and_file(tmp_path):
     assert a == b and a.name == "my/model"
     assert _neutral(a) == _neutral(ours)
     # overrides apply (and are validated)
-    assert ModelConfig.from_hf(tmp_path, moe_dispatch="dense").moe_dispatch == "dense"
-    with pytest.raises(ValueError, match="moe_dispatch"):
-        ModelConfig.from_hf(tmp_path, moe_dispatch="nope")
+    assert ModelConfig.from_hf(tmp_path, dtype="bfloat16").dtype == "bfloat16"
+    with pytest.raises(ValueError, match="dtype"):
+        ModelConfig.from_hf(tmp_path, dtype="nope")
     with pytest.raises(FileNotFoundError, match="config.json"):
         ModelConfig.from_hf(tmp_path / "missing")
 

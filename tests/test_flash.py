@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dgemma_jax import ModelConfig, denoise, init_cache, prefill
+from dgemma_jax import ModelConfig, Runtime, denoise, init_cache, prefill
 from dgemma_jax.model import api, flash
 from dgemma_jax.model.attention import attend
 
@@ -101,9 +101,9 @@ def state():
 
 def test_model_denoise_through_the_kernel_equals_xla(state, monkeypatch):
     params, cache, canvas = state
-    ref = np.asarray(denoise(params, CFG.replace(attn_kernel="xla"), canvas, cache))
+    ref = np.asarray(denoise(params, CFG, canvas, cache, runtime=Runtime(attn_kernel="xla")))
     seen = _spy(monkeypatch)
-    out = np.asarray(denoise(params, CFG.replace(attn_kernel="splash"), canvas, cache))
+    out = np.asarray(denoise(params, CFG, canvas, cache, runtime=Runtime(attn_kernel="splash")))
     assert len(seen) == CFG.num_layers  # every layer's cache part went through the kernel
     _close(out, ref)
     # the default ("auto") keeps XLA off TPU: bit-identical to "xla"
@@ -153,9 +153,8 @@ def test_kernel_runs_per_head_shard(monkeypatch):
     seen = _spy(monkeypatch)
 
     def run(mode):
-        fn = jax.jit(functools.partial(api._denoise.__wrapped__, config=cfg.replace(attn_kernel=mode)))
-        with sh.context():
-            return np.asarray(fn(placed, canvas=canvas, cache=cache_sh, context_end=cache.lengths, soft=None))
+        fn = jax.jit(functools.partial(api._denoise.__wrapped__, config=cfg, runtime=sh.runtime(attn_kernel=mode)))
+        return np.asarray(fn(placed, canvas=canvas, cache=cache_sh, context_end=cache.lengths, soft=None))
 
     ref = run("xla")
     assert seen == []
@@ -163,6 +162,6 @@ def test_kernel_runs_per_head_shard(monkeypatch):
     assert seen == [(1, cfg.canvas_length, 2, 128)] * cfg.num_layers  # traced once per layer, per shard
     _close(out, ref)
     # and the unsharded kernel agrees with the unsharded XLA path on the same (replicated) cache
-    un = np.asarray(denoise(params, cfg.replace(attn_kernel="splash"), canvas, cache))
-    un_ref = np.asarray(denoise(params, cfg.replace(attn_kernel="xla"), canvas, cache))
+    un = np.asarray(denoise(params, cfg, canvas, cache, runtime=Runtime(attn_kernel="splash")))
+    un_ref = np.asarray(denoise(params, cfg, canvas, cache, runtime=Runtime(attn_kernel="xla")))
     _close(un, un_ref)

@@ -7,7 +7,7 @@ Slow and needs the network (PyPI), so it runs only with DGEMMA_VENV_TEST=1:
 It clones the repository's committed HEAD, creates a venv with the interpreter running this test, runs the
 README's install command in it, checks that no torch / transformers / nvidia / cuda / triton distribution
 got installed, then runs the README's test command in the clone and requires it to pass. The install's
-time and the venv's size are printed (the README quotes them).
+time and the venv's size are printed (docs/install.md quotes them).
 """
 
 import os

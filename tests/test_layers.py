@@ -1,7 +1,7 @@
 """The package's import graph runs one way: each module imports only from its own layer or below.
 
 Layers, low to high (a module's layer is the first pattern that matches its dotted name):
-errors/backends/config < low-level sharding (mesh, rules, context, distributed) < the model <
+errors/backends/config < low-level sharding (mesh, rules, distributed) and the runtime < the model <
 shardings (which places a model's parameters and cache on a mesh) < sampling < the engine < io <
 training < chat_session < pipeline < serving, the perf reports and the CLI's runners < the CLI and
 the package root. Every `from dgemma_jax... import` counts, at module level or inside a function.
@@ -17,8 +17,8 @@ PACKAGE = os.path.join(ROOT, "dgemma_jax")
 
 LAYERS = [
     ("dgemma_jax.errors", "dgemma_jax.backends", "dgemma_jax.config"),
-    ("dgemma_jax.parallel", "dgemma_jax.parallel.mesh", "dgemma_jax.parallel.rules", "dgemma_jax.parallel.context",
-     "dgemma_jax.parallel.distributed"),
+    ("dgemma_jax.parallel", "dgemma_jax.parallel.mesh", "dgemma_jax.parallel.rules", "dgemma_jax.parallel.distributed",
+     "dgemma_jax.runtime"),
     ("dgemma_jax.model",),
     ("dgemma_jax.parallel.shardings",),
     ("dgemma_jax.sampling",),
@@ -89,10 +89,51 @@ def test_the_perf_reports_are_used_only_by_the_cli():
 
 
 @pytest.mark.parametrize("module", ["dgemma_jax.model.attention", "dgemma_jax.sampling.loop",
-                                    "dgemma_jax.parallel.context", "dgemma_jax.io.tokenizer"])
+                                    "dgemma_jax.runtime", "dgemma_jax.io.tokenizer"])
 def test_the_check_sees_a_violation(module, tmp_path):
     # the checker itself: a higher layer imported from a low module is reported
     path = dict(MODULES)[module]
     fake = tmp_path / "m.py"
     fake.write_text(open(path).read() + "\nfrom dgemma_jax.cli import main\n")
     assert any(layer_of(t) > layer_of(module) for t, _ in _imports(str(fake)))
+
+
+_MUTATORS = {"append", "pop", "remove", "add", "update", "setdefault", "clear", "extend", "insert"}
+
+
+def _hidden_state(path: str) -> list[str]:
+    """Module-level state a trace could read: thread-locals, `global` rebinding, and module-level
+    lists / dicts / sets that the module's functions mutate."""
+    tree = ast.parse(open(path).read(), path)
+    found = []
+    containers = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, (ast.List, ast.Dict, ast.Set)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            containers.update(t.id for t in targets if isinstance(t, ast.Name))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            found.append(f"line {node.lineno}: global {', '.join(node.names)}")
+        elif isinstance(node, ast.Attribute) and node.attr == "local" and getattr(node.value, "id", "") == "threading":
+            found.append(f"line {node.lineno}: threading.local()")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS
+              and isinstance(node.func.value, ast.Name) and node.func.value.id in containers):
+            found.append(f"line {node.lineno}: {node.func.value.id}.{node.func.attr}(...)")
+    return found
+
+
+def test_what_a_pass_computes_depends_only_on_its_arguments():
+    """No hidden state under the engine: the model, the sampler and the runtime read no module-level
+    state that a context manager or a registry changes (the Runtime is passed explicitly)."""
+    traced = [(m, p) for m, p in MODULES if m.startswith(("dgemma_jax.model", "dgemma_jax.sampling",
+                                                              "dgemma_jax.runtime", "dgemma_jax.parallel"))]
+    assert len(traced) > 15
+    bad = {m: found for m, p in traced if (found := _hidden_state(p))}
+    assert not bad, bad
+
+
+def test_the_hidden_state_check_sees_a_violation(tmp_path):
+    fake = tmp_path / "m.py"
+    fake.write_text("import threading\n_STACK = []\n_T = threading.local()\n\n\ndef enter(x):\n"
+                    "    _STACK.append(x)\n")
+    assert [f.split(":")[1].strip() for f in _hidden_state(str(fake))] == ["threading.local()", "_STACK.append(...)"]

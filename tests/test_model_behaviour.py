@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dgemma_jax import ModelConfig, denoise, init_cache, load_hf, param_shapes, prefill, save_hf, soft_embed
+from dgemma_jax import ModelConfig, Runtime, denoise, init_cache, load_hf, param_shapes, prefill, save_hf, soft_embed
 from dgemma_jax.model import masks
 
 NAME = "tiny-6layer"
@@ -207,12 +207,12 @@ def test_key_blocks_change_nothing(model, data, batched):
     ref_logits, ref_cache = batched
     a, b, garbage, canvas = data
     tokens, lengths = _batch(a, b, garbage)
-    small = cfg.replace(attn_key_block=7)  # 46 cache slots -> 7 blocks; row B's last 4 blocks are empty
-    logits, cache = prefill(params, small, tokens, lengths, init_cache(small, 2, M))
+    small = Runtime(attn_key_block=7)  # 46 cache slots -> 7 blocks; row B's last 4 blocks are empty
+    logits, cache = prefill(params, cfg, tokens, lengths, init_cache(cfg, 2, M), runtime=small)
     np.testing.assert_allclose(np.asarray(logits), ref_logits, rtol=1e-5, atol=1e-5)
     for x, y in zip(cache.keys + cache.values, ref_cache.keys + ref_cache.values):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(denoise(params, small, canvas, cache)),
+    np.testing.assert_allclose(np.asarray(denoise(params, cfg, canvas, cache, runtime=small)),
                                np.asarray(denoise(params, cfg, canvas, ref_cache)), rtol=1e-4, atol=1e-4)
 
 

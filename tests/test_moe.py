@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from dgemma_jax import ModelConfig, denoise, init_cache, init_params, prefill
+from dgemma_jax import ModelConfig, Runtime, denoise, init_cache, init_params, prefill
 from dgemma_jax.model import moe
 
 TOL = 1e-5
@@ -213,7 +213,8 @@ def test_expert_shards_sum_to_the_oracle(strategy, shards, skew):
         assert (experts < e // shards).sum() > 1.25 * n * k / shards  # shard 0 overflows one block
     ref = np.asarray(_dense(z, weights, experts, gate_up, down))
     el = e // shards
-    fn = jax.jit(lambda z, w, x, gu, dn, off: moe.dispatch(strategy, cfg, z, w, x, gu, dn, offset=off, shards=shards))
+    rt = Runtime(moe_dispatch=strategy)
+    fn = jax.jit(lambda z, w, x, gu, dn, off: moe.dispatch(cfg, rt, z, w, x, gu, dn, offset=off, shards=shards))
     parts = [np.asarray(fn(z, weights, experts, gate_up[i * el:(i + 1) * el], down[i * el:(i + 1) * el], i * el))
              for i in range(shards)]
     assert all(p.dtype == np.float32 for p in parts)
@@ -226,10 +227,7 @@ def test_expert_shards_sum_to_the_oracle(strategy, shards, skew):
 def test_ragged_blocks_cost_one_block():
     """Sharded ragged dispatch compiles to a loop whose body does ONE block of grouped matmuls
     (1.25x the shard's share of pairs), not the worst case of all pairs."""
-    from dgemma_jax import ModelConfig
-
     n, e, k, d, f, shards = 256, 16, 4, 64, 32, 8
-    cfg = ModelConfig.preset("tiny-2layer", num_experts=e, top_k=k, hidden_size=d, moe_intermediate_size=f)
     args = (jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.float32),
             jax.ShapeDtypeStruct((n, k), jnp.int32), jax.ShapeDtypeStruct((e // shards, d, 2 * f), jnp.float32),
             jax.ShapeDtypeStruct((e // shards, f, d), jnp.float32))
@@ -256,20 +254,20 @@ def test_capacity_for():
 
 
 def test_auto_dispatch_resolves():
-    assert moe.resolve_dispatch("auto") == ("capacity" if jax.default_backend() == "cpu" else "ragged")
+    assert Runtime().dispatch == ("capacity" if jax.default_backend() == "cpu" else "ragged")
     for s in ("dense", "ragged", "capacity"):
-        assert moe.resolve_dispatch(s) == s
+        assert Runtime(moe_dispatch=s).dispatch == s
 
 
 # ---------------------------------------------------------------------------------------------- the module
 @pytest.mark.parametrize("dispatch", ["dense", "ragged", "capacity"])
 def test_moe_module_matches_numpy(dispatch):
-    cfg = ModelConfig.preset("tiny-6layer", moe_dispatch=dispatch, top_k=3)
+    cfg = ModelConfig.preset("tiny-6layer", top_k=3)
     rng = np.random.default_rng(3)
     b, t, d = 2, 9, cfg.hidden_size
     h = rng.normal(size=(b, t, d)).astype(np.float32) * 3
     z = rng.normal(size=(b, t, d)).astype(np.float32)
-    module = moe.MoE(cfg)
+    module = moe.MoE(cfg, Runtime(moe_dispatch=dispatch))
     params = dict(nn.meta.unbox(jax.eval_shape(module.init, jax.random.key(0), h, z)["params"]))
     params["router"] = rng.normal(size=params["router"].shape).astype(np.float32)
     params["router_scale"] = rng.uniform(0.5, 1.5, d).astype(np.float32)
@@ -290,14 +288,14 @@ def tiny():
     return cfg, init_params(cfg, 0)
 
 
-def _run_model(cfg, params, soft):
+def _run_model(cfg, params, soft, rt):
     rng = np.random.default_rng(11)
     lens = np.array([40, 23], np.int32)  # longer than the window (16)
     tokens = rng.integers(0, cfg.vocab_size, (2, 40)).astype(np.int32)
     cache = init_cache(cfg, 2, 40 + cfg.canvas_length)
-    enc, cache = prefill(params, cfg, tokens, lens, cache)
+    enc, cache = prefill(params, cfg, tokens, lens, cache, runtime=rt)
     canvas = rng.integers(0, cfg.vocab_size, (2, cfg.canvas_length)).astype(np.int32)
-    den = denoise(params, cfg, canvas, cache, self_conditioning=soft)
+    den = denoise(params, cfg, canvas, cache, self_conditioning=soft, runtime=rt)
     enc = np.array(enc)
     enc[1, lens[1]:] = 0.0  # padding positions carry no meaning
     return enc, np.asarray(den)
@@ -309,13 +307,13 @@ def test_model_dispatch_strategies_agree(tiny):
     # self-conditioning as a soft embedding [B, L, D] (what soft_embed returns), so the denoiser's whole input
     # path runs; one array for all variants avoids recompiling soft_embed per config
     soft = jnp.asarray(rng.normal(size=(2, cfg.canvas_length, cfg.hidden_size)).astype(np.float32) * 3)
-    ref = _run_model(cfg.replace(moe_dispatch="dense"), params, soft)
+    ref = _run_model(cfg, params, soft, Runtime(moe_dispatch="dense"))
     variants = {
-        "ragged": cfg.replace(moe_dispatch="ragged"),
+        "ragged": Runtime(moe_dispatch="ragged"),
         # (the forced-overflow fallback is covered by test_capacity_overflow_falls_back_dropless)
-        "capacity": cfg.replace(moe_dispatch="capacity"),
+        "capacity": Runtime(moe_dispatch="capacity"),
     }
-    for name, c in variants.items():
-        got = _run_model(c, params, soft)
+    for name, rt in variants.items():
+        got = _run_model(cfg, params, soft, rt)
         for what, a, r in zip(("prefill", "denoise"), got, ref):
             np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-4, err_msg=f"{name}/{what}")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dgemma_jax import ModelConfig, init_params, param_shapes
+from dgemma_jax import ModelConfig, Runtime, init_params, param_shapes
 from dgemma_jax.engine import Engine
 from dgemma_jax.parallel import Shardings, make_mesh, parse_mesh, spec_for
 from dgemma_jax.parallel.rules import rules_for
@@ -50,17 +50,14 @@ def test_accelerator_paths_sharded_equal_unsharded(reference):
     """The programs built for TPU (ragged expert-parallel MoE under shard_map, full-vocab head with
     Gumbel sampling), traced here and run on the CPU devices: sharded == unsharded on meshes that
     split the experts 8 and 4 ways (each shard runs its pairs in blocks)."""
-    from dgemma_jax.model.moe import compiling_for
-
     params, _ = reference
-    cfg = CFG.replace(moe_dispatch="ragged", moe_shard_rows_factor=1.0)
-    with compiling_for("tpu"):
-        ref = Engine(cfg, params, SAMPLER).generate(TOKENS, LENGTHS, rng=0, max_new_tokens=32)
-        for mesh_spec in ("expert=8", "expert=4,tensor=2"):
-            sh = Shardings(cfg, make_mesh(mesh_spec), "latency")
-            out = Engine(cfg, sh.place_params(params), SAMPLER, shardings=sh).generate(
-                TOKENS, LENGTHS, rng=0, max_new_tokens=32)
-            np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens), err_msg=mesh_spec)
+    rt = Runtime(platform="tpu", moe_dispatch="ragged", moe_shard_rows_factor=1.0)
+    ref = Engine(CFG, params, SAMPLER, runtime=rt).generate(TOKENS, LENGTHS, rng=0, max_new_tokens=32)
+    for mesh_spec in ("expert=8", "expert=4,tensor=2"):
+        sh = Shardings(CFG, make_mesh(mesh_spec), "latency")
+        out = Engine(CFG, sh.place_params(params), SAMPLER, shardings=sh, runtime=rt).generate(
+            TOKENS, LENGTHS, rng=0, max_new_tokens=32)
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens), err_msg=mesh_spec)
 
 
 def test_streaming_driver_sharded(reference):
@@ -119,9 +116,8 @@ def test_kv_replicas_remove_the_per_step_cache_slice():
         ps, cache = ab(param_shapes(CFG), sh.params), ab(sh.cache_shape(1, 64), sh.cache(1, 64))
         keys = jax.eval_shape(lambda: row_keys(jax.random.key(0), 1))
         state = jax.eval_shape(lambda: init_state(CFG, SAMPLER, jnp.zeros((1, 16), jnp.int32)))
-        step = jax.jit(lambda p, c, k, s: denoise_step(p, CFG, SAMPLER, c, c.lengths, k, s))
-        with sh.context():
-            hlo = step.lower(ps, cache, keys, state).compile().as_text()
+        step = jax.jit(lambda p, c, k, s: denoise_step(p, CFG, SAMPLER, c, c.lengths, k, s, runtime=sh.runtime()))
+        hlo = step.lower(ps, cache, keys, state).compile().as_text()
         return re.findall(r"= f32\[1,64,\d+,\d+\]\S* dynamic-slice\(", hlo)  # all 64 slots of some heads
 
     sh = Shardings(CFG, make_mesh("tensor=8"), "latency")
@@ -134,7 +130,7 @@ def test_kv_replicas_remove_the_per_step_cache_slice():
 @pytest.mark.parametrize("dispatch", ["capacity", "dense"])
 def test_expert_parallelism_moves_no_expert_weights(dispatch):
     """With experts over an 8-way `expert` axis the compiled step all-gathers no expert weights."""
-    cfg = CFG.replace(num_experts=8, moe_dispatch=dispatch)
+    cfg = CFG.replace(num_experts=8)
     sh = Shardings(cfg, make_mesh("expert=8"), "latency")
     ps = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=n), param_shapes(cfg), sh.params)
     assert ps["blocks_0"]["moe"]["gate_up"].sharding.spec[0] == "expert"
@@ -142,9 +138,9 @@ def test_expert_parallelism_moves_no_expert_weights(dispatch):
                          sh.cache_shape(1, 64), sh.cache(1, 64))
     keys = jax.eval_shape(lambda: row_keys(jax.random.key(0), 1))
     state = jax.eval_shape(lambda: init_state(cfg, SAMPLER, jnp.zeros((1, 16), jnp.int32)))
-    step = jax.jit(lambda p, c, k, s: denoise_step(p, cfg, SAMPLER, c, c.lengths, k, s))
-    with sh.context():
-        hlo = step.lower(ps, cache, keys, state).compile().as_text()
+    rt = sh.runtime(moe_dispatch=dispatch)
+    step = jax.jit(lambda p, c, k, s: denoise_step(p, cfg, SAMPLER, c, c.lengths, k, s, runtime=rt))
+    hlo = step.lower(ps, cache, keys, state).compile().as_text()
     one_expert = cfg.hidden_size * 2 * cfg.moe_intermediate_size
     gathers = [(int(np.prod([int(d) for d in m.group(1).split(",") if d])), m.group(2))
                for m in re.finditer(r"= \w+\[([\d,]*)\][^=]*? all-gather\((.*)", hlo)]
@@ -190,16 +186,15 @@ def test_sharded_training_loss_and_grads_equal_unsharded(reference, mesh_spec, d
                  rng.randint(3, CFG.vocab_size, rng.randint(3, 15)).tolist()) for _ in range(8)]
     batch = {k: jnp.asarray(v) for k, v in collate(examples, layout).items()}
     obj = ObjectiveConfig(canvas_length=8, sc_prob=0.5)
-    cfg = CFG.replace(moe_dispatch=dispatch)  # "ragged": the expert-parallel grouped-matmul blocks
-    grad_fn = jax.value_and_grad(lambda p, b, k: loss_fn(p, b, k, config=cfg, obj=obj)[0])
+    # "ragged": the expert-parallel grouped-matmul blocks
+    grad_fn = lambda rt: jax.value_and_grad(lambda p, b, k: loss_fn(p, b, k, config=CFG, obj=obj, runtime=rt)[0])  # noqa: E731
     key = jax.random.key(7)
-    loss0, grads0 = jax.jit(grad_fn)(params, batch, key)
+    loss0, grads0 = jax.jit(grad_fn(Runtime(moe_dispatch=dispatch)))(params, batch, key)
 
-    sh = Shardings(cfg, make_mesh(mesh_spec), "training")
+    sh = Shardings(CFG, make_mesh(mesh_spec), "training")
     placed = sh.place_params(params)
     sbatch = {k: jax.device_put(v, sh.named(v.shape, ("batch",) + (None,) * (v.ndim - 1))) for k, v in batch.items()}
-    with sh.context():
-        loss1, grads1 = jax.jit(grad_fn)(placed, sbatch, key)
+    loss1, grads1 = jax.jit(grad_fn(sh.runtime(moe_dispatch=dispatch)))(placed, sbatch, key)
     np.testing.assert_allclose(float(loss1), float(loss0), rtol=1e-5)
     # float32 reassociation across shards: compare each leaf relative to its own scale, with an
     # absolute floor at the model's gradient scale (the last layer's scalar feeds the final RMSNorm,

@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 
-from dgemma_jax import load_hf
+from dgemma_jax import Runtime, load_hf
 from dgemma_jax.engine import Engine
 from dgemma_jax.sampling.generate import CanvasEvent, StepEvent
 from tests.golden import parity_case, store
@@ -23,9 +23,7 @@ from tests.golden import trace_case as case
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory):
-    from dgemma_jax.model.moe import target_backend
-
-    if target_backend() != "cpu":
+    if Runtime().platform != "cpu":
         pytest.skip("the recorded draws are the CPU head's (the accelerator head samples with Gumbel noise)")
     arrays, meta = store.load("trace")
     path = tmp_path_factory.mktemp("trace_ckpt")

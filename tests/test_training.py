@@ -10,6 +10,7 @@ import pytest
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import init_params
+from dgemma_jax.runtime import Runtime
 from dgemma_jax.training import lora as lora_lib
 from dgemma_jax.training.corruption import corrupt, sample_t
 from dgemma_jax.training.data import Layout, TaskSource, chunk_example
@@ -257,10 +258,10 @@ def test_remat_same_loss_and_grads(tiny):
     batch = {k: jnp.asarray(v) for k, v in src.batch(2).items()}
     obj = ObjectiveConfig(canvas_length=lay.canvas_length, sc_prob=0.5)
 
-    def grad_fn(c):
-        return jax.jit(jax.value_and_grad(lambda p, b, k: loss_fn(p, b, k, config=c, obj=obj)[0]))
+    def grad_fn(rt):
+        return jax.jit(jax.value_and_grad(lambda p, b, k: loss_fn(p, b, k, config=cfg, obj=obj, runtime=rt)[0]))
 
-    plain, remat = grad_fn(cfg), grad_fn(cfg.replace(remat=True))
+    plain, remat = grad_fn(Runtime()), grad_fn(Runtime(remat=True))
     (l0, g0), (l1, g1) = plain(params, batch, jax.random.key(1)), remat(params, batch, jax.random.key(1))
     np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
     # absolute floor at the gradient scale: the last layer's scalar feeds the scale-invariant final

@@ -17,6 +17,7 @@ import pytest
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import init_params
+from dgemma_jax.runtime import Runtime, split_choices
 from dgemma_jax.training import lora as lora_lib
 from dgemma_jax.training.data import Layout, TaskSource
 from dgemma_jax.training.objective import ObjectiveConfig, loss_fn
@@ -32,7 +33,7 @@ GROUPS = ("attention", "mlp", "experts", "self_conditioning")
 def _tiny_config(**kw) -> ModelConfig:
     rc = load_config(os.path.join(ROOT, "configs", "train_tiny.py"))
     over = {k: tuple(v) if isinstance(v, list) else v for k, v in rc.model.overrides.to_dict().items()}
-    return ModelConfig(**{**over, **kw})
+    return ModelConfig(**split_choices({**over, **kw})[0])
 
 
 def _source(cfg):
@@ -109,7 +110,7 @@ def test_unmerged_forward_equals_merged_export(dispatch):
     """Float32 base, random nonzero adapters on every group (per-expert adapters included): the
     unmerged forward (encoder, both decoder passes, self-conditioning) gives the merged model's loss
     and logits within float32 rounding."""
-    cfg = _tiny_config(moe_dispatch=dispatch)
+    cfg, rt = _tiny_config(), Runtime(moe_dispatch=dispatch)
     params = init_params(cfg, 0)
     rank, alpha = 2, 4.0
     adapters = lora_lib.init_lora(cfg, params, jax.random.key(1), rank, GROUPS)
@@ -122,7 +123,7 @@ def test_unmerged_forward_equals_merged_export(dispatch):
 
     @jax.jit
     def run(p, fwd):
-        return loss_fn(p, batch, jax.random.key(0), config=cfg, obj=obj, adapters=fwd, **pinned)
+        return loss_fn(p, batch, jax.random.key(0), config=cfg, obj=obj, adapters=fwd, runtime=rt, **pinned)
 
     loss_u, m_u = run(params, lora_lib.forward_adapters(cfg, params, adapters, alpha, rank))
     loss_m, m_m = run(lora_lib.merge(cfg, params, adapters, alpha, rank), None)
@@ -140,7 +141,7 @@ def test_unmerged_experts_under_expert_parallel_mesh():
     shard_map): the same loss and logits as on one device."""
     from dgemma_jax.parallel import Shardings, make_mesh
 
-    cfg = _tiny_config(moe_dispatch="ragged")
+    cfg = _tiny_config()
     params = init_params(cfg, 0)
     adapters = lora_lib.init_lora(cfg, params, jax.random.key(1), 2, ("experts",))
     adapters = jax.tree.map(lambda x: 0.1 * jax.random.normal(jax.random.key(x.size), x.shape), adapters)
@@ -148,15 +149,14 @@ def test_unmerged_experts_under_expert_parallel_mesh():
     obj = ObjectiveConfig(canvas_length=cfg.canvas_length)
     pinned = _pinned(cfg, batch)
 
-    def run(p, a):
+    def run(p, a, rt):
         fwd = lora_lib.forward_adapters(cfg, p, a, 4.0, 2)
-        return loss_fn(p, batch, jax.random.key(0), config=cfg, obj=obj, adapters=fwd, **pinned)
+        return loss_fn(p, batch, jax.random.key(0), config=cfg, obj=obj, adapters=fwd, runtime=rt, **pinned)
 
-    loss1, m1 = jax.jit(run)(params, adapters)
+    loss1, m1 = jax.jit(run, static_argnums=2)(params, adapters, Runtime(moe_dispatch="ragged"))
     sh = Shardings(cfg, make_mesh("fsdp=2,expert=4"), "training")
     placed = sh.place_params(params)
     assert not placed["blocks_0"]["moe"]["gate_up"].sharding.is_fully_replicated
-    with sh.context():
-        loss8, m8 = jax.jit(run)(placed, adapters)
+    loss8, m8 = jax.jit(run, static_argnums=2)(placed, adapters, sh.runtime(moe_dispatch="ragged"))
     np.testing.assert_allclose(float(loss8), float(loss1), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(m8["logits"]), np.asarray(m1["logits"]), atol=1e-4, rtol=0)

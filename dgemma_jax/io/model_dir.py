@@ -22,6 +22,7 @@ import numpy as np
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import read_json
+from dgemma_jax.runtime import split_choices
 
 META = "dgemma_model.json"
 FORMAT = "dgemma_jax.model"
@@ -50,6 +51,9 @@ def config_to_dict(cfg: ModelConfig) -> dict:
 
 
 def config_from_dict(d: dict) -> ModelConfig:
+    """The ModelConfig stored in checkpoint metadata. Execution choices that older versions stored in
+    it (MoE dispatch, remat, ...) are dropped: they belong to a `Runtime`, not to the checkpoint."""
+    d, _ = split_choices(d)
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(d) - fields)
     if unknown:

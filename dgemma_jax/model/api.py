@@ -3,7 +3,8 @@
 Two levels, and the only code that calls `Transformer.apply`:
 * traceable passes for the drivers (sampling, the engine, training) to use inside their own jits:
   `encode_pass`, `denoise_logits`, `denoise_features`, `soft_embed_pass`; `adapters` adds the
-  unmerged LoRA collection;
+  unmerged LoRA collection; `runtime` (a `dgemma_jax.runtime.Runtime`, default: this process's
+  backend on one device) is how the pass runs: mesh, platform, MoE dispatch, attention kernel;
 * checked, jitted entry points for users: `prefill`, `denoise`, `soft_embed`. They check their
   inputs when they are concrete (outside `jax.jit`) and raise a `ValueError` that names the
   problem; inside a trace they only check shapes and dtypes.
@@ -23,12 +24,13 @@ from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.cache import KVCache, check_replicas, init_cache
 from dgemma_jax.model.layers import LORA_COLLECTION
 from dgemma_jax.model.transformer import Transformer
+from dgemma_jax.runtime import Runtime
 
 Params = Any
 
 
-def _model(config: ModelConfig) -> Transformer:
-    return Transformer(config)
+def _model(config: ModelConfig, runtime: Runtime | None = None) -> Transformer:
+    return Transformer(config, runtime if runtime is not None else Runtime())
 
 
 def variables(params, adapters=None) -> dict:
@@ -38,27 +40,31 @@ def variables(params, adapters=None) -> dict:
 
 # ------------------------------------------------------------------ traceable passes (drivers)
 def encode_pass(params, config: ModelConfig, tokens, starts, num_new, cache: KVCache, logits_mode: str = "none",
-                adapters=None):
+                adapters=None, runtime: Runtime | None = None):
     """Causal pass over tokens [B, T] written at cache slots starts[b] + t for t < num_new[b].
 
     Returns (logits per `logits_mode` -- "all" [B, T, V], "last" [B, V], "none" None -- , new cache)."""
-    return _model(config).apply(variables(params, adapters), tokens, starts, num_new, cache, logits_mode,
-                                method="encode")
+    return _model(config, runtime).apply(variables(params, adapters), tokens, starts, num_new, cache, logits_mode,
+                                         method="encode")
 
 
-def denoise_logits(params, config: ModelConfig, canvas, context_end, cache: KVCache, soft=None, adapters=None):
+def denoise_logits(params, config: ModelConfig, canvas, context_end, cache: KVCache, soft=None, adapters=None,
+                   runtime: Runtime | None = None):
     """Bidirectional pass over canvas [B, L] after context_end[b] committed tokens: float32 [B, L, V]."""
-    return _model(config).apply(variables(params, adapters), canvas, context_end, cache, soft, method="denoise")
+    return _model(config, runtime).apply(variables(params, adapters), canvas, context_end, cache, soft,
+                                         method="denoise")
 
 
-def denoise_features(params, config: ModelConfig, canvas, context_end, cache: KVCache, soft=None):
+def denoise_features(params, config: ModelConfig, canvas, context_end, cache: KVCache, soft=None,
+                     runtime: Runtime | None = None):
     """The denoiser up to the final norm, [B, L, D] (the fused sampler applies the head itself)."""
-    return _model(config).apply({"params": params}, canvas, context_end, cache, soft, method="denoise_features")
+    return _model(config, runtime).apply({"params": params}, canvas, context_end, cache, soft,
+                                         method="denoise_features")
 
 
-def soft_embed_pass(params, config: ModelConfig, logits, adapters=None):
+def soft_embed_pass(params, config: ModelConfig, logits, adapters=None, runtime: Runtime | None = None):
     """Self-conditioning soft embedding of logits [B, L, V]: [B, L, D]."""
-    return _model(config).apply(variables(params, adapters), logits, method="soft_embed")
+    return _model(config, runtime).apply(variables(params, adapters), logits, method="soft_embed")
 
 
 def _boxed_init(config: ModelConfig, rng):
@@ -125,29 +131,30 @@ def _check_cache(config: ModelConfig, cache: KVCache, batch: int):
 
 
 # ---------------------------------------------------------------------------- passes
-@functools.partial(jax.jit, static_argnames=("config", "logits_mode"))
-def _prefill(params, config, tokens, lengths, cache, logits_mode):
-    return encode_pass(params, config, tokens, cache.lengths, lengths, cache, logits_mode)
+@functools.partial(jax.jit, static_argnames=("config", "logits_mode", "runtime"))
+def _prefill(params, config, tokens, lengths, cache, logits_mode, runtime=None):
+    return encode_pass(params, config, tokens, cache.lengths, lengths, cache, logits_mode, runtime=runtime)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _denoise(params, config, canvas, cache, context_end, soft):
-    return denoise_logits(params, config, canvas, context_end, cache, soft)
+@functools.partial(jax.jit, static_argnames=("config", "runtime"))
+def _denoise(params, config, canvas, cache, context_end, soft, runtime=None):
+    return denoise_logits(params, config, canvas, context_end, cache, soft, runtime=runtime)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _soft_embed(params, config, logits):
-    return soft_embed_pass(params, config, logits)
+@functools.partial(jax.jit, static_argnames=("config", "runtime"))
+def _soft_embed(params, config, logits, runtime=None):
+    return soft_embed_pass(params, config, logits, runtime=runtime)
 
 
 def prefill(params: Params, config: ModelConfig, tokens, lengths=None, cache: KVCache | None = None, *,
-            logits: str = "all"):
+            logits: str = "all", runtime: Runtime | None = None):
     """Causal encoder pass: append tokens [B, T] to the cache at each row's current end.
 
     lengths: [B] number of valid (right-padded) tokens per row, default T. Padding is never
     written to the cache and never visible. cache: from `init_cache` (default: a new one of
     exactly T slots). logits: "all" -> [B, T, V], "last" -> [B, V] at each row's last valid
-    token, "none" -> None. Returns (logits, new_cache).
+    token, "none" -> None. runtime: how it runs (default: this backend, one device). Returns
+    (logits, new_cache).
     """
     tokens = check_tokens(config, tokens)
     b, t = tokens.shape
@@ -172,22 +179,23 @@ def prefill(params: Params, config: ModelConfig, tokens, lengths=None, cache: KV
             raise ValueError(f"the cache holds {cache.max_length} tokens per row but this pass needs {need} "
                              f"(already committed {st.tolist()} + new {ln.tolist()}); create the cache with "
                              f"init_cache(config, batch, max_length>={need}) or shorten the prompt")
-    return _prefill(params, config, tokens, lengths, cache, logits)
+    return _prefill(params, config, tokens, lengths, cache, logits, runtime)
 
 
-def soft_embed(params: Params, config: ModelConfig, sc_logits) -> jax.Array:
+def soft_embed(params: Params, config: ModelConfig, sc_logits, *, runtime: Runtime | None = None) -> jax.Array:
     """Self-conditioning soft embedding softmax_fp32(logits) @ E * sqrt(D): [B, L, V] -> [B, L, D]."""
-    return _soft_embed(params, config, sc_logits)
+    return _soft_embed(params, config, sc_logits, runtime)
 
 
 def denoise(params: Params, config: ModelConfig, canvas, cache: KVCache, self_conditioning=None, *,
-            context_lengths=None) -> jax.Array:
+            context_lengths=None, runtime: Runtime | None = None) -> jax.Array:
     """One bidirectional denoiser pass over canvas [B, L]; reads the cache, never writes it.
 
     self_conditioning: None (first step, exactly zero), the previous step's tempered logits
     [B, L, V], or the soft embeddings they give [B, L, D]. context_lengths: [B] committed tokens
     visible to the canvas (default: cache.lengths); the canvas sits at positions
-    context_lengths[b] + j. Returns float32 logits [B, L, V].
+    context_lengths[b] + j. runtime: how it runs (default: this backend, one device). Returns float32
+    logits [B, L, V].
     """
     canvas = check_tokens(config, canvas, "canvas")
     b, l = canvas.shape
@@ -210,7 +218,7 @@ def denoise(params: Params, config: ModelConfig, canvas, cache: KVCache, self_co
         if sc.ndim != 3 or sc.shape[:2] != (b, l):
             raise ValueError(f"self_conditioning must be [batch={b}, canvas={l}, V or D]; got {tuple(sc.shape)}")
         if sc.shape[-1] == config.vocab_size and sc.shape[-1] != config.hidden_size:
-            soft = soft_embed(params, config, sc)
+            soft = soft_embed(params, config, sc, runtime=runtime)
         elif sc.shape[-1] == config.hidden_size and sc.shape[-1] != config.vocab_size:
             soft = sc
         else:
@@ -218,4 +226,4 @@ def denoise(params: Params, config: ModelConfig, canvas, cache: KVCache, self_co
                              f"{config.vocab_size} (logits) nor hidden_size {config.hidden_size} (soft embeddings)"
                              + (" (they are equal: pass soft_embed(...) output explicitly)"
                                 if config.vocab_size == config.hidden_size else ""))
-    return _denoise(params, config, canvas, cache, ctx, soft)
+    return _denoise(params, config, canvas, cache, ctx, soft, runtime)

@@ -20,8 +20,7 @@ from dgemma_jax.config import ModelConfig
 from dgemma_jax.model import flash, masks
 from dgemma_jax.model.cache import window_slice, write_tokens
 from dgemma_jax.model.layers import RMSNorm, adapter, apply_rope, param, project, rms_normalize, rope_inv_freq
-from dgemma_jax.model.moe import target_backend
-from dgemma_jax.parallel.context import constrain, head_parallel
+from dgemma_jax.runtime import Runtime
 
 CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
 
@@ -126,6 +125,7 @@ def _attend_blocks(q, parts, key_block, prior=None):
 
 class Attention(nn.Module):
     cfg: ModelConfig
+    rt: Runtime
     layer: int
 
     def setup(self):
@@ -163,7 +163,7 @@ class Attention(nn.Module):
         if r == 1:
             return k, v
         k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
-        return constrain(k, CACHE_AXES), constrain(v, CACHE_AXES)
+        return self.rt.constrain(k, CACHE_AXES), self.rt.constrain(v, CACHE_AXES)
 
     def _out(self, y):
         with jax.named_scope("o_proj"):
@@ -177,7 +177,7 @@ class Attention(nn.Module):
         k, v = self._replicate(k, v, cache_k)
         cache_k = write_tokens(cache_k, k, starts, num_new)
         cache_v = write_tokens(cache_v, v, starts, num_new)
-        cache_k, cache_v = constrain(cache_k, CACHE_AXES), constrain(cache_v, CACHE_AXES)
+        cache_k, cache_v = self.rt.constrain(cache_k, CACHE_AXES), self.rt.constrain(cache_v, CACHE_AXES)
         s = cache_k.shape[1]
         size = (self.window - 1 + t) if self.window is not None else s
         if size < s:  # sliding layer: only the last window-1 committed tokens + the new ones matter
@@ -188,7 +188,7 @@ class Attention(nn.Module):
             keys, vals = cache_k, cache_v
             k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (x.shape[0], s))
         mask = masks.causal_mask(positions, k_pos, starts + num_new, self.window)
-        y = attend(q, [(keys, vals, mask)], self.cfg.attn_key_block)
+        y = attend(q, [(keys, vals, mask)], self.rt.attn_key_block)
         return self._out(y), cache_k, cache_v
 
     def denoise(self, x, context_end, cache_k, cache_v):
@@ -213,17 +213,16 @@ class Attention(nn.Module):
                                               self.cfg.denoise_window)
         n, h = q.shape[2:]
         if kernel and flash.supported(l * (n // keys.shape[2]), keys.shape[1], h):
-            prior = head_parallel(flash.cache_attention, q, keys, vals, ctx_mask[:, 0])
+            prior = self.rt.head_parallel(flash.cache_attention, q, keys, vals, ctx_mask[:, 0])
             if prior is not None:  # the cache through the fused kernel, the canvas's own keys here
-                return self._out(attend(q, [(k, v, None)], self.cfg.attn_key_block, prior=prior))
-        y = attend(q, [(keys, vals, ctx_mask), (k, v, None)], self.cfg.attn_key_block)
+                return self._out(attend(q, [(k, v, None)], self.rt.attn_key_block, prior=prior))
+        y = attend(q, [(keys, vals, ctx_mask), (k, v, None)], self.rt.attn_key_block)
         return self._out(y)
 
     def _kernel_wanted(self) -> bool:
-        """Whether the canvas should attend to the cache through `model.flash` (see `attn_kernel`):
-        the mode asks for it and the layer's cache mask is the same for every query (global layers,
+        """Whether the canvas should attend to the cache through `model.flash` (`Runtime.attn_kernel`):
+        the runtime asks for it and the layer's cache mask is the same for every query (global layers,
         "block" sliding windows). The shapes are checked where it is called."""
-        mode = self.cfg.attn_kernel
-        if mode == "xla" or (self.window is not None and self.cfg.denoise_window != "block"):
+        if self.window is not None and self.cfg.denoise_window != "block":
             return False
-        return mode == "splash" or target_backend() == "tpu"
+        return self.rt.use_kernel()

@@ -15,7 +15,8 @@ keys by log-sum-exp, exactly as it merges key blocks.
 
 Off TPU the same kernel runs in Pallas's interpreter (tests compare it with the XLA path on CPU).
 Gradients come from the XLA formulation (a `custom_vjp`), so LoRA training through the kernel is
-exact. Under a sharding context the kernel runs per head shard (`parallel.context.head_parallel`).
+exact. On a mesh the kernel runs per head shard (`Runtime.head_parallel`). The compiler sees the
+kernel as one opaque call; `cache_attention` tells the runtime's observer its FLOPs (`kernel_flops`).
 """
 
 from __future__ import annotations
@@ -25,29 +26,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from dgemma_jax.runtime import Runtime
+
 _NEG = -1e30
-
-# open `counting_flops` recorders: each traced kernel call adds its FLOPs (compilers' cost analyses
-# see a Pallas kernel as an opaque custom call and count none of its work)
-_RECORDERS: list[list[float]] = []
-
-
-class counting_flops:
-    """Context manager: `.flops` = the FLOPs (2 x MACs of q k^T and p v) of the kernel calls traced
-    inside it, at the shapes they were traced with (per device inside a `shard_map`)."""
-
-    def __enter__(self):
-        self._calls: list[float] = []
-        _RECORDERS.append(self._calls)
-        return self
-
-    def __exit__(self, *exc):
-        _RECORDERS.remove(self._calls)
-
-    @property
-    def flops(self) -> float:
-        return float(sum(self._calls))
-
 
 def _divisor(n: int, limit: int, step: int = 128) -> int | None:
     """The largest multiple of `step` that divides n and is <= limit (None when there is none)."""
@@ -63,8 +44,8 @@ def supported(rows: int, keys: int, head_dim: int) -> bool:
 
 
 def _kernel(rows: int, keys: int, interpret: bool):
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    # deferred: the Pallas TPU ops load Mosaic machinery that only the kernel path needs
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk, splash_attention_mask as sm
 
     block_q = _divisor(rows, 1024)
     block_kv = _divisor(keys, 1024)
@@ -92,8 +73,6 @@ def _kernel_call(q, k, v, valid, interpret):
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     g = n // kh
-    for calls in _RECORDERS:
-        calls.append(4.0 * b * t * n * h * s)
     sk, kern = _kernel(t * g, s, interpret)
     # [B, K, T G, H] queries: row t * G + j is query t of the head's j-th query head
     qr = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, 1, t * g, h)
@@ -131,21 +110,27 @@ def _attend_bwd(interpret, res, cot):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
+def kernel_flops(q_shape, k_shape) -> float:
+    """FLOPs of one kernel call: q k^T and p v, 2 x 2 x queries x heads x keys x head_dim."""
+    b, t, n, h = q_shape
+    return 4.0 * b * t * n * h * k_shape[1]
+
+
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
-                    interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+                    rt: Runtime | None = None) -> tuple[jax.Array, jax.Array]:
     """Softmax attention of q [B, T, N, H] over k, v [B, S, K, H] where valid [B, S] (bool).
 
     Query head n reads KV head n // (N / K); no score scaling (Gemma 4's q/k norms take that role).
     Returns (out [B, T, N, H] float32, normalised over the visible slots, and lse [B, T, N] float32,
     the log-sum-exp of the visible scores, -1e30 where a row sees no slot and out is then
-    meaningless). `interpret`: run Pallas's interpreter (default: whenever the backend is not TPU).
+    meaningless). `rt`: the runtime compiled for (Pallas's interpreter runs the kernel off TPU;
+    default: this process's backend); its observer hears of the call.
     """
-    if interpret is None:
-        from dgemma_jax.model.moe import target_backend
-
-        interpret = target_backend() != "tpu"
+    interpret = rt.kernel_interpreted if rt is not None else jax.default_backend() != "tpu"
     b, t, n, h = q.shape
     if not supported(t * (n // k.shape[2]), k.shape[1], h):
         raise ValueError(f"cache_attention needs query rows, keys and head_dim in multiples of 128; got "
                          f"T x G = {t * (n // k.shape[2])}, S = {k.shape[1]}, H = {h}")
+    if rt is not None:
+        rt.kernel_call("cache_attention", kernel_flops(q.shape, k.shape))
     return _attend(q, k, v, valid, bool(interpret))

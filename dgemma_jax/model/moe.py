@@ -11,21 +11,21 @@ Dispatch strategies (all dropless, all equal to the dense oracle):
 * "ragged"   sort token-expert pairs by expert and run `lax.ragged_dot` grouped matmuls
              (the TPU/GPU path).
 * "capacity" gather pairs into per-expert buffers and run one batched matmul. The buffer size is
-             picked per call (`lax.switch`) as the smallest of `moe_capacity_factor` x the mean
+             picked per call (`lax.switch`) as the smallest of `Runtime.moe_capacity_factor` x the mean
              load x (1, 1.1, 1.2, 1.3, 1.45, 1.6) and the token count that holds the busiest
              expert (steps of ~10%: the batched matmul's time follows its rows), so nothing
              is ever dropped and each expert's weights are read once. Fast on CPU.
-* "auto"     "capacity" on CPU, "ragged" elsewhere.
+* "auto"     "capacity" on CPU, "ragged" elsewhere (`Runtime.dispatch`).
 
 LoRA (unmerged): each expert kernel may carry per-expert adapters, `adapters` = {"gate_up": {"a":
 [E, D, r], "b": [E, r, 2F]}, "down": {"a": [E, F, r], "b": [E, r, D]}} (scale folded into b). Every
 strategy adds the float32 term (x A_e) B_e to its expert matmuls (einsums for "dense" / "capacity",
 two more grouped matmuls for "ragged"), so an expert never needs a merged dense copy.
 
-Under a sharding context the dispatch runs per expert shard (`parallel.context.expert_parallel`,
+On a mesh the dispatch runs per expert shard (`Runtime.expert_parallel`,
 a `shard_map`): each device serves only the pairs routed to the experts it holds and the partial
 outputs are summed, so expert weights never move. A shard's "ragged" pairs run in blocks of
-`moe_shard_rows_factor` x its expected share (a scan whose empty blocks are skipped), so each
+`Runtime.moe_shard_rows_factor` x its expected share (a scan whose empty blocks are skipped), so each
 shard does ~1/shards of the grouped-matmul work yet drops nothing when its share is larger.
 """
 
@@ -41,7 +41,7 @@ from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.layers import adapter, gelu_tanh, ones_param, param, project, rms_normalize
-from dgemma_jax.parallel.context import constrain, expert_parallel
+from dgemma_jax.runtime import Runtime
 
 
 def route(h: jax.Array, w_router: jax.Array, router_scale: jax.Array, expert_scale: jax.Array, top_k: int,
@@ -77,9 +77,13 @@ def _ragged(x, w, sizes, ab=None):
     return (y.astype(f32) + lr).astype(y.dtype)
 
 
-def _expert_ffn_dense(z, gate_up, down, adapters=None):
+def _constrain(rt, x, logical):
+    return x if rt is None else rt.constrain(x, logical)
+
+
+def _expert_ffn_dense(z, gate_up, down, adapters=None, rt: Runtime | None = None):
     """All experts on all tokens: z [N, D] -> [N, E, D]."""
-    h = constrain(project("nd,edf->nef", z, gate_up, _ab(adapters, "gate_up")), (None, "experts", None))
+    h = _constrain(rt, project("nd,edf->nef", z, gate_up, _ab(adapters, "gate_up")), (None, "experts", None))
     return project("nef,efd->ned", _gated(h, down.shape[1]), down, _ab(adapters, "down"))
 
 
@@ -90,11 +94,11 @@ def _local_pairs(weights, experts, valid):
     return jnp.where(valid, weights, 0.0), jnp.where(valid, experts, 0)
 
 
-def dispatch_dense(z, weights, experts, gate_up, down, valid=None, adapters=None):
+def dispatch_dense(z, weights, experts, gate_up, down, valid=None, adapters=None, rt: Runtime | None = None):
     n, e = z.shape[0], gate_up.shape[0]
     weights, experts = _local_pairs(weights, experts, valid)
     combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights)
-    y = _expert_ffn_dense(z, gate_up, down, adapters)
+    y = _expert_ffn_dense(z, gate_up, down, adapters, rt)
     return jnp.einsum("ned,ne->nd", y, combine.astype(y.dtype))
 
 
@@ -163,13 +167,14 @@ def capacity_levels(num_tokens: int, top_k: int, num_experts: int, factor: float
     return tuple(sorted(levels | {num_tokens}))
 
 
-def dispatch_capacity(z, weights, experts, gate_up, down, capacity, valid=None, adapters=None):
+def dispatch_capacity(z, weights, experts, gate_up, down, capacity, valid=None, adapters=None,
+                      rt: Runtime | None = None):
     """Per-expert buffers, dropless. `capacity`: rows per expert, or a tuple of candidate sizes.
 
     The busiest expert's load picks the smallest size that holds it (`lax.switch`), and one batched
     matmul runs at that size, so every expert's weights are read once per call. The token count is
     always a candidate (the largest load possible), so nothing is ever dropped; a typical step pays
-    for the first size only.
+    for the first size only. `rt`: the runtime whose mesh the expert buffers are laid out on (None: none).
     """
     n, k = experts.shape
     e, d = gate_up.shape[:2]
@@ -188,13 +193,13 @@ def dispatch_capacity(z, weights, experts, gate_up, down, capacity, valid=None, 
         # gather (not scatter) the buffers: slot -> the pair it holds (or a zero row)
         slot = jnp.where(ok, flat * cap + rank, e * cap)
         pair = jnp.full((e * cap + 1,), n * k, jnp.int32).at[slot].set(jnp.arange(n * k, dtype=jnp.int32))
-        buf = constrain(rows[pair[:-1] // k].reshape(e, cap, d), ("experts", None, "embed"))
+        buf = _constrain(rt, rows[pair[:-1] // k].reshape(e, cap, d), ("experts", None, "embed"))
         # each slot's combine weight scales its hidden row (F wide, fused into the gating) rather than
         # its output row (D wide, a separate pass)
         w_slot = jnp.concatenate([wgt, jnp.zeros((1,), wgt.dtype)])[pair[:-1]].reshape(e, cap, 1)
         h = _gated(project("ecd,edf->ecf", buf, gate_up, _ab(adapters, "gate_up")), down.shape[1])
         h = h * w_slot.astype(buf.dtype)
-        y = constrain(project("ecf,efd->ecd", h, down, _ab(adapters, "down")), ("experts", None, "embed"))
+        y = _constrain(rt, project("ecf,efd->ecd", h, down, _ab(adapters, "down")), ("experts", None, "embed"))
         y = jnp.concatenate([y.reshape(e * cap, d), jnp.zeros((1, d), y.dtype)])
         return y[slot].reshape(n, k, d).sum(1)
 
@@ -205,9 +210,10 @@ def dispatch_capacity(z, weights, experts, gate_up, down, capacity, valid=None, 
     return jax.lax.switch(level, [functools.partial(buffered, c) for c in caps])
 
 
-def dispatch(strategy: str, cfg: ModelConfig, z, weights, experts, gate_up, down, adapters=None, offset=0,
+def dispatch(cfg: ModelConfig, rt: Runtime, z, weights, experts, gate_up, down, adapters=None, offset=0,
              shards: int = 1):
-    """Run `strategy` on the experts held here: gate_up/down hold experts [offset, offset + E_local).
+    """Run the runtime's dispatch strategy on the experts held here: gate_up/down hold experts
+    [offset, offset + E_local).
 
     z [N, D]; weights/experts [N, k] with GLOBAL expert ids. `shards` is the number of expert shards
     (1 = all experts local); pairs routed to other shards contribute nothing here. `adapters`: the
@@ -219,49 +225,23 @@ def dispatch(strategy: str, cfg: ModelConfig, z, weights, experts, gate_up, down
         local = experts - offset
         valid = (local >= 0) & (local < e_local)
         experts = jnp.where(valid, local, 0)
+    strategy = rt.dispatch
     if strategy == "dense":
-        return dispatch_dense(z, weights, experts, gate_up, down, valid, adapters).astype(jnp.float32)
+        return dispatch_dense(z, weights, experts, gate_up, down, valid, adapters, rt).astype(jnp.float32)
     if strategy == "ragged":
         rows = None
         if shards > 1:  # blocks of ~factor x this shard's expected share of the pairs
-            rows = -(-int(math.ceil(cfg.moe_shard_rows_factor * z.shape[0] * cfg.top_k / shards)) // 8) * 8
+            rows = -(-int(math.ceil(rt.moe_shard_rows_factor * z.shape[0] * cfg.top_k / shards)) // 8) * 8
         return dispatch_ragged(z, weights, experts, gate_up, down, valid, rows, adapters).astype(jnp.float32)
-    levels = capacity_levels(z.shape[0], cfg.top_k, cfg.num_experts, cfg.moe_capacity_factor)
-    return dispatch_capacity(z, weights, experts, gate_up, down, levels, valid, adapters).astype(jnp.float32)
-
-
-_TARGET_BACKEND: list[str] = []
-
-
-def target_backend() -> str:
-    """The platform programs are being built for: the default backend, unless an AOT compile for
-    another platform (e.g. TPU from a CPU machine) set it with `compiling_for`."""
-    return _TARGET_BACKEND[-1] if _TARGET_BACKEND else jax.default_backend()
-
-
-class compiling_for:
-    """Context manager: trace MoE dispatch choices for `platform` (used by AOT compilation)."""
-
-    def __init__(self, platform: str):
-        self.platform = platform
-
-    def __enter__(self):
-        _TARGET_BACKEND.append(self.platform)
-
-    def __exit__(self, *exc):
-        _TARGET_BACKEND.pop()
-
-
-def resolve_dispatch(name: str) -> str:
-    if name != "auto":
-        return name
-    return "capacity" if target_backend() == "cpu" else "ragged"
+    levels = capacity_levels(z.shape[0], cfg.top_k, cfg.num_experts, rt.moe_capacity_factor)
+    return dispatch_capacity(z, weights, experts, gate_up, down, levels, valid, adapters, rt).astype(jnp.float32)
 
 
 class MoE(nn.Module):
     """Router + experts. `__call__(h, z)`: h [B, T, D] routes, z [B, T, D] is processed."""
 
     cfg: ModelConfig
+    rt: Runtime
 
     @nn.compact
     def __call__(self, h: jax.Array, z: jax.Array) -> jax.Array:
@@ -283,8 +263,7 @@ class MoE(nn.Module):
             weights, experts = route(hf, w_router, router_scale, expert_scale, cfg.top_k, cfg.rms_norm_eps)
         gate_up, down = gate_up.astype(z.dtype), down.astype(z.dtype)
         adapters = {k: ab for k in ("gate_up", "down") if (ab := adapter(self, k)) is not None} or None
-        strategy = resolve_dispatch(cfg.moe_dispatch)
-        with jax.named_scope(f"experts_{strategy}"):
-            y = expert_parallel(functools.partial(dispatch, strategy, cfg), zf, weights, experts, gate_up, down,
-                                adapters)
+        with jax.named_scope(f"experts_{self.rt.dispatch}"):
+            y = self.rt.expert_parallel(lambda rt, *a, **k: dispatch(cfg, rt, *a, **k), zf, weights, experts,
+                                        gate_up, down, adapters)
         return y.reshape(shape).astype(z.dtype)

@@ -24,18 +24,19 @@ from dgemma_jax.model.attention import Attention
 from dgemma_jax.model.cache import KVCache
 from dgemma_jax.model.layers import GatedMLP, RMSNorm, dtype_of, ones_param, param, rms_normalize, softcap
 from dgemma_jax.model.moe import MoE
-from dgemma_jax.parallel.context import constrain
+from dgemma_jax.runtime import Runtime
 
 ACTIVATION_AXES = ("batch", "seq", "embed")
 
 
 class Block(nn.Module):
     cfg: ModelConfig
+    rt: Runtime
     layer: int
 
     def setup(self):
         cfg = self.cfg
-        self.attn = Attention(cfg, self.layer)
+        self.attn = Attention(cfg, self.rt, self.layer)
         self.pre_attn_norm = RMSNorm(cfg)
         self.post_attn_norm = RMSNorm(cfg)
         self.pre_dense_norm = RMSNorm(cfg)
@@ -44,7 +45,7 @@ class Block(nn.Module):
         self.post_moe_norm = RMSNorm(cfg)
         self.post_ffw_norm = RMSNorm(cfg)
         self.dense_mlp = GatedMLP(cfg, cfg.intermediate_size)
-        self.moe = MoE(cfg)
+        self.moe = MoE(cfg, self.rt)
         self.encoder_scalar = ones_param(self, "encoder_scalar", (1,), (None,), cfg)
         self.decoder_scalar = ones_param(self, "decoder_scalar", (1,), (None,), cfg)
 
@@ -53,7 +54,7 @@ class Block(nn.Module):
         m = self.post_moe_norm(self.moe(x1, self.pre_moe_norm(x1)))
         y = x1 + self.post_ffw_norm(d + m)
         y = (y.astype(jnp.float32) * scalar.astype(jnp.float32)).astype(x1.dtype)
-        return constrain(y, ACTIVATION_AXES)
+        return self.rt.constrain(y, ACTIVATION_AXES)
 
     def encode(self, x, starts, num_new, cache_k, cache_v):
         a, cache_k, cache_v = self.attn.encode(self.pre_attn_norm(x), starts, num_new, cache_k, cache_v)
@@ -67,16 +68,19 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Methods: `encode` (causal, writes the cache), `denoise` (bidirectional, reads it), `soft_embed`."""
+    """Methods: `encode` (causal, writes the cache), `denoise` (bidirectional, reads it), `soft_embed`.
+
+    cfg: the checkpoint's architecture; rt: how this program runs it (`dgemma_jax.runtime`)."""
 
     cfg: ModelConfig
+    rt: Runtime
 
     def setup(self):
         cfg = self.cfg
         self.embedding = param(self, "embedding", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg,
                                init=nn.initializers.normal(1.0))
-        block = nn.remat(Block, methods=["encode", "denoise"], static_argnums=()) if cfg.remat else Block
-        self.blocks = [block(cfg, i) for i in range(cfg.num_layers)]
+        block = nn.remat(Block, methods=["encode", "denoise"], static_argnums=()) if self.rt.remat else Block
+        self.blocks = [block(cfg, self.rt, i) for i in range(cfg.num_layers)]
         self.final_norm = RMSNorm(cfg)
         self.sc_norm = RMSNorm(cfg)
         self.sc_mlp = GatedMLP(cfg, cfg.intermediate_size)

@@ -1,6 +1,6 @@
 """Meshes, logical-axis sharding rules and multi-host start-up (AOT reports live in `dgemma_jax.perf`).
 
-Submodules load lazily (the model imports `parallel.context`, which must stay dependency-free).
+Submodules load lazily (the model imports only `parallel.rules`, through `dgemma_jax.runtime`).
 """
 
 import importlib

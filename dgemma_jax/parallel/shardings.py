@@ -22,8 +22,8 @@ from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import _boxed_init, logical_axes, param_shapes
 from dgemma_jax.model.cache import KVCache, cache_shape, init_cache
 from dgemma_jax.model.layers import dtype_of
-from dgemma_jax.parallel.context import sharding_context
 from dgemma_jax.parallel.rules import CACHE_AXES, _axis_size, rules_for, spec_for
+from dgemma_jax.runtime import Runtime
 
 
 class Shardings:
@@ -43,9 +43,10 @@ class Shardings:
     def named(self, shape, logical) -> NamedSharding:
         return NamedSharding(self.mesh, spec_for(shape, logical, self.rules, self.mesh))
 
-    def context(self):
-        """Trace programs inside this so the model's logical constraints map onto the mesh."""
-        return sharding_context(self.mesh, self.rules)
+    def runtime(self, **choices) -> Runtime:
+        """A `Runtime` on this mesh and rule set (with the given execution choices): what the model's
+        passes take so that their logical constraints map onto the mesh."""
+        return Runtime(mesh=self.mesh, rules=self.rules, **choices)
 
     @functools.cached_property
     def kv_replicas(self) -> tuple[int, ...]:

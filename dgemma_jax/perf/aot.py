@@ -14,12 +14,14 @@ the compiler staged on chip; both are reported). The compiler sees a Pallas kern
 attention of model/flash.py) as an opaque call and counts none of its FLOPs: those are counted from
 the kernel's traced shapes (`kernel_flops`) and added to `flops` (`compiler_flops` is the
 compiler's own count). A kernel's operands and results are its HBM traffic.
+
+What is compiled is the engine's own programs (`Engine.step_program`, `fused_program`, ...), built
+with a `Runtime` for the TPU platform on the topology's mesh: the same jits a TPU user runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 from typing import Any
@@ -27,9 +29,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dgemma_jax.backends import quiet_libtpu_load
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.engine import compiled_memory
+from dgemma_jax.engine import Engine, compiled_memory
+from dgemma_jax.model.api import param_shapes
+from dgemma_jax.parallel.mesh import make_mesh
+from dgemma_jax.parallel.shardings import Shardings
+from dgemma_jax.perf import roofline
 from dgemma_jax.perf.hbm_traffic import hbm_traffic
+from dgemma_jax.runtime import Runtime
+from dgemma_jax.sampling.config import SamplerConfig
+from dgemma_jax.sampling.loop import RowKnobs, init_state, row_keys
+from dgemma_jax.training import lora as lora_lib
+from dgemma_jax.training.objective import ObjectiveConfig
+from dgemma_jax.training.optim import make_optimizer
+from dgemma_jax.training.step import LoraSpec, init_train_state, make_train_step
 
 
 PROJECTION_LABEL = ("projection from the TPU compiler (cost_analysis FLOPs plus the attention kernel's, the compiled "
@@ -76,11 +90,9 @@ def tpu_devices(name: str):
     # compile-only use: several processes may load libtpu at once (no chips are claimed)
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
-        from jax.experimental import topologies
+        from jax.experimental import topologies  # deferred: it probes for libtpu, needed only for a TPU compile
     except ImportError as e:  # pragma: no cover
         raise RuntimeError("jax.experimental.topologies is unavailable in this jax") from e
-    from dgemma_jax.backends import quiet_libtpu_load
-
     try:
         with quiet_libtpu_load():  # no libtpu probing lines on a machine without a TPU
             desc = topologies.get_topology_desc(platform="tpu", topology_name=topo.name,
@@ -99,9 +111,6 @@ def _abstract(tree, shardings):
 
 def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context: int, prompt: int):
     """ShapeDtypeStructs (with shardings) for every program argument."""
-    from dgemma_jax.model.api import param_shapes
-    from dgemma_jax.sampling.loop import RowKnobs, init_state, row_keys
-
     rep = shardings.replicated
     rep_tree = lambda t: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), t)  # noqa: E731
     params = _abstract(param_shapes(config), shardings.params)
@@ -126,48 +135,52 @@ def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context:
                 canvas=canvas, active=active, slot=slot)
 
 
-def _programs(config, sampler, max_new_tokens):
-    from dgemma_jax.sampling import generate as gen
-    from dgemma_jax.sampling import slots
-    from dgemma_jax.sampling.loop import denoise_step
+class KernelFlops:
+    """A runtime observer (`Runtime.observer`) adding up the FLOPs of the fused kernel calls traced
+    with it: compilers' cost analyses see a Pallas kernel as an opaque call and count none of its work."""
 
+    def __init__(self):
+        self.flops = 0.0
+
+    def kernel_call(self, name: str, flops: float) -> None:
+        del name
+        self.flops += flops
+
+
+def engine_programs(engine: Engine, max_new_tokens: int) -> dict:
+    """The engine's own jitted programs by report name, each with a function mapping
+    `program_inputs` to its (positional, keyword) arguments."""
+    prefill_slot, slot_round = engine.slot_programs()
+    streaming = engine.programs
     return {
-        "slot_round": (jax.jit(functools.partial(slots.slot_round, config=config, sampler=sampler),
-                               donate_argnames=("cache",)),
+        "slot_round": (slot_round,
                        lambda a: ((a["params"],), dict(cache=a["cache"], keys=a["keys"], active=a["active"],
                                                        canvas_index=a["slot"]["canvas_index"],
                                                        last=a["slot"]["last"], knobs=a["slot"]["knobs"]))),
-        "prefill_slot": (jax.jit(functools.partial(slots.prefill_slot, config=config), donate_argnames=("cache",)),
+        "prefill_slot": (prefill_slot,
                          lambda a: ((a["params"],), dict(cache=a["cache"], slot=a["slot"]["slot"],
                                                          tokens=a["slot"]["tokens"], length=a["slot"]["length"],
                                                          fresh=a["slot"]["fresh"]))),
-        "prefill": (jax.jit(functools.partial(gen.prefill_prompt, config=config), donate_argnames=("cache",)),
+        "prefill": (streaming.prefill_prompt,
                     lambda a: ((a["params"],), dict(tokens=a["tokens"], lengths=a["lengths"], cache=a["cache"]))),
-        "denoise_step": (jax.jit(lambda p, c, k, s: denoise_step(p, config, sampler, c, c.lengths, k, s)),
-                         lambda a: ((a["params"], a["cache"], a["keys"], a["state"]), {})),
-        "commit": (jax.jit(functools.partial(gen.commit, config=config), donate_argnames=("cache",)),
+        "denoise_step": (engine.step_program(), lambda a: ((a["params"], a["cache"], a["keys"], a["state"]), {})),
+        "commit": (engine.commit_program(),
                    lambda a: ((a["params"],), dict(cache=a["cache"], tokens=a["canvas"], active=a["active"]))),
-        "generate": (jax.jit(functools.partial(gen.generate_fused, config=config, sampler=sampler,
-                                               max_new_tokens=max_new_tokens), donate_argnames=("cache",)),
+        "generate": (engine.fused_program(max_new_tokens),
                      lambda a: ((a["params"],), dict(prompt_tokens=a["tokens"], prompt_lengths=a["lengths"],
                                                      cache=a["cache"], keys=a["keys"]))),
     }
 
 
 def lora_step_program(config: ModelConfig, shardings, batch: int, prompt: int, num_canvases: int, rank: int = 16,
-                      groups=("attention", "mlp")):
+                      groups=("attention", "mlp"), runtime: Runtime | None = None):
     """(jitted LoRA train step, abstract args) for `config` on `shardings` (the "training" rules).
 
     The base weights are frozen and FSDP/tensor/expert-sharded; adapters and optimizer state are
-    replicated (they are small); the batch is split over data/fsdp.
+    replicated (they are small); the batch is split over data/fsdp. runtime: default, the shardings'
+    mesh compiled for TPU; remat is always on (one layer's activations kept, not all 30).
     """
-    from dgemma_jax.model.api import param_shapes
-    from dgemma_jax.training import lora as lora_lib
-    from dgemma_jax.training.objective import ObjectiveConfig
-    from dgemma_jax.training.optim import make_optimizer
-    from dgemma_jax.training.step import LoraSpec, init_train_state, make_train_step
-
-    config = config.replace(remat=True)  # keep one layer's activations, not all 30
+    runtime = (runtime or shardings.runtime(platform="tpu")).replace(remat=True)
     rep = shardings.replicated
     frozen = _abstract(param_shapes(config), shardings.params)
     adapters = jax.eval_shape(lambda p: lora_lib.init_lora(config, p, jax.random.key(0), rank, groups),
@@ -180,7 +193,8 @@ def lora_step_program(config: ModelConfig, shardings, batch: int, prompt: int, n
     data = {k: jax.ShapeDtypeStruct(v, jnp.int32, sharding=shardings.named(v, ("batch",) + (None,) * (len(v) - 1)))
             for k, v in data.items()}
     obj = ObjectiveConfig(canvas_length=config.canvas_length)
-    step = make_train_step(config, obj, optimizer, schedule=schedule, lora=LoraSpec(rank, 2.0 * rank, tuple(groups)))
+    step = make_train_step(config, obj, optimizer, schedule=schedule, lora=LoraSpec(rank, 2.0 * rank, tuple(groups)),
+                           runtime=runtime)
     return step, (state, frozen, data)
 
 
@@ -193,26 +207,19 @@ def _cost(compiled) -> dict:
 def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | None = None, rules: str = "latency",
                    batch: int = 1, context: int = 32768, prompt: int = 2048, steps_per_canvas: int = 16,
                    programs=("prefill", "denoise_step", "commit", "generate"), dtype: str | None = None,
-                   moe_dispatch: str | None = None, sampler=None, devices=None, max_new_tokens: int | None = None,
-                   progress=None) -> dict[str, Any]:
+                   moe_dispatch: str = "auto", attn_kernel: str = "auto", sampler=None, devices=None,
+                   max_new_tokens: int | None = None, progress=None) -> dict[str, Any]:
     """Lower and compile the engine's programs for a TPU topology; per-chip memory, cost, projections.
 
     context: KV cache capacity (prompt + committed canvases). prompt: tokens in one prefill call.
+    moe_dispatch, attn_kernel: the `Runtime` choices the programs are compiled with (for TPU).
     progress: optional callable(name, index, count, seconds, entry) called before each program
     (seconds and entry None) and after it (its compile seconds and report entry).
     Returns a JSON-able dict; `fits` is False when any program exceeds the chip's HBM.
     """
-    from dgemma_jax.parallel.mesh import make_mesh
-    from dgemma_jax.parallel.shardings import Shardings
-    from dgemma_jax.sampling.config import SamplerConfig
-
     cfg = preset if isinstance(preset, ModelConfig) else ModelConfig.preset(preset)
     if dtype:
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
-    if moe_dispatch:
-        cfg = cfg.replace(moe_dispatch=moe_dispatch)
-    elif cfg.moe_dispatch == "auto":
-        cfg = cfg.replace(moe_dispatch="ragged")  # what "auto" resolves to on TPU
     topo = topology(topology_name)
     devs = devices if devices is not None else tpu_devices(topology_name)
     sampler = sampler or SamplerConfig.for_model(cfg, max_denoising_steps=48)
@@ -222,30 +229,30 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
     if mesh is None:  # every chip on the model: whole experts, heads, vocab all split len(devs) ways
         mesh = f"expert={len(devs)}"
     sh = Shardings(cfg, make_mesh(mesh, devices=devs), rules)
+    runtime = sh.runtime(platform="tpu", moe_dispatch=moe_dispatch, attn_kernel=attn_kernel)
     args = program_inputs(cfg, sampler, sh, batch, context, prompt)
     report: dict[str, Any] = {
         "preset": cfg.name, "topology": topology_name, "chips": len(devs), "mesh": dict(sh.mesh.shape),
         "rules": rules, "batch": batch, "context": context, "prompt": prompt, "dtype": cfg.param_dtype,
-        "moe_dispatch": cfg.moe_dispatch, "hbm_limit_bytes": topo.hbm_bytes, "programs": {}, "fits": True,
+        "moe_dispatch": runtime.dispatch, "attn_kernel": attn_kernel, "hbm_limit_bytes": topo.hbm_bytes, "programs": {}, "fits": True,
     }
     for index, name in enumerate(programs):
         if progress is not None:
             progress(name, index, len(programs), None, None)
+        kernels = KernelFlops()  # a fresh observer: a fresh trace of this program
+        observed = runtime.replace(observer=kernels)
         if name == "lora_step":
-            fn, pos = lora_step_program(cfg, sh, batch, prompt, max(1, (context - prompt) // cfg.canvas_length))
+            fn, pos = lora_step_program(cfg, sh, batch, prompt, max(1, (context - prompt) // cfg.canvas_length),
+                                        runtime=observed)
             kw = {}
         else:
-            fn, make_args = _programs(cfg, sampler, max_new_tokens)[name]
+            engine = Engine(cfg, args["params"], sampler, shardings=sh, runtime=observed)
+            fn, make_args = engine_programs(engine, max_new_tokens)[name]
             pos, kw = make_args(args)
         entry: dict[str, Any] = {}
         t0 = time.perf_counter()
         try:
-            from dgemma_jax.model.flash import counting_flops
-            from dgemma_jax.model.moe import compiling_for
-
-            with sh.context(), compiling_for("tpu"), counting_flops() as kernels:
-                lowered = fn.lower(*pos, **kw)
-            compiled = lowered.compile()
+            compiled = fn.lower(*pos, **kw).compile()
         except Exception as e:  # the TPU compiler reports a program that does not fit
             msg = str(e)
             if "RESOURCE_EXHAUSTED" not in msg and "exceeds available HBM" not in msg:
@@ -298,8 +305,6 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
 
 def _add_efficiency(entry: dict, cfg: ModelConfig, sh, topo: Topology, batch: int, context: int):
     """The step's counted FLOPs and bytes against what it must do (perf/roofline.py)."""
-    from dgemma_jax.perf import roofline
-
     chips = sh.mesh.devices.size
     useful = roofline.denoise_step_flops(cfg, batch, context) / chips
     need = roofline.denoise_step_bytes_per_chip(cfg, sh, batch, context)

@@ -31,8 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from dgemma_jax.model.layers import softcap
-from dgemma_jax.model.moe import target_backend
-from dgemma_jax.parallel.context import constrain
+from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.ops import StepStats, sanitize_logits
 
 
@@ -135,17 +134,19 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
 
 
 def head_sample_stats_full(h: jax.Array, embedding: jax.Array, cap: float, temperature: jax.Array,
-                           keys: jax.Array, embed_scale: float):
-    """`head_sample_stats` as full-vocabulary reductions (the accelerator variant, same contract)."""
+                           keys: jax.Array, embed_scale: float, rt: Runtime | None = None):
+    """`head_sample_stats` as full-vocabulary reductions (the accelerator variant, same contract); the
+    logits and noise are laid out on `rt`'s mesh when it has one."""
+    rt = rt or Runtime()
     logits = jnp.einsum("bld,vd->blv", h, embedding.astype(h.dtype), preferred_element_type=jnp.float32)
-    logits = constrain(logits, ("batch", "seq", "vocab"))
+    logits = rt.constrain(logits, ("batch", "seq", "vocab"))
     z = sanitize_logits(softcap(logits, cap) / temperature)
     m = z.max(-1, keepdims=True)
     w = jnp.exp(z - m)
     s = w.sum(-1)
     entropy = jnp.log(s) - (w * (z - m)).sum(-1) / s
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[1:], jnp.float32))(keys)
-    gumbel = constrain(gumbel, ("batch", "seq", "vocab"))
+    gumbel = rt.constrain(gumbel, ("batch", "seq", "vocab"))
     stats = StepStats(sampled=jnp.argmax(z + gumbel, -1).astype(jnp.int32), argmax=jnp.argmax(z, -1).astype(jnp.int32),
                       entropy=entropy)
     probs = (w / s[..., None]).astype(h.dtype)
@@ -153,8 +154,8 @@ def head_sample_stats_full(h: jax.Array, embedding: jax.Array, cap: float, tempe
     return stats, (soft * embed_scale).astype(h.dtype)
 
 
-def head_step(h, embedding, cap, temperature, keys, embed_scale):
-    """The denoising step's fused head for the backend being compiled for (see the module doc)."""
-    if target_backend() == "cpu":
+def head_step(h, embedding, cap, temperature, keys, embed_scale, rt: Runtime):
+    """The denoising step's fused head for the platform `rt` compiles for (see the module doc)."""
+    if rt.platform == "cpu":
         return head_sample_stats(h, embedding, cap, temperature, keys, embed_scale)
-    return head_sample_stats_full(h, embedding, cap, temperature, keys, embed_scale)
+    return head_sample_stats_full(h, embedding, cap, temperature, keys, embed_scale, rt)

@@ -28,6 +28,7 @@ from flax import struct
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import encode_pass
 from dgemma_jax.model.cache import KVCache
+from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import denoise_canvas, denoise_step, init_state, initial_canvas, loop_running
@@ -58,14 +59,16 @@ def canvas_keys(keys: jax.Array, index) -> jax.Array:
     return jax.vmap(lambda k: jax.random.fold_in(k, index))(keys)
 
 
-def commit(params, config: ModelConfig, cache: KVCache, tokens: jax.Array, active: jax.Array) -> KVCache:
+def commit(params, config: ModelConfig, cache: KVCache, tokens: jax.Array, active: jax.Array,
+           runtime: Runtime | None = None) -> KVCache:
     """Causal pass writing `tokens` [B, L] into the cache for the `active` rows (others write nothing)."""
     n = jnp.where(active, tokens.shape[1], 0).astype(jnp.int32)
-    return encode_pass(params, config, tokens, cache.lengths, n, cache)[1]
+    return encode_pass(params, config, tokens, cache.lengths, n, cache, runtime=runtime)[1]
 
 
-def prefill_prompt(params, config: ModelConfig, tokens, lengths, cache: KVCache) -> KVCache:
-    return encode_pass(params, config, tokens, cache.lengths, lengths, cache)[1]
+def prefill_prompt(params, config: ModelConfig, tokens, lengths, cache: KVCache,
+                   runtime: Runtime | None = None) -> KVCache:
+    return encode_pass(params, config, tokens, cache.lengths, lengths, cache, runtime=runtime)[1]
 
 
 def finish_canvas(sampler: SamplerConfig, argmax: jax.Array, finished: jax.Array):
@@ -89,19 +92,20 @@ def canvas_start(config: ModelConfig, sampler: SamplerConfig, keys: jax.Array, i
 
 
 def canvas_end(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, argmax: jax.Array,
-               finished: jax.Array, last):
+               finished: jax.Array, last, runtime: Runtime | None = None):
     """Finish a denoised canvas: EOS truncation, then the commit of the rows that go on.
 
     Returns (tokens [B, L], finished_after [B], cache). A row that emitted an EOS, and every row after
     the `last` canvas, commits nothing; the causal pass is skipped when no row goes on."""
     toks, finished_after = finish_canvas(sampler, argmax, finished)
     active = ~finished_after & ~jnp.asarray(last)
-    cache = jax.lax.cond(jnp.any(active), lambda cc: commit(params, config, cc, toks, active), lambda cc: cc, cache)
+    cache = jax.lax.cond(jnp.any(active), lambda cc: commit(params, config, cc, toks, active, runtime),
+                         lambda cc: cc, cache)
     return toks, finished_after, cache
 
 
 def canvas_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, keys: jax.Array, index,
-                last, finished: jax.Array, seed_canvas=None, pinned=None):
+                last, finished: jax.Array, seed_canvas=None, pinned=None, runtime: Runtime | None = None):
     """One canvas of a generation: start (noise or seed/pins), denoise to completion, finish, commit.
 
     keys: [B] per-row keys (canvas c uses `fold_in(key, c)`); index / last: the canvas index and
@@ -109,15 +113,16 @@ def canvas_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCa
     Returns (cache, tokens [B, L], steps [B], finished_after [B])."""
     k = canvas_keys(keys, index)
     start, pin = canvas_start(config, sampler, k, index, seed_canvas, pinned)
-    state = denoise_canvas(params, config, sampler, cache, k, canvas=start, pinned=pin, done=finished)
-    toks, finished_after, cache = canvas_end(params, config, sampler, cache, state.argmax, finished, last)
+    state = denoise_canvas(params, config, sampler, cache, k, canvas=start, pinned=pin, done=finished,
+                           runtime=runtime)
+    toks, finished_after, cache = canvas_end(params, config, sampler, cache, state.argmax, finished, last, runtime)
     return cache, toks, state.steps, finished_after
 
 
 def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_tokens, prompt_lengths,
                    cache: KVCache, keys: jax.Array, max_new_tokens: int, seed_canvas=None,
-                   pinned=None) -> GenerateOutput:
-    """The whole generation as one program (trace under jit; config/sampler/max_new_tokens static).
+                   pinned=None, runtime: Runtime | None = None) -> GenerateOutput:
+    """The whole generation as one program (trace under jit; config/sampler/max_new_tokens/runtime static).
 
     keys: [B] per-row keys. seed_canvas/pinned: optional start canvas and held positions for the
     first canvas (infilling / edits).
@@ -125,7 +130,7 @@ def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_t
     b = prompt_tokens.shape[0]
     l = sampler.canvas_length
     n_canvas = num_canvases(max_new_tokens, l)
-    cache = prefill_prompt(params, config, prompt_tokens, prompt_lengths, cache)
+    cache = prefill_prompt(params, config, prompt_tokens, prompt_lengths, cache, runtime)
     out = jnp.full((b, n_canvas * l), sampler.pad_id, jnp.int32)
     steps = jnp.zeros((b, n_canvas), jnp.int32)
     finished = jnp.zeros((b,), bool)
@@ -133,7 +138,7 @@ def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_t
     def body(carry):
         c, cache, out, steps, finished = carry
         cache, toks, n_steps, finished = canvas_step(params, config, sampler, cache, keys, c, c + 1 >= n_canvas,
-                                                     finished, seed_canvas, pinned)
+                                                     finished, seed_canvas, pinned, runtime)
         out = jax.lax.dynamic_update_slice_in_dim(out, toks, c * l, axis=1)
         steps = jax.lax.dynamic_update_slice_in_dim(steps, n_steps[:, None], c, axis=1)
         return c + 1, cache, out, steps, finished
@@ -157,10 +162,11 @@ def start_state(config: ModelConfig, sampler: SamplerConfig, keys: jax.Array, in
 
 
 def step_state(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, canvas_keys_: jax.Array,
-               state, seed=None, pinned=None):
+               state, seed=None, pinned=None, runtime: Runtime | None = None):
     """One denoising step for the step-by-step driver (canvas_keys_: from `start_state`): (new state,
     still running)."""
-    new = denoise_step(params, config, sampler, cache, cache.lengths, canvas_keys_, state, seed=seed, pinned=pinned)
+    new = denoise_step(params, config, sampler, cache, cache.lengths, canvas_keys_, state, seed=seed, pinned=pinned,
+                       runtime=runtime)
     return new, loop_running(new, sampler)
 
 

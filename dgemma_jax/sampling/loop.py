@@ -30,6 +30,7 @@ from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import denoise_features
 from dgemma_jax.model.cache import KVCache
 from dgemma_jax.model.layers import dtype_of
+from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.fused import head_step
@@ -165,11 +166,14 @@ def _where_rows(mask, new, old):
 
 def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, context_end: jax.Array,
                  keys: jax.Array, state: LoopState, seed: jax.Array | None = None,
-                 pinned: jax.Array | None = None, knobs: RowKnobs | None = None) -> LoopState:
+                 pinned: jax.Array | None = None, knobs: RowKnobs | None = None,
+                 runtime: Runtime | None = None) -> LoopState:
     """One denoising step for every unfinished row (pure; jit it or run it in a while_loop).
 
-    knobs: optional per-row sampler settings (`RowKnobs`); default: `sampler`'s for every row."""
-    h = denoise_features(params, config, state.canvas, context_end, cache, state.soft)
+    knobs: optional per-row sampler settings (`RowKnobs`); default: `sampler`'s for every row.
+    runtime: how the pass runs (`dgemma_jax.runtime`; default: this backend, one device)."""
+    runtime = runtime if runtime is not None else Runtime()
+    h = denoise_features(params, config, state.canvas, context_end, cache, state.soft, runtime=runtime)
     step_keys = denoise_step_keys(keys, state.step)  # [B, 2]
     if knobs is None:
         temp, bound, last = ops.temperature(sampler, state.step), sampler.entropy_bound, None
@@ -179,7 +183,7 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
         bound, last = knobs.entropy_bound[:, None], state.step + 1 >= knobs.max_steps
     with jax.named_scope("head_sampler_pass"):  # a scope name for profiles (benchmarks/step_profile.py)
         stats, soft = head_step(h, params["embedding"], config.final_logit_softcap,
-                                temp, step_keys[:, 0], config.embed_scale)
+                                temp, step_keys[:, 0], config.embed_scale, runtime)
     accept = ops.entropy_bound_accept(stats.entropy, bound)
     noise = jax.vmap(lambda k: ops.uniform_tokens(k, h.shape[1:2], config.vocab_size))(step_keys[:, 1])
     canvas = ops.renoise(stats.sampled, accept, noise)
@@ -214,7 +218,7 @@ def loop_running(state: LoopState, sampler: SamplerConfig) -> jax.Array:
 def denoise_canvas(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, keys: jax.Array, *,
                    canvas: jax.Array | None = None, pinned: jax.Array | None = None,
                    done: jax.Array | None = None, context_end: jax.Array | None = None,
-                   knobs: RowKnobs | None = None) -> LoopState:
+                   knobs: RowKnobs | None = None, runtime: Runtime | None = None) -> LoopState:
     """Denoise one canvas to completion in ONE `lax.while_loop` (traceable; jit the caller).
 
     keys: [B] per-row keys for this canvas. canvas: optional seed canvas [B, L] (default uniform
@@ -230,6 +234,6 @@ def denoise_canvas(params, config: ModelConfig, sampler: SamplerConfig, cache: K
     state = init_state(config, sampler, canvas, done)
     seed = canvas if pinned is not None else None
     step = functools.partial(denoise_step, params, config, sampler, cache, ctx, keys, seed=seed, pinned=pinned,
-                             knobs=knobs)
+                             knobs=knobs, runtime=runtime)
     del b
     return jax.lax.while_loop(lambda s: loop_running(s, sampler), step, state)

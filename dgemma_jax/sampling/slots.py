@@ -21,6 +21,7 @@ from flax import struct
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.cache import KVCache
+from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.generate import commit, finish_canvas, prefill_prompt
 from dgemma_jax.sampling.loop import RowKnobs, denoise_canvas, initial_canvas
@@ -39,7 +40,7 @@ class RoundOutput:
 
 
 def prefill_slot(params, config: ModelConfig, cache: KVCache, slot: jax.Array, tokens: jax.Array,
-                 length: jax.Array, fresh: jax.Array) -> KVCache:
+                 length: jax.Array, fresh: jax.Array, runtime: Runtime | None = None) -> KVCache:
     """Write a prompt chunk into row `slot`: tokens [1, W] (right-padded), length [1] valid tokens.
 
     fresh: the chunk starts a new request (the row's committed length is reset to 0 first; what the
@@ -48,12 +49,13 @@ def prefill_slot(params, config: ModelConfig, cache: KVCache, slot: jax.Array, t
     compiled width."""
     row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), cache)
     row = row.replace(lengths=jnp.where(fresh, jnp.zeros_like(row.lengths), row.lengths))
-    row = prefill_prompt(params, config, tokens, length, row)
+    row = prefill_prompt(params, config, tokens, length, row, runtime)
     return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, axis=0), cache, row)
 
 
 def slot_round(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, keys: jax.Array,
-               canvas_index: jax.Array, active: jax.Array, last: jax.Array, knobs: RowKnobs) -> RoundOutput:
+               canvas_index: jax.Array, active: jax.Array, last: jax.Array, knobs: RowKnobs,
+               runtime: Runtime | None = None) -> RoundOutput:
     """Denoise one canvas in every active slot and commit those that go on.
 
     keys: [N] the requests' row keys; canvas_index: [N] int32 each slot's canvas number; active: [N]
@@ -63,9 +65,11 @@ def slot_round(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCac
     """
     k = jax.vmap(jax.random.fold_in)(keys, canvas_index)
     start = initial_canvas(k, sampler.canvas_length, config.vocab_size)
-    state = denoise_canvas(params, config, sampler, cache, k, canvas=start, done=~active, knobs=knobs)
+    state = denoise_canvas(params, config, sampler, cache, k, canvas=start, done=~active, knobs=knobs,
+                           runtime=runtime)
     toks, ended = finish_canvas(sampler, state.argmax, ~active)
     eos = ended & active
     go_on = active & ~eos & ~last
-    cache = jax.lax.cond(jnp.any(go_on), lambda c: commit(params, config, c, toks, go_on), lambda c: c, cache)
+    cache = jax.lax.cond(jnp.any(go_on), lambda c: commit(params, config, c, toks, go_on, runtime),
+                         lambda c: c, cache)
     return RoundOutput(toks, state.steps, eos, cache)

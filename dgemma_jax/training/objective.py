@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import denoise_logits, encode_pass, soft_embed_pass
 from dgemma_jax.model.cache import init_cache
+from dgemma_jax.runtime import Runtime
 from dgemma_jax.training.corruption import corrupt, sample_t
 
 WEIGHTINGS = ("none", "inv_t")
@@ -79,12 +80,13 @@ def token_ce(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
-def encoder_pass(config: ModelConfig, params, tokens, lengths, want_logits: bool, cache_dtype=None, adapters=None):
+def encoder_pass(config: ModelConfig, params, tokens, lengths, want_logits: bool, cache_dtype=None, adapters=None,
+                 runtime: Runtime | None = None):
     """The causal pass over whole training rows into a fresh cache: (logits or None, cache)."""
     b, t = tokens.shape
     cache = init_cache(config, b, t, cache_dtype)
     return encode_pass(params, config, tokens, jnp.zeros((b,), jnp.int32), lengths, cache,
-                       "all" if want_logits else "none", adapters=adapters)
+                       "all" if want_logits else "none", adapters=adapters, runtime=runtime)
 
 
 def ar_loss(logits, tokens, lengths, prompt_lengths, on_prompt: bool):
@@ -102,13 +104,13 @@ def ar_loss(logits, tokens, lengths, prompt_lengths, on_prompt: bool):
 def loss_fn(params, batch: dict, rng: jax.Array, *, config: ModelConfig, obj: ObjectiveConfig,
             sc_override: jax.Array | None = None, canvas_override: jax.Array | None = None,
             t_override: jax.Array | None = None, noise_override: jax.Array | None = None,
-            return_logits: bool = False, adapters=None):
+            return_logits: bool = False, adapters=None, runtime: Runtime | None = None):
     """Total loss and metrics for one batch (differentiable in `params`).
 
     The *_override arguments pin the random choices (tests): sc_override [B] bool (self-conditioning
     on/off per row), canvas_override [B] canvas index, t_override [B], noise_override [B, L] noisy
     canvas tokens. adapters: the unmerged LoRA collection (`lora.forward_adapters`) added to the
-    base kernels in every pass, or None. Returns (loss, metrics dict of scalars); with return_logits the metrics also hold
+    base kernels in every pass, or None. runtime: how the passes run (`dgemma_jax.runtime`). Returns (loss, metrics dict of scalars); with return_logits the metrics also hold
     "logits" [B, L, V] (pass 2), "clean" [B, L] and "noisy" [B, L].
     """
     L = obj.canvas_length
@@ -129,7 +131,7 @@ def loss_fn(params, batch: dict, rng: jax.Array, *, config: ModelConfig, obj: Ob
         noisy = noise_override.astype(jnp.int32)
 
     want_ar = obj.ar_weight > 0
-    enc_logits, cache = encoder_pass(config, params, tokens, lengths, want_ar, adapters=adapters)
+    enc_logits, cache = encoder_pass(config, params, tokens, lengths, want_ar, adapters=adapters, runtime=runtime)
 
     soft = None
     sc_on = jnp.zeros((b,), bool)
@@ -137,10 +139,10 @@ def loss_fn(params, batch: dict, rng: jax.Array, *, config: ModelConfig, obj: Ob
         sc_on = jax.random.bernoulli(k_sc, obj.sc_prob, (b,)) if sc_override is None else sc_override
         sg = jax.lax.stop_gradient
         logits1 = denoise_logits(sg(params), config, noisy, start, sg(cache), None,
-                                 adapters=None if adapters is None else sg(adapters))
-        soft = soft_embed_pass(params, config, sg(logits1), adapters=adapters)
+                                 adapters=None if adapters is None else sg(adapters), runtime=runtime)
+        soft = soft_embed_pass(params, config, sg(logits1), adapters=adapters, runtime=runtime)
         soft = soft * sc_on[:, None, None].astype(soft.dtype)
-    logits = denoise_logits(params, config, noisy, start, cache, soft, adapters=adapters)
+    logits = denoise_logits(params, config, noisy, start, cache, soft, adapters=adapters, runtime=runtime)
 
     ce = token_ce(logits, clean)                                # [B, L]
     per_example = ce.mean(-1)

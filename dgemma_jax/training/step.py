@@ -24,6 +24,7 @@ import optax
 from flax import struct
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.runtime import Runtime
 from dgemma_jax.training import lora as lora_lib
 from dgemma_jax.training.objective import ObjectiveConfig, loss_fn
 
@@ -68,13 +69,13 @@ def inference_params(config: ModelConfig, state_params, frozen, lora: LoraSpec |
 
 def train_step(state: TrainState, frozen, batch: dict, *, config: ModelConfig, obj: ObjectiveConfig,
                optimizer: optax.GradientTransformation, schedule: Callable | None = None,
-               lora: LoraSpec | None = None):
+               lora: LoraSpec | None = None, runtime: Runtime | None = None):
     key = jax.random.wrap_key_data(state.rng)
     key, sub = jax.random.split(key)
 
     def objective(trainable):
         params, adapters = model_variables(config, trainable, frozen, lora)
-        return loss_fn(params, batch, sub, config=config, obj=obj, adapters=adapters)
+        return loss_fn(params, batch, sub, config=config, obj=obj, adapters=adapters, runtime=runtime)
 
     (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -88,10 +89,12 @@ def train_step(state: TrainState, frozen, batch: dict, *, config: ModelConfig, o
 
 def make_train_step(config: ModelConfig, obj: ObjectiveConfig, optimizer: optax.GradientTransformation, *,
                     schedule: Callable | None = None, lora: LoraSpec | None = None, in_shardings=None,
-                    out_shardings=None, donate: bool = True):
+                    out_shardings=None, donate: bool = True, runtime: Runtime | None = None):
     """jit(train_step) for these static configs. in_shardings: (state, frozen, batch) shardings;
-    out_shardings: (state, metrics) shardings; both optional (default: let XLA place things)."""
-    fn = functools.partial(train_step, config=config, obj=obj, optimizer=optimizer, schedule=schedule, lora=lora)
+    out_shardings: (state, metrics) shardings; both optional (default: let XLA place things).
+    runtime: how the passes run (mesh and rules, remat, MoE dispatch; `dgemma_jax.runtime`)."""
+    fn = functools.partial(train_step, config=config, obj=obj, optimizer=optimizer, schedule=schedule, lora=lora,
+                           runtime=runtime)
     kw: dict[str, Any] = {}
     if in_shardings is not None:
         kw["in_shardings"] = in_shardings
@@ -100,11 +103,12 @@ def make_train_step(config: ModelConfig, obj: ObjectiveConfig, optimizer: optax.
     return jax.jit(fn, donate_argnums=(0,) if donate else (), **kw)
 
 
-def make_eval_loss(config: ModelConfig, obj: ObjectiveConfig, lora: LoraSpec | None = None):
+def make_eval_loss(config: ModelConfig, obj: ObjectiveConfig, lora: LoraSpec | None = None,
+                   runtime: Runtime | None = None):
     """jit(loss) without an update: (state_params, frozen, batch, rng) -> metrics."""
 
     def f(trainable, frozen, batch, rng):
         params, adapters = model_variables(config, trainable, frozen, lora)
-        return loss_fn(params, batch, rng, config=config, obj=obj, adapters=adapters)[1]
+        return loss_fn(params, batch, rng, config=config, obj=obj, adapters=adapters, runtime=runtime)[1]
 
     return jax.jit(f)

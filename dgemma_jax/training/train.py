@@ -31,8 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.io.model_dir import config_from_dict
 from dgemma_jax.parallel.distributed import is_main_process
 from dgemma_jax.parallel.shardings import fetch
+from dgemma_jax.runtime import Runtime, split_choices
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.training import data as data_lib
 from dgemma_jax.training import lora as lora_lib
@@ -98,7 +100,8 @@ class HFTokenizer:
 def build_model_and_params(mc: dict, ic: dict, vocab_size: int | None):
     """(ModelConfig, params) from the recipe's model + init sections."""
     kind = ic.get("kind", "random")
-    overrides = _tuples(dict(mc.get("overrides", {})))
+    # execution choices among the overrides (remat, MoE dispatch, ...) go to the trainer's Runtime
+    overrides, _ = split_choices(_tuples(dict(mc.get("overrides", {}))))
     if kind == "hf":
         from dgemma_jax.io.hf import load_hf
 
@@ -115,7 +118,7 @@ def build_model_and_params(mc: dict, ic: dict, vocab_size: int | None):
         cfg = ModelConfig.preset(mc["preset"], **overrides)
     elif kind == "orbax" and os.path.exists(os.path.join(ic["path"], "..", "model_config.json")):
         with open(os.path.join(ic["path"], "..", "model_config.json")) as f:
-            cfg = ModelConfig(**{**json.load(f), **overrides})
+            cfg = config_from_dict({**json.load(f), **overrides})
     else:
         cfg = ModelConfig(**overrides)
     if vocab_size is not None and cfg.vocab_size < vocab_size:
@@ -277,6 +280,7 @@ class Run:
         self.tokenizer = build_tokenizer(dc)
         self.model_config, base = build_model_and_params(mc, ic, getattr(self.tokenizer, "vocab_size", None))
         cfg = self.model_config
+        _, choices = split_choices(_tuples(dict(mc.get("overrides", {}))))
         # train.mesh (e.g. "fsdp=8" or "expert=4"): parameters placed in their shards, the batch split
         # over data/fsdp, the step traced under the rule set's logical constraints (train.rules)
         self.shardings = None
@@ -285,6 +289,8 @@ class Run:
 
             self.shardings = Shardings(cfg, make_mesh(tc["mesh"]), tc.get("rules", "training"))
             base = self.shardings.place_params(base)
+        # how the step runs: the mesh and rules (when sharded) and the recipe's execution choices
+        self.runtime = self.shardings.runtime(**choices) if self.shardings is not None else Runtime(**choices)
         L = cfg.canvas_length
         self.layout = data_lib.Layout(int(dc["prompt_length"]), int(dc["num_canvases"]), L,
                                       eos_id=cfg.eos_ids[0], pad_id=cfg.pad_id)
@@ -311,7 +317,8 @@ class Run:
             n = self.shardings.mesh.devices.size
             self.state = jax.tree.map(lambda x: x if len(x.sharding.device_set) == n
                                       else jax.device_put(x, self.shardings.replicated), self.state)
-        self.step_fn = make_train_step(cfg, self.obj, self.optimizer, schedule=self.schedule, lora=self.lora)
+        self.step_fn = make_train_step(cfg, self.obj, self.optimizer, schedule=self.schedule, lora=self.lora,
+                                       runtime=self.runtime)
         if self.shardings is not None:
             self.step_fn = self._sharded(self.step_fn)
         self.sampler = sampler_from(ec, cfg)
@@ -321,8 +328,7 @@ class Run:
 
         def run(state, frozen, batch):
             batch = {k: sh.global_array(v, ("batch",) + (None,) * (np.ndim(v) - 1)) for k, v in batch.items()}
-            with sh.context():  # traced (once) with the mesh's constraints and expert-parallel MoE
-                return step_fn(state, frozen, batch)
+            return step_fn(state, frozen, batch)
 
         return run
 

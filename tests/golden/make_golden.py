@@ -4,7 +4,7 @@
     python -m tests.golden.make_golden --check    # recompute and compare with the committed files
     python -m tests.golden.make_golden parity_tiny-2layer trace   # only these
 
-Needs the `[ref]` extra (transformers 5.23.0 and a CPU torch 2.13.0; see the README). Run from the
+Needs the `[ref]` extra (transformers 5.23.0 and a CPU torch 2.13.0; see docs/parity.md). Run from the
 repository root. tests/test_golden_current.py (marker `ref`) runs the --check comparison.
 """
 

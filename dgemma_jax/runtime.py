@@ -1,0 +1,204 @@
+"""How a program runs, as one explicit, frozen value: the `Runtime`.
+
+`ModelConfig` says what the checkpoint computes; a `Runtime` says how this program computes it:
+the platform it is compiled for, the mesh and logical-axis rules it is laid out on, the MoE
+dispatch, the attention kernel and key block, and rematerialisation. The engine and the trainer
+build one and pass it to every pass explicitly (a static argument of their jits); model code reads
+only what it is given, so a call shows everything it will trace. Without a mesh every placement
+helper below is the identity and the model math never depends on one.
+
+    rt = Runtime()                                   # this process's default backend, one device
+    rt = Runtime(platform="tpu", mesh=mesh, rules=rules_for("latency"), moe_dispatch="ragged")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dgemma_jax.config import RUNTIME_CHOICES
+from dgemma_jax.parallel.rules import CACHE_AXES, spec_for
+
+MOE_DISPATCH = ("auto", "dense", "ragged", "capacity")
+ATTN_KERNELS = ("auto", "xla", "splash")
+PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """Execution choices (none of them part of the checkpoint). Hashable: a static jit argument.
+
+    platform: the backend programs are compiled for (default: this process's default backend; "tpu"
+      when compiling ahead of time for a TPU topology from a CPU machine).
+    mesh, rules: the device mesh and the logical-axis rule set (`parallel.rules`); None / () = one
+      device, no placement constraints.
+    moe_dispatch: "auto" (capacity buffers on CPU, grouped matmuls elsewhere), "dense", "ragged"
+      or "capacity" (model/moe.py). moe_capacity_factor, moe_shard_rows_factor: their buffer sizes.
+    attn_kernel: how the denoiser's canvas attends to the cache where the mask allows: "auto" = the
+      fused Pallas kernel (model/flash.py) when compiling for TPU, XLA elsewhere; "xla"; "splash" =
+      the kernel on any backend (interpreted off TPU).
+    attn_key_block: keys per block when attending over a longer key set (blocks merged by
+      log-sum-exp, so no score array larger than one block is live).
+    remat: recompute each block in the backward pass (training memory).
+    observer: an object with `kernel_call(name, flops)`, told of every fused kernel call as it is
+      traced (the perf reports count the FLOPs compilers do not see); compared by identity.
+    """
+
+    platform: str | None = None
+    mesh: Mesh | None = None
+    rules: tuple = ()
+    moe_dispatch: str = "auto"
+    moe_capacity_factor: float = 1.25
+    moe_shard_rows_factor: float = 1.25
+    attn_kernel: str = "auto"
+    attn_key_block: int = 4096
+    remat: bool = False
+    observer: Any = dataclasses.field(default=None, compare=True)
+
+    def __post_init__(self):
+        if self.platform is None:
+            object.__setattr__(self, "platform", jax.default_backend())
+        object.__setattr__(self, "rules", tuple(self.rules))
+
+        def bad(field, value, why):
+            raise ValueError(f"Runtime.{field}={value!r} is invalid: {why}")
+
+        if self.platform not in PLATFORMS:
+            bad("platform", self.platform, f"must be one of {PLATFORMS}")
+        if self.mesh is not None and not isinstance(self.mesh, Mesh):
+            bad("mesh", self.mesh, "must be a jax.sharding.Mesh (see dgemma_jax.parallel.make_mesh) or None")
+        if self.moe_dispatch not in MOE_DISPATCH:
+            bad("moe_dispatch", self.moe_dispatch, f"must be one of {MOE_DISPATCH}")
+        for f in ("moe_capacity_factor", "moe_shard_rows_factor"):
+            if not getattr(self, f) > 0:
+                bad(f, getattr(self, f), "must be > 0")
+        if not (isinstance(self.attn_key_block, int) and not isinstance(self.attn_key_block, bool)
+                and self.attn_key_block >= 1):
+            bad("attn_key_block", self.attn_key_block, "must be a positive int")
+        if self.attn_kernel not in ATTN_KERNELS:
+            bad("attn_kernel", self.attn_kernel, f"must be one of {ATTN_KERNELS}")
+        if not isinstance(self.remat, bool):
+            bad("remat", self.remat, "must be True or False")
+
+    def replace(self, **changes) -> "Runtime":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ derived choices
+    @property
+    def dispatch(self) -> str:
+        """The MoE dispatch strategy "auto" stands for on this platform."""
+        if self.moe_dispatch != "auto":
+            return self.moe_dispatch
+        return "capacity" if self.platform == "cpu" else "ragged"
+
+    @property
+    def kernel_interpreted(self) -> bool:
+        """Pallas kernels run in the interpreter off TPU."""
+        return self.platform != "tpu"
+
+    def use_kernel(self) -> bool:
+        """Whether the attention kernel is wanted where its mask allows (see `attn_kernel`)."""
+        return self.attn_kernel == "splash" or (self.attn_kernel == "auto" and self.platform == "tpu")
+
+    def local(self) -> "Runtime":
+        """The same choices without placement: what runs inside a per-shard (`shard_map`) body."""
+        return self if self.mesh is None else self.replace(mesh=None, rules=())
+
+    def kernel_call(self, name: str, flops: float) -> None:
+        if self.observer is not None:
+            self.observer.kernel_call(name, flops)
+
+    # ------------------------------------------------------------------ placement
+    def constrain(self, x: jax.Array, logical: tuple) -> jax.Array:
+        """Pin x's sharding to the mesh axes its logical axis names map to (identity without a mesh)."""
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(
+            x, NamedSharding(self.mesh, spec_for(x.shape, logical, self.rules, self.mesh)))
+
+    def expert_parallel(self, fn, z, weights, experts, gate_up, down, adapters=None):
+        """Run the MoE dispatch `fn` per shard: each device serves only the experts it holds and the
+        outputs are summed over those mesh axes.
+
+        fn(rt, z, weights, experts, gate_up, down, adapters, offset=, shards=) -> [N, D] float32 partial
+        output for the local experts [offset, offset + E_local). `adapters` (per-expert LoRA pairs,
+        every leaf [E, ., .], or None) are split over the experts exactly like the kernels. Tokens (z
+        [N, D], weights / experts [N, k]) are split like the batch and replicated over the model axes,
+        so no expert weight ever moves (with FSDP the weights' `embed` dimension is gathered per layer,
+        as for every FSDP layer). Each expert is whole on one shard (gate_up [E, D, 2F] keeps gate and
+        up side by side). Without a mesh this is just `fn(...)` with all experts local.
+        """
+        if self.mesh is None:
+            return fn(self, z, weights, experts, gate_up, down, adapters)
+        mesh, rules = self.mesh, self.rules
+        tok = _axes(spec_for(z.shape[:1], ("batch",), rules, mesh)[0])
+        ex = tuple(a for a in _axes(spec_for(gate_up.shape[:1], ("experts",), rules, mesh)[0]) if a not in tok)
+        if not (tok or ex):
+            return fn(self, z, weights, experts, gate_up, down, adapters)
+        shards = 1
+        for a in ex:
+            shards *= mesh.shape[a]
+        e_local = gate_up.shape[0] // shards
+        inner = self.local()  # no logical constraints inside the per-shard body
+
+        def body(z, weights, experts, gate_up, down, adapters):
+            index = jnp.zeros((), jnp.int32)
+            for a in ex:
+                index = index * mesh.shape[a] + jax.lax.axis_index(a)
+            y = fn(inner, z, weights, experts, gate_up, down, adapters, offset=index * e_local, shards=shards)
+            return jax.lax.psum(y, ex) if ex else y
+
+        t = _spec(tok)
+        kernel = P(_spec(ex), None, None)
+        return jax.shard_map(
+            body, mesh=mesh, check_vma=False,
+            in_specs=(P(t, None), P(t, None), P(t, None), kernel, kernel,
+                      None if adapters is None else jax.tree.map(lambda _: kernel, adapters)),
+            out_specs=P(t, None))(z, weights, experts, gate_up, down, adapters)
+
+    def head_parallel(self, fn, q, k, v, valid):
+        """Run the attention kernel `fn(q, k, v, valid, rt=) -> (out, lse)` per head shard.
+
+        q [B, T, N, H]; k, v [B, S, K, H] (cache layout); valid [B, S]. A Pallas kernel is one opaque
+        call the partitioner cannot split, so on a mesh it runs inside a `shard_map` over the batch
+        and head axes, each device on its own query heads and the KV heads they read. Returns None
+        when the layout does not allow it (query and KV heads split over different mesh axes, or the
+        cache split along its slots or head_dim): the caller then keeps the XLA path. Without a mesh
+        this is just `fn(...)`.
+        """
+        if self.mesh is None:
+            return fn(q, k, v, valid, rt=self)
+        mesh, rules = self.mesh, self.rules
+        qs = spec_for(q.shape, ("batch", None, "heads", None), rules, mesh)
+        ks = spec_for(k.shape, CACHE_AXES, rules, mesh)
+        if ks[1] is not None or ks[3] is not None or _axes(qs[0]) != _axes(ks[0]) or _axes(qs[2]) != _axes(ks[2]):
+            return None
+        inner = self.local()
+        return jax.shard_map(
+            lambda q, k, v, valid: fn(q, k, v, valid, rt=inner), mesh=mesh, check_vma=False,
+            in_specs=(qs, ks, ks, P(qs[0], None)),
+            out_specs=(qs, P(qs[0], None, qs[2])))(q, k, v, valid)
+
+
+def _axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec(axes: tuple):
+    if not axes:
+        return None
+    return axes if len(axes) != 1 else axes[0]
+
+
+def split_choices(fields: dict) -> tuple[dict, dict]:
+    """(ModelConfig fields, Runtime choices) of a dict that may mix both: a recipe's
+    `model.overrides`, or a config stored by a version whose ModelConfig held the choices."""
+    model = {k: v for k, v in fields.items() if k not in RUNTIME_CHOICES}
+    return model, {k: v for k, v in fields.items() if k in RUNTIME_CHOICES}
