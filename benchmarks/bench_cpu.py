@@ -225,6 +225,7 @@ def jax_pieces(cfg, params, prompt, quick, res):
     from dgemma_jax.engine import Engine, jit_denoise_canvas, jit_denoise_step, jit_prefill
     from dgemma_jax.model.cache import init_cache
     from dgemma_jax.model.transformer import Transformer
+    from dgemma_jax.runtime import Runtime
     from dgemma_jax.sampling import ops
     from dgemma_jax.sampling.config import SamplerConfig
     from dgemma_jax.sampling.fused import head_sample_stats
@@ -236,8 +237,7 @@ def jax_pieces(cfg, params, prompt, quick, res):
     out = {"sampler": {k: getattr(sampler, k) for k in ("canvas_length", "max_denoising_steps", "t_max", "t_min",
                                                         "entropy_bound", "confidence_threshold",
                                                         "stability_threshold", "eos_ids", "pad_id")},
-           "moe_dispatch_resolved": __import__("dgemma_jax.model.moe", fromlist=["x"]).resolve_dispatch(
-               cfg.moe_dispatch)}
+           "moe_dispatch_resolved": Runtime().dispatch}
     res["dgemma_jax"] = out
     compile_ = out.setdefault("compile", {})
     memory = out.setdefault("memory", {})
@@ -315,7 +315,7 @@ def jax_pieces(cfg, params, prompt, quick, res):
     keys = row_keys(jnp.asarray(0), 1)
     start = initial_canvas(keys, CANVAS, cfg.vocab_size)
     state0 = jax.block_until_ready(init_state(cfg, sampler, start))
-    model = Transformer(cfg)
+    model = Transformer(cfg, Runtime())
 
     @jax.jit
     def trunk(params, canvas, cache, soft):

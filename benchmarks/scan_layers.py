@@ -39,6 +39,7 @@ from dgemma_jax.model.cache import init_cache  # noqa: E402
 from dgemma_jax.model.transformer import Block  # noqa: E402
 from dgemma_jax.perf.compiled import compile_timed, cost  # noqa: E402
 from dgemma_jax.perf.report import write  # noqa: E402
+from dgemma_jax.runtime import Runtime  # noqa: E402
 
 GROUP = (SLIDING,) * 5 + (GLOBAL,)
 CONTEXT, CANVAS = 512, 256
@@ -53,21 +54,22 @@ def _stack(trees):
     return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
 
-def trunk_programs(cfg: ModelConfig):
-    """(unrolled, scanned, to_stacked): two functions of the same denoise trunk, and the argument
-    conversion from per-layer lists to per-group-position stacks."""
+def trunk_programs(cfg: ModelConfig, rt: Runtime | None = None):
+    """(unrolled, scanned, to_stacked): two functions of the same denoise trunk (run as `rt` says,
+    default `Runtime()`), and the argument conversion from per-layer lists to per-group-position stacks."""
+    rt = rt or Runtime()
     n, g = len(GROUP), cfg.num_layers // len(GROUP)
 
     def unrolled(blocks, x, context_end, keys, values):
         for i in range(cfg.num_layers):
-            x = Block(cfg, i).apply({"params": blocks[i]}, x, context_end, keys[i], values[i], method="denoise")
+            x = Block(cfg, rt, i).apply({"params": blocks[i]}, x, context_end, keys[i], values[i], method="denoise")
         return x
 
     def scanned(stacked, x, context_end, keys, values):
         def body(x, xs):
             p, k, v = xs
-            for j in range(n):  # Block(cfg, j) has layer j's type, shared by every group
-                x = Block(cfg, j).apply({"params": p[j]}, x, context_end, k[j], v[j], method="denoise")
+            for j in range(n):  # Block(cfg, rt, j) has layer j's type, shared by every group
+                x = Block(cfg, rt, j).apply({"params": p[j]}, x, context_end, k[j], v[j], method="denoise")
             return x, None
 
         return jax.lax.scan(body, x, (stacked, keys, values))[0]

@@ -19,6 +19,9 @@ from dgemma_jax.config import GLOBAL, SLIDING, ModelConfig
 from dgemma_jax.model import api
 from dgemma_jax.model.cache import init_cache
 from dgemma_jax.perf import roofline
+from dgemma_jax.runtime import Runtime
+
+RAGGED = Runtime(moe_dispatch="ragged")
 
 
 def _subjaxprs(params):
@@ -73,7 +76,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize("cfg,batch,context", CONFIGS, ids=["tiny-6layer", "tiny-2layer", "custom"])
 def test_the_denoise_step_flops_are_the_traced_pass_matrix_products(cfg, batch, context):
-    cfg = cfg.replace(moe_dispatch="ragged", dtype="float32", param_dtype="float32")
+    cfg = cfg.replace(dtype="float32", param_dtype="float32")
     params = api.param_shapes(cfg)
     cache = jax.eval_shape(lambda: init_cache(cfg, batch, context))  # a cache holding exactly the context
     canvas = jax.ShapeDtypeStruct((batch, cfg.canvas_length), jnp.int32)
@@ -84,9 +87,10 @@ def test_the_denoise_step_flops_are_the_traced_pass_matrix_products(cfg, batch, 
     def traced(fn, *args):
         return matmul_flops(jax.make_jaxpr(lambda *a: fn(*a))(*args).jaxpr)
 
-    trunk = traced(lambda p, c, e, k, s: api.denoise_features(p, cfg, c, e, k, s), params, canvas, ends, cache, soft)
-    with_head = traced(lambda p, c, e, k, s: api.denoise_logits(p, cfg, c, e, k, s), params, canvas, ends, cache, soft)
-    sc_embed = traced(lambda p, x: api.soft_embed_pass(p, cfg, x), params, logits)
+    args = (params, canvas, ends, cache, soft)
+    trunk = traced(lambda p, c, e, k, s: api.denoise_features(p, cfg, c, e, k, s, runtime=RAGGED), *args)
+    with_head = traced(lambda p, c, e, k, s: api.denoise_logits(p, cfg, c, e, k, s, runtime=RAGGED), *args)
+    sc_embed = traced(lambda p, x: api.soft_embed_pass(p, cfg, x, runtime=RAGGED), params, logits)
 
     model = roofline.denoise_step_flops_by_part(cfg, batch, context)
     assert trunk == model["trunk"]
@@ -112,7 +116,7 @@ def test_the_causal_pass_flops_are_its_projections_plus_the_masked_attention(cfg
     pass computes scores over every key it reads (window - 1 cached + the new block on sliding
     layers, the whole context + the new block on global ones) and masks the rest. So: attention
     against the mask's pairs, everything else against the traced pass less the keys it reads."""
-    cfg = cfg.replace(moe_dispatch="ragged", dtype="float32", param_dtype="float32")
+    cfg = cfg.replace(dtype="float32", param_dtype="float32")
     model = roofline.causal_pass_flops(cfg, batch, context, new, head_tokens)
     per_pair = [2 * 2 * cfg.num_heads * cfg.layer_head_dim(i) for i in range(cfg.num_layers)]
     assert model["attention"] == batch * sum(per_pair[i] * _attention_pairs(cfg, i, context, new)
@@ -123,8 +127,8 @@ def test_the_causal_pass_flops_are_its_projections_plus_the_masked_attention(cfg
     tokens = jax.ShapeDtypeStruct((batch, new), jnp.int32)
     starts = jax.ShapeDtypeStruct((batch,), jnp.int32)
     mode = "last" if head_tokens else "none"
-    traced = matmul_flops(jax.make_jaxpr(lambda p, t, s, n, c: api.encode_pass(p, cfg, t, s, n, c, mode))(
-        params, tokens, starts, starts, cache).jaxpr)
+    encode = jax.make_jaxpr(lambda p, t, s, n, c: api.encode_pass(p, cfg, t, s, n, c, mode, runtime=RAGGED))
+    traced = matmul_flops(encode(params, tokens, starts, starts, cache).jaxpr)
     read = [(context if cfg.layer_types[i] == GLOBAL else min(cfg.sliding_window - 1, context)) + new
             for i in range(cfg.num_layers)]
     attention_read = batch * new * sum(p * k for p, k in zip(per_pair, read))
