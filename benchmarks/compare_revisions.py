@@ -1,0 +1,135 @@
+"""Is a refactor free? The denoise step and the fused generate timed at two revisions, side by side.
+
+A refactor that claims "behaviour and speed unchanged" is held to it here: a temporary git worktree
+holds the base revision; a child process per revision and round builds the `bench` model with the
+same random weights, compiles the separately jitted denoise step and a 2-canvas fused generate, and
+times them. The revisions alternate round by round (A B A B ...), so drifting machine load falls on
+both; each round's median is recorded and the verdict compares the medians of the rounds. The
+child also returns a digest of the generated tokens: a pure refactor must give the same tokens.
+
+    python benchmarks/compare_revisions.py --base 69ece3d --out benchmarks/results/runtime_refactor.json
+
+The head is the working tree. Only the public API both revisions share is used (`ModelConfig`,
+`init_params`, `Engine`, `engine.jit_denoise_step`, `sampling.loop`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+from dgemma_jax.perf import report  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# the child: run with the revision's checkout first on sys.path; prints one JSON line
+CHILD = r"""
+import hashlib, json, os, sys, time
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, sys.argv[1])
+import jax, jax.numpy as jnp, numpy as np
+import dgemma_jax
+from dgemma_jax import Engine, ModelConfig, SamplerConfig, init_params
+from dgemma_jax.engine import jit_denoise_step
+from dgemma_jax.model.cache import init_cache
+from dgemma_jax.sampling.loop import init_state, initial_canvas, row_keys
+
+reps, context = int(sys.argv[2]), int(sys.argv[3])
+cfg = ModelConfig.preset("bench")
+params = init_params(cfg, 0)
+sampler = SamplerConfig.for_model(cfg, max_denoising_steps=16)
+prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, (1, context)).astype(np.int32)
+engine = Engine(cfg, params, sampler)
+out = engine.generate(prompt, rng=0, max_new_tokens=2 * cfg.canvas_length)   # compile + warm
+tokens = np.asarray(out.tokens)
+t_gen = []
+for _ in range(max(1, reps // 4)):
+    t0 = time.perf_counter()
+    jax.block_until_ready(engine.generate(prompt, rng=0, max_new_tokens=2 * cfg.canvas_length).tokens)
+    t_gen.append(time.perf_counter() - t0)
+cache = init_cache(cfg, 1, context + cfg.canvas_length)
+_, cache = dgemma_jax.prefill(params, cfg, prompt, None, cache, logits="none")
+keys = row_keys(0, 1)
+state = init_state(cfg, sampler, initial_canvas(keys, cfg.canvas_length, cfg.vocab_size))
+jax.block_until_ready(jit_denoise_step(params, cfg, sampler, cache, keys, state))
+t_step = []
+for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(jit_denoise_step(params, cfg, sampler, cache, keys, state))
+    t_step.append(time.perf_counter() - t0)
+print(json.dumps(dict(step_s=t_step, generate_s=t_gen, tokens_sha256=hashlib.sha256(tokens.tobytes()).hexdigest(),
+                      steps=np.asarray(out.steps).tolist())))
+"""
+
+
+def run_child(checkout: str, reps: int, context: int) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=checkout)
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(CHILD)
+    try:
+        out = subprocess.run([sys.executable, f.name, checkout, str(reps), str(context)], env=env, cwd=checkout,
+                             capture_output=True, text=True, timeout=1800)
+    finally:
+        os.unlink(f.name)
+    if out.returncode:
+        raise RuntimeError(f"child at {checkout} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", required=True, help="git revision to compare the working tree with")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per revision")
+    ap.add_argument("--reps", type=int, default=20, help="timed denoise steps per round (generates: reps / 4)")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens before the canvas")
+    ap.add_argument("--out", default=None, help="results JSON (markdown next to it)")
+    args = ap.parse_args(argv)
+
+    base_rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    tmp = tempfile.mkdtemp(prefix="dgemma_base_")
+    base_dir = os.path.join(tmp, "base")
+    subprocess.run(["git", "worktree", "add", "--detach", "-q", base_dir, base_rev], cwd=REPO, check=True)
+    rounds: dict[str, list[dict]] = {"base": [], "head": []}
+    try:
+        for r in range(args.rounds):
+            for name, checkout in (("base", base_dir), ("head", REPO)):
+                res = run_child(checkout, args.reps, args.context)
+                rounds[name].append(res)
+                print(f"round {r} {name}: step {1e3 * statistics.median(res['step_s']):.1f} ms, "
+                      f"generate {statistics.median(res['generate_s']):.2f} s", flush=True)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", base_dir], cwd=REPO, check=False)
+
+    def medians(name, key):
+        return [statistics.median(x[key]) for x in rounds[name]]
+
+    summary = {}
+    for key in ("step_s", "generate_s"):
+        b, h = statistics.median(medians("base", key)), statistics.median(medians("head", key))
+        spread = max(max(medians(n, key)) / min(medians(n, key)) for n in ("base", "head")) - 1
+        summary[key] = dict(base=b, head=h, head_over_base=h / b, round_spread=spread,
+                            within_noise=abs(h / b - 1) <= max(spread, 0.02))
+    same_tokens = len({x["tokens_sha256"] for x in rounds["base"] + rounds["head"]}) == 1
+    res = dict(machine=report.machine_info(), loadavg=report.loadavg(), base=base_rev, head="working tree",
+               config="bench", context=args.context, reps=args.reps, rounds=rounds, summary=summary,
+               same_tokens=same_tokens)
+    rows = [[k, report.ms(v["base"]), report.ms(v["head"]), f"{v['head_over_base']:.3f}",
+             report.pct(v["round_spread"]), "yes" if v["within_noise"] else "no"] for k, v in summary.items()]
+    md = [f"# {base_rev} vs working tree ({args.rounds} alternating rounds, bench config, context {args.context})", ""]
+    md += report.table(["median", "base", "head", "head / base", "round-to-round spread", "within noise"], rows)
+    md += ["", f"Same generated tokens at both revisions: {'yes' if same_tokens else 'NO'}."]
+    report.write(res, args.out, "\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0 if same_tokens else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
