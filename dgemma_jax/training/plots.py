@@ -9,11 +9,11 @@ from typing import Sequence
 
 
 def _plt():
-    try:
+    try:  # deferred: matplotlib (~0.4 s with pyplot) loads only when a figure is drawn
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # deferred too, and after use("Agg"): pyplot picks its backend on import
         return plt
     except ImportError:  # pragma: no cover
         warnings.warn("matplotlib is not installed: no PNG figures (pip install matplotlib)")
