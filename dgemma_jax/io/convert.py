@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
-from tqdm import tqdm
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import DgemmaWarning
@@ -345,7 +344,12 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
         raise ValueError(f"the destination {dst!r} is a file; convert into a directory")
     wrap = None
     if progress:
-        wrap = lambda it: tqdm(it, desc="tensors", unit="t")  # noqa: E731
+        try:  # deferred: tqdm takes ~12 ms to import, and `dgemma --help` (which imports this module) needs no bar
+            from tqdm import tqdm
+
+            wrap = lambda it: tqdm(it, desc="tensors", unit="t")  # noqa: E731
+        except ImportError:  # pragma: no cover
+            wrap = None
     sampler = None
     multimodal, skipped = {}, []
     if src_format == "hf":
