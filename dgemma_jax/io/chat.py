@@ -285,8 +285,8 @@ def _compile(source: str):
         return _COMPILED[source]
     # deferred: jinja2 takes ~80 ms to import and only rendering a chat template needs it
     import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.ext import loopcontrols  # deferred with jinja2 (above)
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # deferred with jinja2 (above)
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)

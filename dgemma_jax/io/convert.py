@@ -344,8 +344,8 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
         raise ValueError(f"the destination {dst!r} is a file; convert into a directory")
     wrap = None
     if progress:
-        try:  # deferred: tqdm takes ~12 ms to import, and `dgemma --help` (which imports this module) needs no bar
-            from tqdm import tqdm
+        try:
+            from tqdm import tqdm  # deferred: ~12 ms to import, and `dgemma --help` imports this module
 
             wrap = lambda it: tqdm(it, desc="tensors", unit="t")  # noqa: E731
         except ImportError:  # pragma: no cover

@@ -275,8 +275,8 @@ def _write_manifest(path: str, manifest: dict) -> None:
 def hub_snapshot(repo: str, revision: str | None = None, files: str = "all", check: bool = True,
                  explicit: bool = False) -> str:
     """snapshot_download of a Hub repo (only a checkpoint's files) -> its directory in the HF cache."""
-    try:  # deferred: the Hub client takes ~0.2 s to import and only Hub repo ids need it
-        from huggingface_hub import errors, snapshot_download
+    try:
+        from huggingface_hub import errors, snapshot_download  # deferred: ~0.2 s to import; only Hub repo ids need it
     except ImportError as e:  # pragma: no cover - a dependency of dgemma_jax
         raise CheckpointNotFound(f"reading the Hub repo {repo!r} needs huggingface_hub ({e}): "
                                  "pip install huggingface_hub") from None

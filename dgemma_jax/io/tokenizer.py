@@ -131,8 +131,8 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, model_path: str | os.PathLike, *, bos_id: int | None = _UNSET,
                  eos_ids: int | Sequence[int] | None = _UNSET, pad_id: int | None = _UNSET,
                  unk_id: int | None = _UNSET, extra_special_ids: Iterable[int] = ()):
-        try:  # deferred: ~8 ms to import, and only SentencePiece checkpoints need it (`import dgemma_jax` skips it)
-            import sentencepiece as spm
+        try:
+            import sentencepiece as spm  # deferred: ~8 ms to import; only SentencePiece checkpoints need it
         except ImportError as e:  # pragma: no cover - sentencepiece is a dependency
             raise ImportError(f"reading {model_path!s} needs the `sentencepiece` package") from e
         self.path = os.fspath(model_path)
@@ -239,8 +239,8 @@ class HFTokenizer(Tokenizer):
     def __init__(self, json_path: str | os.PathLike, *, bos_id: int | None = _UNSET,
                  eos_ids: int | Sequence[int] | None = _UNSET, pad_id: int | None = _UNSET,
                  unk_id: int | None = _UNSET, extra_special_ids: Iterable[int] = ()):
-        try:  # deferred: ~8 ms to import, and only tokenizer.json checkpoints need it (`import dgemma_jax` skips it)
-            from tokenizers import Tokenizer as _Tok
+        try:
+            from tokenizers import Tokenizer as _Tok  # deferred: ~8 ms to import; only tokenizer.json needs it
         except ImportError as e:  # pragma: no cover - tokenizers is a dependency
             raise ImportError(f"reading {json_path!s} needs the `tokenizers` package") from e
         self.path = os.fspath(json_path)

@@ -14,10 +14,9 @@ DEFAULT_CONTEXT = 8192     # KV-cache tokens per slot when --context is not give
 
 
 def cmd_serve(args) -> int:
-    # deferred: the serving runtime and its web stack (fastapi, uvicorn: ~0.6 s to import) load only when
-    # `dgemma serve` runs, not for every `dgemma` command
+    # deferred: the serving runtime loads only when `dgemma serve` runs, not for every `dgemma` command
     from dgemma_jax.serving.scheduler import Scheduler
-    from dgemma_jax.serving.server import serve
+    from dgemma_jax.serving.server import serve  # deferred: its web stack (fastapi, uvicorn) takes ~0.6 s to import
 
     cfg, params, sampler, tok = load_checkpoint(args.checkpoint, args.dtype, args.revision)
     if sampler is None:  # a checkpoint without generation settings: the released defaults

@@ -9,8 +9,8 @@ from typing import Sequence
 
 
 def _plt():
-    try:  # deferred: matplotlib (~0.4 s with pyplot) loads only when a figure is drawn
-        import matplotlib
+    try:
+        import matplotlib  # deferred: with pyplot ~0.4 s to import; only drawing a figure needs it
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # deferred too, and after use("Agg"): pyplot picks its backend on import
