@@ -14,13 +14,22 @@ import os
 import sys
 import tempfile
 
+import jax
+
+try:  # JAX's private probe modules: in another JAX layout the checks below answer 'cannot tell'
+    from jax._src import hardware_utils
+except ImportError:  # pragma: no cover - another JAX layout
+    hardware_utils = None
+try:
+    from jax._src import xla_bridge
+except ImportError:  # pragma: no cover
+    xla_bridge = None
+
 
 def tpu_chips() -> int | None:
     """TPU chips on this machine as JAX itself counts them (PCI devices of Google's vendor id);
     None where that probe is not available."""
-    try:
-        from jax._src import hardware_utils
-    except ImportError:  # pragma: no cover - another JAX layout
+    if hardware_utils is None:  # pragma: no cover - another JAX layout
         return None
     try:
         return int(hardware_utils.num_available_tpu_chips_and_device_id()[0])
@@ -37,10 +46,7 @@ def skip_absent_tpu() -> bool:
         return False
     if tpu_chips() != 0:  # a TPU is present, or we cannot tell: keep JAX's behaviour
         return False
-    try:
-        import jax
-        from jax._src import xla_bridge
-    except ImportError:  # pragma: no cover
+    if xla_bridge is None:  # pragma: no cover
         return False
     if jax.config.jax_platforms or xla_bridge.backends_are_initialized():
         return False

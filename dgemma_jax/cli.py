@@ -10,8 +10,15 @@ import argparse
 import json
 import sys
 
-
-from dgemma_jax.errors import UsageError
+from dgemma_jax import cli_run
+from dgemma_jax.backends import skip_absent_tpu
+from dgemma_jax.cli_run import checkpoint_flags
+from dgemma_jax.config import ModelConfig
+from dgemma_jax.errors import UsageError, print_warnings_as_lines
+from dgemma_jax.io.bundled import asset_path
+from dgemma_jax.io import locations
+from dgemma_jax.io.model_dir import load_config
+from dgemma_jax.pipeline import BUNDLED
 from dgemma_jax.serving import cli as serve_cli
 
 
@@ -38,27 +45,18 @@ def _positive(kind):
 
 # ---------------------------------------------------------------------------- inspect
 def cmd_inspect(args) -> int:
-    from dgemma_jax.config import ModelConfig
-
     if args.checkpoint and args.preset:
         raise UsageError("pass --checkpoint or --preset, not both")
     if args.preset:
         cfg = ModelConfig.preset(args.preset)
     else:  # like every other command: a checkpoint, by default the bundled model
-        from dgemma_jax.io.model_dir import load_config
-        from dgemma_jax.pipeline import BUNDLED
-
         if args.checkpoint in (None, "", BUNDLED):
             if args.revision is not None:
                 raise UsageError("--revision applies to a Hugging Face Hub checkpoint; pass --checkpoint REPO_ID too")
-            from dgemma_jax.training.bundled import asset_path
-
             cfg = load_config(asset_path())
         else:  # a remote checkpoint: its config files only, not the weights
-            from dgemma_jax.io.locations import kind, resolve
-
-            local = kind(args.checkpoint) == "local"
-            cfg = load_config(resolve(args.checkpoint, args.revision, files="all" if local else "config"),
+            local = locations.kind(args.checkpoint) == "local"
+            cfg = load_config(locations.resolve(args.checkpoint, args.revision, files="all" if local else "config"),
                               need_weights=local)
     counts = cfg.param_count()
     bytes_per = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.param_dtype]
@@ -95,7 +93,7 @@ def cmd_inspect(args) -> int:
 
 # ---------------------------------------------------------------------------- compile
 def cmd_compile(args) -> int:
-    from dgemma_jax.perf import aot
+    from dgemma_jax.perf import aot  # deferred: the AOT compile reports (~10 ms) load only for `dgemma compile`
 
     if args.topology not in aot.TOPOLOGIES:
         raise UsageError(f"unknown --topology {args.topology!r}; choose one of {', '.join(aot.TOPOLOGIES)}")
@@ -159,8 +157,6 @@ def _print_compile_report(r):
 
 # ---------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
-    from dgemma_jax.config import ModelConfig
-
     p = _Parser(prog="dgemma", description="DiffusionGemma in JAX: generate, chat, convert, "
                                 "train, bench, compile, inspect")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -168,8 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("inspect", help="config, parameter counts (total/active), memory by dtype")
     s.add_argument("--preset", default=None, choices=ModelConfig.preset_names(),
                    help="describe a preset instead of a checkpoint (e.g. diffusiongemma-26b-a4b)")
-    from dgemma_jax.cli_run import checkpoint_flags
-
     checkpoint_flags(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_inspect)
@@ -199,18 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_more_commands(sub):
-    try:
-        from dgemma_jax import cli_run
-    except ImportError:  # pragma: no cover
-        return
     cli_run.add_commands(sub, _positive)
     serve_cli.add_command(sub, _positive)
 
 
 def main(argv=None) -> int:
-    from dgemma_jax.backends import skip_absent_tpu
-    from dgemma_jax.errors import print_warnings_as_lines
-
     print_warnings_as_lines()
     parser = build_parser()
     args = parser.parse_args(argv)

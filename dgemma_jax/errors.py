@@ -2,6 +2,8 @@
 name the file."""
 
 import json
+import sys
+import warnings
 
 
 def read_json(path: str, require: tuple = ()) -> dict:
@@ -34,9 +36,6 @@ class DgemmaWarning(UserWarning):
 def print_warnings_as_lines(stream=None) -> None:
     """Show `DgemmaWarning`s as `dgemma: warning: <message>` lines (no file/line prefix, no source
     line); other warnings keep Python's format."""
-    import sys
-    import warnings
-
     default = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):

@@ -14,10 +14,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dgemma_jax.engine import default_new_tokens, warn_if_cut_short
+from dgemma_jax.chat_session import split_reply
+from dgemma_jax.engine import Engine, default_new_tokens, warn_if_cut_short
 from dgemma_jax.errors import UsageError
+from dgemma_jax.io.bundled import load_bundled
+from dgemma_jax.io.chat import history_without_thinking, render_chat
+from dgemma_jax.io.locations import resolve
+from dgemma_jax.io.model_dir import load_model, load_model_tokenizer
 
 BUNDLED = "bundled"
+
+
 def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: str | None = None):
     """-> (config, params, sampler | None, tokenizer); None or "bundled": the bundled small model.
 
@@ -26,14 +33,7 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
     if checkpoint in (None, "", BUNDLED):
         if revision is not None:
             raise UsageError("--revision applies to a Hugging Face Hub checkpoint; pass --checkpoint REPO_ID too")
-        try:
-            from dgemma_jax.training import load_bundled
-        except ImportError as e:
-            raise UsageError(f"the bundled model is not available ({e}); pass a checkpoint directory") from None
         return load_bundled()
-    from dgemma_jax.io.locations import resolve
-    from dgemma_jax.io.model_dir import load_model, load_model_tokenizer
-
     checkpoint = resolve(checkpoint, revision)
     cfg, params, sampler = load_model(checkpoint, dtype=dtype)
     return cfg, params, sampler, load_model_tokenizer(checkpoint)
@@ -43,8 +43,6 @@ class DiffusionGemma:
     """config + params + tokenizer + `Engine`; `.generate(text)`, `.chat(messages)`."""
 
     def __init__(self, config, params, tokenizer, sampler=None, shardings=None):
-        from dgemma_jax.engine import Engine
-
         self.config, self.params, self.tokenizer = config, params, tokenizer
         self.engine = Engine(config, params, sampler, shardings=shardings)
 
@@ -91,8 +89,6 @@ class DiffusionGemma:
     def chat(self, messages: Sequence[dict], max_new_tokens: int | None = None, enable_thinking: bool = False,
              seed: int = 0) -> str:
         """The assistant's answer (thinking stripped) to a Gemma 4 chat history."""
-        from dgemma_jax.io.chat import history_without_thinking, render_chat
-
         text = render_chat(history_without_thinking(list(messages)), add_generation_prompt=True,
                            enable_thinking=enable_thinking)
         ids = list(self.tokenizer.encode(text))
@@ -103,6 +99,4 @@ class DiffusionGemma:
         if not given:
             warn_if_cut_short(self.config, max_new_tokens, out.finished, len(ids))
         gen = [int(t) for t in np.asarray(out.tokens)[0] if int(t) != self.sampler.pad_id]
-        from dgemma_jax.chat_session import split_reply
-
         return split_reply(self.tokenizer, gen)[1]

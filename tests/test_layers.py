@@ -5,10 +5,15 @@ errors/backends/config < low-level sharding (mesh, rules, distributed) and the r
 shardings (which places a model's parameters and cache on a mesh) < sampling < the engine < io <
 training < chat_session < pipeline < serving, the perf reports and the CLI's runners < the CLI and
 the package root. Every `from dgemma_jax... import` counts, at module level or inside a function.
+
+Imports sit at the top of their module: one inside a function defers a heavy or optional dependency
+on purpose and says why in a comment (`test_no_imports_inside_functions_without_a_reason`).
 """
 
 import ast
+import io
 import os
+import tokenize
 
 import pytest
 
@@ -137,3 +142,38 @@ def test_the_hidden_state_check_sees_a_violation(tmp_path):
     fake.write_text("import threading\n_STACK = []\n_T = threading.local()\n\n\ndef enter(x):\n"
                     "    _STACK.append(x)\n")
     assert [f.split(":")[1].strip() for f in _hidden_state(str(fake))] == ["threading.local()", "_STACK.append(...)"]
+
+
+# ---------------------------------------------------------------------------- imports inside functions
+def _uncommented_imports_in_functions(path: str) -> list[int]:
+    """Lines of the imports inside a function body (at any depth) with no comment saying why: a
+    comment on the import's own line(s) or on the line above counts."""
+    source = open(path, encoding="utf-8").read()
+    comments = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT}
+    tree = ast.parse(source, path)
+    inner = {}  # lineno -> node, each import once even in nested functions
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    inner[node.lineno] = node
+    return [line for line, node in sorted(inner.items())
+            if not comments & set(range(line - 1, node.end_lineno + 1))]
+
+
+def test_no_imports_inside_functions_without_a_reason():
+    # an import belongs at the top of its module; one inside a function defers a heavy or optional
+    # dependency on purpose (matplotlib, orbax, the Hub client, the web stack, ...) and says so in a comment
+    bad = [f"{os.path.relpath(path, ROOT)}:{line}" for _, path in MODULES
+           for line in _uncommented_imports_in_functions(path)]
+    assert not bad, ("imports inside functions without a comment saying why they are deferred (move them to the "
+                     "top of the module, or comment them):\n" + "\n".join(bad))
+
+
+def test_the_import_check_sees_an_uncommented_import(tmp_path):
+    fake = tmp_path / "m.py"
+    fake.write_text("import os\n\n\ndef f():\n    import json\n    import re\n\n    return json, re\n\n\n"
+                    "def g():\n    # deferred: a reason\n    import json\n    import re\n"
+                    "    import sys  # deferred: another\n\n    import ast\n    return json, re, sys, ast\n")
+    assert _uncommented_imports_in_functions(str(fake)) == [5, 6, 14, 17]

@@ -33,11 +33,20 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import warnings
 from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.errors import DgemmaWarning
+from dgemma_jax.io.hf import load_hf
+from dgemma_jax.io.locations import resolve
+from dgemma_jax.io.model_dir import hf_sampler, save_model
+from dgemma_jax.model.api import param_shapes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
@@ -260,8 +269,7 @@ def restore_gemma(src: str) -> dict:
     """Restore a gemma-library orbax checkpoint as host numpy arrays, with a target built from the
     checkpoint's own metadata: that ignores the devices and sharding it was saved with, so a checkpoint
     written by a multi-device (sharded) job restores on any machine."""
-    import jax
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # deferred: orbax takes ~0.2 s to import; only gemma-layout checkpoints need it
 
     def tree_metadata(ckptr, path):
         try:
@@ -290,13 +298,11 @@ def restore_gemma(src: str) -> dict:
                 raise
         # a copy without orbax's finalisation marker (as public bucket copies can be): restore with the
         # handler, which does not look for it
-        from etils import epath
-
         return ocp.PyTreeCheckpointHandler().restore(epath.Path(path), args=args)
 
 
 def _save_multimodal(dst: str, mm: dict) -> str:
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # deferred: orbax takes ~0.2 s to import; only gemma-layout checkpoints need it
 
     tree: dict = {}
     for name, x in mm.items():
@@ -308,10 +314,6 @@ def _save_multimodal(dst: str, mm: dict) -> str:
 
 
 def _check_shapes(params, cfg: ModelConfig):
-    import jax
-
-    from dgemma_jax.model.api import param_shapes
-
     want = param_shapes(cfg)
     got_paths = jax.tree_util.tree_flatten_with_path(params)[0]
     want_flat = {jax.tree_util.keystr(p): s.shape for p, s in jax.tree_util.tree_flatten_with_path(want)[0]}
@@ -332,8 +334,6 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
     An existing non-empty `dst` is an error unless `overwrite` (`dgemma convert --force`). A source
     without a tokenizer file converts with a DgemmaWarning: the checkpoint then needs one copied in.
     `src` may also be a gs:// (fsspec) URL or a Hub repo id[@revision] (`dgemma_jax.io.locations`)."""
-    from dgemma_jax.io.locations import resolve
-
     src = resolve(src, check=False)
     if os.path.exists(dst) and os.path.realpath(dst) == os.path.realpath(src):
         raise ValueError(f"the destination {dst!r} is the source directory; convert into a new directory")
@@ -342,15 +342,10 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
                          "replace it with dgemma convert --force (overwrite=True)")
     if os.path.isfile(dst):
         raise ValueError(f"the destination {dst!r} is a file; convert into a directory")
-    import jax
-    import jax.numpy as jnp
-
-    from dgemma_jax.io.model_dir import save_model
-
     wrap = None
     if progress:
         try:
-            from tqdm import tqdm
+            from tqdm import tqdm  # deferred: ~12 ms to import, and `dgemma --help` imports this module
 
             wrap = lambda it: tqdm(it, desc="tensors", unit="t")  # noqa: E731
         except ImportError:  # pragma: no cover
@@ -358,9 +353,6 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
     sampler = None
     multimodal, skipped = {}, []
     if src_format == "hf":
-        from dgemma_jax.io.hf import load_hf
-        from dgemma_jax.io.model_dir import hf_sampler
-
         cfg, params = load_hf(src, dtype=dtype, progress=wrap)
         sampler = hf_sampler(src, cfg)
     elif src_format == "gemma":
@@ -383,10 +375,6 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
                     tok = p
     leaves = jax.tree.leaves(params)
     save_model(dst, cfg, params, sampler=sampler, tokenizer_file=tok)
-    import warnings
-
-    from dgemma_jax.errors import DgemmaWarning
-
     if overwrite and os.path.isdir(os.path.join(dst, MULTIMODAL_DIR)):
         shutil.rmtree(os.path.join(dst, MULTIMODAL_DIR))  # from an earlier conversion into this directory
     if multimodal:

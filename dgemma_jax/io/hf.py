@@ -15,10 +15,15 @@ import json
 import os
 from typing import Any, Callable, Iterator
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import read_json
+from dgemma_jax.io.locations import resolve
 
 DECODER = "model.decoder."
 ENCODER_LAYERS = "model.encoder.language_model.layers."
@@ -109,8 +114,6 @@ class SafetensorsDir:
     """Lazy access to the tensors of a directory of *.safetensors files (sharded index or not)."""
 
     def __init__(self, path: str):
-        from safetensors import SafetensorError, safe_open
-
         self.path = path
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
@@ -189,11 +192,6 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
     shardings: optional pytree of `jax.sharding.Sharding` matching the params: each tensor is put
     straight into its shards. Raises ValueError naming missing, unexpected or mis-shaped tensors.
     """
-    import jax
-    import jax.numpy as jnp
-
-    from dgemma_jax.io.locations import resolve
-
     path = resolve(path, revision)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
@@ -239,8 +237,6 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
 def save_hf(params, cfg: ModelConfig, path: str | os.PathLike, *, canvas_length: int | None = None,
             dtype: str | None = None, generation_config: dict | None = None):
     """Write params as a Hugging Face DiffusionGemma directory (config.json + model.safetensors)."""
-    from safetensors.numpy import save_file
-
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     np_dtype = np.dtype(dtype or cfg.param_dtype) if (dtype or cfg.param_dtype) != "bfloat16" else None

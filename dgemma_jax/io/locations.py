@@ -34,6 +34,9 @@ import posixpath
 import re
 import sys
 
+from dgemma_jax.config import ModelConfig
+from dgemma_jax.io.formats import META, detect_format
+
 # files a checkpoint needs, as huggingface_hub allow_patterns (fnmatch: "*" also matches "/")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "params/*"]
 # any directory (check=False: a gemma-library orbax tree for `dgemma convert`): all but other frameworks' weights
@@ -123,7 +126,7 @@ def _stamp(info: dict) -> list:
 
 
 def _open_fs(url: str):
-    import fsspec
+    import fsspec  # deferred: ~90 ms to import, and only remote URLs (gs://, s3://, ...) need it
 
     try:
         return fsspec.core.url_to_fs(url)
@@ -143,9 +146,7 @@ def _remote_error(url: str, e: Exception) -> CheckpointNotFound:
 
 
 def _check_listing(url: str, rels: set[str], need_weights: bool) -> None:
-    """The checks of `model_dir.detect_format`, on the remote listing (nothing copied yet)."""
-    from dgemma_jax.io.model_dir import META
-
+    """The checks of `formats.detect_format`, on the remote listing (nothing copied yet)."""
     top = {r for r in rels if "/" not in r}
     if META in top:
         return
@@ -275,7 +276,7 @@ def hub_snapshot(repo: str, revision: str | None = None, files: str = "all", che
                  explicit: bool = False) -> str:
     """snapshot_download of a Hub repo (only a checkpoint's files) -> its directory in the HF cache."""
     try:
-        from huggingface_hub import errors, snapshot_download
+        from huggingface_hub import errors, snapshot_download  # deferred: ~0.2 s to import; only Hub repo ids need it
     except ImportError as e:  # pragma: no cover - a dependency of dgemma_jax
         raise CheckpointNotFound(f"reading the Hub repo {repo!r} needs huggingface_hub ({e}): "
                                  "pip install huggingface_hub") from None
@@ -310,12 +311,8 @@ def hub_snapshot(repo: str, revision: str | None = None, files: str = "all", che
         raise CheckpointNotFound(f"could not download {what} ({type(e).__name__}: {first}); check the repo id "
                                  "and the network, or pass a local checkpoint directory") from None
     if check:
-        from dgemma_jax.io.model_dir import detect_format
-
         try:
             if detect_format(path, need_weights=files != "config") == "hf":
-                from dgemma_jax.config import ModelConfig
-
                 ModelConfig.from_hf(path)  # a config.json of another model type is named here
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"{what} is not a DiffusionGemma checkpoint dgemma_jax can read: "

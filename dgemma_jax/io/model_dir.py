@@ -18,32 +18,18 @@ import os
 import shutil
 from typing import Any
 
+import jax
 import numpy as np
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import read_json
+from dgemma_jax.io.char_tokenizer import CharTokenizer
+from dgemma_jax.io.formats import FORMAT, META, detect_format  # noqa: F401 (also this module's API)
+from dgemma_jax.io.hf import load_hf
+from dgemma_jax.io.tokenizer import load_tokenizer
+from dgemma_jax.model.api import param_shapes
 from dgemma_jax.runtime import split_choices
-
-META = "dgemma_model.json"
-FORMAT = "dgemma_jax.model"
-
-
-def detect_format(path: str | os.PathLike, need_weights: bool = True) -> str:
-    """'dgemma' or 'hf'; raises FileNotFoundError / ValueError naming what is missing.
-    need_weights=False: a Hugging Face config.json alone will do (describing a model, not loading it)."""
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
-    if not os.path.isdir(path):
-        raise ValueError(f"checkpoint {path!r} is a file; pass the checkpoint directory")
-    if os.path.isfile(os.path.join(path, META)):
-        return "dgemma"
-    if os.path.isfile(os.path.join(path, "config.json")):
-        if not need_weights or any(f.endswith(".safetensors") for f in os.listdir(path)):
-            return "hf"
-        raise ValueError(f"{path!r} has a config.json but no *.safetensors weights")
-    raise ValueError(f"{path!r} is not a checkpoint: expected {META} (dgemma_jax) or config.json + *.safetensors "
-                     "(Hugging Face)")
+from dgemma_jax.sampling.config import SamplerConfig
 
 
 def config_to_dict(cfg: ModelConfig) -> dict:
@@ -77,7 +63,7 @@ def _read_meta(path) -> dict:
 
 def save_params(path: str | os.PathLike, params: Any) -> None:
     """A parameter tree alone, as an orbax checkpoint (atomic: orbax writes then renames)."""
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # deferred: orbax takes ~0.2 s to import; only saving and loading need it
 
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.abspath(os.fspath(path)), params, force=True)
@@ -85,8 +71,7 @@ def save_params(path: str | os.PathLike, params: Any) -> None:
 
 def load_params(path: str | os.PathLike, abstract_params: Any = None) -> Any:
     """Restore `save_params` output; `abstract_params` fixes shapes, dtypes and shardings."""
-    import jax
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # deferred: orbax takes ~0.2 s to import; only saving and loading need it
 
     path = os.path.abspath(os.fspath(path))
     with ocp.StandardCheckpointer() as ckptr:
@@ -123,8 +108,6 @@ def _check_stored_shapes(path: str, stored, target, old_gate_up=()) -> None:
     anything: orbax would return the stored shapes as they are and the model would fail later with
     a flax shape error far from the cause. A mismatch names the first differing tensor, its expected
     and its stored shape (and how many more differ); a missing or unexpected tensor is named too."""
-    import jax
-
     def flat(tree):
         return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kp): leaf
                 for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
@@ -213,18 +196,10 @@ def _check_params_files(path: str, recorded: dict) -> None:
 
 def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None):
     """Any supported checkpoint directory -> (ModelConfig, params, SamplerConfig | None)."""
-    from dgemma_jax.sampling.config import SamplerConfig
-
     fmt = detect_format(path)
     if fmt == "hf":
-        from dgemma_jax.io.hf import load_hf
-
         cfg, params = load_hf(path, dtype=dtype, shardings=shardings)
         return cfg, params, hf_sampler(path, cfg)
-    import jax
-
-    from dgemma_jax.model.api import param_shapes
-
     meta = _read_meta(path)
     cfg = config_from_dict(meta["config"])
     if isinstance(meta.get("params_files"), dict):
@@ -247,8 +222,6 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None
 
 def hf_sampler(path, cfg: ModelConfig):
     """The SamplerConfig of a Hugging Face directory's generation_config.json (None if absent)."""
-    from dgemma_jax.sampling.config import SamplerConfig
-
     gen = os.path.join(os.fspath(path), "generation_config.json")
     if not os.path.isfile(gen):
         return None
@@ -272,10 +245,6 @@ def load_model_tokenizer(path: str | os.PathLike):
         with open(file) as f:
             head = f.read(200)
         if '"type": "char"' in head or '"type":"char"' in head:
-            from dgemma_jax.io.char_tokenizer import CharTokenizer
-
             return CharTokenizer.load(file)
         path = file
-    from dgemma_jax.io.tokenizer import load_tokenizer
-
     return load_tokenizer(path)

@@ -132,7 +132,7 @@ class SentencePieceTokenizer(Tokenizer):
                  eos_ids: int | Sequence[int] | None = _UNSET, pad_id: int | None = _UNSET,
                  unk_id: int | None = _UNSET, extra_special_ids: Iterable[int] = ()):
         try:
-            import sentencepiece as spm
+            import sentencepiece as spm  # deferred: ~8 ms to import; only SentencePiece checkpoints need it
         except ImportError as e:  # pragma: no cover - sentencepiece is a dependency
             raise ImportError(f"reading {model_path!s} needs the `sentencepiece` package") from e
         self.path = os.fspath(model_path)
@@ -240,7 +240,7 @@ class HFTokenizer(Tokenizer):
                  eos_ids: int | Sequence[int] | None = _UNSET, pad_id: int | None = _UNSET,
                  unk_id: int | None = _UNSET, extra_special_ids: Iterable[int] = ()):
         try:
-            from tokenizers import Tokenizer as _Tok
+            from tokenizers import Tokenizer as _Tok  # deferred: ~8 ms to import; only tokenizer.json needs it
         except ImportError as e:  # pragma: no cover - tokenizers is a dependency
             raise ImportError(f"reading {json_path!s} needs the `tokenizers` package") from e
         self.path = os.fspath(json_path)

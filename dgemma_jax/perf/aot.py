@@ -36,6 +36,7 @@ from dgemma_jax.model.api import param_shapes
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.shardings import Shardings
 from dgemma_jax.perf import roofline
+from dgemma_jax.perf.compiled import cost
 from dgemma_jax.perf.hbm_traffic import hbm_traffic
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
@@ -199,8 +200,6 @@ def lora_step_program(config: ModelConfig, shardings, batch: int, prompt: int, n
 
 
 def _cost(compiled) -> dict:
-    from dgemma_jax.perf.compiled import cost
-
     return {k: v for k, v in cost(compiled).items() if k in ("flops", "bytes_accessed")}
 
 

@@ -14,6 +14,10 @@ import platform
 import subprocess
 import sys
 
+import jax
+import jaxlib
+import numpy as np
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "XLA_FLAGS", "JAX_PLATFORMS",
             "TF_CPP_MIN_LOG_LEVEL", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")
@@ -52,13 +56,9 @@ def _mem_total_gb() -> float | None:
 
 def machine_info(repo: str = REPO) -> dict:
     """The machine, versions, thread settings, git commit and date (torch/transformers None without `[ref]`)."""
-    import jax
-    import jaxlib
-    import numpy as np
-
-    try:
-        import torch
-        import transformers
+    try:  # torch and transformers: optional (the `[ref]` extra), slow to import, wanted only for the record
+        import torch  # deferred: see above
+        import transformers  # deferred: see above
     except ImportError:
         torch = transformers = None
     cpu_model, flags = _cpu()

@@ -4,25 +4,25 @@ from __future__ import annotations
 
 import sys
 
+from dgemma_jax.cli_run import checkpoint_flags
+from dgemma_jax.parallel.mesh import make_mesh
+from dgemma_jax.parallel.shardings import Shardings
+from dgemma_jax.pipeline import load_checkpoint
+from dgemma_jax.sampling.config import SamplerConfig
+
 DEFAULT_CONTEXT = 8192     # KV-cache tokens per slot when --context is not given (capped at the model's)
 
 
 def cmd_serve(args) -> int:
-    # deferred: jax, the model and the web stack load only when the command runs (`dgemma --help` stays fast)
-    from dgemma_jax.pipeline import load_checkpoint
+    # deferred: the serving runtime loads only when `dgemma serve` runs, not for every `dgemma` command
     from dgemma_jax.serving.scheduler import Scheduler
-    from dgemma_jax.serving.server import serve
+    from dgemma_jax.serving.server import serve  # deferred: its web stack (fastapi, uvicorn) takes ~0.6 s to import
 
     cfg, params, sampler, tok = load_checkpoint(args.checkpoint, args.dtype, args.revision)
     if sampler is None:  # a checkpoint without generation settings: the released defaults
-        from dgemma_jax.sampling.config import SamplerConfig
-
         sampler = SamplerConfig.for_model(cfg)
     shardings = None
     if args.mesh:
-        from dgemma_jax.parallel.mesh import make_mesh
-        from dgemma_jax.parallel.shardings import Shardings
-
         shardings = Shardings(cfg, make_mesh(args.mesh), args.rules)
         params = shardings.place_params(params)
     context = min(args.context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
@@ -47,8 +47,6 @@ def cmd_serve(args) -> int:
 
 def add_command(sub, positive) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching over N slots")
-    from dgemma_jax.cli_run import checkpoint_flags
-
     checkpoint_flags(s)
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
     s.add_argument("--host", default="127.0.0.1")

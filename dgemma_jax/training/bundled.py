@@ -7,6 +7,9 @@
     out = engine.generate(np.asarray([prompt]), max_new_tokens=24)
     tokenizer.decode(out.tokens[0])          # -> "0001223445567889"
 
+Reading (`asset_path`, `load_bundled`, `load_metadata`) lives in `dgemma_jax.io.bundled`; this module
+re-exports it and adds the writing and the training-side helpers.
+
 Asset directory (dgemma_jax/assets/<name>/, written by `save_bundled`) is an ordinary dgemma_jax
 model directory (`dgemma_jax.io.model_dir`), so `dgemma generate --checkpoint <dir>` works too::
 
@@ -21,46 +24,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any
 
+import jax
 import numpy as np
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.sampling.config import SamplerConfig
+# reading a bundled model lives in io (inference need not import the trainer); re-exported here
+from dgemma_jax.io.bundled import ASSETS_DIR, DEFAULT_NAME, asset_path, load_bundled, load_metadata  # noqa: F401
 from dgemma_jax.io.char_tokenizer import CharTokenizer
-
-ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
-DEFAULT_NAME = "dgemma-tiny-digits"
-
-
-def asset_path(name: str | None = None) -> str:
-    return os.path.join(ASSETS_DIR, name or DEFAULT_NAME)
-
-
-def load_bundled(name: str | None = None, path: str | None = None):
-    """(ModelConfig, params, SamplerConfig, tokenizer) of a bundled model (default: the digits model)."""
-    from dgemma_jax.io.model_dir import load_model, load_model_tokenizer
-
-    root = path or asset_path(name)
-    if not os.path.isdir(root):
-        raise FileNotFoundError(f"no bundled model at {root}; run scripts/train_bundled.py to create it")
-    config, params, sampler = load_model(root)
-    return config, params, sampler, load_model_tokenizer(root)
-
-
-def load_metadata(name: str | None = None, path: str | None = None) -> dict[str, Any]:
-    with open(os.path.join(path or asset_path(name), "metadata.json")) as f:
-        return json.load(f)
+from dgemma_jax.io.model_dir import save_model
+from dgemma_jax.training.tasks import TaskMix
 
 
 def save_bundled(path: str, config: ModelConfig, params, sampler: SamplerConfig, tokenizer: CharTokenizer,
                  metadata: dict[str, Any]) -> None:
-    import shutil
-
-    import jax
-
-    from dgemma_jax.io.model_dir import save_model
-
     os.makedirs(path, exist_ok=True)
     if os.path.exists(os.path.join(path, "params")):
         shutil.rmtree(os.path.join(path, "params"))
@@ -75,8 +55,6 @@ def heldout_pairs(metadata: dict[str, Any], n: int, seed: int) -> list[tuple[str
     """Held-out problems from the model's task mix (a seed stream the training data never uses:
     training batches come from default_rng([data_seed, batch_index]), these from
     default_rng([seed, 99]) with seed != data_seed)."""
-    from dgemma_jax.training.tasks import TaskMix
-
     mix = TaskMix.from_config(metadata["tasks"])
     rng = np.random.default_rng([int(seed), 99])
     return [mix.sample(rng) for _ in range(n)]

@@ -27,6 +27,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from dgemma_jax.io.chat import CHANNEL_END, CHANNEL_START, TURN_END, render_chat, strip_thinking
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -196,8 +198,6 @@ OVERFLOW = ("truncate", "drop")
 def _assistant_answer(message: dict) -> tuple[str, str]:
     """(thought, answer) of an assistant message: the thought from a thinking/reasoning field or
     from an inline `<|channel>thought\\n...<channel|>` block of the content."""
-    from dgemma_jax.io.chat import strip_thinking
-
     content = message.get("content") or ""
     if isinstance(content, (list, tuple)):
         content = "".join(p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text")
@@ -217,8 +217,6 @@ def chat_turns(messages: Sequence[dict], enable_thinking: bool | None = None) ->
     thinking is on; with it off the generation prompt already ends with the empty thought channel).
     Thinking is on when `enable_thinking` says so, else when any assistant message carries a thought.
     """
-    from dgemma_jax.io.chat import CHANNEL_END, CHANNEL_START, TURN_END, render_chat
-
     parsed = [(_assistant_answer(m) if m["role"] == "assistant" else None) for m in messages]
     if enable_thinking is None:
         enable_thinking = any(p is not None and p[0] for p in parsed)

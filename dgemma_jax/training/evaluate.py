@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.engine import Engine
 from dgemma_jax.sampling.config import SamplerConfig
 
 
@@ -33,8 +34,6 @@ def evaluate_exact_match(config: ModelConfig, params: Any, sampler: SamplerConfi
     denoiser passes, mean steps per canvas, tokens per forward pass (HF's metric), a few samples
     (the first `keep`) and a few failures (the first `keep` wrong answers).
     """
-    from dgemma_jax.engine import Engine
-
     engine = engine or Engine(config, params, sampler)
     n = len(pairs)
     correct, tpf, steps_per_canvas, passes = [], [], [], []

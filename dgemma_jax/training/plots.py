@@ -10,10 +10,10 @@ from typing import Sequence
 
 def _plt():
     try:
-        import matplotlib
+        import matplotlib  # deferred: with pyplot ~0.4 s to import; only drawing a figure needs it
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # deferred too, and after use("Agg"): pyplot picks its backend on import
         return plt
     except ImportError:  # pragma: no cover
         warnings.warn("matplotlib is not installed: no PNG figures (pip install matplotlib)")

@@ -21,6 +21,10 @@ order depends only on (seed, batch index), the rng is in the checkpoint).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import importlib.util
+import inspect
 import json
 import os
 import time
@@ -28,21 +32,33 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
+from tokenizers import Tokenizer
+from tqdm.auto import tqdm
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.io.char_tokenizer import CharTokenizer
+from dgemma_jax.io.hf import load_hf
+from dgemma_jax.io.locations import resolve
 from dgemma_jax.io.model_dir import config_from_dict
+from dgemma_jax.model.api import init_params, param_shapes
+from dgemma_jax.parallel import Shardings, make_mesh
 from dgemma_jax.parallel.distributed import is_main_process
 from dgemma_jax.parallel.shardings import fetch
 from dgemma_jax.runtime import Runtime, split_choices
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.training import data as data_lib
 from dgemma_jax.training import lora as lora_lib
-from dgemma_jax.training.checkpoint import Checkpointer, save_params
+from dgemma_jax.training.bundled import load_bundled
+from dgemma_jax.training.checkpoint import Checkpointer, load_params, save_params
+from dgemma_jax.training.evaluate import evaluate_exact_match
 from dgemma_jax.training.objective import ObjectiveConfig
 from dgemma_jax.training.optim import make_optimizer
 from dgemma_jax.training.plots import plot_loss_curve, read_jsonl
 from dgemma_jax.training.step import LoraSpec, inference_params, init_train_state, make_train_step
+from dgemma_jax.training.tasks import TaskMix, task_tokenizer
 
 
 def _d(cfg) -> dict:
@@ -60,16 +76,10 @@ def _tuples(d: dict) -> dict:
 def build_tokenizer(dc: dict):
     kind = dc.get("tokenizer", "tasks")
     if kind == "tasks":
-        from dgemma_jax.training.tasks import task_tokenizer
-
         return task_tokenizer()
     if kind == "char":
-        from dgemma_jax.io.char_tokenizer import CharTokenizer
-
         return CharTokenizer(dc["chars"])
     if kind == "char_file":
-        from dgemma_jax.io.char_tokenizer import CharTokenizer
-
         return CharTokenizer.load(dc["tokenizer_path"])
     if kind == "hf":
         return HFTokenizer(dc["tokenizer_path"])
@@ -80,8 +90,6 @@ class HFTokenizer:
     """A `tokenizers` JSON tokenizer (e.g. the released tokenizer.json) with encode/decode."""
 
     def __init__(self, path: str):
-        from tokenizers import Tokenizer
-
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
         self.tok = Tokenizer.from_file(path)
@@ -103,14 +111,9 @@ def build_model_and_params(mc: dict, ic: dict, vocab_size: int | None):
     # execution choices among the overrides (remat, MoE dispatch, ...) go to the trainer's Runtime
     overrides, _ = split_choices(_tuples(dict(mc.get("overrides", {}))))
     if kind == "hf":
-        from dgemma_jax.io.hf import load_hf
-
         cfg, params = load_hf(ic["path"], dtype=mc.get("param_dtype"), revision=ic.get("revision") or None)
         return cfg.replace(**overrides) if overrides else cfg, params
     if kind == "bundled":  # the config comes with the checkpoint; overrides change execution knobs
-        from dgemma_jax.io.locations import resolve
-        from dgemma_jax.training.bundled import load_bundled
-
         path = resolve(ic["path"], ic.get("revision") or None) if ic.get("path") else None
         cfg, params, _, _ = load_bundled(ic.get("name") or None, path)
         return cfg.replace(**overrides) if overrides else cfg, params
@@ -124,15 +127,9 @@ def build_model_and_params(mc: dict, ic: dict, vocab_size: int | None):
     if vocab_size is not None and cfg.vocab_size < vocab_size:
         raise ValueError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's {vocab_size}")
     if kind == "orbax":  # params saved by save_params (e.g. a run's export/ or an asset's params/)
-        from dgemma_jax.io.locations import resolve
-        from dgemma_jax.model.api import param_shapes
-        from dgemma_jax.training.checkpoint import load_params
-
         return cfg, load_params(resolve(ic["path"], check=False), param_shapes(cfg))
     if kind != "random":
         raise ValueError(f"unknown init.kind {kind!r}: use 'random', 'hf', 'orbax' or 'bundled'")
-    from dgemma_jax.model.api import init_params
-
     params = init_params(cfg, int(ic.get("seed", 0)))
     std = ic.get("embedding_std")
     if std:  # from-scratch: unit-RMS inputs after the sqrt(D) scale, O(1) initial logits
@@ -146,8 +143,6 @@ def build_model_and_params(mc: dict, ic: dict, vocab_size: int | None):
 def build_source(dc: dict, tokenizer, layout: data_lib.Layout, batch_size: int, seed: int):
     kind = dc.get("kind", "tasks")
     if kind == "tasks":
-        from dgemma_jax.training.tasks import TaskMix
-
         return data_lib.TaskSource(TaskMix.from_config(dc["tasks"]), tokenizer, layout, batch_size, seed)
     if kind == "jsonl":
         return data_lib.JsonlSource(dc["path"], tokenizer.encode, layout, batch_size, seed,
@@ -285,8 +280,6 @@ class Run:
         # over data/fsdp, the step traced under the rule set's logical constraints (train.rules)
         self.shardings = None
         if tc.get("mesh"):
-            from dgemma_jax.parallel import Shardings, make_mesh
-
             self.shardings = Shardings(cfg, make_mesh(tc["mesh"]), tc.get("rules", "training"))
             base = self.shardings.place_params(base)
         # how the step runs: the mesh and rules (when sharded) and the recipe's execution choices
@@ -348,15 +341,11 @@ class Run:
             return pairs[: int(n)] if n else pairs
         if self.dc.get("kind", "tasks") != "tasks":
             return []
-        from dgemma_jax.training.tasks import TaskMix
-
         mix = TaskMix.from_config(self.dc["tasks"])
         rng = np.random.default_rng([int(self.ec.get("seed", 12345)), 99])
         return [mix.sample(rng) for _ in range(int(self.ec.get("num_examples", 100)))]
 
     def evaluate(self, state=None) -> dict[str, Any]:
-        from dgemma_jax.training.evaluate import evaluate_exact_match
-
         pairs = self.eval_pairs()
         if not pairs:
             return {}
@@ -469,8 +458,6 @@ def _all_agree(flag: bool) -> bool:
     """Process 0's decision, on every process (a run's processes must stop at the same step)."""
     if jax.process_count() == 1:
         return flag
-    from jax.experimental import multihost_utils
-
     return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
 
 
@@ -492,10 +479,6 @@ def _log_eval(run: Run, state, step: int, eval_path: str, bar, lead: bool = True
 
 def _progress(tc: dict, start: int, total: int):
     if not tc.get("progress", True):
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover
         return None
     return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, mininterval=2.0)
 
@@ -520,9 +503,6 @@ def recipe_keys(cfg) -> set[str]:
     """Every dotted key an override may set: the recipe's own, the trainer's (RECIPE_KEYS), the
     optimizer's and objective's arguments, ModelConfig fields under model.overrides and SamplerConfig
     fields under eval.sampler."""
-    import dataclasses
-    import inspect
-
     keys = set()
 
     def walk(node, prefix):
@@ -548,11 +528,6 @@ def load_config(path: str, overrides: dict[str, Any] | None = None):
     """`get_config()` of a recipe file (e.g. configs/train_bundled.py), with dotted-key overrides
     such as {"train.num_steps": 10}. A key that is neither in the recipe nor read by the trainer is a
     ValueError naming the nearest valid key."""
-    import difflib
-    import importlib.util
-
-    import ml_collections
-
     spec = importlib.util.spec_from_file_location(f"_recipe_{abs(hash(path))}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -1,0 +1,37 @@
+"""Reading the models bundled with the package (dgemma_jax/assets/<name>/, ordinary dgemma_jax model
+directories): the inference side of `dgemma_jax.training.bundled`, which writes them and re-exports
+these names. Kept in io so that loading the bundled model (`dgemma generate` without --checkpoint,
+`DiffusionGemma.from_pretrained()`) does not import the trainer.
+
+    from dgemma_jax.io.bundled import load_bundled
+    config, params, sampler, tokenizer = load_bundled()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from dgemma_jax.io.model_dir import load_model, load_model_tokenizer
+
+ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+DEFAULT_NAME = "dgemma-tiny-digits"
+
+
+def asset_path(name: str | None = None) -> str:
+    return os.path.join(ASSETS_DIR, name or DEFAULT_NAME)
+
+
+def load_bundled(name: str | None = None, path: str | None = None):
+    """(ModelConfig, params, SamplerConfig, tokenizer) of a bundled model (default: the digits model)."""
+    root = path or asset_path(name)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"no bundled model at {root}; run scripts/train_bundled.py to create it")
+    config, params, sampler = load_model(root)
+    return config, params, sampler, load_model_tokenizer(root)
+
+
+def load_metadata(name: str | None = None, path: str | None = None) -> dict[str, Any]:
+    with open(os.path.join(path or asset_path(name), "metadata.json")) as f:
+        return json.load(f)
