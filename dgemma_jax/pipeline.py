@@ -42,16 +42,17 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
 class DiffusionGemma:
     """config + params + tokenizer + `Engine`; `.generate(text)`, `.chat(messages)`."""
 
-    def __init__(self, config, params, tokenizer, sampler=None, shardings=None):
+    def __init__(self, config, params, tokenizer, sampler=None, shardings=None, runtime=None):
         self.config, self.params, self.tokenizer = config, params, tokenizer
-        self.engine = Engine(config, params, sampler, shardings=shardings)
+        self.engine = Engine(config, params, sampler, shardings=shardings, runtime=runtime)
 
     @classmethod
     def from_pretrained(cls, checkpoint: str | None = None, dtype: str | None = None, sampler=None,
-                        shardings=None, revision: str | None = None) -> "DiffusionGemma":
-        """checkpoint: a local directory, gs:// (any fsspec URL) or a Hub repo id[@revision]; None: bundled."""
+                        shardings=None, revision: str | None = None, runtime=None) -> "DiffusionGemma":
+        """checkpoint: a local directory, gs:// (any fsspec URL) or a Hub repo id[@revision]; None: bundled.
+        runtime: how the engine's programs run (`dgemma_jax.Runtime`; default: this backend)."""
         cfg, params, saved_sampler, tok = load_checkpoint(checkpoint, dtype, revision)
-        return cls(cfg, params, tok, sampler or saved_sampler, shardings)
+        return cls(cfg, params, tok, sampler or saved_sampler, shardings, runtime)
 
     @property
     def sampler(self):

@@ -138,11 +138,12 @@ class Scheduler:
 
     @classmethod
     def for_model(cls, config, params, tokenizer, sampler: SamplerConfig, *, max_steps: int | None = None,
-                  shardings=None, **kwargs) -> "Scheduler":
+                  shardings=None, runtime=None, **kwargs) -> "Scheduler":
         """A scheduler over a new `Engine`; requests may ask for up to `max_steps` denoising steps
-        (default: the sampler's own budget)."""
+        (default: the sampler's own budget). runtime: how its programs run (`dgemma_jax.Runtime`)."""
         budget = max(int(max_steps or 0), sampler.max_denoising_steps)
-        engine = Engine(config, params, sampler.replace(max_denoising_steps=budget), shardings=shardings)
+        engine = Engine(config, params, sampler.replace(max_denoising_steps=budget), shardings=shardings,
+                        runtime=runtime)
         return cls(engine, tokenizer, default_sampler=sampler, **kwargs)
 
     # ------------------------------------------------------------------ limits
