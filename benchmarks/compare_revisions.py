@@ -5,7 +5,8 @@ holds the base revision; a child process per revision and round builds the `benc
 same random weights, compiles the separately jitted denoise step and a 2-canvas fused generate, and
 times them. The revisions alternate round by round (A B A B ...), so drifting machine load falls on
 both; each round's median is recorded and the verdict compares the medians of the rounds. The
-child also returns a digest of the generated tokens: a pure refactor must give the same tokens.
+child also returns a digest of the generated tokens (a pure refactor must give the same tokens) and
+of the optimized step program's HLO without source locations (equal digests: the same program).
 
     python benchmarks/compare_revisions.py --base 69ece3d --out benchmarks/results/runtime_refactor.json
 
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the parent only records the machine: no TPU probing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 from dgemma_jax.perf import report  # noqa: E402
@@ -31,7 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the child: run with the revision's checkout first on sys.path; prints one JSON line
 CHILD = r"""
-import hashlib, json, os, sys, time
+import hashlib, json, os, re, sys, time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp, numpy as np
@@ -59,13 +61,18 @@ _, cache = dgemma_jax.prefill(params, cfg, prompt, None, cache, logits="none")
 keys = row_keys(0, 1)
 state = init_state(cfg, sampler, initial_canvas(keys, cfg.canvas_length, cfg.vocab_size))
 jax.block_until_ready(jit_denoise_step(params, cfg, sampler, cache, keys, state))
+# the optimized step program without its source-location metadata: equal text, equal program
+hlo = jit_denoise_step.lower(params, cfg, sampler, cache, keys, state).compile().as_text()
+hlo = re.sub(r", metadata=\{[^}]*\}", "", hlo)
+hlo = re.sub(r"^HloModule \S+", "HloModule", hlo, flags=re.M)
 t_step = []
 for _ in range(reps):
     t0 = time.perf_counter()
     jax.block_until_ready(jit_denoise_step(params, cfg, sampler, cache, keys, state))
     t_step.append(time.perf_counter() - t0)
 print(json.dumps(dict(step_s=t_step, generate_s=t_gen, tokens_sha256=hashlib.sha256(tokens.tobytes()).hexdigest(),
-                      steps=np.asarray(out.steps).tolist())))
+                      steps=np.asarray(out.steps).tolist(),
+                      step_hlo_sha256=hashlib.sha256(hlo.encode()).hexdigest())))
 """
 
 
@@ -118,14 +125,17 @@ def main(argv=None):
         summary[key] = dict(base=b, head=h, head_over_base=h / b, round_spread=spread,
                             within_noise=abs(h / b - 1) <= max(spread, 0.02))
     same_tokens = len({x["tokens_sha256"] for x in rounds["base"] + rounds["head"]}) == 1
+    same_step_program = len({x.get("step_hlo_sha256") for x in rounds["base"] + rounds["head"]}) == 1
     res = dict(machine=report.machine_info(), loadavg=report.loadavg(), base=base_rev, head="working tree",
                config="bench", context=args.context, reps=args.reps, rounds=rounds, summary=summary,
-               same_tokens=same_tokens)
+               same_tokens=same_tokens, same_step_program=same_step_program)
     rows = [[k, report.ms(v["base"]), report.ms(v["head"]), f"{v['head_over_base']:.3f}",
              report.pct(v["round_spread"]), "yes" if v["within_noise"] else "no"] for k, v in summary.items()]
     md = [f"# {base_rev} vs working tree ({args.rounds} alternating rounds, bench config, context {args.context})", ""]
     md += report.table(["median", "base", "head", "head / base", "round-to-round spread", "within noise"], rows)
-    md += ["", f"Same generated tokens at both revisions: {'yes' if same_tokens else 'NO'}."]
+    md += ["", f"Same generated tokens at both revisions: {'yes' if same_tokens else 'NO'}.",
+           f"Same optimized denoise-step program (HLO text without source locations): "
+           f"{'yes' if same_step_program else 'no'}."]
     report.write(res, args.out, "\n".join(md) + "\n")
     print("\n".join(md))
     return 0 if same_tokens else 1
