@@ -6,7 +6,7 @@ same random weights, compiles the separately jitted denoise step and a 2-canvas 
 times them. The revisions alternate round by round (A B A B ...), so drifting machine load falls on
 both; each round's median is recorded and the verdict compares the medians of the rounds. The
 child also returns a digest of the generated tokens (a pure refactor must give the same tokens) and
-of the optimized step program's HLO without source locations (equal digests: the same program).
+of the step program as lowered (StableHLO text, no source locations: equal digests, the same program).
 
     python benchmarks/compare_revisions.py --base 69ece3d --out benchmarks/results/runtime_refactor.json
 
@@ -33,7 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the child: run with the revision's checkout first on sys.path; prints one JSON line
 CHILD = r"""
-import hashlib, json, os, re, sys, time
+import hashlib, json, os, sys, time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp, numpy as np
@@ -61,10 +61,9 @@ _, cache = dgemma_jax.prefill(params, cfg, prompt, None, cache, logits="none")
 keys = row_keys(0, 1)
 state = init_state(cfg, sampler, initial_canvas(keys, cfg.canvas_length, cfg.vocab_size))
 jax.block_until_ready(jit_denoise_step(params, cfg, sampler, cache, keys, state))
-# the optimized step program without its source-location metadata: equal text, equal program
-hlo = jit_denoise_step.lower(params, cfg, sampler, cache, keys, state).compile().as_text()
-hlo = re.sub(r", metadata=\{[^}]*\}", "", hlo)
-hlo = re.sub(r"^HloModule \S+", "HloModule", hlo, flags=re.M)
+# the step program as lowered (StableHLO, printed without source locations): equal text, equal
+# input to the compiler, equal compiled program
+hlo = jit_denoise_step.lower(params, cfg, sampler, cache, keys, state).as_text()
 t_step = []
 for _ in range(reps):
     t0 = time.perf_counter()
@@ -90,14 +89,53 @@ def run_child(checkout: str, reps: int, context: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def summarize(rounds: dict) -> dict:
+    """Per timing: the medians over rounds of each round's median, head / base, the larger
+    round-to-round spread of the two revisions, and whether head / base lies within it (at least 2%);
+    None with a single round, which measures no spread."""
+    def medians(name, key):
+        return [statistics.median(x[key]) for x in rounds[name]]
+
+    summary = {}
+    for key in ("step_s", "generate_s"):
+        b, h = statistics.median(medians("base", key)), statistics.median(medians("head", key))
+        spread = max(max(medians(n, key)) / min(medians(n, key)) for n in ("base", "head")) - 1
+        within = abs(h / b - 1) <= max(spread, 0.02) if len(rounds["base"]) > 1 else None
+        summary[key] = dict(base=b, head=h, head_over_base=h / b, round_spread=spread, within_noise=within)
+    return summary
+
+
+def render(res: dict) -> str:
+    rows = [[k, report.ms(v["base"]), report.ms(v["head"]), f"{v['head_over_base']:.3f}",
+             report.pct(v["round_spread"]), {True: "yes", False: "no", None: "n/a (one round)"}[v["within_noise"]]]
+            for k, v in res["summary"].items()]
+    md = [f"# {res['base']} vs {res['head']} ({len(res['rounds']['base'])} alternating rounds, {res['config']} config, "
+          f"context {res['context']})", ""]
+    md += report.table(["median (ms)", "base", "head", "head / base", "round-to-round spread", "within noise"], rows)
+    md += ["", f"Same generated tokens at both revisions: {'yes' if res['same_tokens'] else 'NO'}."]
+    md += [f"Load average when it ended: {res.get('loadavg')} (the timings are only as quiet as the machine was)."]
+    if "same_step_program" in res:
+        md += [f"Same denoise-step program (lowered StableHLO text): {'yes' if res['same_step_program'] else 'no'}."]
+    return "\n".join(md) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", required=True, help="git revision to compare the working tree with")
+    ap.add_argument("--base", help="git revision to compare the working tree with")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per revision")
     ap.add_argument("--reps", type=int, default=20, help="timed denoise steps per round (generates: reps / 4)")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens before the canvas")
     ap.add_argument("--out", default=None, help="results JSON (markdown next to it)")
+    ap.add_argument("--render", metavar="JSON", help="recompute the summary and markdown of a results JSON")
     args = ap.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            res = json.load(f)
+        res["summary"] = summarize(res["rounds"])
+        report.write(res, args.render, render(res))
+        return 0
+    if not args.base:
+        ap.error("--base is required (or --render JSON)")
 
     base_rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -115,30 +153,15 @@ def main(argv=None):
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", base_dir], cwd=REPO, check=False)
 
-    def medians(name, key):
-        return [statistics.median(x[key]) for x in rounds[name]]
-
-    summary = {}
-    for key in ("step_s", "generate_s"):
-        b, h = statistics.median(medians("base", key)), statistics.median(medians("head", key))
-        spread = max(max(medians(n, key)) / min(medians(n, key)) for n in ("base", "head")) - 1
-        summary[key] = dict(base=b, head=h, head_over_base=h / b, round_spread=spread,
-                            within_noise=abs(h / b - 1) <= max(spread, 0.02))
-    same_tokens = len({x["tokens_sha256"] for x in rounds["base"] + rounds["head"]}) == 1
-    same_step_program = len({x.get("step_hlo_sha256") for x in rounds["base"] + rounds["head"]}) == 1
+    everything = rounds["base"] + rounds["head"]
     res = dict(machine=report.machine_info(), loadavg=report.loadavg(), base=base_rev, head="working tree",
-               config="bench", context=args.context, reps=args.reps, rounds=rounds, summary=summary,
-               same_tokens=same_tokens, same_step_program=same_step_program)
-    rows = [[k, report.ms(v["base"]), report.ms(v["head"]), f"{v['head_over_base']:.3f}",
-             report.pct(v["round_spread"]), "yes" if v["within_noise"] else "no"] for k, v in summary.items()]
-    md = [f"# {base_rev} vs working tree ({args.rounds} alternating rounds, bench config, context {args.context})", ""]
-    md += report.table(["median", "base", "head", "head / base", "round-to-round spread", "within noise"], rows)
-    md += ["", f"Same generated tokens at both revisions: {'yes' if same_tokens else 'NO'}.",
-           f"Same optimized denoise-step program (HLO text without source locations): "
-           f"{'yes' if same_step_program else 'no'}."]
-    report.write(res, args.out, "\n".join(md) + "\n")
-    print("\n".join(md))
-    return 0 if same_tokens else 1
+               config="bench", context=args.context, reps=args.reps, rounds=rounds, summary=summarize(rounds),
+               same_tokens=len({x["tokens_sha256"] for x in everything}) == 1,
+               same_step_program=len({x.get("step_hlo_sha256") for x in everything}) == 1)
+    md = render(res)
+    report.write(res, args.out, md)
+    print(md)
+    return 0 if res["same_tokens"] else 1
 
 
 if __name__ == "__main__":

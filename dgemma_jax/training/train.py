@@ -38,7 +38,7 @@ from jax.experimental import multihost_utils
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
-from dgemma_jax.config import ModelConfig
+from dgemma_jax.config import RUNTIME_CHOICES, ModelConfig
 from dgemma_jax.io.char_tokenizer import CharTokenizer
 from dgemma_jax.io.hf import load_hf
 from dgemma_jax.io.locations import resolve
@@ -501,8 +501,8 @@ RECIPE_KEYS = {
 
 def recipe_keys(cfg) -> set[str]:
     """Every dotted key an override may set: the recipe's own, the trainer's (RECIPE_KEYS), the
-    optimizer's and objective's arguments, ModelConfig fields under model.overrides and SamplerConfig
-    fields under eval.sampler."""
+    optimizer's and objective's arguments, ModelConfig fields and Runtime choices under model.overrides
+    and SamplerConfig fields under eval.sampler."""
     keys = set()
 
     def walk(node, prefix):
@@ -520,6 +520,7 @@ def recipe_keys(cfg) -> set[str]:
         keys.add(section)
         keys.update(f"{section}.{k}" for k in names)
     keys.update(f"model.overrides.{f.name}" for f in dataclasses.fields(ModelConfig))
+    keys.update(f"model.overrides.{k}" for k in RUNTIME_CHOICES)  # the trainer's Runtime takes these
     keys.update(f"eval.sampler.{f.name}" for f in dataclasses.fields(SamplerConfig))
     return keys
 
