@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dgemma_jax import ModelConfig, cache_shape, param_shapes
+from dgemma_jax import ModelConfig, Runtime, cache_shape, param_shapes
 from dgemma_jax.model.layers import softcap
 from dgemma_jax.model.transformer import Transformer
 from dgemma_jax.sampling import SamplerConfig, ops
@@ -112,13 +112,13 @@ def test_denoise_step_holds_no_full_vocab_buffer():
     def temp(f, *a):
         return jax.jit(f).lower(*a).compile().memory_analysis().temp_size_in_bytes
 
-    trunk = temp(lambda p, c, s: Transformer(cfg).apply({"params": p}, s.canvas, c.lengths, c, s.soft,
+    trunk = temp(lambda p, c, s: Transformer(cfg, Runtime()).apply({"params": p}, s.canvas, c.lengths, c, s.soft,
                                                         method="denoise_features"), ps, cache, state)
     step = temp(lambda p, c, k, s: denoise_step(p, cfg, sampler, c, c.lengths, k, s), ps, cache, keys, state)
     blv = 1 * 256 * cfg.vocab_size * 4
 
     def unfused_step(p, c, k, s):  # the same step with the separate ops: logits materialised
-        model = Transformer(cfg)
+        model = Transformer(cfg, Runtime())
         logits = model.apply({"params": p}, s.canvas, c.lengths, c, s.soft, method="denoise")
         z = ops.sanitize_logits(ops.apply_temperature(logits, sampler, s.step))
         stats = ops.sample_step_stats(z, k[0])
