@@ -94,6 +94,8 @@ def detect_source(path: str) -> str:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"source checkpoint {path!r} does not exist or is not a directory")
     files = os.listdir(path)
+    if "dgemma_model.json" in files:  # already ours: re-written (e.g. with --quantize int8)
+        return "dgemma"
     if "config.json" in files and any(f.endswith(".safetensors") for f in files):
         return "hf"
     if any(f in files for f in ("_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt", "checkpoint")) or \
@@ -326,12 +328,19 @@ def _check_shapes(params, cfg: ModelConfig):
 
 
 def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, preset: str | None = None,
-            progress: bool = True, overwrite: bool = False) -> int:
+            progress: bool = True, overwrite: bool = False, quantize: str | None = None) -> int:
     """Convert `src` into a dgemma_jax checkpoint directory `dst`; returns the number of tensors.
 
     An existing non-empty `dst` is an error unless `overwrite` (`dgemma convert --force`). A source
     without a tokenizer file converts with a DgemmaWarning: the checkpoint then needs one copied in.
-    `src` may also be a gs:// (fsspec) URL or a Hub repo id[@revision] (`dgemma_jax.io.locations`)."""
+    `src` may also be a gs:// (fsspec) URL or a Hub repo id[@revision] (`dgemma_jax.io.locations`).
+    quantize: "int8" writes weight-only int8 kernels (`dgemma_jax.model.quant`); `load_model` reads
+    them back as int8."""
+    if quantize is not None:
+        from dgemma_jax.model.quant import QUANT_MODES
+
+        if quantize not in QUANT_MODES:
+            raise ValueError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANT_MODES)}")
     from dgemma_jax.io.locations import resolve
 
     src = resolve(src, check=False)
@@ -363,6 +372,11 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
 
         cfg, params = load_hf(src, dtype=dtype, progress=wrap)
         sampler = hf_sampler(src, cfg)
+    elif src_format == "dgemma":
+        from dgemma_jax.io.model_dir import load_model
+
+        cfg, params, sampler = load_model(src, dtype=dtype)
+        params = jax.device_get(params)
     elif src_format == "gemma":
         cfg = ModelConfig.preset(preset or "diffusiongemma-26b-a4b")
         if dtype:
@@ -370,10 +384,14 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
         params, multimodal, skipped = split_gemma(restore_gemma(src), cfg)
         params = jax.tree.map(lambda x: jnp.asarray(x, cfg.param_dtype), params)
     else:
-        raise ValueError(f"unknown source format {src_format!r}; use 'hf' or 'gemma'")
+        raise ValueError(f"unknown source format {src_format!r}; use 'hf', 'gemma' or 'dgemma'")
     _check_shapes(params, cfg)
+    if quantize is not None:
+        from dgemma_jax.model.quant import quantize_params
+
+        params = quantize_params(cfg, params, quantize)
     tok = None
-    if src_format == "hf":
+    if src_format in ("hf", "dgemma"):
         for name in TOKENIZER_FILES:
             p = os.path.join(src, name)
             if os.path.isfile(p):
