@@ -138,14 +138,14 @@ class Runtime:
             return fn(self, z, weights, experts, gate_up, down, adapters)
         mesh, rules = self.mesh, self.rules
         tok = _axes(spec_for(z.shape[:1], ("batch",), rules, mesh)[0])
-        experts = jax.tree.leaves(gate_up)[0].shape[0]  # a float kernel, or an int8 pair's values and scales
-        ex = tuple(a for a in _axes(spec_for((experts,), ("experts",), rules, mesh)[0]) if a not in tok)
+        n_experts = jax.tree.leaves(gate_up)[0].shape[0]  # a float kernel, or an int8 pair's values and scales
+        ex = tuple(a for a in _axes(spec_for((n_experts,), ("experts",), rules, mesh)[0]) if a not in tok)
         if not (tok or ex):
             return fn(self, z, weights, experts, gate_up, down, adapters)
         shards = 1
         for a in ex:
             shards *= mesh.shape[a]
-        e_local = experts // shards
+        e_local = n_experts // shards
         inner = self.local()  # no logical constraints inside the per-shard body
 
         def body(z, weights, experts, gate_up, down, adapters):

@@ -385,10 +385,14 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
         params = jax.tree.map(lambda x: jnp.asarray(x, cfg.param_dtype), params)
     else:
         raise ValueError(f"unknown source format {src_format!r}; use 'hf', 'gemma' or 'dgemma'")
-    _check_shapes(params, cfg)
-    if quantize is not None:
-        from dgemma_jax.model.quant import quantize_params
+    from dgemma_jax.model.quant import quantization_of, quantize_params
 
+    already = quantization_of(params)  # a dgemma_jax source may hold int8 kernels (checked by its loader)
+    if already is not None and quantize is not None:
+        raise ValueError(f"{src!r} is already quantized ({already}); convert it without --quantize")
+    if already is None:
+        _check_shapes(params, cfg)
+    if quantize is not None:
         params = quantize_params(cfg, params, quantize)
     tok = None
     if src_format in ("hf", "dgemma"):
