@@ -68,6 +68,26 @@ def _passes(cfg, params, tokens, canvas, rt=None):
     return [np.asarray(x) for x in (pre, first, second)]
 
 
+def test_one_kernel_quantizes_per_output_channel_and_projects_like_its_dequantized_self():
+    """No model, no compilation to speak of (the default tier): one [D, N, H] kernel, its scale on
+    the output layout of the projection, and `project` of the pair against the float projection of
+    q * s; an all-zero channel gets scale 1 and zeros."""
+    from dgemma_jax.model.layers import dequantize, output_scale, project
+    from dgemma_jax.model.quant import quantize_kernel
+
+    w = jax.random.normal(jax.random.key(0), (8, 3, 4), jnp.float32).at[:, 1, 2].set(0.0)
+    q = quantize_kernel(w, (0,))
+    assert q["int8"].dtype == jnp.int8 and q["scale"].shape == (1, 3, 4) and float(q["scale"][0, 1, 2]) == 1.0
+    np.testing.assert_allclose(q["scale"][0], jnp.abs(w).max(0) / 127 + (jnp.abs(w).max(0) == 0), rtol=1e-6)
+    assert output_scale("btd,dnh->btnh", q["scale"]).shape == (1, 1, 3, 4)
+    assert output_scale("btnh,nhd->btd", jnp.ones((1, 1, 5))).shape == (1, 1, 5)
+    assert output_scale("nd,edf->nef", jnp.ones((6, 1, 7))).shape == (1, 6, 7)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 8), jnp.float32)
+    np.testing.assert_allclose(project("btd,dnh->btnh", x, q), jnp.einsum("btd,dnh->btnh", x, dequantize(q)),
+                               atol=1e-5)
+    assert float(jnp.abs(w - dequantize(q)).max()) <= float(q["scale"].max()) / 2 + 1e-6
+
+
 def test_int8_kernels_are_int8_with_one_scale_per_output_channel(params):
     q = quantize_params(CFG, params)
     flat_q, flat_f = _flat(q), _flat(params)
