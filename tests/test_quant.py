@@ -1,8 +1,8 @@
 """Weight-only int8 (`dgemma_jax.model.quant`): the int8 kernels, their matmuls, agreement with the
 float model, sharding, checkpoints and the errors.
 
-Bounds come from benchmarks/results/int8_quality.json (benchmarks/int8_quality.py), measured on
-these configs and seeds; each bound leaves a margin of about 2x over the measurement."""
+Bounds come from measurements (benchmarks/int8_quality.py, benchmarks/results/int8_quality.json, or
+the test's own inputs); each test's docstring gives the measured value and its bound."""
 
 import json
 import os
