@@ -42,18 +42,19 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
 class DiffusionGemma:
     """config + params + tokenizer + `Engine`; `.generate(text)`, `.chat(messages)`."""
 
-    def __init__(self, config, params, tokenizer, sampler=None, shardings=None):
+    def __init__(self, config, params, tokenizer, sampler=None, shardings=None, quantize: str | None = None):
         from dgemma_jax.engine import Engine
 
-        self.config, self.params, self.tokenizer = config, params, tokenizer
-        self.engine = Engine(config, params, sampler, shardings=shardings)
+        self.engine = Engine(config, params, sampler, shardings=shardings, quantize=quantize)
+        self.config, self.params, self.tokenizer = config, self.engine.params, tokenizer
 
     @classmethod
     def from_pretrained(cls, checkpoint: str | None = None, dtype: str | None = None, sampler=None,
-                        shardings=None, revision: str | None = None) -> "DiffusionGemma":
-        """checkpoint: a local directory, gs:// (any fsspec URL) or a Hub repo id[@revision]; None: bundled."""
+                        shardings=None, revision: str | None = None, quantize: str | None = None) -> "DiffusionGemma":
+        """checkpoint: a local directory, gs:// (any fsspec URL) or a Hub repo id[@revision]; None: bundled.
+        quantize: "int8" quantizes the weights on load (`dgemma_jax.model.quant`)."""
         cfg, params, saved_sampler, tok = load_checkpoint(checkpoint, dtype, revision)
-        return cls(cfg, params, tok, sampler or saved_sampler, shardings)
+        return cls(cfg, params, tok, sampler or saved_sampler, shardings, quantize)
 
     @property
     def sampler(self):

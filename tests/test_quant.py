@@ -238,8 +238,9 @@ def test_quantized_checkpoint_round_trip(params, tmp_path):
 
 def test_cli_convert_and_generate_int8(tmp_path, capsys):
     """`dgemma convert --quantize int8` writes an int8 checkpoint that loads as int8 and equals
-    quantizing on load; `dgemma generate --quantize int8` on the float checkpoint gives the tokens
-    of the int8 checkpoint; a second --quantize on it is a one-line error."""
+    quantizing on load; `dgemma generate --quantize int8` on the float checkpoint (and
+    `DiffusionGemma.from_pretrained(quantize="int8")`) gives the text of the int8 checkpoint; a second
+    --quantize on it is a one-line error."""
     from dgemma_jax import init_params, save_hf
     from dgemma_jax.cli import main
     from dgemma_jax.io.hf import load_hf
@@ -266,6 +267,11 @@ def test_cli_convert_and_generate_int8(tmp_path, capsys):
     from_int8 = capsys.readouterr().out
     assert main(gen + ["--checkpoint", str(hf), "--quantize", "int8"]) == 0
     assert capsys.readouterr().out == from_int8 and from_int8.strip()
+    from dgemma_jax import DiffusionGemma
+
+    dg = DiffusionGemma.from_pretrained(str(hf), quantize="int8")
+    assert quantization_of(dg.params) == "int8"
+    assert dg.generate("w5 w7 w9", max_new_tokens=16, seed=1) == from_int8.rstrip("\n")
     assert main(gen + ["--checkpoint", str(tmp_path / "q"), "--quantize", "int8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "already quantized" in err[0], err

@@ -75,8 +75,9 @@ def output_scale(eq: str, scale: jax.Array) -> jax.Array:
     contracted = tuple(i for i, c in enumerate(ws) if c not in out)
     kept = "".join(c for c in ws if c in out)
     s = jnp.squeeze(scale, contracted) if contracted else scale
-    s = jnp.transpose(s, [kept.index(c) for c in out if c in kept])
-    return s.reshape([s.shape["".join(c for c in out if c in kept).index(c)] if c in kept else 1 for c in out])
+    order = [c for c in out if c in kept]  # the kept axes in output order
+    s = jnp.transpose(s, [kept.index(c) for c in order])
+    return s.reshape([s.shape[order.index(c)] if c in kept else 1 for c in out])
 
 
 def ones_param(module: nn.Module, name: str, shape, axes: tuple, cfg: ModelConfig):
