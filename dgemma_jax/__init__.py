@@ -8,6 +8,7 @@ Public API (see README "Library API"; in full: docs/api.md):
   load_hf, save_hf                Hugging Face checkpoints <-> params (safetensors, no torch)
   init_params, init_cache         random parameters, an empty KV cache
   prefill, denoise, soft_embed    the two model passes (causal encoder; bidirectional denoiser)
+  quantize_params                 weight-only int8 kernels (`Engine(..., quantize="int8")` does it for you)
 """
 
 from dgemma_jax.config import ModelConfig
@@ -15,12 +16,13 @@ from dgemma_jax.engine import Engine, generate
 from dgemma_jax.io.hf import load_hf, save_hf
 from dgemma_jax.model import (KVCache, cache_shape, denoise, init_cache, init_params, logical_axes,
                               param_shapes, prefill, soft_embed)
+from dgemma_jax.model.quant import quantize_params
 from dgemma_jax.pipeline import DiffusionGemma
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
 
 __all__ = ["DiffusionGemma", "Engine", "KVCache", "ModelConfig", "Runtime", "SamplerConfig", "cache_shape", "denoise",
            "generate", "init_cache", "init_params", "load_hf", "logical_axes", "param_shapes", "prefill",
-           "save_hf", "soft_embed"]
+           "quantize_params", "save_hf", "soft_embed"]
 
 __version__ = "0.1.0"

@@ -65,6 +65,19 @@ def _seed_canvas(args, tok, sampler, batch_size: int):
     return (np.array([ids] * batch_size, np.int32), np.array([pinned] * batch_size, bool))
 
 
+def quantize_for_cli(args, config, params):
+    """--quantize int8: the loaded float parameters as int8 kernels (`dgemma_jax.model.quant`)."""
+    mode = getattr(args, "quantize", None)
+    if mode is None:
+        return params
+    from dgemma_jax.model.quant import quantization_of, quantize_params
+
+    if quantization_of(params) is not None:
+        raise UsageError(f"--quantize {mode}: the checkpoint is already quantized ({quantization_of(params)}); "
+                         "drop --quantize")
+    return quantize_params(config, params, mode)
+
+
 # ---------------------------------------------------------------------------- generate
 def _strip_final_newline(text: str) -> str:
     """A piped prompt (`echo PROMPT | dgemma generate`) without the one newline the shell adds."""
@@ -104,6 +117,7 @@ def cmd_generate(args) -> int:
     if not prompt:
         raise UsageError("empty prompt: pass --prompt TEXT or pipe text on stdin")
     cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype, args.revision)
+    params = quantize_for_cli(args, cfg, params)
     sampler = sampler_from_args(args, cfg, sampler)
     ids = tok.encode(prompt, add_bos=True)
     if args.max_prompt and len(ids) > args.max_prompt:
@@ -146,6 +160,7 @@ def cmd_generate(args) -> int:
 # ---------------------------------------------------------------------------- chat
 def cmd_chat(args) -> int:
     cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype, args.revision)
+    params = quantize_for_cli(args, cfg, params)
     sampler = sampler_from_args(args, cfg, sampler)
     session = ChatSession(Engine(cfg, params, sampler), tok, system=args.system, thinking=args.thinking,
                           context=args.context, max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -175,8 +190,9 @@ def cmd_convert(args) -> int:
     src = resolve(args.src, args.revision, check=False)
     src_fmt = args.from_format or convert.detect_source(src)
     n = convert.convert(src, args.dst, src_fmt, dtype=args.dtype, preset=args.preset, progress=not args.quiet,
-                        overwrite=args.force)
-    print(f"converted {n} tensors from {src_fmt} at {args.src} to a dgemma_jax checkpoint at {args.dst}")
+                        overwrite=args.force, quantize=args.quantize)
+    what = f"an {args.quantize} " if args.quantize else "a "
+    print(f"converted {n} tensors from {src_fmt} at {args.src} to {what}dgemma_jax checkpoint at {args.dst}")
     return 0
 
 
@@ -256,6 +272,8 @@ def add_commands(sub, positive):
                        help=f"default: {DEFAULT_NEW_TOKENS}, or as many whole canvases as fit the model's positions")
         checkpoint_flags(s)
         s.add_argument("--dtype", choices=["float32", "bfloat16"])
+        s.add_argument("--quantize", choices=["int8"], default=None,
+                       help="int8: weight-only int8 expert, attention and MLP kernels, quantized on load")
 
     s = sub.add_parser("generate", help="prompt -> text")
     s.add_argument("--prompt", help="the prompt (default: read stdin)")
@@ -276,14 +294,19 @@ def add_commands(sub, positive):
     sampler_flags(s)
     s.set_defaults(fn=cmd_chat)
 
-    s = sub.add_parser("convert", help="Hugging Face safetensors or gemma-library orbax -> dgemma_jax checkpoint")
+    s = sub.add_parser("convert", help="Hugging Face safetensors or gemma-library orbax (or a dgemma_jax checkpoint, "
+                                       "to quantize it) -> dgemma_jax checkpoint")
     s.add_argument("src", help="a checkpoint directory, a gs:// (fsspec) URL, or a Hugging Face Hub repo id[@revision]")
     s.add_argument("dst", help="a local directory")
     s.add_argument("--revision", default=None, help="Hub revision of SRC (branch, tag or commit)")
-    s.add_argument("--from", dest="from_format", choices=["hf", "gemma"], default=None)
+    s.add_argument("--from", dest="from_format", choices=["hf", "gemma", "dgemma"], default=None,
+                   help="the source's format (default: detected); dgemma: a dgemma_jax checkpoint, re-written "
+                        "(e.g. with --quantize int8)")
     s.add_argument("--preset", default=None, help="model preset of a gemma-layout checkpoint (default: the 26B)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
     s.add_argument("--force", action="store_true", help="replace an existing, non-empty destination")
+    s.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8: write weight-only int8 expert, attention and MLP kernels (read back as int8)")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_convert)
 

@@ -189,12 +189,21 @@ class Engine:
     bucket: pad prompt widths and derived cache lengths up to `bucket_length` (default), so that
     prompts of different lengths reuse a few compiled programs instead of compiling one per length;
     the outputs agree up to the order of floating-point sums. False compiles for the exact shapes given.
+    quantize: "int8" quantizes float `params` on construction (`model.quant.quantize_params`: int8
+    expert, attention and MLP kernels, placed like the float ones when `shardings` are given); params
+    already quantized are passed as they are, without it. None (default): run `params` as given.
     """
 
     def __init__(self, config: ModelConfig, params: Any, sampler: SamplerConfig | None = None, *,
                  shardings: Any | None = None, runtime: Runtime | None = None, donate: bool = True,
-                 bucket: bool = True):
+                 bucket: bool = True, quantize: str | None = None):
         self.config = config
+        if quantize is not None:
+            from dgemma_jax.model.quant import quantize_params
+
+            params = quantize_params(config, params, quantize)
+            if shardings is not None:
+                params = shardings.place_params(params)
         self.params = params
         self.sampler = sampler or SamplerConfig.for_model(config)
         _check_sampler(config, self.sampler)

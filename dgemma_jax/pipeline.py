@@ -42,17 +42,20 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
 class DiffusionGemma:
     """config + params + tokenizer + `Engine`; `.generate(text)`, `.chat(messages)`."""
 
-    def __init__(self, config, params, tokenizer, sampler=None, shardings=None, runtime=None):
-        self.config, self.params, self.tokenizer = config, params, tokenizer
-        self.engine = Engine(config, params, sampler, shardings=shardings, runtime=runtime)
+    def __init__(self, config, params, tokenizer, sampler=None, shardings=None, runtime=None,
+                 quantize: str | None = None):
+        self.engine = Engine(config, params, sampler, shardings=shardings, runtime=runtime, quantize=quantize)
+        self.config, self.params, self.tokenizer = config, self.engine.params, tokenizer
 
     @classmethod
     def from_pretrained(cls, checkpoint: str | None = None, dtype: str | None = None, sampler=None,
-                        shardings=None, revision: str | None = None, runtime=None) -> "DiffusionGemma":
+                        shardings=None, revision: str | None = None, runtime=None,
+                        quantize: str | None = None) -> "DiffusionGemma":
         """checkpoint: a local directory, gs:// (any fsspec URL) or a Hub repo id[@revision]; None: bundled.
-        runtime: how the engine's programs run (`dgemma_jax.Runtime`; default: this backend)."""
+        runtime: how the engine's programs run (`dgemma_jax.Runtime`; default: this backend).
+        quantize: "int8" quantizes the weights on load (`dgemma_jax.model.quant`)."""
         cfg, params, saved_sampler, tok = load_checkpoint(checkpoint, dtype, revision)
-        return cls(cfg, params, tok, sampler or saved_sampler, shardings, runtime)
+        return cls(cfg, params, tok, sampler or saved_sampler, shardings, runtime, quantize)
 
     @property
     def sampler(self):

@@ -131,19 +131,21 @@ class Runtime:
         [N, D], weights / experts [N, k]) are split like the batch and replicated over the model axes,
         so no expert weight ever moves (with FSDP the weights' `embed` dimension is gathered per layer,
         as for every FSDP layer). Each expert is whole on one shard (gate_up [E, D, 2F] keeps gate and
-        up side by side). Without a mesh this is just `fn(...)` with all experts local.
+        up side by side). gate_up / down may be int8 pairs {"int8", "scale"} (every leaf [E, ., .]):
+        split over the experts like float kernels. Without a mesh this is just `fn(...)` with all experts local.
         """
         if self.mesh is None:
             return fn(self, z, weights, experts, gate_up, down, adapters)
         mesh, rules = self.mesh, self.rules
         tok = _axes(spec_for(z.shape[:1], ("batch",), rules, mesh)[0])
-        ex = tuple(a for a in _axes(spec_for(gate_up.shape[:1], ("experts",), rules, mesh)[0]) if a not in tok)
+        n_experts = jax.tree.leaves(gate_up)[0].shape[0]  # a float kernel, or an int8 pair's values and scales
+        ex = tuple(a for a in _axes(spec_for((n_experts,), ("experts",), rules, mesh)[0]) if a not in tok)
         if not (tok or ex):
             return fn(self, z, weights, experts, gate_up, down, adapters)
         shards = 1
         for a in ex:
             shards *= mesh.shape[a]
-        e_local = gate_up.shape[0] // shards
+        e_local = n_experts // shards
         inner = self.local()  # no logical constraints inside the per-shard body
 
         def body(z, weights, experts, gate_up, down, adapters):
@@ -157,7 +159,8 @@ class Runtime:
         kernel = P(_spec(ex), None, None)
         return jax.shard_map(
             body, mesh=mesh, check_vma=False,
-            in_specs=(P(t, None), P(t, None), P(t, None), kernel, kernel,
+            in_specs=(P(t, None), P(t, None), P(t, None), jax.tree.map(lambda _: kernel, gate_up),
+                      jax.tree.map(lambda _: kernel, down),
                       None if adapters is None else jax.tree.map(lambda _: kernel, adapters)),
             out_specs=P(t, None))(z, weights, experts, gate_up, down, adapters)
 

@@ -45,8 +45,9 @@ from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import DgemmaWarning
 from dgemma_jax.io.hf import load_hf
 from dgemma_jax.io.locations import resolve
-from dgemma_jax.io.model_dir import hf_sampler, save_model
+from dgemma_jax.io.model_dir import hf_sampler, load_model, save_model
 from dgemma_jax.model.api import param_shapes
+from dgemma_jax.model.quant import QUANT_MODES, quantization_of, quantize_params
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
@@ -103,6 +104,8 @@ def detect_source(path: str) -> str:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"source checkpoint {path!r} does not exist or is not a directory")
     files = os.listdir(path)
+    if "dgemma_model.json" in files:  # already ours: re-written (e.g. with --quantize int8)
+        return "dgemma"
     if "config.json" in files and any(f.endswith(".safetensors") for f in files):
         return "hf"
     if any(f in files for f in ("_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt", "checkpoint")) or \
@@ -328,12 +331,16 @@ def _check_shapes(params, cfg: ModelConfig):
 
 
 def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, preset: str | None = None,
-            progress: bool = True, overwrite: bool = False) -> int:
+            progress: bool = True, overwrite: bool = False, quantize: str | None = None) -> int:
     """Convert `src` into a dgemma_jax checkpoint directory `dst`; returns the number of tensors.
 
     An existing non-empty `dst` is an error unless `overwrite` (`dgemma convert --force`). A source
     without a tokenizer file converts with a DgemmaWarning: the checkpoint then needs one copied in.
-    `src` may also be a gs:// (fsspec) URL or a Hub repo id[@revision] (`dgemma_jax.io.locations`)."""
+    `src` may also be a gs:// (fsspec) URL or a Hub repo id[@revision] (`dgemma_jax.io.locations`).
+    quantize: "int8" writes weight-only int8 kernels (`dgemma_jax.model.quant`); `load_model` reads
+    them back as int8."""
+    if quantize is not None and quantize not in QUANT_MODES:
+        raise ValueError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANT_MODES)}")
     src = resolve(src, check=False)
     if os.path.exists(dst) and os.path.realpath(dst) == os.path.realpath(src):
         raise ValueError(f"the destination {dst!r} is the source directory; convert into a new directory")
@@ -355,6 +362,9 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
     if src_format == "hf":
         cfg, params = load_hf(src, dtype=dtype, progress=wrap)
         sampler = hf_sampler(src, cfg)
+    elif src_format == "dgemma":
+        cfg, params, sampler = load_model(src, dtype=dtype)
+        params = jax.device_get(params)
     elif src_format == "gemma":
         cfg = ModelConfig.preset(preset or "diffusiongemma-26b-a4b")
         if dtype:
@@ -362,10 +372,17 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
         params, multimodal, skipped = split_gemma(restore_gemma(src), cfg)
         params = jax.tree.map(lambda x: jnp.asarray(x, cfg.param_dtype), params)
     else:
-        raise ValueError(f"unknown source format {src_format!r}; use 'hf' or 'gemma'")
-    _check_shapes(params, cfg)
+        raise ValueError(f"unknown source format {src_format!r}; use 'hf', 'gemma' or 'dgemma'")
+
+    already = quantization_of(params)  # a dgemma_jax source may hold int8 kernels (checked by its loader)
+    if already is not None and quantize is not None:
+        raise ValueError(f"{src!r} is already quantized ({already}); convert it without --quantize")
+    if already is None:
+        _check_shapes(params, cfg)
+    if quantize is not None:
+        params = quantize_params(cfg, params, quantize)
     tok = None
-    if src_format == "hf":
+    if src_format in ("hf", "dgemma"):
         for name in TOKENIZER_FILES:
             p = os.path.join(src, name)
             if os.path.isfile(p):

@@ -3,8 +3,10 @@
 Our format (written atomically by orbax)::
 
     <dir>/dgemma_model.json   {"format": "dgemma_jax.model", "version": 1, "config": {...},
-                               "sampler": {...} | null, "tokenizer": "<file name>" | null}
-    <dir>/params/             orbax StandardCheckpointer tree of the parameters
+                               "sampler": {...} | null, "tokenizer": "<file name>" | null,
+                               "quantization": {"mode": "int8", "embedding": bool} | absent}
+    <dir>/params/             orbax StandardCheckpointer tree of the parameters (a quantized checkpoint:
+                              each int8 kernel as {"int8", "scale"}, see `dgemma_jax.model.quant`)
     <dir>/<tokenizer file>    optional
 
 A Hugging Face directory has config.json + *.safetensors (see `dgemma_jax.io.hf`).
@@ -28,6 +30,7 @@ from dgemma_jax.io.formats import FORMAT, META, detect_format  # noqa: F401 (als
 from dgemma_jax.io.hf import load_hf
 from dgemma_jax.io.tokenizer import load_tokenizer
 from dgemma_jax.model.api import param_shapes
+from dgemma_jax.model.quant import embedding_quantized, quantization_of, quantized_shapes
 from dgemma_jax.runtime import split_choices
 from dgemma_jax.sampling.config import SamplerConfig
 
@@ -148,7 +151,8 @@ def _upgrade(params):
 
 def save_model(path: str | os.PathLike, config: ModelConfig, params: Any, sampler=None,
                tokenizer_file: str | None = None) -> None:
-    """Write params (orbax) + metadata (+ a copy of the tokenizer file) to `path`."""
+    """Write params (orbax) + metadata (+ a copy of the tokenizer file) to `path`. Parameters with int8
+    kernels (`model.quant.quantize_params`) are written as they are and the metadata says so."""
     path = os.path.abspath(os.fspath(path))
     os.makedirs(path, exist_ok=True)
     save_params(os.path.join(path, "params"), params)
@@ -160,6 +164,9 @@ def save_model(path: str | os.PathLike, config: ModelConfig, params: Any, sample
     meta = {"format": FORMAT, "version": 1, "config": config_to_dict(config),
             "sampler": dataclasses.asdict(sampler) if sampler is not None else None, "tokenizer": tok_name,
             "params_files": params_files(os.path.join(path, "params"))}
+    mode = quantization_of(params)
+    if mode is not None:
+        meta["quantization"] = {"mode": mode, "embedding": embedding_quantized(params)}
     tmp = os.path.join(path, META + ".tmp")
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=2)
@@ -206,9 +213,17 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None
         _check_params_files(os.fspath(path), meta["params_files"])
     if dtype:
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
-    abstract = param_shapes(cfg)
+    quant = meta.get("quantization")
+    if quant:  # int8 kernels: restored as int8 (never through a float copy)
+        abstract = quantized_shapes(cfg, quant.get("mode"), embedding=bool(quant.get("embedding")))
+    else:
+        abstract = param_shapes(cfg)
     if shardings is not None:
-        abstract = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=n), abstract, shardings)
+        if quant and not callable(getattr(shardings, "for_params", None)):
+            raise ValueError("a quantized checkpoint is placed by a dgemma_jax.parallel.Shardings (shardings=sh), "
+                             "which lays out its int8 kernels and scales")
+        tree = shardings.for_params(abstract) if quant else getattr(shardings, "params", shardings)
+        abstract = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=n), abstract, tree)
     try:
         params = load_params(os.path.join(os.fspath(path), "params"), abstract)
     except ParamsMismatch:

@@ -7,6 +7,8 @@ H head dim, F MLP hidden, V vocab.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,9 +24,60 @@ def dtype_of(name: str):
 
 
 def param(module: nn.Module, name: str, shape, axes: tuple, cfg: ModelConfig, init=None):
-    """Declare a parameter with logical axis names (mapped to mesh axes in `dgemma_jax.parallel`)."""
+    """Declare a parameter with logical axis names (mapped to mesh axes in `dgemma_jax.parallel`).
+
+    A kernel the parameters hold quantized (an int8 kernel {"int8", "scale"}, see `model.quant`) is
+    returned as that pair, untouched: the matmul that reads it (`project`, the MoE dispatch, the
+    tied head) casts the int8 values right before it and applies the scale to its output."""
+    if module.has_variable("params", name):
+        stored = module.get_variable("params", name)
+        if is_quantized(stored):
+            if tuple(stored[QUANT_VALUES].shape) != tuple(shape):
+                raise ValueError(f"int8 kernel {name!r} of {module.name!r} has shape "
+                                 f"{tuple(stored[QUANT_VALUES].shape)}; the model expects {tuple(shape)}")
+            return stored
     init = init or nn.initializers.normal(0.02)
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype_of(cfg.param_dtype))
+
+
+# ---------------------------------------------------------------------------- int8 kernels
+# A weight-only int8 kernel is the pair {"int8": q, "scale": s}: q int8 laid out like the float
+# kernel, s float32 of the same rank with size 1 on the axes the kernel's matmul contracts (one
+# symmetric scale per output channel, and per expert). W ~= q * s. `model.quant` builds them.
+QUANT_VALUES, QUANT_SCALE = "int8", "scale"
+
+
+def is_quantized(w) -> bool:
+    """Whether `w` is an int8 kernel {"int8", "scale"} (else a plain array)."""
+    return isinstance(w, Mapping) and set(w) == {QUANT_VALUES, QUANT_SCALE}  # a dict, or FrozenDict in setup()
+
+
+def kernel_shape(w) -> tuple:
+    """The logical shape of a kernel, float or int8."""
+    return tuple((w[QUANT_VALUES] if is_quantized(w) else w).shape)
+
+
+def dequantize(w, dtype=jnp.float32) -> jax.Array:
+    """A kernel as a float array of `dtype` (int8: q * s, computed in float32)."""
+    if not is_quantized(w):
+        return w.astype(dtype)
+    return (w[QUANT_VALUES].astype(jnp.float32) * w[QUANT_SCALE].astype(jnp.float32)).astype(dtype)
+
+
+def output_scale(eq: str, scale: jax.Array) -> jax.Array:
+    """An int8 kernel's scale [kernel rank, 1 on contracted axes] laid out to broadcast against the
+    output of the einsum `eq` ("<x>,<kernel>-><out>"; an ellipsis only at the start of x and out)."""
+    lhs, out = eq.replace(" ", "").split("->")
+    ws = lhs.split(",")[1]
+    if "." in ws or ("." in out and not out.startswith("...")):
+        raise ValueError(f"int8 kernel einsum {eq!r}: the kernel must be spelled out and an ellipsis lead the output")
+    out = out.removeprefix("...")
+    contracted = tuple(i for i, c in enumerate(ws) if c not in out)
+    kept = "".join(c for c in ws if c in out)
+    s = jnp.squeeze(scale, contracted) if contracted else scale
+    order = [c for c in out if c in kept]  # the kept axes in output order
+    s = jnp.transpose(s, [kept.index(c) for c in order])
+    return s.reshape([s.shape[order.index(c)] if c in kept else 1 for c in out])
 
 
 def ones_param(module: nn.Module, name: str, shape, axes: tuple, cfg: ModelConfig):
@@ -68,11 +121,20 @@ def low_rank(eq: str, x: jax.Array, ab) -> jax.Array:
 def project(eq: str, x: jax.Array, w: jax.Array, ab=None) -> jax.Array:
     """einsum(eq, x, w) in x's dtype, plus the unmerged LoRA term (x A) B when `ab` is given.
 
+    An int8 kernel (`is_quantized`) is read as int8 (HBM holds one byte per weight), cast exactly to
+    x's dtype inside the matmul, accumulated in float32 and scaled per output channel.
+
     The base kernel is read in its own dtype (cast to the activation dtype as always); the adapter
     term is computed in float32 and added before the result is cast back, so an adapter update the
     base dtype could not represent (bf16 rounds away deltas under half an ulp of W) still reaches
     the output.
     """
+    if is_quantized(w):  # int8 values cast exactly to x's dtype; the per-channel scale on the output
+        y = jnp.einsum(eq, x, w[QUANT_VALUES].astype(x.dtype), preferred_element_type=jnp.float32)
+        y = y * output_scale(eq, w[QUANT_SCALE].astype(jnp.float32))
+        if ab is not None:
+            y = y + low_rank(eq, x, ab)
+        return y.astype(x.dtype)
     y = jnp.einsum(eq, x, w.astype(x.dtype))
     if ab is None:
         return y

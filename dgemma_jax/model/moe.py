@@ -17,6 +17,10 @@ Dispatch strategies (all dropless, all equal to the dense oracle):
              is ever dropped and each expert's weights are read once. Fast on CPU.
 * "auto"     "capacity" on CPU, "ragged" elsewhere (`Runtime.dispatch`).
 
+int8 (`model.quant`): an expert kernel may be an int8 pair {"int8" [E, ., .], "scale" [E, 1, .]}; every
+strategy reads the int8 values, casts them to the activation dtype inside its matmul and scales the
+output per expert and channel (`project`, `_ragged`), so the experts stay one byte per weight in HBM.
+
 LoRA (unmerged): each expert kernel may carry per-expert adapters, `adapters` = {"gate_up": {"a":
 [E, D, r], "b": [E, r, 2F]}, "down": {"a": [E, F, r], "b": [E, r, D]}} (scale folded into b). Every
 strategy adds the float32 term (x A_e) B_e to its expert matmuls (einsums for "dense" / "capacity",
@@ -40,7 +44,8 @@ import numpy as np
 from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model.layers import adapter, gelu_tanh, ones_param, param, project, rms_normalize
+from dgemma_jax.model.layers import (QUANT_SCALE, QUANT_VALUES, adapter, gelu_tanh, is_quantized, kernel_shape,
+                                     ones_param, param, project, rms_normalize)
 from dgemma_jax.runtime import Runtime
 
 
@@ -67,7 +72,20 @@ def _ab(adapters, name):
 
 
 def _ragged(x, w, sizes, ab=None):
-    """Grouped matmul x [M, I] by the group's kernel w [G, I, O], plus its LoRA term in float32."""
+    """Grouped matmul x [M, I] by the group's kernel w [G, I, O], plus its LoRA term in float32.
+
+    An int8 kernel is cast exactly to x's dtype inside the grouped matmul (accumulated in float32)
+    and each row is scaled by its group's per-channel scale [G, 1, O]."""
+    if is_quantized(w):
+        f32 = jnp.float32
+        y = jax.lax.ragged_dot(x, w[QUANT_VALUES].astype(x.dtype), sizes, preferred_element_type=f32)
+        # each row's group: rows are laid out group after group (rows past the groups are not outputs)
+        group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x.shape[0], dtype=sizes.dtype), side="right")
+        y = y * w[QUANT_SCALE][:, 0, :].astype(f32)[jnp.minimum(group, sizes.shape[0] - 1)]
+        if ab is not None:
+            h = jax.lax.ragged_dot(x.astype(f32), ab["a"].astype(f32), sizes, preferred_element_type=f32)
+            y = y + jax.lax.ragged_dot(h, ab["b"].astype(f32), sizes, preferred_element_type=f32)
+        return y.astype(x.dtype)
     y = jax.lax.ragged_dot(x, w, sizes)
     if ab is None:
         return y
@@ -84,7 +102,7 @@ def _constrain(rt, x, logical):
 def _expert_ffn_dense(z, gate_up, down, adapters=None, rt: Runtime | None = None):
     """All experts on all tokens: z [N, D] -> [N, E, D]."""
     h = _constrain(rt, project("nd,edf->nef", z, gate_up, _ab(adapters, "gate_up")), (None, "experts", None))
-    return project("nef,efd->ned", _gated(h, down.shape[1]), down, _ab(adapters, "down"))
+    return project("nef,efd->ned", _gated(h, kernel_shape(down)[1]), down, _ab(adapters, "down"))
 
 
 def _local_pairs(weights, experts, valid):
@@ -95,7 +113,7 @@ def _local_pairs(weights, experts, valid):
 
 
 def dispatch_dense(z, weights, experts, gate_up, down, valid=None, adapters=None, rt: Runtime | None = None):
-    n, e = z.shape[0], gate_up.shape[0]
+    n, e = z.shape[0], kernel_shape(gate_up)[0]
     weights, experts = _local_pairs(weights, experts, valid)
     combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights)
     y = _expert_ffn_dense(z, gate_up, down, adapters, rt)
@@ -111,7 +129,7 @@ def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | 
     the work, without dropping any pair when its share is larger.
     """
     n, k = experts.shape
-    e, d, f = down.shape[0], z.shape[1], down.shape[1]
+    e, d, f = kernel_shape(down)[0], z.shape[1], kernel_shape(down)[1]
     flat = experts.reshape(-1)
     ok = jnp.ones_like(flat, bool) if valid is None else valid.reshape(-1)
     key = jnp.where(ok, flat, e)  # pairs of other shards sort after every local expert
@@ -177,7 +195,7 @@ def dispatch_capacity(z, weights, experts, gate_up, down, capacity, valid=None, 
     for the first size only. `rt`: the runtime whose mesh the expert buffers are laid out on (None: none).
     """
     n, k = experts.shape
-    e, d = gate_up.shape[:2]
+    e, d = kernel_shape(gate_up)[:2]
     caps = (int(capacity),) if isinstance(capacity, (int, np.integer)) else tuple(int(c) for c in capacity)
     caps = tuple(sorted(set(min(c, n) for c in caps) | {n}))
     flat = experts.reshape(-1)
@@ -197,7 +215,7 @@ def dispatch_capacity(z, weights, experts, gate_up, down, capacity, valid=None, 
         # each slot's combine weight scales its hidden row (F wide, fused into the gating) rather than
         # its output row (D wide, a separate pass)
         w_slot = jnp.concatenate([wgt, jnp.zeros((1,), wgt.dtype)])[pair[:-1]].reshape(e, cap, 1)
-        h = _gated(project("ecd,edf->ecf", buf, gate_up, _ab(adapters, "gate_up")), down.shape[1])
+        h = _gated(project("ecd,edf->ecf", buf, gate_up, _ab(adapters, "gate_up")), kernel_shape(down)[1])
         h = h * w_slot.astype(buf.dtype)
         y = _constrain(rt, project("ecf,efd->ecd", h, down, _ab(adapters, "down")), ("experts", None, "embed"))
         y = jnp.concatenate([y.reshape(e * cap, d), jnp.zeros((1, d), y.dtype)])
@@ -219,7 +237,7 @@ def dispatch(cfg: ModelConfig, rt: Runtime, z, weights, experts, gate_up, down, 
     (1 = all experts local); pairs routed to other shards contribute nothing here. `adapters`: the
     local experts' LoRA pairs (see the module docstring) or None.
     """
-    e_local = gate_up.shape[0]
+    e_local = kernel_shape(gate_up)[0]
     valid = None
     if shards > 1:
         local = experts - offset
@@ -261,7 +279,8 @@ class MoE(nn.Module):
         zf = z.reshape(-1, d)
         with jax.named_scope("router"):
             weights, experts = route(hf, w_router, router_scale, expert_scale, cfg.top_k, cfg.rms_norm_eps)
-        gate_up, down = gate_up.astype(z.dtype), down.astype(z.dtype)
+        # float kernels in the activation dtype; int8 kernels stay int8 (cast inside each matmul)
+        gate_up, down = (w if is_quantized(w) else w.astype(z.dtype) for w in (gate_up, down))
         adapters = {k: ab for k in ("gate_up", "down") if (ab := adapter(self, k)) is not None} or None
         with jax.named_scope(f"experts_{self.rt.dispatch}"):
             y = self.rt.expert_parallel(lambda rt, *a, **k: dispatch(cfg, rt, *a, **k), zf, weights, experts,

@@ -22,7 +22,8 @@ from flax import linen as nn
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.attention import Attention
 from dgemma_jax.model.cache import KVCache
-from dgemma_jax.model.layers import GatedMLP, RMSNorm, dtype_of, ones_param, param, rms_normalize, softcap
+from dgemma_jax.model.layers import (QUANT_SCALE, QUANT_VALUES, GatedMLP, RMSNorm, dtype_of, is_quantized, ones_param,
+                                     param, rms_normalize, softcap)
 from dgemma_jax.model.moe import MoE
 from dgemma_jax.runtime import Runtime
 
@@ -89,20 +90,33 @@ class Transformer(nn.Module):
     def _embed(self, tokens):
         dt = dtype_of(self.cfg.dtype)
         scale = jnp.asarray(self.cfg.embed_scale, jnp.float32).astype(dt)
-        return jnp.take(self.embedding, tokens, axis=0).astype(dt) * scale
+        e = self.embedding
+        if is_quantized(e):  # int8 rows times their row's scale
+            rows = jnp.take(e[QUANT_VALUES], tokens, axis=0).astype(jnp.float32)
+            return (rows * jnp.take(e[QUANT_SCALE][:, 0], tokens, axis=0)[..., None]).astype(dt) * scale
+        return jnp.take(e, tokens, axis=0).astype(dt) * scale
 
     def logits(self, h):
         """Final norm -> tied head -> softcap, float32 [..., V]."""
         h = self.final_norm(h)
-        out = jnp.einsum("...d,vd->...v", h, self.embedding.astype(h.dtype), preferred_element_type=jnp.float32)
+        e = self.embedding
+        if is_quantized(e):  # one scale per vocabulary row: per output channel of the head
+            out = jnp.einsum("...d,vd->...v", h, e[QUANT_VALUES].astype(h.dtype), preferred_element_type=jnp.float32)
+            return softcap(out * e[QUANT_SCALE][:, 0].astype(jnp.float32), self.cfg.final_logit_softcap)
+        out = jnp.einsum("...d,vd->...v", h, e.astype(h.dtype), preferred_element_type=jnp.float32)
         return softcap(out, self.cfg.final_logit_softcap)
 
     def soft_embed(self, sc_logits):
         """softmax_fp32(logits) @ E * sqrt(D): [B, L, V] -> [B, L, D] (activation dtype)."""
         dt = dtype_of(self.cfg.dtype)
         probs = jax.nn.softmax(sc_logits.astype(jnp.float32), axis=-1)
-        emb = jnp.einsum("blv,vd->bld", probs.astype(self.embedding.dtype), self.embedding,
-                         preferred_element_type=jnp.float32)
+        e = self.embedding
+        if is_quantized(e):  # the row scales fold into the probabilities (the contracted axis)
+            w = dtype_of(self.cfg.param_dtype)
+            probs = probs * e[QUANT_SCALE][:, 0].astype(jnp.float32)
+            emb = jnp.einsum("blv,vd->bld", probs.astype(w), e[QUANT_VALUES].astype(w), preferred_element_type=jnp.float32)
+        else:
+            emb = jnp.einsum("blv,vd->bld", probs.astype(e.dtype), e, preferred_element_type=jnp.float32)
         return emb.astype(dt) * jnp.asarray(self.cfg.embed_scale, jnp.float32).astype(dt)
 
     # -------------------------------------------------------------- modes

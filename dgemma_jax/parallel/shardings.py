@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import _boxed_init, logical_axes, param_shapes
 from dgemma_jax.model.cache import KVCache, cache_shape, init_cache
-from dgemma_jax.model.layers import dtype_of
+from dgemma_jax.model.layers import dtype_of, is_quantized
 from dgemma_jax.parallel.rules import CACHE_AXES, _axis_size, rules_for, spec_for
 from dgemma_jax.runtime import Runtime
 
@@ -34,6 +34,7 @@ class Shardings:
         self.rules_name = rules if isinstance(rules, str) else "custom"
         shapes = param_shapes(config)
         axes = logical_axes(config)
+        self.logical = axes
         self.params = jax.tree.map(
             lambda s, a: NamedSharding(mesh, spec_for(s.shape, tuple(a), self.rules, mesh)), shapes, axes,
             is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -88,8 +89,20 @@ class Shardings:
                      out_shardings=self.cache(batch, length))
         return fn()
 
+    def for_params(self, params) -> Any:
+        """NamedShardings laid out like `params`: float parameters (then `self.params`), or parameters
+        with int8 kernels {"int8", "scale"} (`model.quant`), whose values are placed like the float
+        kernel and whose scales along the same logical axes (their size-1 axes replicated)."""
+        def one(axes, x):
+            if is_quantized(x):
+                return {k: self.named(v.shape, tuple(axes)) for k, v in x.items()}
+            return self.named(x.shape, tuple(axes))
+
+        return jax.tree.map(one, self.logical, params, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
     def place_params(self, params) -> Any:
-        return jax.tree.map(lambda x, s: jax.device_put(x, s), params, self.params)
+        """Parameters (float or with int8 kernels) placed in their shards."""
+        return jax.tree.map(lambda x, s: jax.device_put(x, s), params, self.for_params(params))
 
     def init_params(self, rng) -> Any:
         """Random parameters created directly in their shards (no full host copy)."""

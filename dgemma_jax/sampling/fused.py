@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dgemma_jax.model.layers import softcap
+from dgemma_jax.model.layers import QUANT_SCALE, QUANT_VALUES, is_quantized, softcap
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.ops import StepStats, sanitize_logits
 
@@ -67,6 +67,7 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
     Returns (StepStats(sampled, argmax, entropy) each [B, L], soft embedding [B, L, D] in h.dtype).
     """
     b, l, d = h.shape
+    embedding, row_scale = _head_table(embedding)
     v = embedding.shape[0]
     c = chunk or vocab_chunk(v)
     n = v // c
@@ -87,6 +88,9 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
         # XLA:CPU copy every chunk first)
         e_c = jax.lax.dynamic_slice_in_dim(embedding, idx * c, c)
         logits = jnp.einsum("bld,cd->blc", h, e_c.astype(h.dtype), preferred_element_type=jnp.float32)
+        if row_scale is not None:
+            rs_c = jax.lax.dynamic_slice_in_dim(row_scale, idx * c, c)
+            logits = logits * rs_c
         z = sanitize_logits(jnp.tanh(logits * (1.0 / cap)) * scale)  # softcap / T with one multiply
         # the chunk's max and its first index from per-sub-block maxima: one reduction pass over the
         # tile, then a search inside the one sub-block that holds the max (a compare-select-reduce
@@ -111,7 +115,8 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
         wz = jnp.einsum("blc,c->bl", w * shifted, jnp.ones((c,), jnp.float32))
         t = alpha * (carry["t"] + carry["s"] * (carry["m"] - m_new)) + wz
         t = jnp.where(jnp.isfinite(carry["m"]), t, wz)
-        acc = carry["acc"] * alpha[..., None] + jnp.einsum("blc,cd->bld", w, e_c.astype(jnp.float32))
+        acc = carry["acc"] * alpha[..., None] + jnp.einsum(
+            "blc,cd->bld", w if row_scale is None else w * rs_c, e_c.astype(jnp.float32))
         # a draw inside the chunk by inverting its cumulative mass: first the sub-block, then the
         # token inside it (two short cumulative sums instead of one over the whole chunk)
         u = chunk_uniforms(keys, idx, l)
@@ -138,7 +143,10 @@ def head_sample_stats_full(h: jax.Array, embedding: jax.Array, cap: float, tempe
     """`head_sample_stats` as full-vocabulary reductions (the accelerator variant, same contract); the
     logits and noise are laid out on `rt`'s mesh when it has one."""
     rt = rt or Runtime()
+    embedding, row_scale = _head_table(embedding)
     logits = jnp.einsum("bld,vd->blv", h, embedding.astype(h.dtype), preferred_element_type=jnp.float32)
+    if row_scale is not None:
+        logits = logits * row_scale
     logits = rt.constrain(logits, ("batch", "seq", "vocab"))
     z = sanitize_logits(softcap(logits, cap) / temperature)
     m = z.max(-1, keepdims=True)
@@ -149,9 +157,18 @@ def head_sample_stats_full(h: jax.Array, embedding: jax.Array, cap: float, tempe
     gumbel = rt.constrain(gumbel, ("batch", "seq", "vocab"))
     stats = StepStats(sampled=jnp.argmax(z + gumbel, -1).astype(jnp.int32), argmax=jnp.argmax(z, -1).astype(jnp.int32),
                       entropy=entropy)
-    probs = (w / s[..., None]).astype(h.dtype)
+    probs = w / s[..., None]
+    probs = (probs if row_scale is None else probs * row_scale).astype(h.dtype)
     soft = jnp.einsum("blv,vd->bld", probs, embedding.astype(h.dtype), preferred_element_type=jnp.float32)
     return stats, (soft * embed_scale).astype(h.dtype)
+
+
+def _head_table(embedding):
+    """(table [V, D], per-row scale [V] float32 or None): an int8 embedding {"int8", "scale"} is read
+    as its int8 rows, each row's scale applied to its logit and to its weight in the soft embedding."""
+    if is_quantized(embedding):
+        return embedding[QUANT_VALUES], embedding[QUANT_SCALE][:, 0].astype(jnp.float32)
+    return embedding, None
 
 
 def head_step(h, embedding, cap, temperature, keys, embed_scale, rt: Runtime):
