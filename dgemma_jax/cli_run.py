@@ -18,6 +18,7 @@ from dgemma_jax.engine import DEFAULT_NEW_TOKENS, Engine, default_new_tokens, wa
 from dgemma_jax.errors import UsageError
 from dgemma_jax.io import convert
 from dgemma_jax.io.locations import resolve
+from dgemma_jax.model.quant import quantization_of, quantize_params
 from dgemma_jax.pipeline import load_checkpoint as load_for_cli
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.generate import CanvasEvent, collect
@@ -70,8 +71,6 @@ def quantize_for_cli(args, config, params):
     mode = getattr(args, "quantize", None)
     if mode is None:
         return params
-    from dgemma_jax.model.quant import quantization_of, quantize_params
-
     if quantization_of(params) is not None:
         raise UsageError(f"--quantize {mode}: the checkpoint is already quantized ({quantization_of(params)}); "
                          "drop --quantize")

@@ -26,6 +26,7 @@ from dgemma_jax.errors import DgemmaWarning
 from dgemma_jax.model.api import check_tokens, encode_pass
 from dgemma_jax.model.cache import KVCache, init_cache
 from dgemma_jax.model.layers import dtype_of
+from dgemma_jax.model.quant import quantize_params
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import generate as gen
 from dgemma_jax.sampling import slots as slots_lib
@@ -199,8 +200,6 @@ class Engine:
                  bucket: bool = True, quantize: str | None = None):
         self.config = config
         if quantize is not None:
-            from dgemma_jax.model.quant import quantize_params
-
             params = quantize_params(config, params, quantize)
             if shardings is not None:
                 params = shardings.place_params(params)

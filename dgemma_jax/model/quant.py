@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model.layers import QUANT_SCALE, QUANT_VALUES, is_quantized
+from dgemma_jax.model.api import param_shapes
+from dgemma_jax.model.layers import QUANT_SCALE, QUANT_VALUES, dequantize, is_quantized
 
 QUANT_MODES = ("int8",)
 
@@ -105,8 +106,6 @@ def quantize_params(config: ModelConfig, params, mode: str = "int8", *, embeddin
     if quantization_of(params) is not None:
         raise ValueError("these parameters are already quantized (int8 kernels); quantize the float parameters "
                          "once, or pass the quantized ones as they are")
-    from dgemma_jax.model.api import param_shapes
-
     want = {_path(p): tuple(s.shape) for p, s in jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]}
     have = {_path(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     if want != have:
@@ -123,8 +122,6 @@ def quantize_params(config: ModelConfig, params, mode: str = "int8", *, embeddin
 
 def quantized_shapes(config: ModelConfig, mode: str = "int8", *, embedding: bool = False):
     """The tree `quantize_params` returns for this config, as `jax.ShapeDtypeStruct`s (no arrays)."""
-    from dgemma_jax.model.api import param_shapes
-
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; choose one of {', '.join(QUANT_MODES)}")
 
@@ -141,8 +138,6 @@ def quantized_shapes(config: ModelConfig, mode: str = "int8", *, embedding: bool
 
 def dequantize_params(params):
     """int8 pairs back to float32 kernels (q * s); other leaves unchanged (for checks and measurements)."""
-    from dgemma_jax.model.layers import dequantize
-
     return jax.tree.map(lambda x: dequantize(x) if is_quantized(x) else x, params, is_leaf=is_quantized)
 
 
