@@ -38,26 +38,9 @@ from dgemma_jax.engine import Engine  # noqa: E402
 from dgemma_jax.model import api  # noqa: E402
 from dgemma_jax.model.cache import init_cache  # noqa: E402
 from dgemma_jax.model.quant import param_bytes, quantize_params, quantized_shapes  # noqa: E402
+from tests.reference.random_params import random_params  # noqa: E402
 
 EVAL_SEED = 12345
-
-
-def random_params(cfg, seed):
-    """tests/test_model_behaviour.py's draw: norms / scales / scalars U(0.5, 1.5), embedding N(0, 1),
-    kernels N(0, 0.15)."""
-    rng = np.random.default_rng(seed)
-
-    def draw(path, s):
-        name = jax.tree_util.keystr(path)
-        if "scale" in name or "scalar" in name:
-            x = rng.uniform(0.5, 1.5, s.shape)
-        elif "embedding" in name:
-            x = rng.normal(0, 1.0, s.shape)
-        else:
-            x = rng.normal(0, 0.15, s.shape)
-        return jnp.asarray(x.astype(np.float32))
-
-    return jax.tree_util.tree_map_with_path(draw, api.param_shapes(cfg))
 
 
 def compare(ref: np.ndarray, got: np.ndarray, mask: np.ndarray | None = None) -> dict:

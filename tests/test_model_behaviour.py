@@ -13,31 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dgemma_jax import ModelConfig, Runtime, denoise, init_cache, load_hf, param_shapes, prefill, save_hf, soft_embed
+from dgemma_jax import ModelConfig, Runtime, denoise, init_cache, load_hf, prefill, save_hf, soft_embed
 from dgemma_jax.model import masks
+from tests.reference.random_params import random_params as _random_params  # noqa: F401 (other tests import it here)
 
 NAME = "tiny-6layer"
 LA, LB = 30, 12  # prompt lengths of rows A and B; A is longer than the sliding window (16)
 T = LA
 M = LA + 16  # cache slots per row
 TOL = 1e-5
-
-
-def _random_params(cfg, seed):
-    """Random parameters with every norm / scale / layer scalar moved away from 1."""
-    rng = np.random.default_rng(seed)
-
-    def draw(path, s):
-        name = jax.tree_util.keystr(path)
-        if "scale" in name or "scalar" in name:
-            x = rng.uniform(0.5, 1.5, s.shape)
-        elif "embedding" in name:
-            x = rng.normal(0, 1.0, s.shape)
-        else:
-            x = rng.normal(0, 0.15, s.shape)
-        return jnp.asarray(x.astype(np.float32))
-
-    return jax.tree_util.tree_map_with_path(draw, param_shapes(cfg))
 
 
 @pytest.fixture(scope="module")

@@ -5,43 +5,24 @@ Bounds come from measurements (benchmarks/int8_quality.py, benchmarks/results/in
 the test's own inputs); each test's docstring gives the measured value and its bound."""
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dgemma_jax import ModelConfig, param_shapes
+from dgemma_jax import ModelConfig
 from dgemma_jax.engine import Engine
 from dgemma_jax.model import api
 from dgemma_jax.model.cache import init_cache
-from dgemma_jax.model.layers import is_quantized
 from dgemma_jax.model.quant import (dequantize_params, param_bytes, quantization_of, quantize_params,
                                     quantized_shapes)
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import SamplerConfig
+from tests.reference.random_params import random_params
 
 CFG = ModelConfig.preset("tiny-6layer")
 SAMPLER = SamplerConfig(canvas_length=16, max_denoising_steps=4, eos_ids=(1,))
-
-
-def random_params(cfg, seed):
-    """tests/test_model_behaviour.py's draw (benchmarks/int8_quality.py uses the same): norms /
-    scales / scalars U(0.5, 1.5), embedding N(0, 1), kernels N(0, 0.15)."""
-    rng = np.random.default_rng(seed)
-
-    def draw(path, s):
-        name = jax.tree_util.keystr(path)
-        if "scale" in name or "scalar" in name:
-            x = rng.uniform(0.5, 1.5, s.shape)
-        elif "embedding" in name:
-            x = rng.normal(0, 1.0, s.shape)
-        else:
-            x = rng.normal(0, 0.15, s.shape)
-        return jnp.asarray(x.astype(np.float32))
-
-    return jax.tree_util.tree_map_with_path(draw, param_shapes(cfg))
 
 
 @pytest.fixture(scope="module")
