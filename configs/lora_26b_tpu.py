@@ -10,9 +10,10 @@ The train step takes in/out shardings (dgemma_jax.training.step.make_train_step)
 builds the mesh is the lead's `dgemma train` CLI. Set init.path, data.path, data.tokenizer_path.
 
 Fit, checked with the TPU compiler (benchmarks/results/aot_26b_lora_v5p-8.json): batch 8 x 1280
-tokens on v5p-8 with mesh expert=4 and the "training" rules, remat on, needs 42.7 of 95.7 GB per
-chip. Reproduce: dgemma compile --preset diffusiongemma-26b-a4b --topology v5p-8 --mesh expert=4
---rules training --batch 8 --context 1280 --prompt 1024 --programs lora_step
+tokens on v5p-8 with mesh expert=4 and the "training" rules, remat on, needs 36.3 of 95.7 GB per
+chip (unmerged LoRA; 42.8 GB when the adapters were merged every step). Reproduce:
+dgemma compile --preset diffusiongemma-26b-a4b --topology v5p-8 --mesh expert=4 --rules training
+--batch 8 --context 1280 --prompt 1024 --programs lora_step
 """
 
 import ml_collections
