@@ -1048,6 +1048,10 @@ def main(argv=None):
            "load_average_start": loadavg()}
     res["machine"] = machine_info()
     res["machine"]["pinned_cpus"] = pinned
+    if not args.skip_hf:  # the reference side's thread pools (the package's machine record never imports torch)
+        import torch
+
+        res["machine"].update(torch_threads=torch.get_num_threads(), torch_interop_threads=torch.get_num_interop_threads())
     res["config"]["cores"] = args.cores
     res["config"]["torch_threads"] = args.threads
     log(f"machine: {res['machine']['cpu_model']}, nproc {res['machine']['nproc']}, load {res['load_average_start']}")

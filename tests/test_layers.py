@@ -177,3 +177,14 @@ def test_the_import_check_sees_an_uncommented_import(tmp_path):
                     "def g():\n    # deferred: a reason\n    import json\n    import re\n"
                     "    import sys  # deferred: another\n\n    import ast\n    return json, re, sys, ast\n")
     assert _uncommented_imports_in_functions(str(fake)) == [5, 6, 14, 17]
+
+
+def test_the_package_never_imports_torch_or_transformers():
+    """The reference (torch, transformers) lives under tests/: nothing in dgemma_jax imports it, deferred or not."""
+    bad = []
+    for module, path in MODULES:
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{module}:{node.lineno} {n}" for n in names if n.split(".")[0] in ("torch", "transformers")]
+    assert not bad, bad

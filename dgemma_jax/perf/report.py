@@ -8,6 +8,7 @@ markdown next to it, and the table and number formats the markdown uses.
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -54,13 +55,16 @@ def _mem_total_gb() -> float | None:
         return None
 
 
+def _installed(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def machine_info(repo: str = REPO) -> dict:
-    """The machine, versions, thread settings, git commit and date (torch/transformers None without `[ref]`)."""
-    try:  # torch and transformers: optional (the `[ref]` extra), slow to import, wanted only for the record
-        import torch  # deferred: see above
-        import transformers  # deferred: see above
-    except ImportError:
-        torch = transformers = None
+    """The machine, versions, thread settings, git commit and date. torch / transformers: their installed
+    versions (None without the `[ref]` extra), read from the package metadata without importing them."""
     cpu_model, flags = _cpu()
     return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -77,10 +81,8 @@ def machine_info(repo: str = REPO) -> dict:
         "jaxlib": jaxlib.__version__,
         "jax_backend": jax.default_backend(),
         "jax_devices": [str(d) for d in jax.devices()],
-        "torch": torch and torch.__version__,
-        "torch_threads": torch and torch.get_num_threads(),
-        "torch_interop_threads": torch and torch.get_num_interop_threads(),
-        "transformers": transformers and transformers.__version__,
+        "torch": _installed("torch"),
+        "transformers": _installed("transformers"),
         "env": {k: os.environ.get(k) for k in ENV_VARS},
         "git_commit": git_commit(repo),
     }
