@@ -76,23 +76,20 @@ def _ragged(x, w, sizes, ab=None):
 
     An int8 kernel is cast exactly to x's dtype inside the grouped matmul (accumulated in float32)
     and each row is scaled by its group's per-channel scale [G, 1, O]."""
+    f32 = jnp.float32
     if is_quantized(w):
-        f32 = jnp.float32
         y = jax.lax.ragged_dot(x, w[QUANT_VALUES].astype(x.dtype), sizes, preferred_element_type=f32)
         # each row's group: rows are laid out group after group (rows past the groups are not outputs)
         group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x.shape[0], dtype=sizes.dtype), side="right")
         y = y * w[QUANT_SCALE][:, 0, :].astype(f32)[jnp.minimum(group, sizes.shape[0] - 1)]
-        if ab is not None:
-            h = jax.lax.ragged_dot(x.astype(f32), ab["a"].astype(f32), sizes, preferred_element_type=f32)
-            y = y + jax.lax.ragged_dot(h, ab["b"].astype(f32), sizes, preferred_element_type=f32)
-        return y.astype(x.dtype)
-    y = jax.lax.ragged_dot(x, w, sizes)
-    if ab is None:
-        return y
-    f32 = jnp.float32
-    h = jax.lax.ragged_dot(x.astype(f32), ab["a"].astype(f32), sizes, preferred_element_type=f32)
-    lr = jax.lax.ragged_dot(h, ab["b"].astype(f32), sizes, preferred_element_type=f32)
-    return (y.astype(f32) + lr).astype(y.dtype)
+    else:
+        y = jax.lax.ragged_dot(x, w, sizes)
+        if ab is None:
+            return y
+    if ab is not None:
+        h = jax.lax.ragged_dot(x.astype(f32), ab["a"].astype(f32), sizes, preferred_element_type=f32)
+        y = y.astype(f32) + jax.lax.ragged_dot(h, ab["b"].astype(f32), sizes, preferred_element_type=f32)
+    return y.astype(x.dtype)
 
 
 def _constrain(rt, x, logical):
