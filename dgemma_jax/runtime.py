@@ -58,7 +58,7 @@ class Runtime:
     attn_kernel: str = "auto"
     attn_key_block: int = 4096
     remat: bool = False
-    observer: Any = dataclasses.field(default=None, compare=True)
+    observer: Any = None
 
     def __post_init__(self):
         if self.platform is None:
