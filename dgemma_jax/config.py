@@ -22,7 +22,7 @@ DENOISE_WINDOWS = ("block", "band")
 # how a program runs, not what the checkpoint computes: fields of `dgemma_jax.runtime.Runtime`
 # (ModelConfig held them in earlier versions; recipes and stored configs may still name them)
 RUNTIME_CHOICES = ("moe_dispatch", "moe_capacity_factor", "moe_shard_rows_factor", "attn_kernel", "attn_key_block",
-                   "remat")
+                   "remat", "layers")
 
 
 def _no_runtime_choices(changes: Mapping[str, Any]) -> None:

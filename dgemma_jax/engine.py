@@ -26,6 +26,7 @@ from dgemma_jax.errors import DgemmaWarning
 from dgemma_jax.model.api import check_tokens, encode_pass
 from dgemma_jax.model.cache import KVCache, init_cache
 from dgemma_jax.model.layers import dtype_of
+from dgemma_jax.model.layout import check_scannable, is_stacked, stack_layers, unstack_layers
 from dgemma_jax.model.quant import quantize_params
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import generate as gen
@@ -203,14 +204,14 @@ class Engine:
             params = quantize_params(config, params, quantize)
             if shardings is not None:
                 params = shardings.place_params(params)
-        self.params = params
+        self.runtime = _runtime_for(runtime, shardings)
+        self.params = layers_for(config, params, self.runtime.layer_layout, shardings)
         self.sampler = sampler or SamplerConfig.for_model(config)
         _check_sampler(config, self.sampler)
         mismatch = canvas_length_warning(config, self.sampler)
         if mismatch:
             warnings.warn(mismatch, DgemmaWarning, stacklevel=2)
         self.shardings = shardings
-        self.runtime = _runtime_for(runtime, shardings)
         self.donate = donate
         self.bucket = bool(bucket)
         self._programs = {}
@@ -279,9 +280,11 @@ class Engine:
         return self._streaming
 
     def new_cache(self, batch: int, length: int) -> KVCache:
+        """An empty cache in the layout of the engine's programs (`Runtime.layers`)."""
+        layers = self.runtime.layer_layout
         if self.shardings is not None:
-            return self.shardings.init_cache(batch, length)
-        return init_cache(self.config, batch, length, dtype_of(self.config.dtype))
+            return self.shardings.init_cache(batch, length, layers)
+        return init_cache(self.config, batch, length, dtype_of(self.config.dtype), layers=layers)
 
     def _place(self, *arrays):
         """Inputs as global (replicated) arrays on the mesh; unchanged without shardings."""
@@ -344,6 +347,24 @@ class Engine:
 
 # jits shared by engines: (program key, config, sampler, runtime, donated) -> jitted function
 _SHARED_PROGRAMS: dict = {}
+
+
+def layers_for(config: ModelConfig, params, layers: str, shardings=None):
+    """`params` in the layer layout `layers` ("unrolled" or "scan", `model.layout`): converted once,
+    here, so that no program copies weights per call. Concrete arrays are stacked by one jitted copy
+    (placed like the per-layer arrays when `shardings` are given); `jax.ShapeDtypeStruct`s (AOT
+    compilation) keep their shardings, with the stacked axis replicated."""
+    if layers == "unrolled":
+        if not is_stacked(params):
+            return params
+        return jax.jit(lambda p: unstack_layers(p, config))(params)
+    if is_stacked(params):
+        return params
+    check_scannable(config)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+        return stack_layers(params, config)
+    out = None if shardings is None else stack_layers(shardings.for_params(params), config)
+    return jax.jit(lambda p: stack_layers(p, config), out_shardings=out)(params)
 
 
 def _runtime_for(runtime: Runtime | None, shardings) -> Runtime:

@@ -27,6 +27,13 @@ from dgemma_jax.parallel.rules import CACHE_AXES, spec_for
 MOE_DISPATCH = ("auto", "dense", "ragged", "capacity")
 ATTN_KERNELS = ("auto", "xla", "splash")
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
+LAYER_LAYOUTS = ("auto", "unrolled", "scan")
+# what Runtime(layers="auto") runs per platform. XLA:CPU runs the unrolled step faster
+# (benchmarks/results/scan_layers.json); on TPU the scan compiles one layer group instead of 30, but
+# its step slices every stacked weight into a copy per group (the expert kernels enter shard_map /
+# grouped-matmul custom calls that need whole buffers): 2.6x the unrolled step's HBM traffic on
+# v6e-8 (benchmarks/results/compile_time.json), so TPU stays unrolled until that copy is gone
+LAYER_DEFAULTS = {"cpu": "unrolled", "gpu": "unrolled", "cuda": "unrolled", "rocm": "unrolled", "tpu": "unrolled"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +52,15 @@ class Runtime:
     attn_key_block: keys per block when attending over a longer key set (blocks merged by
       log-sum-exp, so no score array larger than one block is live).
     remat: recompute each block in the backward pass (training memory).
+    layers: how the layers are laid out in the program (`model.layout`): "unrolled" (one traced
+      block per layer), "scan" (a `lax.scan` over the repeated layer group, 5 sliding + 1 global on
+      the 26B: one group compiled instead of 30 layers; parameters and cache stacked per group
+      position) or "auto" = the platform's default (`LAYER_DEFAULTS`: "unrolled" everywhere for now:
+      the scanned 26B denoise step compiled for v6e-8 moves 2.6x the unrolled step's HBM bytes, see
+      benchmarks/results/compile_time.json).
+      The engine converts its parameters and caches to this layout once; the model itself runs
+      stacked parameters scanned and unrolled ones unrolled under "auto", and converts (a copy
+      inside the program) when the layout is named explicitly and differs from the parameters'.
     observer: an object with `kernel_call(name, flops)`, told of every fused kernel call as it is
       traced (the perf reports count the FLOPs compilers do not see); compared by identity.
     """
@@ -59,6 +75,7 @@ class Runtime:
     attn_key_block: int = 4096
     remat: bool = False
     observer: Any = None
+    layers: str = "auto"
 
     def __post_init__(self):
         if self.platform is None:
@@ -84,6 +101,8 @@ class Runtime:
             bad("attn_kernel", self.attn_kernel, f"must be one of {ATTN_KERNELS}")
         if not isinstance(self.remat, bool):
             bad("remat", self.remat, "must be True or False")
+        if self.layers not in LAYER_LAYOUTS:
+            bad("layers", self.layers, f"must be one of {LAYER_LAYOUTS}")
 
     def replace(self, **changes) -> "Runtime":
         return dataclasses.replace(self, **changes)
@@ -95,6 +114,13 @@ class Runtime:
         if self.moe_dispatch != "auto":
             return self.moe_dispatch
         return "capacity" if self.platform == "cpu" else "ragged"
+
+    @property
+    def layer_layout(self) -> str:
+        """The layer layout "auto" stands for on this platform (`LAYER_DEFAULTS`)."""
+        if self.layers != "auto":
+            return self.layers
+        return LAYER_DEFAULTS.get(self.platform, "unrolled")
 
     @property
     def kernel_interpreted(self) -> bool:

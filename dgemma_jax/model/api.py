@@ -116,16 +116,26 @@ def check_tokens(config: ModelConfig, tokens, what: str = "tokens") -> jax.Array
 def _check_cache(config: ModelConfig, cache: KVCache, batch: int):
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache must be a KVCache from init_cache(); got {type(cache).__name__}")
-    if len(cache.keys) != config.num_layers:
+    if not cache.groups and len(cache.keys) != config.num_layers:
         raise ValueError(f"cache has {len(cache.keys)} layers but the model has {config.num_layers}; "
                          "create it with init_cache(config, ...) for this config")
     check_replicas(config, cache.kv_replicas)
     if cache.batch_size != batch:
         raise ValueError(f"cache batch size {cache.batch_size} != input batch size {batch}")
-    for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
+    if cache.groups:
+        from dgemma_jax.model.layout import cache_layer_shapes, layer_plan
+        plan = layer_plan(config)
+        if cache.groups != plan.groups or len(cache.keys) != plan.period + len(plan.remainder):
+            raise ValueError(f"the stacked cache has {cache.groups} groups and {len(cache.keys)} entries but this model "
+                             f"scans {plan.groups} groups of {plan.period} layers (+{len(plan.remainder)}); create it "
+                             "with init_cache(config, ..., layers='scan') for this config")
+        shapes = cache_layer_shapes(cache, config)
+    else:
+        shapes = [(tuple(k.shape), tuple(v.shape)) for k, v in zip(cache.keys, cache.values)]
+    for i, (k, v) in enumerate(shapes):
         want = (batch, cache.max_length, config.layer_kv_heads(i) * cache.replicas(i), config.layer_head_dim(i))
-        if tuple(k.shape) != want or tuple(v.shape) != want:
-            raise ValueError(f"cache layer {i} holds keys {tuple(k.shape)} / values {tuple(v.shape)} but this model "
+        if k != want or v != want:
+            raise ValueError(f"cache layer {i} holds keys {k} / values {v} but this model "
                              f"needs {want} [batch, max_length, kv_heads (x replicas), head_dim]; create the cache with "
                              "init_cache(config, ...) for this config")
 

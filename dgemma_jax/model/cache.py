@@ -23,12 +23,15 @@ from dgemma_jax.model.layers import dtype_of
 @struct.dataclass
 class KVCache:
     """keys[i], values[i]: [B, S, K_i r_i, H_i] for layer i; lengths: [B] int32; kv_replicas: the
-    r_i (static; None = 1 everywhere)."""
+    r_i (static; None = 1 everywhere). groups (static): 0 = one entry per layer (above); G > 0 = the
+    stacked layout of a scanned program (`model.layout.stack_cache`): keys[j] [G, B, S, K, H] for
+    each position j of the repeated layer group, then the remainder layers' own entries."""
 
     keys: tuple
     values: tuple
     lengths: jax.Array
     kv_replicas: tuple | None = struct.field(pytree_node=False, default=None)
+    groups: int = struct.field(pytree_node=False, default=0)
 
     def replicas(self, layer: int) -> int:
         return 1 if self.kv_replicas is None else self.kv_replicas[layer]
@@ -39,7 +42,7 @@ class KVCache:
 
     @property
     def max_length(self) -> int:
-        return self.keys[0].shape[1]
+        return self.keys[0].shape[-3]
 
 
 def check_replicas(config: ModelConfig, kv_replicas) -> tuple[int, ...]:
@@ -57,11 +60,13 @@ def check_replicas(config: ModelConfig, kv_replicas) -> tuple[int, ...]:
     return reps
 
 
-def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None, kv_replicas=None) -> KVCache:
+def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None, kv_replicas=None,
+               layers: str = "unrolled") -> KVCache:
     """An empty cache for `batch_size` rows of up to `max_length` tokens (prompt + all canvases).
 
     kv_replicas: optional per-layer replica counts of the kv heads (see the module docstring; the
-    sharded engine picks them from its mesh, `Shardings.kv_replicas`)."""
+    sharded engine picks them from its mesh, `Shardings.kv_replicas`). layers: "unrolled" (one
+    entry per layer) or "scan" (stacked per layer-group position, `model.layout.stack_cache`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_length < 1:
@@ -76,12 +81,19 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
         shape = (batch_size, max_length, config.layer_kv_heads(i) * reps[i], config.layer_head_dim(i))
         keys.append(jnp.zeros(shape, dtype))
         values.append(jnp.zeros(shape, dtype))
-    return KVCache(tuple(keys), tuple(values), jnp.zeros((batch_size,), jnp.int32), reps)
+    cache = KVCache(tuple(keys), tuple(values), jnp.zeros((batch_size,), jnp.int32), reps)
+    if layers == "scan":
+        from dgemma_jax.model.layout import stack_cache
+        return stack_cache(cache, config)
+    if layers != "unrolled":
+        raise ValueError(f"layers={layers!r} must be 'unrolled' or 'scan'")
+    return cache
 
 
-def cache_shape(config: ModelConfig, batch_size: int, max_length: int, dtype=None, kv_replicas=None) -> KVCache:
+def cache_shape(config: ModelConfig, batch_size: int, max_length: int, dtype=None, kv_replicas=None,
+                layers: str = "unrolled") -> KVCache:
     """The cache as `jax.ShapeDtypeStruct`s (for AOT compilation; nothing is allocated)."""
-    return jax.eval_shape(lambda: init_cache(config, batch_size, max_length, dtype, kv_replicas))
+    return jax.eval_shape(lambda: init_cache(config, batch_size, max_length, dtype, kv_replicas, layers))
 
 
 def write_tokens(cache_kv: jax.Array, new_kv: jax.Array, starts: jax.Array, num_new: jax.Array) -> jax.Array:

@@ -21,6 +21,7 @@ from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.attention import Attention
+from dgemma_jax.model import layout
 from dgemma_jax.model.cache import KVCache
 from dgemma_jax.model.layers import (QUANT_SCALE, QUANT_VALUES, GatedMLP, RMSNorm, dtype_of, is_quantized, ones_param,
                                      param, rms_normalize, softcap)
@@ -119,18 +120,122 @@ class Transformer(nn.Module):
             emb = jnp.einsum("blv,vd->bld", probs.astype(e.dtype), e, preferred_element_type=jnp.float32)
         return emb.astype(dt) * jnp.asarray(self.cfg.embed_scale, jnp.float32).astype(dt)
 
+    # -------------------------------------------------------------- layer layout (model/layout.py)
+    def _scanning(self) -> bool:
+        """Scan the layer groups: the runtime says "scan", or "auto" and the parameters are stacked."""
+        if self.rt.layers == "scan":
+            return True
+        if self.rt.layers == "unrolled":
+            return False
+        return layout.is_stacked(self.variables.get("params", {}))
+
+    def _groups(self, plan):
+        """{collection: {"blocks_j": stacked}}: the parameters (and LoRA collection) of the scanned
+        layers, stacked per group position (stacked here, a copy, when they were given unrolled)."""
+        out = {}
+        for col, tree in self.variables.items():
+            if not any(k == layout.GROUPS_KEY or k.startswith("blocks_") for k in tree):
+                continue
+            out[col] = layout.stack_layers(dict(tree), self.cfg)[layout.GROUPS_KEY]
+        return out
+
+    def _body_rt(self, plan):
+        """The runtime of the scan body: its observer hears each traced kernel call once per group."""
+        if self.rt.observer is None or plan.groups == 1:
+            return self.rt
+        return self.rt.replace(observer=_Repeated(self.rt.observer, plan.groups))
+
+    def _block_fn(self, position: int, method: str, rt):
+        cfg, remat = self.cfg, self.rt.remat
+
+        def run(block_vars, *args):
+            return Block(cfg, rt, position, parent=None).apply(block_vars, *args, method=method)
+
+        return jax.checkpoint(run) if remat else run
+
+    def _unrolled_blocks(self, method: str):
+        """Per layer, a callable running it: the bound blocks, or (stacked parameters run unrolled,
+        `Runtime(layers="unrolled")`) the blocks applied to their unstacked parameters (a copy)."""
+        if not layout.is_stacked(self.variables.get("params", {})):
+            return [getattr(blk, method) for blk in self.blocks]
+        per_layer = {col: layout.unstack_layers(dict(t), self.cfg) if layout.is_stacked(t) else t
+                     for col, t in self.variables.items()}
+        out = []
+        for i in range(self.cfg.num_layers):
+            fn = self._block_fn(i, method, self.rt)
+            block_vars = {col: t[f"blocks_{i}"] for col, t in per_layer.items() if f"blocks_{i}" in t}
+            out.append(lambda *a, fn=fn, v=block_vars: fn(v, *a))
+        return out
+
+    def _encode_layers(self, x, starts, num_new, cache: KVCache):
+        if not self._scanning():
+            c = layout.unstack_cache(cache, self.cfg)
+            keys, values = list(c.keys), list(c.values)
+            for i, run in enumerate(self._unrolled_blocks("encode")):
+                x, keys[i], values[i] = run(x, starts, num_new, keys[i], values[i])
+            new = c.replace(keys=tuple(keys), values=tuple(values))
+            return x, (layout.stack_cache(new, self.cfg) if cache.groups else new)
+        plan = layout.check_scannable(self.cfg)
+        c = layout.stack_cache(cache, self.cfg)
+        rt = self._body_rt(plan)
+        fns = [self._block_fn(j, "encode", rt) for j in range(plan.period)]
+
+        def body(carry, xs):
+            h, ks, vs = carry
+            g, groups = xs
+            ks, vs = list(ks), list(vs)
+            for j in range(plan.period):
+                kj = jax.lax.dynamic_index_in_dim(ks[j], g, 0, keepdims=False)
+                vj = jax.lax.dynamic_index_in_dim(vs[j], g, 0, keepdims=False)
+                block_vars = {col: t[f"blocks_{j}"] for col, t in groups.items()}
+                h, kj, vj = fns[j](block_vars, h, starts, num_new, kj, vj)
+                ks[j] = jax.lax.dynamic_update_index_in_dim(ks[j], kj, g, 0)
+                vs[j] = jax.lax.dynamic_update_index_in_dim(vs[j], vj, g, 0)
+            return (h, tuple(ks), tuple(vs)), None
+
+        p = plan.period
+        (x, ks, vs), _ = jax.lax.scan(body, (x, c.keys[:p], c.values[:p]),
+                                      (jnp.arange(plan.groups, dtype=jnp.int32), self._groups(plan)))
+        keys, values = list(ks) + list(c.keys[p:]), list(vs) + list(c.values[p:])
+        for r, i in enumerate(plan.remainder):
+            x, keys[p + r], values[p + r] = self.blocks[i].encode(x, starts, num_new, keys[p + r], values[p + r])
+        new = c.replace(keys=tuple(keys), values=tuple(values))
+        return x, (new if cache.groups else layout.unstack_cache(new, self.cfg))
+
+    def _denoise_layers(self, x, context_end, cache: KVCache):
+        if not self._scanning():
+            c = layout.unstack_cache(cache, self.cfg)
+            for i, run in enumerate(self._unrolled_blocks("denoise")):
+                x = run(x, context_end, c.keys[i], c.values[i])
+            return x
+        plan = layout.check_scannable(self.cfg)
+        c = layout.stack_cache(cache, self.cfg)
+        rt = self._body_rt(plan)
+        fns = [self._block_fn(j, "denoise", rt) for j in range(plan.period)]
+
+        def body(h, xs):
+            groups, ks, vs = xs
+            for j in range(plan.period):
+                block_vars = {col: t[f"blocks_{j}"] for col, t in groups.items()}
+                h = fns[j](block_vars, h, context_end, ks[j], vs[j])
+            return h, None
+
+        p = plan.period
+        x, _ = jax.lax.scan(body, x, (self._groups(plan), c.keys[:p], c.values[:p]))
+        for r, i in enumerate(plan.remainder):
+            x = self.blocks[i].denoise(x, context_end, c.keys[p + r], c.values[p + r])
+        return x
+
     # -------------------------------------------------------------- modes
     def encode(self, tokens, starts, num_new, cache: KVCache, logits_mode: str = "all"):
         """Causal pass over tokens [B, T] written at cache slots starts[b] + t (t < num_new[b]).
 
-        Returns (logits or hidden, new cache). logits_mode: "all" [B,T,V], "last" [B,V] at each
-        row's last valid token, "none" (no head; returns None).
+        Returns (logits or hidden, new cache, in the layout it was given). logits_mode: "all"
+        [B,T,V], "last" [B,V] at each row's last valid token, "none" (no head; returns None).
         """
         x = self._embed(tokens)
-        keys, values = list(cache.keys), list(cache.values)
-        for i, blk in enumerate(self.blocks):
-            x, keys[i], values[i] = blk.encode(x, starts, num_new, keys[i], values[i])
-        new_cache = cache.replace(keys=tuple(keys), values=tuple(values), lengths=(starts + num_new).astype(jnp.int32))
+        x, new_cache = self._encode_layers(x, starts, num_new, cache)
+        new_cache = new_cache.replace(lengths=(starts + num_new).astype(jnp.int32))
         if logits_mode == "none":
             return None, new_cache
         if logits_mode == "last":
@@ -156,9 +261,7 @@ class Transformer(nn.Module):
         else:
             sc = self.sc_mlp(self.sc_norm(soft_embedding.astype(e.dtype)))
         x = rms_normalize(e + sc, self.cfg.rms_norm_eps).astype(e.dtype)
-        for i, blk in enumerate(self.blocks):
-            x = blk.denoise(x, context_end, cache.keys[i], cache.values[i])
-        return x
+        return self._denoise_layers(x, context_end, cache)
 
     def init_all(self, tokens, cache: KVCache):
         """Touches every parameter (used only by `init_params`)."""
@@ -166,3 +269,13 @@ class Transformer(nn.Module):
         _, cache = self.encode(tokens, cache.lengths, n, cache, "none")
         soft = self.soft_embed(jnp.zeros(tokens.shape + (self.cfg.vocab_size,), jnp.float32))
         return self.denoise(tokens, cache.lengths, cache, soft)
+
+
+class _Repeated:
+    """An observer wrapper: a kernel call traced once in a scan body runs `times` times."""
+
+    def __init__(self, observer, times: int):
+        self.observer, self.times = observer, times
+
+    def kernel_call(self, name: str, flops: float) -> None:
+        self.observer.kernel_call(name, flops * self.times)

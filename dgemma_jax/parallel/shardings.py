@@ -22,6 +22,7 @@ from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import _boxed_init, logical_axes, param_shapes
 from dgemma_jax.model.cache import KVCache, cache_shape, init_cache
 from dgemma_jax.model.layers import dtype_of, is_quantized
+from dgemma_jax.model.layout import stack_cache
 from dgemma_jax.parallel.rules import CACHE_AXES, _axis_size, rules_for, spec_for
 from dgemma_jax.runtime import Runtime
 
@@ -72,21 +73,24 @@ class Shardings:
             reps.append(fits[0] if fits else 1)
         return tuple(reps)
 
-    def cache(self, batch: int, length: int) -> KVCache:
+    def cache(self, batch: int, length: int, layers: str = "unrolled") -> KVCache:
+        """The cache's NamedShardings; layers="scan": the stacked layout (`model.layout`, the stacked
+        axis replicated)."""
         c, reps = self.config, self.kv_replicas
         keys = tuple(self.named((batch, length, c.layer_kv_heads(i) * reps[i], c.layer_head_dim(i)), CACHE_AXES)
                      for i in range(c.num_layers))
-        return KVCache(keys, keys, self.named((batch,), ("batch",)), reps)
+        out = KVCache(keys, keys, self.named((batch,), ("batch",)), reps)
+        return stack_cache(out, c) if layers == "scan" else out
 
-    def cache_shape(self, batch: int, length: int) -> KVCache:
+    def cache_shape(self, batch: int, length: int, layers: str = "unrolled") -> KVCache:
         """The sharded cache's shapes (`jax.ShapeDtypeStruct`s, nothing allocated)."""
-        return cache_shape(self.config, batch, length, dtype_of(self.config.dtype), self.kv_replicas)
+        return cache_shape(self.config, batch, length, dtype_of(self.config.dtype), self.kv_replicas, layers)
 
-    def init_cache(self, batch: int, length: int) -> KVCache:
+    def init_cache(self, batch: int, length: int, layers: str = "unrolled") -> KVCache:
         """An empty cache created directly in its shards."""
         fn = jax.jit(functools.partial(init_cache, self.config, batch, length, dtype_of(self.config.dtype),
-                                       self.kv_replicas),
-                     out_shardings=self.cache(batch, length))
+                                       self.kv_replicas, layers),
+                     out_shardings=self.cache(batch, length, layers))
         return fn()
 
     def for_params(self, params) -> Any:

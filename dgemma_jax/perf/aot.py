@@ -33,6 +33,7 @@ from dgemma_jax.backends import quiet_libtpu_load
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.engine import Engine, compiled_memory
 from dgemma_jax.model.api import param_shapes
+from dgemma_jax.model.layout import stack_layers
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.shardings import Shardings
 from dgemma_jax.perf import roofline
@@ -110,12 +111,16 @@ def _abstract(tree, shardings):
     return jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=n), tree, shardings)
 
 
-def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context: int, prompt: int):
-    """ShapeDtypeStructs (with shardings) for every program argument."""
+def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context: int, prompt: int,
+                   layers: str = "unrolled"):
+    """ShapeDtypeStructs (with shardings) for every program argument; parameters and cache in the
+    layer layout `layers` ("unrolled" or "scan", `model.layout`)."""
     rep = shardings.replicated
     rep_tree = lambda t: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), t)  # noqa: E731
     params = _abstract(param_shapes(config), shardings.params)
-    cache = _abstract(shardings.cache_shape(batch, context), shardings.cache(batch, context))
+    if layers == "scan":
+        params = stack_layers(params, config)
+    cache = _abstract(shardings.cache_shape(batch, context, layers), shardings.cache(batch, context, layers))
     keys = rep_tree(jax.eval_shape(lambda: row_keys(jax.random.key(0), batch)))
     state = rep_tree(jax.eval_shape(
         lambda: init_state(config, sampler, jnp.zeros((batch, sampler.canvas_length), jnp.int32))))
@@ -207,11 +212,12 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
                    batch: int = 1, context: int = 32768, prompt: int = 2048, steps_per_canvas: int = 16,
                    programs=("prefill", "denoise_step", "commit", "generate"), dtype: str | None = None,
                    moe_dispatch: str = "auto", attn_kernel: str = "auto", sampler=None, devices=None,
-                   max_new_tokens: int | None = None, progress=None) -> dict[str, Any]:
+                   max_new_tokens: int | None = None, progress=None, layers: str = "auto") -> dict[str, Any]:
     """Lower and compile the engine's programs for a TPU topology; per-chip memory, cost, projections.
 
     context: KV cache capacity (prompt + committed canvases). prompt: tokens in one prefill call.
-    moe_dispatch, attn_kernel: the `Runtime` choices the programs are compiled with (for TPU).
+    moe_dispatch, attn_kernel, layers: the `Runtime` choices the programs are compiled with (for TPU;
+    layers "auto" = "scan" there: the repeated layer group compiled once).
     progress: optional callable(name, index, count, seconds, entry) called before each program
     (seconds and entry None) and after it (its compile seconds and report entry).
     Returns a JSON-able dict; `fits` is False when any program exceeds the chip's HBM.
@@ -228,12 +234,13 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
     if mesh is None:  # every chip on the model: whole experts, heads, vocab all split len(devs) ways
         mesh = f"expert={len(devs)}"
     sh = Shardings(cfg, make_mesh(mesh, devices=devs), rules)
-    runtime = sh.runtime(platform="tpu", moe_dispatch=moe_dispatch, attn_kernel=attn_kernel)
-    args = program_inputs(cfg, sampler, sh, batch, context, prompt)
+    runtime = sh.runtime(platform="tpu", moe_dispatch=moe_dispatch, attn_kernel=attn_kernel, layers=layers)
+    args = program_inputs(cfg, sampler, sh, batch, context, prompt, runtime.layer_layout)
     report: dict[str, Any] = {
         "preset": cfg.name, "topology": topology_name, "chips": len(devs), "mesh": dict(sh.mesh.shape),
         "rules": rules, "batch": batch, "context": context, "prompt": prompt, "dtype": cfg.param_dtype,
-        "moe_dispatch": runtime.dispatch, "attn_kernel": attn_kernel, "hbm_limit_bytes": topo.hbm_bytes, "programs": {}, "fits": True,
+        "moe_dispatch": runtime.dispatch, "attn_kernel": attn_kernel, "layers": runtime.layer_layout,
+        "hbm_limit_bytes": topo.hbm_bytes, "programs": {}, "fits": True,
     }
     for index, name in enumerate(programs):
         if progress is not None:

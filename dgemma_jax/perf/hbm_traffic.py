@@ -11,8 +11,10 @@ prefetched by the model's grouped matmul counts ~3x its size).
 bodies and conditional branches it runs), the operands and results whose layout has no memory-space
 annotation; a transfer counts its bytes on the HBM side; a fusion operand that the fusion only
 slices or gathers counts the rows it takes, not the whole array. Like cost_analysis, a loop body
-counts once (per-step figures come from the step program); a conditional counts its largest
-branch. This is our reading of the compiler's output, not a hardware measurement.
+counts once (per-step figures come from the step program), except a scan over the layer groups
+(`Runtime(layers="scan")`, the loops of `Transformer._encode_layers` / `_denoise_layers`): its body
+stands for the unrolled layers and counts once per group (its trip count, read from the loop's
+condition), so both layouts' figures compare. A conditional counts its largest branch. This is our reading of the compiler's output, not a hardware measurement.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def _parse(text: str):
         m = _INST.match(line.strip())
         if cur is not None and m:
             name, typ, op, args, rest = m.groups()
-            comps[cur].append((name, typ, op, re.findall(r"%([\w.\-]+)", args), rest or ""))
+            rest = (rest or "") + (f" constant_value={args}" if op == "constant" else "")
+            comps[cur].append((name, typ, op, re.findall(r"%([\w.\-]+)", args), rest))
             if op == "parameter":
                 index[name] = int(args)
     if entry is None:
@@ -76,6 +79,25 @@ def _scope(op: str, rest: str) -> str:
     m = re.search(r'op_name="([^"]*)"', rest)
     name = re.sub(r"^jit\([^)]*\)/", "", m.group(1)) if m else op
     return re.sub(r"blocks_\d+", "blocks_N", name)
+
+
+_LAYER_SCAN = re.compile(r'op_name="[^"]*_(?:encode|denoise)_layers/while"')
+
+
+def _trip_count(comps: dict, cond: str) -> int:
+    """The trip count of a `lax.scan` loop: its condition is `counter < constant` (the counter from 0)."""
+    consts = {}
+    for name, typ, op, args, rest in comps.get(cond, []):
+        if op == "constant":
+            m = re.search(r"constant_value=(-?\d+)$", rest)
+            if m:
+                consts[name] = int(m.group(1))
+    for name, typ, op, args, rest in comps.get(cond, []):
+        if op == "compare" and "direction=LT" in rest:
+            for a in args:
+                if a in consts:
+                    return consts[a]
+    raise ValueError(f"cannot read the trip count of the layer scan's condition {cond!r}")
 
 
 def hbm_traffic(hlo_text: str) -> dict:
@@ -118,7 +140,11 @@ def hbm_traffic(hlo_text: str) -> dict:
         out: Counter = Counter()
         for name, typ, op, args, rest in comps[comp]:
             if op == "while":
-                out += walk(re.search(r"body=%?([\w.\-]+)", rest).group(1))
+                body = walk(re.search(r"body=%?([\w.\-]+)", rest).group(1))
+                if _LAYER_SCAN.search(rest):
+                    trips = _trip_count(comps, re.search(r"condition=%?([\w.\-]+)", rest).group(1))
+                    body = Counter({k: v * trips for k, v in body.items()})
+                out += body
             elif op == "conditional":
                 m = re.search(r"branch_computations=\{([^}]*)\}", rest)
                 names = ([b.strip().lstrip("%") for b in m.group(1).split(",")] if m else

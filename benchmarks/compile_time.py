@@ -1,0 +1,89 @@
+"""Compile time of the 26B programs with the layers unrolled vs scanned (`Runtime.layers`).
+
+For each TPU topology and layer layout, AOT-compiles (from this CPU machine, needs `jax[tpu]`) the
+engine's denoise step and fused generate for the 26B preset exactly as `dgemma compile` does
+(`perf.aot.compile_report`: expert=N mesh, latency rules, context 32768, prompt 2048, bfloat16),
+and records each program's compile seconds and the compiled program's HBM traffic
+(`perf.hbm_traffic`), one (topology, layout) at a time, writing the JSON after each so that a
+partial run keeps what it measured. The machine's load average and CPU count are recorded before
+and after each compile: compile times on a shared machine depend on them.
+
+    python benchmarks/compile_time.py --out benchmarks/results/compile_time.json
+    python benchmarks/compile_time.py --topologies v6e-8 --layers scan,unrolled
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from dgemma_jax.perf.aot import compile_report  # noqa: E402
+from dgemma_jax.perf.report import machine_info  # noqa: E402
+
+
+def _load() -> dict:
+    return {"loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="diffusiongemma-26b-a4b")
+    ap.add_argument("--topologies", default="v6e-8,v5e-8")
+    ap.add_argument("--layers", default="scan,unrolled")
+    ap.add_argument("--programs", default="denoise_step,generate")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--out", default="benchmarks/results/compile_time.json")
+    args = ap.parse_args(argv)
+    res = {"machine": machine_info(), "preset": args.preset, "context": args.context, "prompt": args.prompt,
+           "note": "AOT compile for the TPU topology on this CPU machine (perf.aot.compile_report), one compile "
+                   "at a time; hbm_bytes: the compiled program's HBM traffic (perf.hbm_traffic)",
+           "runs": {}}
+    if os.path.exists(args.out):  # keep what an earlier (partial) run measured
+        with open(args.out) as f:
+            res["runs"] = json.load(f).get("runs", {})
+    for topo in args.topologies.split(","):
+        for layers in args.layers.split(","):
+            key = f"{topo}/{layers}"
+            before = _load()
+            t0 = time.perf_counter()
+            rep = compile_report(args.preset, topo, context=args.context, prompt=args.prompt,
+                                 programs=tuple(args.programs.split(",")), layers=layers)
+            run = {"layers": rep["layers"], "mesh": rep["mesh"], "wall_seconds": round(time.perf_counter() - t0, 1),
+                   "load_before": before, "load_after": _load(), "programs": {}}
+            for name, p in rep["programs"].items():
+                run["programs"][name] = {k: p.get(k) for k in ("compile_seconds", "hbm_bytes", "bytes_accessed",
+                                                               "flops", "total_bytes", "fits", "hbm_bytes_by_op")}
+            res["runs"][key] = run
+            print(key, json.dumps(run["programs"]), file=sys.stderr, flush=True)
+            _compare(res)
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+    return 0
+
+
+def _compare(res: dict) -> None:
+    """scan / unrolled ratios per topology where both layouts were measured."""
+    cmp = {}
+    for key, run in res["runs"].items():
+        topo, layers = key.split("/")
+        other = res["runs"].get(f"{topo}/unrolled")
+        if layers != "scan" or other is None:
+            continue
+        c = {}
+        for name, p in run["programs"].items():
+            q = other["programs"].get(name)
+            if q and p.get("compile_seconds") and q.get("compile_seconds"):
+                c[name] = {"compile_seconds_scan": p["compile_seconds"], "compile_seconds_unrolled": q["compile_seconds"],
+                           "hbm_bytes_scan_over_unrolled": p["hbm_bytes"] / q["hbm_bytes"]}
+        cmp[topo] = c
+    res["scan_vs_unrolled"] = cmp
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Two layouts of the layers: one subtree per layer ("unrolled", the stored layout) and stacked
+per position of the repeated layer group ("scan", what a `lax.scan` over the groups reads).
+
+The 26B model repeats one 6-layer group (5 sliding + 1 global) five times. A scanned program
+compiles that group once instead of 30 layers (`Runtime.layers`). Its parameters are stacked per
+group position: `params["layer_groups"]["blocks_j"]` holds layers j, P + j, 2P + j, ... along a new
+leading axis (P = the period, G = the number of whole groups); layers after the last whole group
+(a count that is not a multiple of the period, or a last layer forced global out of pattern) keep
+their own `blocks_i` subtree and run unrolled after the scan. Every other parameter is unchanged.
+
+Checkpoints, the Hugging Face loader, converters, LoRA and int8 quantization all produce and
+consume the unrolled layout; `stack_layers` / `unstack_layers` convert any pytree laid out like the
+parameters (arrays, `jax.ShapeDtypeStruct`s, `NamedSharding`s, logical `PartitionSpec`s, the LoRA
+collection, int8 {"int8", "scale"} pairs) exactly, both ways. The engine converts once at load, so
+its jitted programs never copy weights.
+
+The KV cache has the same two layouts (`stack_cache` / `unstack_cache`): stacked, `keys[j]` for
+j < P is [G, B, S, K_j, H_j] (group position j of every group) and `keys[P + r]` the r-th remainder
+layer's [B, S, K, H]; `KVCache.groups` = G says which (0 = one entry per layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dgemma_jax.config import GLOBAL, ModelConfig
+
+GROUPS_KEY = "layer_groups"
+LAYER_AXIS = "layers"  # the logical name of the stacked axis (replicated: no rule maps it)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    period: int      # layers per group (the 26B: 6 = 5 sliding + 1 global)
+    groups: int      # whole groups scanned (the 26B: 5)
+    num_layers: int
+
+    @property
+    def scanned(self) -> int:
+        return self.period * self.groups
+
+    @property
+    def remainder(self) -> tuple[int, ...]:
+        """The layers after the last whole group (run unrolled)."""
+        return tuple(range(self.scanned, self.num_layers))
+
+    def layer(self, group: int, position: int) -> int:
+        return group * self.period + position
+
+
+def layer_plan(config: ModelConfig) -> LayerPlan:
+    """The repeated group: its period is the first global layer's index + 1; whole groups are the
+    longest run of repeats of the first group's layer types from layer 0."""
+    types = config.layer_types
+    period = types.index(GLOBAL) + 1 if GLOBAL in types else len(types)
+    groups = 0
+    while (groups + 1) * period <= len(types) and types[groups * period:(groups + 1) * period] == types[:period]:
+        groups += 1
+    return LayerPlan(period, groups, len(types))
+
+
+def check_scannable(config: ModelConfig) -> LayerPlan:
+    plan = layer_plan(config)
+    if plan.groups < 1:
+        raise ValueError(f"{config.name}: no repeated layer group to scan (layer_types {config.layer_types}); "
+                         "use Runtime(layers='unrolled')")
+    return plan
+
+
+# ------------------------------------------------------------------ leaves
+def _is_leaf(x) -> bool:
+    return isinstance(x, (P, jax.ShapeDtypeStruct, NamedSharding))
+
+
+def _stack(*xs):
+    x0 = xs[0]
+    if isinstance(x0, P):  # logical axis names
+        return P(LAYER_AXIS, *x0)
+    if isinstance(x0, NamedSharding):
+        return NamedSharding(x0.mesh, P(None, *x0.spec))
+    if isinstance(x0, jax.ShapeDtypeStruct):
+        sh = x0.sharding
+        if isinstance(sh, NamedSharding):
+            sh = NamedSharding(sh.mesh, P(None, *sh.spec))
+        return jax.ShapeDtypeStruct((len(xs),) + tuple(x0.shape), x0.dtype, sharding=sh)
+    return jnp.stack(xs)
+
+
+def _index(x, g: int):
+    if isinstance(x, P):
+        return P(*tuple(x)[1:])
+    if isinstance(x, NamedSharding):
+        return NamedSharding(x.mesh, P(*tuple(x.spec)[1:]))
+    if isinstance(x, jax.ShapeDtypeStruct):
+        sh = x.sharding
+        if isinstance(sh, NamedSharding):
+            sh = NamedSharding(sh.mesh, P(*tuple(sh.spec)[1:]))
+        return jax.ShapeDtypeStruct(tuple(x.shape)[1:], x.dtype, sharding=sh)
+    return x[g]
+
+
+# ------------------------------------------------------------------ parameters
+def is_stacked(tree) -> bool:
+    """Whether a parameter-like tree is in the stacked ("scan") layout."""
+    return hasattr(tree, "keys") and GROUPS_KEY in tree
+
+
+def stack_layers(params, config: ModelConfig):
+    """The unrolled parameter tree (or any tree laid out like it) in the stacked layout. A tree
+    already stacked is returned as it is. Layers of one group position must have equal structures."""
+    if is_stacked(params):
+        return params
+    plan = check_scannable(config)
+    out = {k: v for k, v in params.items() if not _scanned_key(k, plan)}
+    groups = {}
+    for j in range(plan.period):
+        trees = [params[f"blocks_{plan.layer(g, j)}"] for g in range(plan.groups)]
+        try:
+            groups[f"blocks_{j}"] = jax.tree.map(_stack, *trees, is_leaf=_is_leaf)
+        except ValueError as e:
+            raise ValueError(f"layers {[plan.layer(g, j) for g in range(plan.groups)]} (group position {j}) have "
+                             f"different parameter structures and cannot be stacked: {e}; use "
+                             "Runtime(layers='unrolled')") from None
+    out[GROUPS_KEY] = groups
+    return out
+
+
+def unstack_layers(params, config: ModelConfig):
+    """The stacked tree back in the unrolled (stored) layout, exactly. An unrolled tree is returned as it is."""
+    if not is_stacked(params):
+        return params
+    plan = layer_plan(config)
+    out = {k: v for k, v in params.items() if k != GROUPS_KEY}
+    groups = params[GROUPS_KEY]
+    for j in range(plan.period):
+        for g in range(plan.groups):
+            out[f"blocks_{plan.layer(g, j)}"] = jax.tree.map(lambda x, g=g: _index(x, g), groups[f"blocks_{j}"],
+                                                             is_leaf=_is_leaf)
+    return {k: out[k] for k in _ordered(out)}
+
+
+def _scanned_key(key: str, plan: LayerPlan) -> bool:
+    return key.startswith("blocks_") and key[7:].isdigit() and int(key[7:]) < plan.scanned
+
+
+def _ordered(tree) -> list:
+    """Keys with blocks_i in layer order (the order `init_params` produces)."""
+    def rank(k):
+        return (1, int(k[7:]), "") if k.startswith("blocks_") and k[7:].isdigit() else (0, 0, k)
+    return sorted(tree, key=rank)
+
+
+def variables_groups(variables: dict, plan: LayerPlan) -> dict:
+    """{collection: {"blocks_j": stacked}} of every collection in `variables` that has groups."""
+    return {col: tree[GROUPS_KEY] for col, tree in variables.items() if is_stacked(tree)}
+
+
+# ------------------------------------------------------------------ cache
+def stack_cache(cache, config: ModelConfig):
+    """A `KVCache` (or a tree of its shardings / shapes) with one entry per layer -> the stacked
+    layout (`KVCache.groups` = G). A stacked cache is returned as it is."""
+    if cache.groups:
+        return cache
+    plan = check_scannable(config)
+
+    def one(seq):
+        stacked = [_stack(*[seq[plan.layer(g, j)] for g in range(plan.groups)]) for j in range(plan.period)]
+        return tuple(stacked) + tuple(seq[i] for i in plan.remainder)
+
+    return cache.replace(keys=one(cache.keys), values=one(cache.values), groups=plan.groups)
+
+
+def unstack_cache(cache, config: ModelConfig):
+    """The stacked cache with one entry per layer again (exact). An unrolled cache is returned as it is."""
+    if not cache.groups:
+        return cache
+    plan = layer_plan(config)
+
+    def one(seq):
+        layers = [None] * plan.num_layers
+        for j in range(plan.period):
+            for g in range(plan.groups):
+                layers[plan.layer(g, j)] = _index(seq[j], g)
+        for r, i in enumerate(plan.remainder):
+            layers[i] = seq[plan.period + r]
+        return tuple(layers)
+
+    return cache.replace(keys=one(cache.keys), values=one(cache.values), groups=0)
+
+
+def cache_layer_shapes(cache, config: ModelConfig) -> list[tuple[tuple, tuple]]:
+    """Per layer (keys shape, values shape) of a cache in either layout (nothing is copied)."""
+    if cache.groups:
+        cache = jax.eval_shape(lambda c: unstack_cache(c, config), cache)
+    return [(tuple(k.shape), tuple(v.shape)) for k, v in zip(cache.keys, cache.values)]

@@ -1,0 +1,118 @@
+"""The layers as a scan over the repeated layer group (`Runtime(layers="scan")`, model/layout.py)
+compute what the unrolled layers compute, and the two parameter / cache layouts convert exactly."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dgemma_jax import ModelConfig, Runtime, init_params
+from dgemma_jax.config import GLOBAL, SLIDING
+from dgemma_jax.engine import Engine
+from dgemma_jax.model import layout
+from dgemma_jax.model.api import denoise_logits, encode_pass, logical_axes, param_shapes, prefill
+from dgemma_jax.model.cache import init_cache
+from dgemma_jax.model.quant import quantize_params
+from dgemma_jax.sampling import SamplerConfig
+
+TINY = ModelConfig.preset("tiny-6layer")
+CFG12 = TINY.replace(num_layers=12, layer_types=())
+# 8 layers: one whole group, then a sliding layer and a last layer forced global (run unrolled)
+CFG8 = TINY.replace(num_layers=8, layer_types=())
+TOKENS = np.random.RandomState(0).randint(3, TINY.vocab_size, (2, 20)).astype(np.int32)
+LENGTHS = np.array([20, 13], np.int32)
+SAMPLER = SamplerConfig(canvas_length=16, max_denoising_steps=4, eos_ids=(1,))
+
+
+def _passes(cfg, params, rt, cache_layers):
+    cache = init_cache(cfg, 2, 64, layers=cache_layers)
+    enc = jax.jit(lambda p, c: encode_pass(p, cfg, jnp.asarray(TOKENS), c.lengths, jnp.asarray(LENGTHS), c, "all",
+                                           runtime=rt))
+    logits, cache = enc(params, cache)
+    canvas = jnp.asarray(TOKENS[:, :16])
+    den = jax.jit(lambda p, c: denoise_logits(p, cfg, canvas, c.lengths, c, runtime=rt))
+    return np.asarray(logits), np.asarray(den(params, cache)), layout.unstack_cache(cache, cfg)
+
+
+def test_layer_plan():
+    assert layout.layer_plan(ModelConfig.preset("diffusiongemma-26b-a4b")) == layout.LayerPlan(6, 5, 30)
+    p8 = layout.layer_plan(CFG8)
+    assert (p8.period, p8.groups, p8.remainder) == (6, 1, (6, 7))
+    assert CFG8.layer_types[6:] == (SLIDING, GLOBAL)
+    # no global layer: the whole stack is one group (a scan of one: valid, nothing saved)
+    assert layout.layer_plan(TINY.replace(num_layers=2, layer_types=(SLIDING, SLIDING))) == layout.LayerPlan(2, 1, 2)
+
+
+@pytest.mark.parametrize("cfg,mixed", [(TINY, False), (CFG12, True), (CFG8, False)], ids=["6", "12", "8"])
+def test_scan_equals_unrolled(cfg, mixed):
+    """Encoder logits, the cache it writes and denoiser logits; `mixed`: also each layout run on the
+    other layout's parameters and cache (converted inside the program)."""
+    params = init_params(cfg, 0)
+    stacked = layout.stack_layers(params, cfg)
+    ref = _passes(cfg, params, Runtime(), "unrolled")
+    runs = {"stacked params, stacked cache": _passes(cfg, stacked, Runtime(), "scan")}
+    if mixed:
+        runs["layers=scan on unrolled params and cache"] = _passes(cfg, params, Runtime(layers="scan"), "unrolled")
+        runs["layers=unrolled on stacked params"] = _passes(cfg, stacked, Runtime(layers="unrolled"), "scan")
+    for name, (enc, den, cache) in runs.items():
+        np.testing.assert_allclose(enc, ref[0], rtol=1e-5, atol=1e-4, err_msg=name)
+        np.testing.assert_allclose(den, ref[1], rtol=1e-5, atol=1e-3, err_msg=name)
+        for a, b in zip(cache.keys + cache.values, ref[2].keys + ref[2].values):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_stack_unstack_round_trip_exact():
+    for cfg in (CFG12, CFG8):
+        params = init_params(cfg, 1)
+        stacked = layout.stack_layers(params, cfg)
+        assert layout.is_stacked(stacked) and not layout.is_stacked(params)
+        assert stacked[layout.GROUPS_KEY]["blocks_0"]["attn"]["q"].shape[0] == layout.layer_plan(cfg).groups
+        back = layout.unstack_layers(stacked, cfg)
+        assert set(back) == set(params)
+        jax.tree.map(np.testing.assert_array_equal, back, params)
+        again = layout.stack_layers(back, cfg)
+        jax.tree.map(np.testing.assert_array_equal, again, stacked)
+        assert layout.stack_layers(stacked, cfg) is stacked and layout.unstack_layers(params, cfg) is params
+        # shapes, logical axes and int8 pairs convert the same way
+        shapes = layout.stack_layers(param_shapes(cfg), cfg)
+        assert jax.tree.map(lambda s: s.shape, shapes) == jax.tree.map(lambda x: x.shape, stacked)
+        axes = layout.stack_layers(logical_axes(cfg), cfg)
+        assert tuple(axes[layout.GROUPS_KEY]["blocks_0"]["attn"]["q"]) == ("layers", "embed", "heads", "head_dim")
+        q = quantize_params(cfg, params, "int8")
+        jax.tree.map(np.testing.assert_array_equal, layout.unstack_layers(layout.stack_layers(q, cfg), cfg), q)
+        # the cache
+        c = init_cache(cfg, 2, 32)
+        c = c.replace(keys=tuple(jax.random.normal(jax.random.key(i), k.shape) for i, k in enumerate(c.keys)))
+        s = layout.stack_cache(c, cfg)
+        assert s.groups == layout.layer_plan(cfg).groups and s.max_length == 32
+        u = layout.unstack_cache(s, cfg)
+        assert u.groups == 0
+        jax.tree.map(np.testing.assert_array_equal, u, c)
+        jax.tree.map(np.testing.assert_array_equal, layout.stack_cache(u, cfg), s)
+
+
+def test_engine_scan_generates_the_same_tokens():
+    params = init_params(CFG12, 0)
+    ref = Engine(CFG12, params, SAMPLER).generate(TOKENS, LENGTHS, rng=0, max_new_tokens=32)
+    eng = Engine(CFG12, params, SAMPLER, runtime=Runtime(layers="scan"))
+    assert layout.is_stacked(eng.params) and eng.new_cache(2, 64).groups == 2
+    out = eng.generate(TOKENS, LENGTHS, rng=0, max_new_tokens=32)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    assert out.cache.groups == 2
+
+
+def test_runtime_layers_choice():
+    for platform in ("cpu", "tpu"):  # the defaults (runtime.LAYER_DEFAULTS)
+        assert Runtime(platform=platform).layer_layout == "unrolled"
+    assert Runtime(platform="tpu", layers="scan").layer_layout == "scan"
+    with pytest.raises(ValueError, match="Runtime.layers"):
+        Runtime(layers="rolled")
+
+
+def test_checked_prefill_takes_a_stacked_cache():
+    params = init_params(CFG8, 0)
+    cache = init_cache(CFG8, 2, 64, layers="scan")
+    _, out = prefill(layout.stack_layers(params, CFG8), CFG8, TOKENS, LENGTHS, cache=cache)
+    _, ref = prefill(params, CFG8, TOKENS, LENGTHS, cache=init_cache(CFG8, 2, 64))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5),
+                 layout.unstack_cache(out, CFG8), ref)
