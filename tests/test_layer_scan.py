@@ -116,3 +116,36 @@ def test_checked_prefill_takes_a_stacked_cache():
     _, ref = prefill(params, CFG8, TOKENS, LENGTHS, cache=init_cache(CFG8, 2, 64))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5),
                  layout.unstack_cache(out, CFG8), ref)
+
+
+def test_hbm_traffic_counts_a_layer_scan_once_per_group():
+    """perf.hbm_traffic: the scan over layer groups stands for the unrolled layers (its body counts
+    once per group); any other loop body still counts once."""
+    from dgemma_jax.perf.hbm_traffic import hbm_traffic
+
+    def module(scope):
+        return f"""HloModule m
+
+%cond (p: (s32[], f32[1024])) -> pred[] {{
+  %p = (s32[], f32[1024]) parameter(0)
+  %c = s32[] constant(5)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}}
+
+%body (q: (s32[], f32[1024])) -> (s32[], f32[1024]) {{
+  %q = (s32[], f32[1024]) parameter(0)
+  %x = f32[1024] get-tuple-element(%q), index=1
+  %y = f32[1024] negate(%x)
+  %j = s32[] get-tuple-element(%q), index=0
+  ROOT %t = (s32[], f32[1024]) tuple(%j, %y)
+}}
+
+ENTRY %main (a: (s32[], f32[1024])) -> (s32[], f32[1024]) {{
+  %a = (s32[], f32[1024]) parameter(0)
+  ROOT %w = (s32[], f32[1024]) while(%a), condition=%cond, body=%body, metadata={{op_name="{scope}"}}
+}}
+"""
+    once = hbm_traffic(module("jit(f)/while"))["total"]
+    assert once == 2 * 4096  # the negate's read and write
+    assert hbm_traffic(module("jit(f)/Transformer._denoise_layers/while"))["total"] == 5 * once
