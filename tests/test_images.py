@@ -272,6 +272,30 @@ def test_other_settings_match_transformers(hf, patch, kernel, budget):
     assert np.array_equal(ours.position_ids, ref["position_ids"]) and list(ours.soft_tokens) == ref["soft_tokens"].tolist()
 
 
+def test_settings_from_the_checkpoint(hf, tmp_path):
+    import os
+
+    def compute():
+        d = tmp_path / "saved"
+        _hf_processor().save_pretrained(str(d))   # what a checkpoint's preprocessor_config.json holds
+        return np.asarray((d / os.listdir(d)[0]).read_text())
+
+    saved = str(hf.value("preprocessor_config_json", compute))
+    (tmp_path / "preprocessor_config.json").write_text(saved)
+    assert ImageSettings.from_dir(tmp_path) == ImageSettings() == ImageSettings(16, 3, 280)
+    assert ImageSettings.from_dir(tmp_path / "preprocessor_config.json") == ImageSettings()
+    cfg = json.loads(saved)
+    (tmp_path / "processor_config.json").write_text(json.dumps(
+        {"image_processor": dict(cfg, max_soft_tokens=560, patch_size=14), "image_seq_length": 560}))
+    assert ImageSettings.from_dir(tmp_path) == ImageSettings(14, 3, 560)   # processor_config.json is read first
+    assert ImageSettings.from_dir(tmp_path / "nothing_here") == ImageSettings()
+    for bad, match in [(dict(resample=2), "resample=2"), (dict(do_normalize=True, image_mean=[0.5] * 3), "normal"),
+                       (dict(max_soft_tokens=300), "soft-token budget"), (dict(do_resize=False), "do_resize")]:
+        (tmp_path / "processor_config.json").write_text(json.dumps({"image_processor": dict(cfg, **bad)}))
+        with pytest.raises(ValueError, match=match):
+            ImageSettings.from_dir(tmp_path)
+
+
 def test_several_images_in_one_batch(hf, tmp_path):
     names = ["photo", "text", "tall"]
     batch = preprocess_images([CASES[n][1] for n in names], max_soft_tokens=70)
@@ -489,6 +513,7 @@ def test_bad_files(tmp_path):
     _bad(str(tmp_path), "is not a file")
     _bad(b"", "bytes are empty")
     _bad("https://example.com/cat.png", "is a URL: download")
+    _bad("data:image/png;base64," + "A" * 500, "data URI: decode")
     truncated = _png_bytes(Image.fromarray(_gradient(64, 64)))[:200]
     _bad(truncated, "truncated or damaged|could not be decoded")
     _bad(_png_header_only(30000, 30000), "too large to decode safely.*downscale")   # Pillow's own bomb limit

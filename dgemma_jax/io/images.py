@@ -53,6 +53,7 @@ SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN = "<|image|>", "<|image>", "<image|>"
 IMAGE_TOKEN_ID, BOI_TOKEN_ID, EOI_TOKEN_ID = 258880, 255999, 258882
 
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 _CONVERTED_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr")
 
 
@@ -72,6 +73,46 @@ class ImageSettings:
         if not isinstance(self.max_soft_tokens, (int, np.integer)) or self.max_soft_tokens not in SOFT_TOKEN_BUDGETS:
             raise ValueError(f"max_soft_tokens={self.max_soft_tokens!r} is not a Gemma 4 soft-token budget: "
                              f"use one of {SOFT_TOKEN_BUDGETS} (more tokens per image: finer detail, longer prompt)")
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "ImageSettings":
+        """The settings of a checkpoint's image processor: `processor_config.json` (its "image_processor"
+        entry) or `preprocessor_config.json`, in the folder `path` (or that file); the defaults when the
+        checkpoint has neither. A processor this module does not reproduce (no resize, another resampling
+        filter or scale, a normalisation, no RGB conversion) is a ValueError."""
+        from dgemma_jax.errors import read_json
+
+        path = os.fspath(path)
+        files = [path] if os.path.isfile(path) else [os.path.join(path, n) for n in _PROCESSOR_FILES]
+        for f in files:
+            if os.path.isfile(f):
+                data = read_json(f)
+                cfg = data.get("image_processor", data) if isinstance(data.get("image_processor"), dict) else data
+                return cls._from_processor_dict(cfg, f)
+        return cls()
+
+    @classmethod
+    def _from_processor_dict(cls, cfg: dict, where: str) -> "ImageSettings":
+        unsupported = []
+        if not cfg.get("do_resize", True):
+            unsupported.append("do_resize=false")
+        if cfg.get("resample", 3) != 3:
+            unsupported.append(f"resample={cfg['resample']} (only 3, bicubic)")
+        if not cfg.get("do_rescale", True) or abs(cfg.get("rescale_factor", 1 / 255) - 1 / 255) > 1e-12:
+            unsupported.append(f"do_rescale={cfg.get('do_rescale', True)}, rescale_factor={cfg.get('rescale_factor')}")
+        if cfg.get("do_normalize", False) and (any(m != 0 for m in cfg.get("image_mean", [0.0]))
+                                               or any(v != 1 for v in cfg.get("image_std", [1.0]))):
+            unsupported.append(f"normalisation with mean {cfg.get('image_mean')} and std {cfg.get('image_std')}")
+        if not cfg.get("do_convert_rgb", True):
+            unsupported.append("do_convert_rgb=false")
+        if unsupported:
+            raise ValueError(f"{where}: the image processor uses {', '.join(unsupported)}, which "
+                             "dgemma_jax.io.images does not reproduce (it implements the Gemma 4 processor: bicubic "
+                             "resize, x/255, RGB); preprocess the images yourself and pass pixel_values")
+        defaults = cls()
+        return cls(patch_size=cfg.get("patch_size", defaults.patch_size),
+                   pooling_kernel_size=cfg.get("pooling_kernel_size", defaults.pooling_kernel_size),
+                   max_soft_tokens=cfg.get("max_soft_tokens", defaults.max_soft_tokens))
 
     @property
     def max_patches(self) -> int:
@@ -112,7 +153,8 @@ def _pil():
 def _describe(source: Any) -> str:
     if isinstance(source, (bytes, bytearray, memoryview)):
         return f"the {len(source)} given bytes"
-    return repr(os.fspath(source)) if isinstance(source, os.PathLike) else repr(source)
+    text = repr(os.fspath(source))
+    return text if len(text) <= 120 else text[:100] + "...'"
 
 
 def _open_encoded(source: Any, max_pixels: int | None):
@@ -129,6 +171,9 @@ def _open_encoded(source: Any, max_pixels: int | None):
             path = os.fsdecode(path)
         if path.startswith(("http://", "https://")):
             raise ValueError(f"{what} is a URL: download the image and pass the file's path or bytes")
+        if path.startswith("data:"):
+            raise ValueError(f"{what} is a data URI: decode it (base64.b64decode of the part after the comma) and "
+                             "pass the bytes")
         if not os.path.isfile(path):
             raise ValueError(f"no image file at {what}: check the path" if not os.path.exists(path)
                              else f"{what} is not a file: pass the path of an image file")
