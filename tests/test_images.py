@@ -559,6 +559,12 @@ def test_conversions_that_are_not_errors():
     rgb = load_image(gif)   # a PIL image: the transparent colour composited onto white
     assert (rgb == 255).all(axis=-1).any()
     assert load_image(np.zeros((5, 6), np.uint8)).shape == (5, 6, 3)
+    frames = [Image.fromarray(_gradient(40, 60)), Image.new("RGB", (30, 20))]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="MPO", save_all=True, append_images=frames[1:])
+    mpo = Image.open(io.BytesIO(buf.getvalue()))
+    assert mpo.format == "MPO" and mpo.n_frames == 2
+    assert load_image(buf.getvalue()).shape == (40, 60, 3)   # a camera MPO JPEG: its primary image, no error
     assert load_image(_exif_rotated_png()).shape == (160, 90, 3)      # a file's EXIF orientation is applied
     assert load_image(Image.open(io.BytesIO(_exif_rotated_png()))).shape == (90, 160, 3)  # a PIL image's is not
     rgba = _rgba()

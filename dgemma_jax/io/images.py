@@ -19,8 +19,9 @@ RGB conversion follows the reference for each kind of input:
 Modes that are converted: 1, L, LA, La, P, PA, RGB, RGBA, RGBa, RGBX, CMYK (Pillow's plain CMYK->RGB
 formula, as the reference), YCbCr. Refused with a ValueError (the reference would convert them by
 clipping every value above 255, silently whitening the image): 16-/32-bit integer and float modes
-(I, I;16*, F) and other modes (LAB, HSV, ...). Also refused: animated images (more than one frame; the
-reference silently uses the first), unreadable or non-image data, empty images, files whose pixel
+(I, I;16*, F) and other modes (LAB, HSV, ...). Also refused: animated or multi-page images (more than one
+frame; the reference silently uses the first; camera MPO JPEGs, whose extra frames are previews, are read
+as their primary image like the reference), unreadable or non-image data, empty images, files whose pixel
 count exceeds `max_pixels` (default Pillow's decompression-bomb limit), float or non-uint8 arrays,
 and a `max_soft_tokens` outside {70, 140, 280, 560, 1120}.
 
@@ -190,23 +191,27 @@ def _open_encoded(source: Any, max_pixels: int | None):
                          "JPEG, GIF, WebP, BMP or TIFF file") from None
     except OSError as e:
         raise ValueError(f"could not read {what} ({e}): check the file's permissions and contents") from None
-    w, h = img.size
-    if max_pixels is not None and w * h > max_pixels:
-        raise ValueError(f"{what} is {w}x{h} = {w * h} pixels, more than the limit max_pixels={max_pixels} "
-                         "(a guard against decompression bombs): downscale the image first, or pass a larger "
-                         "max_pixels if you trust the file")
-    _check_frames(img, what)
     try:
-        img.load()
-    except Exception as e:  # truncated or corrupt data: Pillow raises OSError, SyntaxError, ValueError...
-        raise ValueError(f"{what} could not be decoded ({type(e).__name__}: {e}); the file is truncated or "
-                         "damaged: re-export or re-download it") from None
+        w, h = img.size
+        if max_pixels is not None and w * h > max_pixels:
+            raise ValueError(f"{what} is {w}x{h} = {w * h} pixels, more than the limit max_pixels={max_pixels} "
+                             "(a guard against decompression bombs): downscale the image first, or pass a larger "
+                             "max_pixels if you trust the file")
+        _check_frames(img, what)
+        try:
+            img.load()
+        except Exception as e:  # truncated or corrupt data: Pillow raises OSError, SyntaxError, ValueError...
+            raise ValueError(f"{what} could not be decoded ({type(e).__name__}: {e}); the file is truncated or "
+                             "damaged: re-export or re-download it") from None
+    except ValueError:
+        img.close()
+        raise
     return img
 
 
 def _check_frames(img, what: str) -> None:
     n = getattr(img, "n_frames", 1)
-    if n > 1:
+    if n > 1 and getattr(img, "format", None) != "MPO":  # MPO: a camera JPEG whose extra frames are previews
         raise ValueError(f"{what} is animated ({n} frames); pass one frame as an image: "
                          "img.seek(i); frame = img.convert('RGB')")
 
@@ -259,7 +264,10 @@ def _rgb_from_array(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
-def load_image(image: Any, *, max_pixels: int | None = -1) -> np.ndarray:
+_PILLOW_LIMIT: Any = object()   # max_pixels default: Pillow's PIL.Image.MAX_IMAGE_PIXELS
+
+
+def load_image(image: Any, *, max_pixels: int | None = _PILLOW_LIMIT) -> np.ndarray:
     """An image as a uint8 RGB array [H, W, 3], converted the way transformers' Gemma 4 processor does.
 
     `image`: a path (str / os.PathLike), encoded bytes, a `PIL.Image.Image` or a uint8 numpy array
@@ -268,7 +276,7 @@ def load_image(image: Any, *, max_pixels: int | None = -1) -> np.ndarray:
     a ValueError naming the problem and the fix (see the module docstring).
     """
     Image, ImageOps = _pil()
-    if max_pixels == -1:
+    if max_pixels is _PILLOW_LIMIT:
         max_pixels = Image.MAX_IMAGE_PIXELS
     if isinstance(image, np.ndarray):
         return _rgb_from_array(image)
@@ -276,14 +284,17 @@ def load_image(image: Any, *, max_pixels: int | None = -1) -> np.ndarray:
         return _rgb_from_pil(image, f"the {image.mode} {image.size[0]}x{image.size[1]} PIL image")
     if isinstance(image, (str, os.PathLike, bytes, bytearray, memoryview)):
         what = _describe(image)
-        img = _open_encoded(image, max_pixels)
-        _check_mode(img, what)
-        try:  # transformers' load_image: EXIF orientation, then a plain RGB conversion
-            img = ImageOps.exif_transpose(img).convert("RGB")
-        except (OSError, ValueError, SyntaxError) as e:
-            raise ValueError(f"{what} could not be converted to RGB ({type(e).__name__}: {e}): re-export it as an "
-                             "8-bit RGB PNG or JPEG") from None
-        return _rgb_from_pil(img, what)
+        opened = _open_encoded(image, max_pixels)
+        try:
+            _check_mode(opened, what)
+            try:  # transformers' load_image: EXIF orientation, then a plain RGB conversion
+                img = ImageOps.exif_transpose(opened).convert("RGB")
+            except (OSError, ValueError, SyntaxError) as e:
+                raise ValueError(f"{what} could not be converted to RGB ({type(e).__name__}: {e}): re-export it "
+                                 "as an 8-bit RGB PNG or JPEG") from None
+            return _rgb_from_pil(img, what)
+        finally:
+            opened.close()
     raise ValueError(f"cannot read an image from a {type(image).__name__}: pass a file path, encoded bytes, a "
                      "PIL.Image or a uint8 HxWx3 numpy array")
 
@@ -350,7 +361,7 @@ def _patches(rgb: np.ndarray, settings: ImageSettings) -> tuple[np.ndarray, np.n
 
 def preprocess_images(images: Any, settings: ImageSettings | None = None, *, patch_size: int | None = None,
                       pooling_kernel_size: int | None = None, max_soft_tokens: int | None = None,
-                      max_pixels: int | None = -1) -> ImageBatch:
+                      max_pixels: int | None = _PILLOW_LIMIT) -> ImageBatch:
     """transformers' Gemma 4 image processor on `images` (one image or a list; each as `load_image` takes).
 
     `settings` (default: the released model's) can be overridden field by field with the keyword
