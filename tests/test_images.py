@@ -31,7 +31,6 @@ from dgemma_jax.io.images import (  # noqa: E402
     BOI_TOKEN, BOI_TOKEN_ID, EOI_TOKEN, EOI_TOKEN_ID, IMAGE_TOKEN, IMAGE_TOKEN_ID, SOFT_TOKEN_BUDGETS, ImageSettings,
     ImageTokenIds, encode_with_images, expand_image_ids, expand_image_text, load_image, mm_token_type_ids,
     preprocess_images, resized_size, soft_token_count)
-from tests.golden import store  # noqa: E402
 
 U8_BUDGET = 70          # the budget whose reference pixels are stored (as a uint8 PNG) in the golden file
 NO_U8 = ("tiny_noise", "rgba_array")  # stored as a hash only: noise does not compress; rgba gives the same pixels
@@ -269,7 +268,8 @@ def test_other_settings_match_transformers(hf, patch, kernel, budget):
     ours = preprocess_images(image, patch_size=patch, pooling_kernel_size=kernel, max_soft_tokens=budget)
     assert ours.pixel_values.shape == ref["pixel_values"].shape == (1, budget * kernel ** 2, patch * patch * 3)
     assert np.array_equal(ours.pixel_values, ref["pixel_values"])
-    assert np.array_equal(ours.position_ids, ref["position_ids"]) and list(ours.soft_tokens) == ref["soft_tokens"].tolist()
+    assert np.array_equal(ours.position_ids, ref["position_ids"])
+    assert list(ours.soft_tokens) == ref["soft_tokens"].tolist()
 
 
 def test_settings_from_the_checkpoint(hf, tmp_path):
