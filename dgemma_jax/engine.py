@@ -132,7 +132,7 @@ def check_images(config: ModelConfig, tokens, lengths, images):
     position_ids) arrays for the programs.
 
     images: an object with `pixel_values` [N, P, 3 p^2], `position_ids` [N, P, 2] and `soft_tokens`
-    [N] (`dgemma_jax.io.images.preprocess`). The prompts must hold exactly sum(soft_tokens) image
+    [N] (`dgemma_jax.io.images.preprocess_images`). The prompts must hold exactly sum(soft_tokens) image
     tokens in runs, one run of soft_tokens[i] tokens per image, in row-major order."""
     if images is None:
         tok = np.asarray(tokens)
@@ -147,8 +147,8 @@ def check_images(config: ModelConfig, tokens, lengths, images):
         pixels, positions = np.asarray(images.pixel_values), np.asarray(images.position_ids)
         soft = [int(n) for n in np.asarray(images.soft_tokens).reshape(-1)]
     except AttributeError:
-        raise ValueError("images must be preprocessed images (dgemma_jax.io.images.preprocess(...)): an object with "
-                         f"pixel_values, position_ids and soft_tokens; got {type(images).__name__}") from None
+        raise ValueError("images must be preprocessed images (dgemma_jax.io.images.preprocess_images(...)): an "
+                         f"object with pixel_values, position_ids and soft_tokens; got {type(images).__name__}") from None
     v = config.vision
     want = 3 * v.patch_size * v.patch_size
     if pixels.ndim != 3 or pixels.shape[-1] != want or positions.shape != pixels.shape[:2] + (2,):
@@ -342,7 +342,7 @@ class Engine:
         then does not depend on its batch). cache: continue an earlier cache (multi-turn chat: the
         prompt is then only the new tokens; `out.cache` of a previous call holds everything
         committed so far, i.e. all but the last canvas, earlier images included). images: the
-        prompt's images (`dgemma_jax.io.images.preprocess`: pixel values, positions, soft-token
+        prompt's images (`dgemma_jax.io.images.preprocess_images`: pixel values, positions, soft-token
         counts), one run of `config.image_token_id` tokens per image in the prompts, in row-major
         order (`check_images`). Returns `GenerateOutput`.
         """
