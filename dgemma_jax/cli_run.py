@@ -19,9 +19,8 @@ from dgemma_jax.errors import UsageError
 from dgemma_jax.io import convert
 from dgemma_jax.io.locations import resolve
 from dgemma_jax.model.quant import quantization_of, quantize_params
-from dgemma_jax.io.images import SOFT_TOKEN_BUDGETS
+from dgemma_jax.io.images import SOFT_TOKEN_BUDGETS, load_image, prompt_with_images
 from dgemma_jax.pipeline import load_checkpoint as load_for_cli
-from dgemma_jax.pipeline import prompt_with_images
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.generate import CanvasEvent, collect
 from dgemma_jax.sampling.loop import SEED_RANGE
@@ -174,6 +173,7 @@ def cmd_chat(args) -> int:
     session = ChatSession(Engine(cfg, params, sampler), tok, system=args.system, thinking=args.thinking,
                           context=args.context, max_new_tokens=args.max_new_tokens, seed=args.seed)
     interactive = sys.stdin.isatty()
+    pending = []  # images from `/image PATH` lines, sent with the next message
     while True:
         if interactive:
             sys.stdout.write("you> ")
@@ -186,7 +186,23 @@ def cmd_chat(args) -> int:
             continue
         if line.strip() in ("/exit", "/quit"):
             break
-        turn = session.send(line)
+        if line.startswith("/image"):
+            path = line[len("/image"):].strip()
+            try:
+                load_image(path)  # refuse an unreadable file now, not after the next message
+            except ValueError as e:
+                print(f"dgemma: error: /image: {e}", file=sys.stderr, flush=True)
+                continue
+            pending.append(path)
+            print(f"[image {path} goes with your next message]", file=sys.stderr, flush=True)
+            continue
+        try:
+            turn = session.send(line, images=pending)
+        except ValueError as e:  # e.g. an image for a text-only checkpoint: the turn is dropped, the chat goes on
+            print(f"dgemma: error: {e}", file=sys.stderr, flush=True)
+            pending = []
+            continue
+        pending = []
         print(("model> " if interactive else "") + turn.answer, flush=True)
         if not args.quiet:
             print(f"[turn {session.turns}: reused {turn.reused} cached tokens, prefilled {turn.prefilled}, "
@@ -300,7 +316,7 @@ def add_commands(sub, positive):
     sampler_flags(s)
     s.set_defaults(fn=cmd_generate)
 
-    s = sub.add_parser("chat", help="interactive multi-turn chat (Gemma 4 chat template)")
+    s = sub.add_parser("chat", help="interactive multi-turn chat (Gemma 4 chat template; /image PATH adds an image to the next message)")
     s.add_argument("--system", default="")
     s.add_argument("--thinking", action="store_true", help="enable thinking (never fed back into history)")
     s.add_argument("--context", type=positive(int), default=4096, help="KV cache tokens")

@@ -22,7 +22,7 @@ from dgemma_jax.engine import Engine, default_new_tokens, warn_if_cut_short
 from dgemma_jax.errors import UsageError
 from dgemma_jax.io.bundled import load_bundled
 from dgemma_jax.io.chat import chat_images, history_without_thinking, render_chat
-from dgemma_jax.io.images import IMAGE_TOKEN, ImageSettings, encode_with_images
+from dgemma_jax.io.images import prompt_with_images
 from dgemma_jax.io.locations import resolve
 from dgemma_jax.io.model_dir import load_model, load_model_tokenizer
 
@@ -41,33 +41,6 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
     checkpoint = resolve(checkpoint, revision)
     cfg, params, sampler = load_model(checkpoint, dtype=dtype)
     return cfg, params, sampler, load_model_tokenizer(checkpoint)
-
-
-def image_settings(config, max_soft_tokens: int | None = None) -> ImageSettings:
-    """The image preprocessing a checkpoint's vision tower takes (its patch size and pooling);
-    max_soft_tokens: the per-image budget (default: the released processor's)."""
-    v = config.vision
-    if v is None:
-        raise ValueError(f"{config.name} is a text-only checkpoint (no vision tower): it cannot take images. "
-                         "Load a checkpoint with vision weights or drop the images")
-    kw = {} if max_soft_tokens is None else {"max_soft_tokens": int(max_soft_tokens)}
-    return ImageSettings(patch_size=v.patch_size, pooling_kernel_size=v.pooling_kernel_size, **kw)
-
-
-def prompt_with_images(config, tokenizer, text: str, images, max_soft_tokens: int | None = None,
-                       add_bos: bool = True):
-    """One prompt with images -> (tokens [1, T], lengths [1], ImageBatch) for `Engine.generate`.
-
-    Each `<|image|>` in `text` marks where an image goes (the chat renderer writes one per image part);
-    a text without any gets one per image at its start. images: one or a list (paths, bytes, PIL
-    images or uint8 arrays, `dgemma_jax.io.images.load_image`)."""
-    settings = image_settings(config, max_soft_tokens)
-    images = list(images) if isinstance(images, (list, tuple)) else [images]
-    if IMAGE_TOKEN not in text:
-        text = IMAGE_TOKEN * len(images) + text
-    enc = encode_with_images(tokenizer, text, images, settings, add_bos=add_bos)
-    ids = enc["input_ids"]
-    return ids[None].astype(np.int32), np.array([len(ids)], np.int32), enc["images"]
 
 
 class DiffusionGemma:

@@ -46,7 +46,7 @@ __all__ = [
     "SOFT_TOKEN_BUDGETS", "IMAGE_TOKEN", "BOI_TOKEN", "EOI_TOKEN", "IMAGE_TOKEN_ID", "BOI_TOKEN_ID",
     "EOI_TOKEN_ID", "ImageSettings", "ImageBatch", "ImageTokenIds", "load_image", "resized_size",
     "soft_token_count", "preprocess_images", "expand_image_text", "expand_image_ids", "mm_token_type_ids",
-    "encode_with_images",
+    "encode_with_images", "settings_for", "prompt_with_images",
 ]
 
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
@@ -137,6 +137,14 @@ class ImageBatch:
 
     def __len__(self) -> int:
         return len(self.soft_tokens)
+
+    def select(self, indices: Sequence[int]) -> "ImageBatch | None":
+        """The images at `indices`, in that order (None when there are none)."""
+        indices = [int(i) for i in indices]
+        if not indices:
+            return None
+        return ImageBatch(pixel_values=self.pixel_values[indices], position_ids=self.position_ids[indices],
+                          soft_tokens=tuple(self.soft_tokens[i] for i in indices), settings=self.settings)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,3 +488,34 @@ def encode_with_images(tokenizer, text: str, images: Any = (), settings: ImageSe
     counts = list(batch.soft_tokens) if batch is not None else []
     ids = np.asarray(tokenizer.encode(expand_image_text(text, counts), add_bos=add_bos), np.int32)
     return {"input_ids": ids, "mm_token_type_ids": mm_token_type_ids(ids, token_ids.image), "images": batch}
+
+
+# ---------------------------------------------------------------------------------------------
+# For a checkpoint
+
+
+def settings_for(config, max_soft_tokens: int | None = None) -> ImageSettings:
+    """The image preprocessing a checkpoint's vision tower takes (its patch size and pooling);
+    max_soft_tokens: the per-image budget (default: the released processor's)."""
+    v = config.vision
+    if v is None:
+        raise ValueError(f"{config.name} is a text-only checkpoint (no vision tower): it cannot take images. "
+                         "Load a checkpoint with vision weights or drop the images")
+    kw = {} if max_soft_tokens is None else {"max_soft_tokens": int(max_soft_tokens)}
+    return ImageSettings(patch_size=v.patch_size, pooling_kernel_size=v.pooling_kernel_size, **kw)
+
+
+def prompt_with_images(config, tokenizer, text: str, images, max_soft_tokens: int | None = None,
+                       add_bos: bool = True):
+    """One prompt with images -> (tokens [1, T], lengths [1], ImageBatch) for `Engine.generate`.
+
+    Each `<|image|>` in `text` marks where an image goes (the chat renderer writes one per image part);
+    a text without any gets one per image at its start. images: one or a list (paths, bytes, PIL
+    images or uint8 arrays, `load_image`). config: the checkpoint's `ModelConfig`."""
+    settings = settings_for(config, max_soft_tokens)
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    if IMAGE_TOKEN not in text:
+        text = IMAGE_TOKEN * len(images) + text
+    enc = encode_with_images(tokenizer, text, images, settings, add_bos=add_bos)
+    ids = enc["input_ids"]
+    return ids[None].astype(np.int32), np.array([len(ids)], np.int32), enc["images"]
