@@ -316,7 +316,8 @@ def add_commands(sub, positive):
     sampler_flags(s)
     s.set_defaults(fn=cmd_generate)
 
-    s = sub.add_parser("chat", help="interactive multi-turn chat (Gemma 4 chat template; /image PATH adds an image to the next message)")
+    s = sub.add_parser("chat", help="interactive multi-turn chat (Gemma 4 chat template; a line /image PATH "
+                                    "adds an image to the next message)")
     s.add_argument("--system", default="")
     s.add_argument("--thinking", action="store_true", help="enable thinking (never fed back into history)")
     s.add_argument("--context", type=positive(int), default=4096, help="KV cache tokens")
