@@ -10,6 +10,15 @@ Causal encoder pass (prefill / commit), window W = 4, one row with 3 cached + 3 
     q pos 4      . x x x x .
     q pos 5      . . x x x x
 
+With images (the reference's generate() mask), the tokens of one image also see each other in both
+directions, on sliding layers beyond the window too. W = 2, an image at positions 1..4 (i)::
+
+    key pos ->   0 1 2 3 4 5
+    q pos 0  t   x . . . . .
+    q pos 1  i   x x x x x .        causal window OR the whole image
+    q pos 4  i   . x x x x .
+    q pos 5  t   . . . . x x        text: causal (windowed) only
+
 Denoiser pass, context E = 5 committed tokens, W = 4, canvas of 3 (positions 5..7)::
 
     "block" (the reference)             "band" (Google's JAX sampler)
