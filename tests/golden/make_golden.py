@@ -70,6 +70,7 @@ def builders() -> dict:
     out["config"] = lambda: _recorded("tests/test_config.py")
     out["tokenizer"] = lambda: _recorded("tests/test_tokenizer.py")
     out["bf16_reference"] = lambda: _recorded("tests/test_model_behaviour.py")
+    out["vision"] = lambda: _recorded("tests/test_vision.py")
     out["trace"] = _trace
     return out
 
