@@ -245,3 +245,22 @@ def test_bad_vision_tensors_raise(tmp_path):
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing tensor.*layers\.1\.self_attn\.q_proj"):
         load_hf(path)
+
+
+def test_text_training_leaves_the_tower_alone():
+    """The trainer freezes `vision_tower` / `embed_vision` (no weight decay on a tower no gradient reaches)."""
+    import jax.numpy as jnp
+    import optax
+
+    from dgemma_jax.training.lora import VISION_PATTERN
+    from dgemma_jax.training.optim import make_optimizer
+
+    params = {"vision_tower": {"layers_0": {"mlp": {"up": jnp.ones((2, 2))}}},
+              "embed_vision": {"projection": jnp.ones((2, 2))}, "embedding": jnp.ones((2, 2))}
+    opt, _ = make_optimizer(total_steps=10, warmup_steps=1, peak_lr=0.1, weight_decay=0.5, freeze=(VISION_PATTERN,))
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, _ = opt.update(grads, opt.init(params), params)
+    new = optax.apply_updates(params, updates)
+    np.testing.assert_array_equal(new["vision_tower"]["layers_0"]["mlp"]["up"], 1.0)
+    np.testing.assert_array_equal(new["embed_vision"]["projection"], 1.0)
+    assert not np.allclose(new["embedding"], 1.0)
