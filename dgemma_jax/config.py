@@ -277,7 +277,8 @@ class ModelConfig:
         return math.sqrt(self.hidden_size)
 
     def param_count(self) -> dict[str, int]:
-        """Total and per-token active parameter counts (text model)."""
+        """Total and per-token active parameter counts (text model); "vision": the vision tower and its projection
+        into the text, when the model has one."""
         d = self.hidden_size
         emb = self.vocab_size * d
         attn = 0
@@ -292,7 +293,10 @@ class ModelConfig:
         sc = 3 * d * self.intermediate_size + d
         total = emb + attn + dense + experts + router + norms + sc
         active = total - experts + experts * self.top_k // self.num_experts
-        return {"total": total, "active": active, "experts": experts, "embedding": emb}
+        out = {"total": total, "active": active, "experts": experts, "embedding": emb}
+        if self.vision is not None:  # the tower + its projection, not part of "total" (the text model)
+            out["vision"] = self.vision.param_count(d)
+        return out
 
     # ------------------------------------------------------------------ presets
     @staticmethod

@@ -264,3 +264,46 @@ def test_text_training_leaves_the_tower_alone():
     np.testing.assert_array_equal(new["vision_tower"]["layers_0"]["mlp"]["up"], 1.0)
     np.testing.assert_array_equal(new["embed_vision"]["projection"], 1.0)
     assert not np.allclose(new["embedding"], 1.0)
+
+
+def test_inspect_counts_the_tower(tmp_path, capsys):
+    from dgemma_jax.cli import main
+
+    cfg = _config(CASES["plain"][0])
+    params = random_params(cfg, 0)
+    save_hf(params, cfg, tmp_path / "v")
+    assert main(["inspect", "--checkpoint", str(tmp_path / "v"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    n = sum(int(np.prod(x.shape)) for k in ("vision_tower", "embed_vision") for x in jax.tree.leaves(params[k]))
+    assert info["params_vision"] == n and info["vision"].startswith("2 layers x 16")
+    text = ModelConfig.preset(TEXT)
+    save_hf(random_params(text, 0), text, tmp_path / "t")  # the text-only stub vision_config is no tower
+    assert main(["inspect", "--checkpoint", str(tmp_path / "t"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert "params_vision" not in info and info["params_total"] == text.param_count()["total"]
+
+
+def test_quantized_and_sharded_models_run_the_tower():
+    """int8 quantization leaves the tower in float (its kernels are not among the quantized ones), and the
+    tower runs with its parameters split over a tensor x expert mesh, with the same features."""
+    from dgemma_jax.model.quant import quantize_params
+    from dgemma_jax.parallel import Shardings, make_mesh
+
+    vision, patches, grids = CASES["clipped"]
+    cfg = _config(vision)
+    params = random_params(cfg, 5)
+    pixels, pos = make_images(vision, patches, grids, 0)
+    run = jax.jit(image_features_pass, static_argnums=(1, 4))
+    want, n = run(params, cfg, pixels, pos, None)
+    q = quantize_params(cfg, params)
+    assert jax.tree.map(lambda a, b: a.dtype == b.dtype and a.shape == b.shape, q["vision_tower"],
+                        params["vision_tower"]) == jax.tree.map(lambda _: True, params["vision_tower"])
+    got_q, _ = run(q, cfg, pixels, pos, None)
+    np.testing.assert_array_equal(np.asarray(got_q), np.asarray(want))
+
+    sh = Shardings(cfg, make_mesh("expert=2,tensor=4"), "latency")
+    assert sh.params["vision_tower"]["layers_0"]["mlp"]["gate"].spec[1] == ("tensor", "expert")
+    placed = jax.tree.map(jax.device_put, params, sh.params)
+    got, n2 = run(placed, cfg, pixels, pos, sh.runtime())
+    assert int(n2) == int(n)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)

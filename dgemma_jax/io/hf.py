@@ -238,6 +238,15 @@ def _check(cfg: ModelConfig, st: SafetensorsDir, table: list[Entry]):
         raise ValueError(f"checkpoint {st.path!r} does not match its config ({cfg.name}): " + " | ".join(problems))
 
 
+def vision_tensors_present(path: str | os.PathLike) -> bool | None:
+    """Whether the safetensors of a local HF directory hold any vision tensor (None: no readable weights)."""
+    try:
+        st = SafetensorsDir(os.fspath(path))
+    except (OSError, ValueError):
+        return None
+    return any(k.startswith(VISION_PREFIXES) for k in st.keys())
+
+
 def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
             shardings: Any | None = None, config_overrides: dict | None = None,
             progress: Callable[[Iterator], Iterator] | None = None, revision: str | None = None,
