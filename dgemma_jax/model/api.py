@@ -2,7 +2,8 @@
 
 Two levels, and the only code that calls `Transformer.apply`:
 * traceable passes for the drivers (sampling, the engine, training) to use inside their own jits:
-  `encode_pass`, `denoise_logits`, `denoise_features`, `soft_embed_pass`; `adapters` adds the
+  `encode_pass`, `denoise_logits`, `denoise_features`, `soft_embed_pass`, `image_features_pass` (the vision
+  tower of a config with `vision`); `adapters` adds the
   unmerged LoRA collection; `runtime` (a `dgemma_jax.runtime.Runtime`, default: this process's
   backend on one device) is how the pass runs: mesh, platform, MoE dispatch, attention kernel;
 * checked, jitted entry points for users: `prefill`, `denoise`, `soft_embed`. They check their
@@ -72,6 +73,13 @@ def denoise_features(params, config: ModelConfig, canvas, context_end, cache: KV
 def soft_embed_pass(params, config: ModelConfig, logits, adapters=None, runtime: Runtime | None = None):
     """Self-conditioning soft embedding of logits [B, L, V]: [B, L, D]."""
     return _model(config, runtime).apply(variables(params, adapters), logits, method="soft_embed")
+
+
+def image_features_pass(params, config: ModelConfig, pixel_values, position_ids, runtime: Runtime | None = None):
+    """Images through the vision tower and `embed_vision`: pixel_values float [N, P, 3 p^2] in [0, 1],
+    position_ids int [N, P, 2] (x, y; padding patches (-1, -1)) -> (features [N * S, D] with the valid soft
+    tokens of all images first, row-major in image order, activation dtype; n_valid int32 scalar)."""
+    return _model(config, runtime).apply({"params": params}, pixel_values, position_ids, method="image_features")
 
 
 def _boxed_init(config: ModelConfig, rng):

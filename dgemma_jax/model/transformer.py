@@ -27,6 +27,7 @@ from dgemma_jax.model.cache import KVCache
 from dgemma_jax.model.layers import (QUANT_SCALE, QUANT_VALUES, GatedMLP, RMSNorm, dtype_of, is_quantized, ones_param,
                                      param, rms_normalize, softcap)
 from dgemma_jax.model.moe import MoE
+from dgemma_jax.model.vision import MultimodalEmbedder, VisionTower, compact_rows
 from dgemma_jax.runtime import Runtime
 
 ACTIVATION_AXES = ("batch", "seq", "embed")
@@ -87,6 +88,9 @@ class Transformer(nn.Module):
         self.final_norm = RMSNorm(cfg)
         self.sc_norm = RMSNorm(cfg)
         self.sc_mlp = GatedMLP(cfg, cfg.intermediate_size)
+        if cfg.vision is not None:  # a text-only model has neither (its parameter tree is unchanged)
+            self.vision_tower = VisionTower(cfg)
+            self.embed_vision = MultimodalEmbedder(cfg)
 
     # -------------------------------------------------------------- pieces
     def _embed(self, tokens):
@@ -131,6 +135,18 @@ class Transformer(nn.Module):
         else:
             emb = jnp.einsum("blv,vd->bld", probs.astype(e.dtype), e, preferred_element_type=jnp.float32)
         return emb.astype(dt) * jnp.asarray(self.cfg.embed_scale, jnp.float32).astype(dt)
+
+    def image_features(self, pixel_values, position_ids):
+        """Images -> text-width soft tokens, the valid ones of all images compacted to the front.
+
+        pixel_values float [N, P, 3 p^2] rescaled to [0, 1]; position_ids int [N, P, 2] (x, y), padding
+        patches at (-1, -1). Returns (features [N * S, D] in the activation dtype: the valid soft tokens of
+        image 0, then image 1, ..., then zero rows; n_valid int32 scalar), S = P // pooling_kernel_size^2.
+        """
+        if self.cfg.vision is None:
+            raise ValueError("this model has no vision tower (ModelConfig.vision is None)")
+        soft, valid = self.vision_tower(pixel_values, position_ids)
+        return compact_rows(self.embed_vision(soft), valid)
 
     # -------------------------------------------------------------- modes
     def encode(self, tokens, starts, num_new, cache: KVCache, logits_mode: str = "all", image_features=None,
@@ -192,4 +208,10 @@ class Transformer(nn.Module):
         n = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
         _, cache = self.encode(tokens, cache.lengths, n, cache, "none")
         soft = self.soft_embed(jnp.zeros(tokens.shape + (self.cfg.vocab_size,), jnp.float32))
-        return self.denoise(tokens, cache.lengths, cache, soft)
+        out = self.denoise(tokens, cache.lengths, cache, soft)
+        if self.cfg.vision is not None:
+            k = self.cfg.vision.pooling_kernel_size
+            pixels = jnp.zeros((1, k * k, self.cfg.vision.patch_dim), jnp.float32)
+            pos = jnp.stack(jnp.meshgrid(jnp.arange(k), jnp.arange(k)), -1).reshape(1, k * k, 2)
+            self.image_features(pixels, pos)
+        return out

@@ -85,6 +85,7 @@ def builders() -> dict:
     out["tokenizer"] = lambda: _recorded("tests/test_tokenizer.py")
     out["bf16_reference"] = lambda: _recorded("tests/test_model_behaviour.py")
     out["images"] = lambda: _recorded("tests/test_images.py")
+    out["vision"] = lambda: _recorded("tests/test_vision.py")
     out["trace"] = _trace
     return out
 
