@@ -293,7 +293,8 @@ class Engine:
         """(prefill_slot, slot_round) jitted for this engine: the continuous-batching programs of
         `dgemma_jax.sampling.slots` (the server's), cache donated unless `donate=False`.
 
-        prefill_slot(params, cache=, slot=, tokens= [1, W], length= [1], fresh=) -> cache (one prompt chunk)
+        prefill_slot(params, cache=, slot=, tokens= [1, W], length= [1], fresh=, images=None) -> cache (one
+        prompt chunk; images: (pixel_values, position_ids) of the images wholly inside it)
         slot_round(params, cache=, keys=, canvas_index=, active=, last=, knobs=) -> RoundOutput (keywords)
         """
         rt = self.runtime
