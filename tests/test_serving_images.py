@@ -17,6 +17,7 @@ from dgemma_jax.config import ModelConfig, VisionConfig
 from dgemma_jax.io.chat import chat_images, render_chat
 from dgemma_jax.io.images import prompt_with_images
 from dgemma_jax.io.model_dir import save_model
+from dgemma_jax.io.tokenizer import load_tokenizer
 from dgemma_jax.pipeline import DiffusionGemma, load_checkpoint
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.serving.images import resolve_image_parts
@@ -50,8 +51,9 @@ def _part(url):
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("vision_ckpt")
     gemma_like_tokenizer_json(path / "tokenizer.json", MARKS)
+    vocab = load_tokenizer(str(path / "tokenizer.json")).vocab_size    # 371: every id the model draws decodes
     cfg = ModelConfig.preset("tiny-2layer").replace(
-        vocab_size=384, vision=VisionConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+        vocab_size=vocab, vision=VisionConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                                             num_kv_heads=2, head_dim=8, position_embedding_size=64),
         image_token_id=110, boi_token_id=113, eoi_token_id=114)
     sampler = SamplerConfig.for_model(cfg).replace(max_denoising_steps=4)
@@ -198,7 +200,7 @@ def test_a_data_url_image_chat_equals_the_library(ckpt, client, server):
     r = client.chat.completions.create(model=client.models.list().data[0].id, messages=[
         {"role": "user", "content": [_part(_data_url(raw)), {"type": "text", "text": "what?"}]}],
         seed=7, max_tokens=MAX_TOKENS)
-    assert r.choices[0].message.content == want
+    assert r.choices[0].message.content == want and r.usage.completion_tokens > 1
     # the same file from the allowed directory gives the same answer
     (server.allowed / "img.png").write_bytes(raw)
     r2 = client.chat.completions.create(model=r.model, messages=[{"role": "user", "content": [
@@ -240,7 +242,7 @@ def test_every_bad_image_is_a_400_and_leaves_no_slot_busy(client, server, tmp_pa
         "not an image": _part(_data_url(b"not a png at all")),
         "16-bit": _part(_data_url(_png(8, 8, mode="I;16"))),
         "animated": _part(_data_url(buf.getvalue(), "image/gif")),
-        "too large": _part(_data_url(big.getvalue())),
+        "more than the limit max_pixels": _part(_data_url(big.getvalue())),   # a decompression bomb
     }
     for msg, part in cases.items():
         with pytest.raises(openai.BadRequestError) as e:
@@ -257,3 +259,31 @@ def test_every_bad_image_is_a_400_and_leaves_no_slot_busy(client, server, tmp_pa
     ok = client.chat.completions.create(model=model, messages=[{"role": "user", "content": [
         _part(_data_url(_png(16, 16))), {"type": "text", "text": "hi"}]}], max_tokens=MAX_TOKENS)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_an_image_across_a_chunk_boundary_over_http(ckpt, loaded, client):
+    """--prefill-chunk 64: a chunk that would cut the image ends before it, the answer is the one of
+    a 512-token chunk; an image longer than a chunk is a 400 naming the flag."""
+    import openai
+
+    from tests.helpers.serve import ServerProcess
+    raw = _png(100, 10, seed=4)                     # 52 soft tokens: 54 with its markers
+    content = [{"type": "text", "text": "x" * 30}, {"type": "image", "image": raw}, {"type": "text", "text": "?"}]
+    ids, _ = _prompt(loaded, [{"role": "user", "content": content}])
+    b, e = ids.index(113), ids.index(114) + 1
+    assert e - b <= 64 and b < 64 < e, (b, e)
+    msgs = [{"role": "user", "content": [content[0], _part(_data_url(raw)), content[2]]}]
+    want = client.chat.completions.create(model=client.models.list().data[0].id, messages=msgs, seed=3,
+                                          max_tokens=MAX_TOKENS)
+    srv = ServerProcess("--checkpoint", str(ckpt), "--slots", "1", "--context", "256", "--max-steps", "4",
+                        "--max-soft-tokens", str(SOFT), "--prefill-chunk", "64")
+    try:
+        small = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        got = small.chat.completions.create(model=want.model, messages=msgs, seed=3, max_tokens=MAX_TOKENS)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        with pytest.raises(openai.BadRequestError, match="--prefill-chunk 66"):
+            small.chat.completions.create(model=want.model, messages=[{"role": "user", "content": [
+                _part(_data_url(_png(40, 40)))]}], max_tokens=MAX_TOKENS)
+        assert srv.health()["busy_slots"] == 0
+    finally:
+        srv.stop()
