@@ -106,6 +106,9 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
             raise APIError(400, f"{model_name} is a text-only checkpoint (no vision tower): it cannot take images; "
                                 "drop the image parts", param="messages")
         if not tok.has_chat_template:
+            if with_images:
+                raise APIError(400, f"{model_name} has no chat template, so it has no place for images: send text "
+                                    "only", param="messages")
             users = [m for m in messages if m["role"] == "user"]
             if len(messages) != 1 or len(users) != 1:
                 raise APIError(400, f"{model_name} has no chat template (a character-level model): send exactly one "
