@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from dgemma_jax.engine import Engine, check_images, compiled_memory, new_tokens_that_fit
+from dgemma_jax.engine import Engine, check_images_host, compiled_memory, new_tokens_that_fit
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, row_keys
 from dgemma_jax.serving import text as text_lib
@@ -174,7 +174,7 @@ class Scheduler:
         a chunk (`--prefill-chunk`)."""
         cfg = self.engine.config
         ids = np.asarray(prompt_ids, np.int32).reshape(-1)
-        check_images(cfg, ids[None], np.asarray([len(ids)], np.int32), images)
+        check_images_host(cfg, ids[None], np.asarray([len(ids)], np.int32), images)
         blocks = self._image_blocks(ids) if images is not None else []
         small, big = self.prefill_widths
         for i, (b, e) in enumerate(blocks):
