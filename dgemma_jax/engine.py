@@ -129,7 +129,15 @@ def prepare_inputs(config: ModelConfig, sampler: SamplerConfig, prompt_tokens, l
 
 def check_images(config: ModelConfig, tokens, lengths, images):
     """The prompt's images checked against the prompt on the host: None, or (pixel_values,
-    position_ids) arrays for the programs.
+    position_ids) arrays for the programs (`check_images_host`, then on the device)."""
+    checked = check_images_host(config, tokens, lengths, images)
+    if checked is None:
+        return None
+    return (jnp.asarray(checked[0], jnp.float32), jnp.asarray(checked[1], jnp.int32))
+
+
+def check_images_host(config: ModelConfig, tokens, lengths, images):
+    """`check_images` without the device transfer: None, or numpy (pixel_values, position_ids).
 
     images: an object with `pixel_values` [N, P, 3 p^2], `position_ids` [N, P, 2] and `soft_tokens`
     [N] (`dgemma_jax.io.images.preprocess_images`). The prompts must hold exactly sum(soft_tokens) image
@@ -167,7 +175,7 @@ def check_images(config: ModelConfig, tokens, lengths, images):
         raise ValueError(f"the prompts hold {len(runs)} run(s) of image tokens of lengths {runs}, but the "
                          f"{len(soft)} image(s) give {soft} soft tokens: expand each image's placeholder with its "
                          "own soft-token count (dgemma_jax.io.images) and pass the images in prompt order")
-    return (jnp.asarray(pixels, jnp.float32), jnp.asarray(positions, jnp.int32))
+    return (pixels, positions)
 
 
 MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
@@ -293,7 +301,8 @@ class Engine:
         """(prefill_slot, slot_round) jitted for this engine: the continuous-batching programs of
         `dgemma_jax.sampling.slots` (the server's), cache donated unless `donate=False`.
 
-        prefill_slot(params, cache=, slot=, tokens= [1, W], length= [1], fresh=) -> cache (one prompt chunk)
+        prefill_slot(params, cache=, slot=, tokens= [1, W], length= [1], fresh=, images=None) -> cache (one
+        prompt chunk; images: (pixel_values, position_ids) of the images wholly inside it)
         slot_round(params, cache=, keys=, canvas_index=, active=, last=, knobs=) -> RoundOutput (keywords)
         """
         rt = self.runtime
