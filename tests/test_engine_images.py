@@ -217,8 +217,10 @@ def test_cli_chat_with_image_lines_equals_the_library(model, ckpt):
     path, pngs = ckpt
     r = dgemma("chat", "--checkpoint", str(path), "--max-new-tokens", "32", "--context", "512", "--seed", "3",
                "--max-soft-tokens", str(SOFT), "--quiet",
-               stdin=f"/image {pngs[0]}\nwhat is this\n/image {pngs[2]}\nand this one\n")
+               stdin=f"/image {path}/missing.png\n/image {pngs[0]}\nwhat is this\n/image {pngs[2]}\nand this one\n")
     assert r.returncode == 0, r.stderr[-2000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("dgemma: error:")]
+    assert len(errors) == 1 and "missing.png" in errors[0] and "Traceback" not in r.stderr  # refused, chat goes on
     session = _session(model)
     want = [session.send("what is this", images=[pngs[0]]).answer,
             session.send("and this one", images=[pngs[2]]).answer]
