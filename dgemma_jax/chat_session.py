@@ -70,11 +70,13 @@ class ChatSession:
     tokenizer (the bundled digits model) cannot, and then every turn is the user's line alone.
     context: KV cache tokens (capped at the model's positions). max_new_tokens: per turn (default:
     `pipeline.DEFAULT_NEW_TOKENS`, capped to what fits). seed: turn t uses seed + t (mod 2**64).
+    max_soft_tokens: the per-image token budget (default: the released processor's, 280).
     """
 
     def __init__(self, engine, tokenizer, *, system: str = "", thinking: bool = False, context: int = 4096,
-                 max_new_tokens: int | None = None, seed: int = 0):
+                 max_new_tokens: int | None = None, seed: int = 0, max_soft_tokens: int | None = None):
         self.engine, self.tokenizer = engine, tokenizer
+        self.max_soft_tokens = max_soft_tokens
         self.thinking, self.max_new_tokens, self.seed = thinking, max_new_tokens, int(seed)
         self.cache_length = min(int(context), engine.config.max_position_embeddings)
         self.messages = [{"role": "system", "content": system}] if system else []
@@ -99,7 +101,8 @@ class ChatSession:
         images = chat_images(messages)
         if not images:
             return list(self.tokenizer.encode(text)), None  # the text starts with <bos>
-        tokens, _, batch = prompt_with_images(self.engine.config, self.tokenizer, text, images, add_bos=False)
+        tokens, _, batch = prompt_with_images(self.engine.config, self.tokenizer, text, images, self.max_soft_tokens,
+                                             add_bos=False)
         return tokens[0].tolist(), batch
 
     def _new_images(self, ids: list[int], keep: int, batch):

@@ -171,7 +171,8 @@ def cmd_chat(args) -> int:
     params = quantize_for_cli(args, cfg, params)
     sampler = sampler_from_args(args, cfg, sampler)
     session = ChatSession(Engine(cfg, params, sampler), tok, system=args.system, thinking=args.thinking,
-                          context=args.context, max_new_tokens=args.max_new_tokens, seed=args.seed)
+                          context=args.context, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                          max_soft_tokens=args.max_soft_tokens)
     interactive = sys.stdin.isatty()
     pending = []  # images from `/image PATH` lines, sent with the next message
     while True:
@@ -321,6 +322,8 @@ def add_commands(sub, positive):
     s.add_argument("--system", default="")
     s.add_argument("--thinking", action="store_true", help="enable thinking (never fed back into history)")
     s.add_argument("--context", type=positive(int), default=4096, help="KV cache tokens")
+    s.add_argument("--max-soft-tokens", type=int, choices=SOFT_TOKEN_BUDGETS, dest="max_soft_tokens", default=None,
+                   help="tokens per /image (default 280, the released processor's)")
     s.add_argument("--quiet", action="store_true", help="no per-turn stats")
     sampler_flags(s)
     s.set_defaults(fn=cmd_chat)
