@@ -74,11 +74,19 @@ def cmd_inspect(args) -> int:
         "canvas": cfg.canvas_length,
         "params_total": counts["total"],
         "params_active_per_token": counts["active"],
-        "param_dtype": cfg.param_dtype,
-        "memory_bytes": {"checkpoint (" + cfg.param_dtype + ")": counts["total"] * bytes_per,
-                         "float32": counts["total"] * 4, "bfloat16": counts["total"] * 2,
-                         "int8": counts["total"]},
     }
+    vis = counts.get("vision", 0)  # the vision tower stays in the parameter dtype under int8
+    if cfg.vision is not None:
+        v = cfg.vision
+        info["vision"] = (f"{v.num_layers} layers x {v.hidden_size}, {v.num_heads} heads x {v.head_dim}, "
+                          f"patch {v.patch_size}, pool {v.pooling_kernel_size}x{v.pooling_kernel_size}")
+        info["params_vision"] = vis
+    info.update({
+        "param_dtype": cfg.param_dtype,
+        "memory_bytes": {"checkpoint (" + cfg.param_dtype + ")": (counts["total"] + vis) * bytes_per,
+                         "float32": (counts["total"] + vis) * 4, "bfloat16": (counts["total"] + vis) * 2,
+                         "int8": counts["total"] + vis * bytes_per},
+    })
     if args.json:
         print(json.dumps(info, indent=2))
     else:

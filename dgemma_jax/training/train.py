@@ -294,6 +294,8 @@ class Run:
         freeze = list(oc.pop("freeze", ()) or ())
         if oc.pop("freeze_router", False):
             freeze.append(lora_lib.ROUTER_PATTERN)
+        if cfg.vision is not None:  # text-only training: no gradient reaches the tower, and no weight decay either
+            freeze.append(lora_lib.VISION_PATTERN)
         self.lora = None
         if lc.get("enabled", False):
             self.lora = LoraSpec(int(lc["rank"]), float(lc.get("alpha", lc["rank"])), tuple(lc["groups"]))
