@@ -106,17 +106,22 @@ def cmd_compile(args) -> int:
     if args.topology not in aot.TOPOLOGIES:
         raise UsageError(f"unknown --topology {args.topology!r}; choose one of {', '.join(aot.TOPOLOGIES)}")
     programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
-    known = ("prefill", "denoise_step", "commit", "generate", "lora_step", "slot_round", "prefill_slot")
+    known = ("prefill", "denoise_step", "commit", "generate", "lora_step", "slot_round", "prefill_slot",
+             "prefill_images")
     bad = [p for p in programs if p not in known]
     if bad:
         raise UsageError(f"unknown program(s) {bad}; choose from {', '.join(known)}")
+    if args.images < 0:
+        raise UsageError(f"--images must be >= 0; got {args.images}")
+    if args.images and "prefill_images" not in programs:
+        programs += ("prefill_images",)
     try:
         report = aot.compile_report(args.preset, args.topology, mesh=args.mesh, rules=args.rules,
                                     batch=args.batch, context=args.context, prompt=args.prompt,
                                     steps_per_canvas=args.steps, programs=programs, dtype=args.dtype,
                                     moe_dispatch=args.moe_dispatch, progress=_compile_progress,
-                                    quantize=args.quantize)
-    except RuntimeError as e:
+                                    quantize=args.quantize, images=args.images)
+    except (RuntimeError, ValueError) as e:
         raise UsageError(str(e)) from None
     _print_compile_report(report)
     if args.out:
@@ -201,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE dispatch the programs are compiled with (auto: ragged on TPU)")
     s.add_argument("--quantize", choices=["int8"], default=None,
                    help="compile for weight-only int8 parameters (dgemma_jax.model.quant)")
+    s.add_argument("--images", type=int, default=0,
+                   help="add the released vision tower and compile prefill_images with this many images "
+                        "(280 soft tokens each) in the prompt")
     s.add_argument("--out", help="write the report as JSON here")
     s.set_defaults(fn=cmd_compile)
 

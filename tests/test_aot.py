@@ -225,3 +225,21 @@ def test_int8_weights_halve_what_the_step_must_read_and_collectives_are_priced(t
         assert step["projected_seconds_with_ici"] == pytest.approx(step["projected_seconds"] + step["ici_seconds"])
     p = reports["int8"]["projection"]
     assert p["denoise_step_ms_with_ici"] > p["denoise_step_ms"]
+
+
+def test_an_image_prompt_compiles_with_the_vision_tower_for_v5e_8():
+    from dgemma_jax.config import ModelConfig, VisionConfig
+    from dgemma_jax.perf.aot import compile_report
+
+    base = ModelConfig.preset("tiny-6layer").replace(dtype="bfloat16", param_dtype="bfloat16")
+    tower = VisionConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=4, head_dim=8,
+                         position_embedding_size=64)
+    cfg = base.replace(vision=tower, image_token_id=base.vocab_size - 1, boi_token_id=base.vocab_size - 2,
+                       eoi_token_id=base.vocab_size - 3)
+    rep = compile_report(cfg, "v5e-8", context=1024, prompt=320, programs=("prefill", "prefill_images"), images=1)
+    text, image = rep["programs"]["prefill"], rep["programs"]["prefill_images"]
+    assert rep["images"] == 1 and rep["vision_param_bytes"] > 0 and rep["fits"]
+    # the tower's work (2520 patches through its layer, then pooling and the projection) is on top of the text pass
+    assert image["flops"] > text["flops"] and image["total_bytes"] > text["total_bytes"]
+    with pytest.raises(ValueError, match="cannot hold 2 image"):
+        compile_report(cfg, "v5e-8", context=1024, prompt=320, programs=("prefill_images",), images=2)

@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from dgemma_jax.backends import quiet_libtpu_load
-from dgemma_jax.config import ModelConfig
+from dgemma_jax.config import ModelConfig, VisionConfig
 from dgemma_jax.engine import Engine, compiled_memory
+from dgemma_jax.io.images import BOI_TOKEN_ID, EOI_TOKEN_ID, IMAGE_TOKEN_ID, ImageSettings
 from dgemma_jax.model.api import param_shapes
 from dgemma_jax.model.quant import quantized_shapes
 from dgemma_jax.parallel.mesh import make_mesh
@@ -128,9 +129,20 @@ def abstract_params(config: ModelConfig, shardings, quantize: str | None = None)
     return _abstract(shapes, shardings.for_params(shapes))
 
 
+def with_released_vision(config: ModelConfig) -> ModelConfig:
+    """`config` with the released checkpoint's vision tower (spec: 27 layers, width 1152, patch 16,
+    pooling 3, standardized) and image ids, unless it has a tower already."""
+    if config.vision is not None:
+        return config
+    return config.replace(vision=VisionConfig(standardize=True), image_token_id=IMAGE_TOKEN_ID,
+                          boi_token_id=BOI_TOKEN_ID, eoi_token_id=EOI_TOKEN_ID)
+
+
 def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context: int, prompt: int,
-                   quantize: str | None = None):
-    """ShapeDtypeStructs (with shardings) for every program argument; quantize: "int8" params."""
+                   quantize: str | None = None, images: int = 0):
+    """ShapeDtypeStructs (with shardings) for every program argument; quantize: "int8" params;
+    images: that many images at the released processor's default budget (280 soft tokens) for the
+    "prefill_images" program."""
     rep = shardings.replicated
     rep_tree = lambda t: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), t)  # noqa: E731
     params = abstract_params(config, shardings, quantize)
@@ -151,7 +163,12 @@ def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context:
                 tokens=jax.ShapeDtypeStruct((1, prompt), jnp.int32, sharding=rep),
                 length=jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep),
                 fresh=jax.ShapeDtypeStruct((), jnp.bool_, sharding=rep))
-    return dict(params=params, cache=cache, keys=keys, state=state, tokens=tokens, lengths=lengths,
+    pictures = None
+    if images:
+        v, per = config.vision, ImageSettings().max_patches
+        pictures = (jax.ShapeDtypeStruct((images, per, v.patch_dim), jnp.float32, sharding=rep),
+                    jax.ShapeDtypeStruct((images, per, 2), jnp.int32, sharding=rep))
+    return dict(params=params, cache=cache, keys=keys, state=state, tokens=tokens, lengths=lengths, images=pictures,
                 canvas=canvas, active=active, slot=slot)
 
 
@@ -183,6 +200,9 @@ def engine_programs(engine: Engine, max_new_tokens: int) -> dict:
                                                          fresh=a["slot"]["fresh"]))),
         "prefill": (streaming.prefill_prompt,
                     lambda a: ((a["params"],), dict(tokens=a["tokens"], lengths=a["lengths"], cache=a["cache"]))),
+        "prefill_images": (streaming.prefill_prompt,
+                           lambda a: ((a["params"],), dict(tokens=a["tokens"], lengths=a["lengths"], cache=a["cache"],
+                                                           images=a["images"]))),
         "denoise_step": (engine.step_program(), lambda a: ((a["params"], a["cache"], a["keys"], a["state"]), {})),
         "commit": (engine.commit_program(),
                    lambda a: ((a["params"],), dict(cache=a["cache"], tokens=a["canvas"], active=a["active"]))),
@@ -227,12 +247,14 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
                    programs=("prefill", "denoise_step", "commit", "generate"), dtype: str | None = None,
                    moe_dispatch: str = "auto", attn_kernel: str = "auto", sampler=None, devices=None,
                    max_new_tokens: int | None = None, progress=None, quantize: str | None = None,
-                   hop_latency_s: float = coll.DEFAULT_HOP_LATENCY_S) -> dict[str, Any]:
+                   hop_latency_s: float = coll.DEFAULT_HOP_LATENCY_S, images: int = 0) -> dict[str, Any]:
     """Lower and compile the engine's programs for a TPU topology; per-chip memory, cost, projections.
 
     context: KV cache capacity (prompt + committed canvases). prompt: tokens in one prefill call.
     moe_dispatch, attn_kernel: the `Runtime` choices the programs are compiled with (for TPU).
     quantize: "int8" compiles the programs for weight-only int8 parameters (`model.quant`).
+    images: compile with the released vision tower (`with_released_vision`) in the parameters, and
+    "prefill_images" (a program in `programs`) with that many images of 280 soft tokens in the prompt.
     Every program's collectives are listed and priced on the slice's ICI (`perf.collectives`, with
     `hop_latency_s` per ring step); projections are given without them, with them run after the
     HBM-bound work (`..._with_ici`), and with them hidden under it (`..._ici_overlapped`).
@@ -243,6 +265,13 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
     cfg = preset if isinstance(preset, ModelConfig) else ModelConfig.preset(preset)
     if dtype:
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    if images:
+        cfg = with_released_vision(cfg)
+        if prompt < images * (ImageSettings().max_soft_tokens + 2):
+            raise ValueError(f"a prompt of {prompt} tokens cannot hold {images} image(s) of "
+                             f"{ImageSettings().max_soft_tokens} soft tokens and their markers: raise prompt")
+    elif "prefill_images" in programs:
+        raise ValueError("the prefill_images program needs images >= 1")
     topo = topology(topology_name)
     devs = devices if devices is not None else tpu_devices(topology_name)
     sampler = sampler or SamplerConfig.for_model(cfg, max_denoising_steps=48)
@@ -253,12 +282,15 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         mesh = f"expert={len(devs)}"
     sh = Shardings(cfg, make_mesh(mesh, devices=devs), rules)
     runtime = sh.runtime(platform="tpu", moe_dispatch=moe_dispatch, attn_kernel=attn_kernel)
-    args = program_inputs(cfg, sampler, sh, batch, context, prompt, quantize)
+    args = program_inputs(cfg, sampler, sh, batch, context, prompt, quantize, images)
     report: dict[str, Any] = {
         "preset": cfg.name, "topology": topology_name, "chips": len(devs), "mesh": dict(sh.mesh.shape),
         "rules": rules, "batch": batch, "context": context, "prompt": prompt, "dtype": cfg.param_dtype,
         "moe_dispatch": runtime.dispatch, "attn_kernel": attn_kernel, "hbm_limit_bytes": topo.hbm_bytes, "programs": {}, "fits": True,
-        "quantize": quantize, "param_bytes_total": roofline.tree_bytes(args["params"]),
+        "quantize": quantize, "images": images,
+        "vision_param_bytes": roofline.tree_bytes({k: v for k, v in args["params"].items()
+                                                   if k in ("vision_tower", "embed_vision")}),
+        "param_bytes_total": roofline.tree_bytes(args["params"]),
         "ici": {"bidirectional_bytes_per_s_per_chip": topo.ici_bytes_per_s, "ports": topo.ici_ports,
                 "ring_bytes_per_s": topo.ring_bytes_per_s or None, "hop_latency_s": hop_latency_s,
                 "model": "ring algorithms over one port's bandwidth; see dgemma_jax/perf/collectives.py"},
