@@ -92,3 +92,27 @@ def test_ring_prices():
     assert coll.ici_seconds([{"kind": "all-reduce", "bytes": mb, "group": 1, "count": 3}], 100e9)["seconds"] == 0
     with pytest.raises(ValueError, match="unknown collective kind"):
         coll.wire_bytes_and_steps("broadcast", 1.0, 4)
+
+
+def test_the_aot_table_renders_each_report_with_its_collective_time():
+    import json
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    try:
+        import aot_table
+    finally:
+        sys.path.pop(0)
+    paths = [os.path.join(root, "benchmarks", "results", f"aot_26b_{w}_v6e-8{s}.json")
+             for w, s in (("bf16", "_ici"), ("int8", ""))]
+    reports = [json.load(open(p)) for p in paths]
+    lines = aot_table.table(reports).splitlines()
+    assert len(lines) == 2 + len(reports)
+    for line, rep in zip(lines[2:], reports):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        step = rep["programs"]["denoise_step"]
+        assert cells[0] == "v6e-8" and cells[1] == ("int8" if rep["quantize"] else "bfloat16")
+        assert cells[6].startswith(f"{1e3 * step['ici']['seconds']:.2f}")
+        assert float(cells[7]) == pytest.approx(1e3 * (step["projected_seconds"] + step["ici_seconds"]), abs=0.01)
