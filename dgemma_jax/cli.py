@@ -106,16 +106,22 @@ def cmd_compile(args) -> int:
     if args.topology not in aot.TOPOLOGIES:
         raise UsageError(f"unknown --topology {args.topology!r}; choose one of {', '.join(aot.TOPOLOGIES)}")
     programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
-    known = ("prefill", "denoise_step", "commit", "generate", "lora_step", "slot_round", "prefill_slot")
+    known = ("prefill", "denoise_step", "commit", "generate", "lora_step", "slot_round", "prefill_slot",
+             "prefill_images")
     bad = [p for p in programs if p not in known]
     if bad:
         raise UsageError(f"unknown program(s) {bad}; choose from {', '.join(known)}")
+    if args.images < 0:
+        raise UsageError(f"--images must be >= 0; got {args.images}")
+    if args.images and "prefill_images" not in programs:
+        programs += ("prefill_images",)
     try:
         report = aot.compile_report(args.preset, args.topology, mesh=args.mesh, rules=args.rules,
                                     batch=args.batch, context=args.context, prompt=args.prompt,
                                     steps_per_canvas=args.steps, programs=programs, dtype=args.dtype,
-                                    moe_dispatch=args.moe_dispatch, progress=_compile_progress)
-    except RuntimeError as e:
+                                    moe_dispatch=args.moe_dispatch, progress=_compile_progress,
+                                    quantize=args.quantize, images=args.images)
+    except (RuntimeError, ValueError) as e:
         raise UsageError(str(e)) from None
     _print_compile_report(report)
     if args.out:
@@ -143,7 +149,8 @@ def _compile_progress(name, index, count, seconds, entry):
 def _print_compile_report(r):
     gb = 1e9
     print(f"{r['preset']} on {r['topology']} ({r['chips']} chips, mesh {r['mesh']}, rules {r['rules']}), "
-          f"batch {r['batch']}, context {r['context']}, {r['dtype']}, moe {r['moe_dispatch']}")
+          f"batch {r['batch']}, context {r['context']}, {r['dtype']}"
+          f"{' weights int8' if r.get('quantize') == 'int8' else ''}, moe {r['moe_dispatch']}")
     print(f"{'program':>13} {'compile s':>9} {'args GB':>8} {'temp GB':>8} {'total GB':>8} {'limit GB':>8} "
           f"{'GFLOP':>9} {'GB counted':>10} {'GB HBM':>8} {'proj ms':>8}  fits")
     for name, e in r["programs"].items():
@@ -161,6 +168,10 @@ def _print_compile_report(r):
         print(f"projected from the TPU compiler's output (FLOPs, HBM traffic), not a measurement: denoise step {p['denoise_step_ms']:.2f} ms, "
               f"{p['steps_per_canvas']} steps + commit = {p['per_canvas_ms']:.1f} ms per canvas, "
               f"{p['tokens_per_second']:.0f} tokens/s")
+        if "denoise_step_ici_ms" in p and r["chips"] > 1:
+            print(f"with the step's collectives on the ICI ({p['denoise_step_ici_ms']:.2f} ms, perf/collectives.py): "
+                  f"{p['denoise_step_ms_with_ici']:.2f} ms run after the HBM-bound work, "
+                  f"{p['denoise_step_ms_ici_overlapped']:.2f} ms hidden under it")
 
 
 # ---------------------------------------------------------------------------- parser
@@ -193,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     s.add_argument("--moe-dispatch", choices=["auto", "ragged", "capacity", "dense"], default="auto",
                    help="MoE dispatch the programs are compiled with (auto: ragged on TPU)")
+    s.add_argument("--quantize", choices=["int8"], default=None,
+                   help="compile for weight-only int8 parameters (dgemma_jax.model.quant)")
+    s.add_argument("--images", type=int, default=0,
+                   help="add the released vision tower and compile prefill_images with this many images "
+                        "(280 soft tokens each) in the prompt")
     s.add_argument("--out", help="write the report as JSON here")
     s.set_defaults(fn=cmd_compile)
 

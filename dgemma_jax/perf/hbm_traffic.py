@@ -10,8 +10,9 @@ prefetched by the model's grouped matmul counts ~3x its size).
 `hbm_traffic(hlo_text)` counts only HBM: for each op of the entry computation (and of the loop
 bodies and conditional branches it runs), the operands and results whose layout has no memory-space
 annotation; a transfer counts its bytes on the HBM side; a fusion operand that the fusion only
-slices or gathers counts the rows it takes, not the whole array. Like cost_analysis, a loop body
-counts once (per-step figures come from the step program); a conditional counts its largest
+slices or gathers counts the rows it takes, not the whole array. The model's scan over layer
+groups (`LAYER_LOOP_SCOPE`) counts once per group; any other loop body counts once, like
+cost_analysis (per-step figures come from the step program); a conditional counts its largest
 branch. This is our reading of the compiler's output, not a hardware measurement.
 """
 
@@ -71,6 +72,26 @@ def _parse(text: str):
     return comps, entry, index
 
 
+# the named scope of the model's scan over layer groups (`Runtime(layers="scan")`): its loop body runs
+# once per group, and every run streams that group's weights
+LAYER_LOOP_SCOPE = "layer_groups"
+
+
+def loop_runs(hlo_text: str, rest: str) -> int:
+    """How many times to count a while op's body (`rest`: its attributes): the trip count of the
+    model's layer-group scan (its condition is `counter < N`, the counter from 0), 1 for any other
+    loop (a body run a data-dependent number of times, like the MoE's skipped blocks, counts once)."""
+    m = re.search(r'op_name="([^"]*)"', rest)
+    cond = re.search(r"condition=%?([\w.\-]+)", rest)
+    if not m or LAYER_LOOP_SCOPE not in m.group(1) or not cond:
+        return 1
+    body = re.search(r"^%?" + re.escape(cond.group(1)) + r" .*?\{\n(.*?)\n\}", hlo_text, re.S | re.M)
+    consts = re.findall(r"s32\[\][^ ]* constant\((\d+)\)", body.group(1)) if body else []
+    if len(consts) != 1 or "direction=LT" not in body.group(1):
+        raise ValueError(f"cannot read the trip count of the layer scan's loop from condition {cond.group(1)}")
+    return int(consts[0])
+
+
 def _scope(op: str, rest: str) -> str:
     """The op's source scope (its `op_name` metadata, layer numbers folded: blocks_N)."""
     m = re.search(r'op_name="([^"]*)"', rest)
@@ -118,7 +139,9 @@ def hbm_traffic(hlo_text: str) -> dict:
         out: Counter = Counter()
         for name, typ, op, args, rest in comps[comp]:
             if op == "while":
-                out += walk(re.search(r"body=%?([\w.\-]+)", rest).group(1))
+                body = walk(re.search(r"body=%?([\w.\-]+)", rest).group(1))
+                runs = loop_runs(hlo_text, rest)
+                out += Counter({k: v * runs for k, v in body.items()})
             elif op == "conditional":
                 m = re.search(r"branch_computations=\{([^}]*)\}", rest)
                 names = ([b.strip().lstrip("%") for b in m.group(1).split(",")] if m else

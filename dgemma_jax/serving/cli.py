@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from dgemma_jax.cli_run import checkpoint_flags
+from dgemma_jax.cli_run import checkpoint_flags, quantize_for_cli
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.shardings import Shardings
 from dgemma_jax.pipeline import load_checkpoint
@@ -32,6 +32,7 @@ def cmd_serve(args) -> int:
         return 2
     if sampler is None:  # a checkpoint without generation settings: the released defaults
         sampler = SamplerConfig.for_model(cfg)
+    params = quantize_for_cli(args, cfg, params)
     shardings = None
     if args.mesh:
         shardings = Shardings(cfg, make_mesh(args.mesh), args.rules)
@@ -61,6 +62,8 @@ def add_command(sub, positive) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching over N slots")
     checkpoint_flags(s)
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
+    s.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8: weight-only int8 expert, attention and MLP kernels, quantized on load")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=positive(int), default=8000)
     s.add_argument("--slots", type=positive(int), default=8, help="requests denoised together (one cache row each)")
