@@ -7,12 +7,9 @@ images are small Pillow-made PNGs; the per-image budget is 70 soft tokens.
 """
 
 import copy
-import os
 
 import numpy as np
 import pytest
-
-import jax.numpy as jnp
 
 from dgemma_jax import ModelConfig, save_hf
 from dgemma_jax.config import VisionConfig

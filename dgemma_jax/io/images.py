@@ -42,6 +42,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dgemma_jax.errors import read_json
+
 __all__ = [
     "SOFT_TOKEN_BUDGETS", "IMAGE_TOKEN", "BOI_TOKEN", "EOI_TOKEN", "IMAGE_TOKEN_ID", "BOI_TOKEN_ID",
     "EOI_TOKEN_ID", "ImageSettings", "ImageBatch", "ImageTokenIds", "load_image", "resized_size",
@@ -81,8 +83,6 @@ class ImageSettings:
         entry) or `preprocessor_config.json`, in the folder `path` (or that file); the defaults when the
         checkpoint has neither. A processor this module does not reproduce (no resize, another resampling
         filter or scale, a normalisation, no RGB conversion) is a ValueError."""
-        from dgemma_jax.errors import read_json
-
         path = os.fspath(path)
         files = [path] if os.path.isfile(path) else [os.path.join(path, n) for n in _PROCESSOR_FILES]
         for f in files:
@@ -152,7 +152,7 @@ class ImageBatch:
 
 
 def _pil():
-    try:
+    try:  # deferred: Pillow loads only when an image is read, not on every text-only `dgemma` command
         from PIL import Image, ImageOps
     except ImportError as e:  # pragma: no cover - Pillow is a declared dependency
         raise ImportError("images need Pillow: pip install Pillow") from e
