@@ -27,24 +27,10 @@ from dgemma_jax.model.api import image_features_pass
 from dgemma_jax.sampling.generate import prefill_prompt
 from tests.golden import store
 from tests.golden import vision_e2e_case as case
+from tests.helpers import parity
 
-TOL = 2e-3
-GAP = 1e-3
-SOURCES = [pytest.param((p, "golden"), id=f"{p}-golden") for p in case.PRESETS] + [
-    pytest.param((p, "live"), id=f"{p}-live", marks=pytest.mark.ref) for p in case.PRESETS]
-
-
-def _compare(name, ours, theirs):
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    assert ours.shape == theirs.shape, f"{name}: shape {ours.shape} != {theirs.shape}"
-    diff = float(np.abs(ours - theirs).max())
-    top2 = np.sort(theirs, axis=-1)[..., -2:]
-    clear = (top2[..., 1] - top2[..., 0]) > GAP
-    agree = (ours.argmax(-1) == theirs.argmax(-1))[clear]
-    print(f"{name}: max|dlogit|={diff:.2e}, argmax agreement {agree.mean():.4f} over {clear.sum()} clear positions")
-    assert diff <= TOL, f"{name}: max |logit difference| {diff:.3e} > {TOL}"
-    assert agree.all(), f"{name}: argmax differs at {(~agree).sum()} positions with a top-2 gap > {GAP}"
-    return diff
+SOURCES = parity.sources(case.PRESETS)
+_compare = parity.compare_logits
 
 
 @pytest.fixture(scope="module", params=SOURCES)
@@ -154,4 +140,4 @@ def test_vision_e2e_images_matter(models):
         if inp["image_marks"][i].any():
             assert d > 0.1, f"{name} row {i}: the pixels made no difference ({d:.2e})"
         else:
-            assert d <= TOL
+            assert d <= parity.TOL
