@@ -17,9 +17,9 @@ the next turn the history diverges right after the previous `<|turn>model\\n`; e
 again at its template position. With thinking on, the thought is dropped the same way.
 
 Images (a checkpoint with a vision tower): `send(text, images=[...])` puts them before the text in
-the user's turn. Each turn lays out every image of the conversation (`pipeline.prompt_with_images`),
-and only those after the reused prefix are run through the vision tower again: earlier images stay
-in the cache, as any earlier token does.
+the user's turn, preprocessed once. Each turn lays out every image of the conversation
+(`io.images.prompt_with_images`), and only those after the reused prefix are run through the vision
+tower again: earlier images stay in the cache, as any earlier token does.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 
 from dgemma_jax.engine import default_new_tokens, warn_if_cut_short
 from dgemma_jax.io.chat import chat_images, history_without_thinking, render_chat, strip_thinking
-from dgemma_jax.io.images import prompt_with_images
+from dgemma_jax.io.images import ImageBatch, image_runs, preprocess_images, prompt_with_images, settings_for
 
 
 @dataclasses.dataclass
@@ -77,6 +77,7 @@ class ChatSession:
                  max_new_tokens: int | None = None, seed: int = 0, max_soft_tokens: int | None = None):
         self.engine, self.tokenizer = engine, tokenizer
         self.max_soft_tokens = max_soft_tokens
+        self._preprocessed = []  # the conversation's images, preprocessed (ImageBatch of one each), in order
         self.thinking, self.max_new_tokens, self.seed = thinking, max_new_tokens, int(seed)
         self.cache_length = min(int(context), engine.config.max_position_embeddings)
         self.messages = [{"role": "system", "content": system}] if system else []
@@ -101,7 +102,11 @@ class ChatSession:
         images = chat_images(messages)
         if not images:
             return list(self.tokenizer.encode(text)), None  # the text starts with <bos>
-        tokens, _, batch = prompt_with_images(self.engine.config, self.tokenizer, text, images, self.max_soft_tokens,
+        # each image is loaded and preprocessed once, on its turn: the history only grows at its end
+        settings = settings_for(self.engine.config, self.max_soft_tokens)
+        self._preprocessed += [preprocess_images(im, settings) for im in images[len(self._preprocessed):]]
+        tokens, _, batch = prompt_with_images(self.engine.config, self.tokenizer, text,
+                                             ImageBatch.concat(self._preprocessed), self.max_soft_tokens,
                                              add_bos=False)
         return tokens[0].tolist(), batch
 
@@ -110,14 +115,11 @@ class ChatSession:
         would cut is prefilled again whole (keep moves back to its start)."""
         if batch is None:
             return keep, None
-        marker = self.engine.config.image_token_id
-        is_img = np.concatenate([[False], np.asarray(ids) == marker, [False]])
-        edges = np.flatnonzero(is_img[1:] != is_img[:-1])
-        starts, ends = edges[::2], edges[1::2]
-        for a, b in zip(starts, ends):
+        runs = image_runs(ids, self.engine.config.image_token_id)
+        for a, b in runs:
             if a < keep < b:
-                keep = int(a) - 1  # back to the image's begin marker
-        return keep, batch.select([i for i, a in enumerate(starts) if a >= keep])
+                keep = a - 1  # back to the image's begin marker
+        return keep, batch.select([i for i, (a, _) in enumerate(runs) if a >= keep])
 
     def send(self, text: str, images=()) -> ChatTurn:
         """One user turn (`images`: paths, bytes, PIL images or arrays shown before the text)."""
@@ -126,10 +128,12 @@ class ChatSession:
         content = text if not images else [{"type": "image", "image": im} for im in images] + [
             {"type": "text", "text": text}]
         self.messages.append({"role": "user", "content": content})
+        seen = len(self._preprocessed)
         try:
             ids, batch = self._prompt()
         except ValueError:
             self.messages.pop()  # nothing of a refused turn stays in the history
+            del self._preprocessed[seen:]
             raise
         keep = 0
         if self.cache is not None:
@@ -148,6 +152,7 @@ class ChatSession:
                                   cache_length=None if cache is not None else self.cache_length, images=batch)
         except ValueError:
             self.messages.pop()
+            del self._preprocessed[seen:]
             raise
         tokens = np.asarray(out.tokens)[0]
         gen = [int(t) for t in tokens if int(t) != sampler.pad_id]

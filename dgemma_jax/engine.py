@@ -23,6 +23,7 @@ import numpy as np
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import DgemmaWarning
+from dgemma_jax.io.images import image_runs
 from dgemma_jax.model.api import check_tokens, encode_pass
 from dgemma_jax.model.cache import KVCache, init_cache
 from dgemma_jax.model.layers import dtype_of
@@ -158,7 +159,7 @@ def check_images_host(config: ModelConfig, tokens, lengths, images):
         raise ValueError("images must be preprocessed images (dgemma_jax.io.images.preprocess_images(...)): an "
                          f"object with pixel_values, position_ids and soft_tokens; got {type(images).__name__}") from None
     v = config.vision
-    want = 3 * v.patch_size * v.patch_size
+    want = v.patch_dim
     if pixels.ndim != 3 or pixels.shape[-1] != want or positions.shape != pixels.shape[:2] + (2,):
         raise ValueError(f"images.pixel_values must be [N, patches, {want}] and position_ids [N, patches, 2]; got "
                          f"{pixels.shape} and {positions.shape}: preprocess them with this checkpoint's patch size "
@@ -166,11 +167,7 @@ def check_images_host(config: ModelConfig, tokens, lengths, images):
     if len(soft) != pixels.shape[0]:
         raise ValueError(f"images.soft_tokens lists {len(soft)} images but pixel_values holds {pixels.shape[0]}")
     tok, n = np.asarray(tokens), np.asarray(lengths)
-    runs = []
-    for row, length in zip(tok, n):
-        is_img = np.concatenate([[False], row[:length] == config.image_token_id, [False]])
-        edges = np.flatnonzero(is_img[1:] != is_img[:-1])
-        runs += [int(b - a) for a, b in zip(edges[::2], edges[1::2])]
+    runs = [b - a for row, length in zip(tok, n) for a, b in image_runs(row[:length], config.image_token_id)]
     if runs != soft:
         raise ValueError(f"the prompts hold {len(runs)} run(s) of image tokens of lengths {runs}, but the "
                          f"{len(soft)} image(s) give {soft} soft tokens: expand each image's placeholder with its "

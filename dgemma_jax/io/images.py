@@ -48,7 +48,7 @@ __all__ = [
     "SOFT_TOKEN_BUDGETS", "IMAGE_TOKEN", "BOI_TOKEN", "EOI_TOKEN", "IMAGE_TOKEN_ID", "BOI_TOKEN_ID",
     "EOI_TOKEN_ID", "ImageSettings", "ImageBatch", "ImageTokenIds", "load_image", "resized_size",
     "soft_token_count", "preprocess_images", "expand_image_text", "expand_image_ids", "mm_token_type_ids",
-    "encode_with_images", "settings_for", "prompt_with_images",
+    "encode_with_images", "settings_for", "prompt_with_images", "image_runs",
 ]
 
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
@@ -137,6 +137,13 @@ class ImageBatch:
 
     def __len__(self) -> int:
         return len(self.soft_tokens)
+
+    @classmethod
+    def concat(cls, batches: Sequence["ImageBatch"]) -> "ImageBatch":
+        """The images of `batches` (same settings), in order."""
+        return cls(pixel_values=np.concatenate([b.pixel_values for b in batches]),
+                   position_ids=np.concatenate([b.position_ids for b in batches]),
+                   soft_tokens=tuple(n for b in batches for n in b.soft_tokens), settings=batches[0].settings)
 
     def select(self, indices: Sequence[int]) -> "ImageBatch | None":
         """The images at `indices`, in that order (None when there are none)."""
@@ -441,6 +448,13 @@ def expand_image_text(text: str, soft_tokens: Any) -> str:
     return "".join(out)
 
 
+def image_runs(ids: Any, image_token_id: int = IMAGE_TOKEN_ID) -> list[tuple[int, int]]:
+    """[(start, end)] of each run of consecutive image tokens in the 1-D `ids`: one image each."""
+    is_img = np.concatenate([[False], np.asarray(ids) == image_token_id, [False]])
+    edges = np.flatnonzero(is_img[1:] != is_img[:-1]).tolist()
+    return list(zip(edges[::2], edges[1::2]))
+
+
 def mm_token_type_ids(ids: Any, image_token_id: int = IMAGE_TOKEN_ID) -> np.ndarray:
     """int32 [..., T]: 1 where `ids` is the image token, 0 elsewhere (boi/eoi included)."""
     return (np.asarray(ids) == image_token_id).astype(np.int32)
@@ -511,9 +525,11 @@ def prompt_with_images(config, tokenizer, text: str, images, max_soft_tokens: in
 
     Each `<|image|>` in `text` marks where an image goes (the chat renderer writes one per image part);
     a text without any gets one per image at its start. images: one or a list (paths, bytes, PIL
-    images or uint8 arrays, `load_image`). config: the checkpoint's `ModelConfig`."""
+    images or uint8 arrays, `load_image`), or an `ImageBatch` already preprocessed for this
+    checkpoint. config: the checkpoint's `ModelConfig`."""
     settings = settings_for(config, max_soft_tokens)
-    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    if not isinstance(images, ImageBatch):
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
     if IMAGE_TOKEN not in text:
         text = IMAGE_TOKEN * len(images) + text
     enc = encode_with_images(tokenizer, text, images, settings, add_bos=add_bos)

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from dgemma_jax.engine import Engine, check_images_host, compiled_memory, new_tokens_that_fit
+from dgemma_jax.io.images import image_runs
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, row_keys
 from dgemma_jax.serving import text as text_lib
@@ -201,10 +202,8 @@ class Scheduler:
         """[(begin, end)] of each image in `ids`: its run of image tokens with the begin / end markers
         around it when they are there."""
         cfg = self.engine.config
-        is_img = np.concatenate([[False], ids == cfg.image_token_id, [False]])
-        edges = np.flatnonzero(is_img[1:] != is_img[:-1])
         blocks = []
-        for b, e in zip(edges[::2].tolist(), edges[1::2].tolist()):
+        for b, e in image_runs(ids, cfg.image_token_id):
             if b > 0 and cfg.boi_token_id is not None and ids[b - 1] == cfg.boi_token_id:
                 b -= 1
             if e < len(ids) and cfg.eoi_token_id is not None and ids[e] == cfg.eoi_token_id:
