@@ -23,10 +23,10 @@ import numpy as np
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import DgemmaWarning
-from dgemma_jax.io.images import image_runs
 from dgemma_jax.model.api import check_tokens, encode_pass
 from dgemma_jax.model.cache import KVCache, init_cache
 from dgemma_jax.model.layers import dtype_of
+from dgemma_jax.model.masks import image_runs
 from dgemma_jax.model.quant import quantize_params
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import generate as gen

@@ -43,6 +43,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dgemma_jax.errors import read_json
+from dgemma_jax.model.masks import image_runs
 
 __all__ = [
     "SOFT_TOKEN_BUDGETS", "IMAGE_TOKEN", "BOI_TOKEN", "EOI_TOKEN", "IMAGE_TOKEN_ID", "BOI_TOKEN_ID",
@@ -446,13 +447,6 @@ def expand_image_text(text: str, soft_tokens: Any) -> str:
     for n, rest in zip(counts, pieces[1:]):
         out += [BOI_TOKEN, IMAGE_TOKEN * n, EOI_TOKEN, rest]
     return "".join(out)
-
-
-def image_runs(ids: Any, image_token_id: int = IMAGE_TOKEN_ID) -> list[tuple[int, int]]:
-    """[(start, end)] of each run of consecutive image tokens in the 1-D `ids`: one image each."""
-    is_img = np.concatenate([[False], np.asarray(ids) == image_token_id, [False]])
-    edges = np.flatnonzero(is_img[1:] != is_img[:-1]).tolist()
-    return list(zip(edges[::2], edges[1::2]))
 
 
 def mm_token_type_ids(ids: Any, image_token_id: int = IMAGE_TOKEN_ID) -> np.ndarray:

@@ -32,8 +32,11 @@ Global layers see every committed token in both modes. The canvas block is alway
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def causal_mask(q_pos: jax.Array, k_pos: jax.Array, valid_end: jax.Array, window: int | None,
@@ -80,6 +83,14 @@ def image_spans(image_tokens: jax.Array, starts: jax.Array) -> tuple[jax.Array, 
     base = starts.astype(jnp.int32)[:, None]
     zero = jnp.zeros_like(idx)
     return jnp.where(img, base + first, zero), jnp.where(img, base + last, zero)
+
+
+def image_runs(ids: Any, image_token_id: int) -> list[tuple[int, int]]:
+    """Host-side twin of `image_spans` for one 1-D id sequence: [(start, end)] of each run of consecutive
+    image tokens, one image each (positions relative to `ids`)."""
+    is_img = np.concatenate([[False], np.asarray(ids) == image_token_id, [False]])
+    edges = np.flatnonzero(is_img[1:] != is_img[:-1]).tolist()
+    return list(zip(edges[::2], edges[1::2]))
 
 
 def denoise_context_mask(q_pos: jax.Array, k_pos: jax.Array, context_end: jax.Array,
