@@ -70,7 +70,7 @@ class ChatSession:
     tokenizer (the bundled digits model) cannot, and then every turn is the user's line alone.
     context: KV cache tokens (capped at the model's positions). max_new_tokens: per turn (default:
     `pipeline.DEFAULT_NEW_TOKENS`, capped to what fits). seed: turn t uses seed + t (mod 2**64).
-    max_soft_tokens: the per-image token budget (default: the released processor's, 280).
+    max_soft_tokens: the per-image token budget (default: the checkpoint's, 280 for the released model).
     """
 
     def __init__(self, engine, tokenizer, *, system: str = "", thinking: bool = False, context: int = 4096,

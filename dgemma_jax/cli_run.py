@@ -17,6 +17,7 @@ from dgemma_jax.chat_session import ChatSession
 from dgemma_jax.engine import DEFAULT_NEW_TOKENS, Engine, default_new_tokens, warn_if_cut_short
 from dgemma_jax.errors import UsageError
 from dgemma_jax.io import convert
+from dgemma_jax.io.bundled import BUNDLED, VISION_NAME
 from dgemma_jax.io.locations import resolve
 from dgemma_jax.model.quant import quantization_of, quantize_params
 from dgemma_jax.io.images import SOFT_TOKEN_BUDGETS, load_image, prompt_with_images
@@ -116,7 +117,11 @@ def cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else _strip_final_newline(sys.stdin.read())
     if not prompt:
         raise UsageError("empty prompt: pass --prompt TEXT or pipe text on stdin")
-    cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype, args.revision)
+    checkpoint = args.checkpoint
+    if args.image and checkpoint in (None, ""):  # the default model for a picture: the bundled one that reads them
+        checkpoint = f"{BUNDLED}:{VISION_NAME}"
+        print(f"[no --checkpoint: the bundled image model {VISION_NAME}]", file=sys.stderr, flush=True)
+    cfg, params, sampler, tok = load_for_cli(checkpoint, args.dtype, args.revision)
     params = quantize_for_cli(args, cfg, params)
     sampler = sampler_from_args(args, cfg, sampler)
     images = None
@@ -274,7 +279,8 @@ def bench_scratch_path() -> str:
 
 # ---------------------------------------------------------------------------- parser
 CHECKPOINT_HELP = ("a checkpoint (Hugging Face or dgemma_jax format): a local directory, a gs:// (or other fsspec) "
-                   "URL, or a Hugging Face Hub repo id, optionally REPO@REVISION (default: the bundled model)")
+                   "URL, a Hugging Face Hub repo id, optionally REPO@REVISION, or bundled:NAME (default: the bundled "
+                   "model)")
 
 
 def checkpoint_flags(s):
@@ -310,9 +316,10 @@ def add_commands(sub, positive):
     s.add_argument("--max-prompt", type=positive(int), dest="max_prompt", default=None)
     s.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image for the prompt (repeatable; a checkpoint with a vision tower): each goes at a "
-                        "<|image|> marker of the prompt, or before the prompt when it has none")
+                        "<|image|> marker of the prompt, or before the prompt when it has none; without --checkpoint, "
+                        f"the bundled image model {VISION_NAME}")
     s.add_argument("--max-soft-tokens", type=int, choices=SOFT_TOKEN_BUDGETS, dest="max_soft_tokens", default=None,
-                   help="tokens per image (default 280, the released processor's)")
+                   help="tokens per image (default: the checkpoint's, 280 for the released model)")
     s.add_argument("--quiet", action="store_true", help="no stats line")
     sampler_flags(s)
     s.set_defaults(fn=cmd_generate)
@@ -323,7 +330,7 @@ def add_commands(sub, positive):
     s.add_argument("--thinking", action="store_true", help="enable thinking (never fed back into history)")
     s.add_argument("--context", type=positive(int), default=4096, help="KV cache tokens")
     s.add_argument("--max-soft-tokens", type=int, choices=SOFT_TOKEN_BUDGETS, dest="max_soft_tokens", default=None,
-                   help="tokens per /image (default 280, the released processor's)")
+                   help="tokens per /image (default: the checkpoint's, 280 for the released model)")
     s.add_argument("--quiet", action="store_true", help="no per-turn stats")
     sampler_flags(s)
     s.set_defaults(fn=cmd_chat)

@@ -19,6 +19,8 @@ GLOBAL = "global"
 
 _DTYPES = ("float32", "bfloat16", "float16")
 DENOISE_WINDOWS = ("block", "band")
+# the per-image soft-token budgets of the Gemma 4 image processor
+SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 # how a program runs, not what the checkpoint computes: fields of `dgemma_jax.runtime.Runtime`
 # (ModelConfig held them in earlier versions; recipes and stored configs may still name them)
 RUNTIME_CHOICES = ("moe_dispatch", "moe_capacity_factor", "moe_shard_rows_factor", "attn_kernel", "attn_key_block",
@@ -50,7 +52,9 @@ class VisionConfig:
     gated MLP of width `intermediate_size`), averaged over `pooling_kernel_size` x `pooling_kernel_size`
     blocks into soft tokens, scaled by sqrt(hidden_size) and, when `standardize`, shifted and scaled by
     the learned `std_bias` / `std_scale`. `use_clipped_linears`: every encoder linear clamps its input and
-    output to learned bounds (transformers' `Gemma4ClippableLinear`).
+    output to learned bounds (transformers' `Gemma4ClippableLinear`). `default_soft_tokens`: the image
+    processor's per-image budget this tower was released or trained with (the default of every image
+    prompt; a processor setting, not a shape: the tower takes any budget).
     """
 
     hidden_size: int = 1152
@@ -66,10 +70,15 @@ class VisionConfig:
     rms_norm_eps: float = 1e-6
     standardize: bool = False
     use_clipped_linears: bool = False
+    default_soft_tokens: int = 280
 
     def __post_init__(self):
         def bad(field, value, why):
             raise ValueError(f"VisionConfig.{field}={value!r} is invalid: {why}")
+
+        if self.default_soft_tokens not in SOFT_TOKEN_BUDGETS:
+            bad("default_soft_tokens", self.default_soft_tokens, f"must be a Gemma 4 soft-token budget, one of "
+                f"{SOFT_TOKEN_BUDGETS}")
 
         for f in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                   "patch_size", "pooling_kernel_size", "position_embedding_size"):

@@ -20,24 +20,28 @@ import numpy as np
 from dgemma_jax.chat_session import split_reply
 from dgemma_jax.engine import Engine, default_new_tokens, warn_if_cut_short
 from dgemma_jax.errors import UsageError
-from dgemma_jax.io.bundled import load_bundled
+from dgemma_jax.io.bundled import bundled_choice, load_bundled
 from dgemma_jax.io.chat import chat_images, history_without_thinking, render_chat
 from dgemma_jax.io.images import prompt_with_images
 from dgemma_jax.io.locations import resolve
 from dgemma_jax.io.model_dir import load_model, load_model_tokenizer
 
-BUNDLED = "bundled"
 
 
 def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: str | None = None):
-    """-> (config, params, sampler | None, tokenizer); None or "bundled": the bundled small model.
+    """-> (config, params, sampler | None, tokenizer); None or "bundled": the bundled small model,
+    "bundled:NAME" another bundled model (`dgemma_jax.io.bundled`, e.g. the image model VISION_NAME).
 
     checkpoint: a local directory, an fsspec URL (gs://...) or a Hugging Face Hub repo id, optionally
     REPO@REVISION (`dgemma_jax.io.locations`); revision: the Hub revision (branch, tag or commit)."""
-    if checkpoint in (None, "", BUNDLED):
+    is_bundled, name = bundled_choice(checkpoint)
+    if is_bundled:
         if revision is not None:
             raise UsageError("--revision applies to a Hugging Face Hub checkpoint; pass --checkpoint REPO_ID too")
-        return load_bundled()
+        try:
+            return load_bundled(name)
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from None
     checkpoint = resolve(checkpoint, revision)
     cfg, params, sampler = load_model(checkpoint, dtype=dtype)
     return cfg, params, sampler, load_model_tokenizer(checkpoint)

@@ -247,5 +247,6 @@ def test_cli_refuses_bad_images_with_one_line(ckpt, tmp_path):
         assert re.search(words, line), line
     r = dgemma(*base, "--image", cmyk)
     assert r.returncode == 0, r.stderr[-2000:]
-    line = _one_line_error(dgemma("generate", "--prompt", "1+2=", "--image", pngs[0]))  # the bundled model
+    # the bundled text model, named: (without --checkpoint a picture goes to the bundled image model)
+    line = _one_line_error(dgemma("generate", "--checkpoint", "bundled", "--prompt", "1+2=", "--image", pngs[0]))
     assert "text-only checkpoint" in line

@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dgemma_jax.config import SOFT_TOKEN_BUDGETS
 from dgemma_jax.errors import read_json
 from dgemma_jax.model.masks import image_runs
 
@@ -52,7 +53,6 @@ __all__ = [
     "encode_with_images", "settings_for", "prompt_with_images", "image_runs",
 ]
 
-SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 # The released tokenizer's markers and ids (DiffusionGemmaConfig: image_token_id, boi_token_id, eoi_token_id).
 IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN = "<|image|>", "<|image>", "<image|>"
 IMAGE_TOKEN_ID, BOI_TOKEN_ID, EOI_TOKEN_ID = 258880, 255999, 258882
@@ -504,13 +504,13 @@ def encode_with_images(tokenizer, text: str, images: Any = (), settings: ImageSe
 
 def settings_for(config, max_soft_tokens: int | None = None) -> ImageSettings:
     """The image preprocessing a checkpoint's vision tower takes (its patch size and pooling);
-    max_soft_tokens: the per-image budget (default: the released processor's)."""
+    max_soft_tokens: the per-image budget (default: the checkpoint's, `VisionConfig.default_soft_tokens`)."""
     v = config.vision
     if v is None:
         raise ValueError(f"{config.name} is a text-only checkpoint (no vision tower): it cannot take images. "
                          "Load a checkpoint with vision weights or drop the images")
-    kw = {} if max_soft_tokens is None else {"max_soft_tokens": int(max_soft_tokens)}
-    return ImageSettings(patch_size=v.patch_size, pooling_kernel_size=v.pooling_kernel_size, **kw)
+    budget = v.default_soft_tokens if max_soft_tokens is None else int(max_soft_tokens)
+    return ImageSettings(patch_size=v.patch_size, pooling_kernel_size=v.pooling_kernel_size, max_soft_tokens=budget)
 
 
 def prompt_with_images(config, tokenizer, text: str, images, max_soft_tokens: int | None = None,
