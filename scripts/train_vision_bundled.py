@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -46,23 +45,12 @@ def main(argv=None):
     from PIL import Image
 
     from dgemma_jax.training import bundled, image_tasks
-    from dgemma_jax.training.checkpoint import load_params
     from dgemma_jax.training.evaluate import evaluate_exact_match
     from dgemma_jax.training.plots import plot_loss_curve, read_jsonl
-    from dgemma_jax.training.train import Run, _d, load_config, train
+    from dgemma_jax.training.train import _d, load_config
 
     cfg = load_config(args.config, {"train.workdir": args.workdir})
-    if args.fresh and os.path.isdir(args.workdir):
-        shutil.rmtree(args.workdir)
-    if args.skip_train:
-        run = Run(cfg)
-        params = load_params(os.path.join(args.workdir, "export"))
-        with open(os.path.join(args.workdir, "summary.json")) as f:
-            summary = json.load(f)
-    else:
-        summary = train(cfg)
-        run = summary.pop("run")
-        params = jax.device_get(run.inference_params())
+    run, params, summary = bundled.train_or_reload(cfg, args.workdir, args.skip_train, args.fresh)
     mcfg, sampler, tok, lay = run.model_config, run.sampler, run.tokenizer, run.layout
     specs = _d(cfg.data)["image_tasks"]
     tasks = image_tasks.tasks_from_config(specs)
