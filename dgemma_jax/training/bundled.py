@@ -66,7 +66,7 @@ def train_or_reload(cfg, workdir: str, skip_train: bool, fresh: bool):
     there. Returns (run, host params, summary)."""
     # inside: the trainer imports this module (load_bundled), so importing it up top would be circular
     from dgemma_jax.training.checkpoint import load_params
-    from dgemma_jax.training.train import Run, train
+    from dgemma_jax.training.train import Run, train  # deferred with the line above: the same cycle
 
     if fresh and os.path.isdir(workdir):
         shutil.rmtree(workdir)
