@@ -237,9 +237,11 @@ def test_generate_with_an_image_works_out_of_the_box():
     meta = bundled.load_metadata(bundled.VISION_NAME)
     ex = meta["example"]
     path = os.path.join(ROOT, ex["path"])
-    # the committed picture is the held-out one the metadata names (no training batch drew it)
-    drawn = image_tasks.draw_digits(ex["digits"], np.random.default_rng(ex["seed"]))
-    np.testing.assert_array_equal(np.asarray(Image.open(path).convert("RGB")), drawn)
+    # the committed picture is the held-out one the metadata names (no training batch drew it); equal here,
+    # close where another Pillow / FreeType rasterises the glyphs a little differently
+    drawn = image_tasks.draw_digits(ex["digits"], np.random.default_rng(ex["seed"])).astype(float)
+    diff = np.abs(np.asarray(Image.open(path).convert("RGB"), float) - drawn)
+    assert diff.mean() < 2.0 and (diff > 64).mean() < 0.01, (diff.mean(), (diff > 64).mean())
     r = dgemma("generate", "--image", ex["path"], "--prompt", SORT, "--quiet")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == ex["answer"] == "".join(sorted(ex["digits"]))
