@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from dgemma_jax import cli_run
@@ -16,7 +15,7 @@ from dgemma_jax.backends import skip_absent_tpu
 from dgemma_jax.cli_run import checkpoint_flags
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import UsageError, print_warnings_as_lines
-from dgemma_jax.io.bundled import asset_path, bundled_choice, bundled_names
+from dgemma_jax.io.bundled import bundled_choice, bundled_dir
 from dgemma_jax.io import locations
 from dgemma_jax.io.model_dir import load_config
 from dgemma_jax.serving import cli as serve_cli
@@ -54,9 +53,10 @@ def cmd_inspect(args) -> int:
         if is_bundled:
             if args.revision is not None:
                 raise UsageError("--revision applies to a Hugging Face Hub checkpoint; pass --checkpoint REPO_ID too")
-            if not os.path.isdir(asset_path(name)):
-                raise UsageError(f"no bundled model {name!r}; bundled here: {', '.join(bundled_names()) or 'none'}")
-            cfg = load_config(asset_path(name))
+            try:
+                cfg = load_config(bundled_dir(name))
+            except FileNotFoundError as e:
+                raise UsageError(str(e)) from None
         else:  # a remote checkpoint: its config files only, not the weights
             local = locations.kind(args.checkpoint) == "local"
             cfg = load_config(locations.resolve(args.checkpoint, args.revision, files="all" if local else "config"),

@@ -108,7 +108,7 @@ def test_a_training_batch_lays_out_the_prompt_as_inference_does():
     cfg = _tiny_config()
     settings = settings_for(cfg)
     tasks = [image_tasks.ImageDigitTask("sort", SORT, 4, 6)]
-    src = image_tasks.ImageTaskSource(tasks, TOK, Layout(104, 1, 8), 3, settings, seed=4)
+    src = image_tasks.ImageTaskSource(tasks, TOK, Layout(104, 1, 8), 3, cfg, seed=4)
     batch = src.batch(2)
     problems = src.problems(2)
     assert batch["pixel_values"].shape == (3, 70, 3 * 16 * 16) and batch["pixel_positions"].shape == (3, 70, 2)
@@ -123,11 +123,12 @@ def test_a_training_batch_lays_out_the_prompt_as_inference_does():
         n = tokens.shape[1]
         assert batch["prompt_lengths"][row] == n
         np.testing.assert_array_equal(batch["tokens"][row, :n], tokens[0])
-        assert (tokens[0] == 41).sum() == 70                           # one per 16 x 16 patch
+        # spelled out: <bos> <|image> 70 x <|image|> (one per 16 x 16 patch) <image|> instruction
+        assert tokens[0].tolist() == [2, 40] + [41] * 70 + [42] + TOK.encode(prompt)
         resp = batch["tokens"][row, n:n + len(answer) + 1]
         assert TOK.decode(resp) == answer and resp[-1] == 1
     with pytest.raises(ValueError, match="prompt_length"):
-        image_tasks.ImageTaskSource(tasks, TOK, Layout(60, 1, 8), 2, settings).batch(0)
+        image_tasks.ImageTaskSource(tasks, TOK, Layout(60, 1, 8), 2, cfg).batch(0)
 
 
 # ------------------------------------------------------------------ the objective
@@ -135,7 +136,7 @@ def test_the_loss_reads_the_picture_and_trains_the_tower():
     cfg = _tiny_config()
     params = init_params(cfg, 1)
     src = image_tasks.ImageTaskSource([image_tasks.ImageDigitTask("read", "read the digits in the image", 4, 6)],
-                                      TOK, Layout(104, 1, 8), 4, settings_for(cfg), seed=0)
+                                      TOK, Layout(104, 1, 8), 4, cfg, seed=0)
     batch = {k: jnp.asarray(v) for k, v in src.batch(0).items()}
     obj = ObjectiveConfig(canvas_length=8, sc_prob=0.5)
     key = jax.random.key(3)

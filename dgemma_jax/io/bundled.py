@@ -41,13 +41,20 @@ def asset_path(name: str | None = None) -> str:
     return os.path.join(ASSETS_DIR, name or DEFAULT_NAME)
 
 
-def load_bundled(name: str | None = None, path: str | None = None):
-    """(ModelConfig, params, SamplerConfig, tokenizer) of a bundled model (default: the digits model)."""
+def bundled_dir(name: str | None = None, path: str | None = None) -> str:
+    """The directory of a bundled model (default: the digits model), or FileNotFoundError naming the
+    bundled ones."""
     root = path or asset_path(name)
     if not os.path.isdir(root):
         names = ", ".join(bundled_names()) or "none"
         raise FileNotFoundError(f"no bundled model at {root} (bundled here: {names}); the scripts/train_*bundled.py "
                                 "scripts create them")
+    return root
+
+
+def load_bundled(name: str | None = None, path: str | None = None):
+    """(ModelConfig, params, SamplerConfig, tokenizer) of a bundled model (default: the digits model)."""
+    root = bundled_dir(name, path)
     config, params, sampler = load_model(root)
     return config, params, sampler, load_model_tokenizer(root)
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.engine import Engine
-from dgemma_jax.io.images import IMAGE_TOKEN, ImageSettings, encode_with_images, preprocess_images, settings_for
+from dgemma_jax.io.images import ImageSettings, preprocess_images, prompt_with_images, settings_for
 from dgemma_jax.sampling.config import SamplerConfig
 
 
@@ -55,8 +55,7 @@ def evaluate_exact_match(config: ModelConfig, params: Any, sampler: SamplerConfi
             pics = list(images[s:s + batch_size])
             batch = preprocess_images(pics + [pics[-1]] * (batch_size - real),
                                       image_settings or settings_for(config))
-            ids = [encode_with_images(tokenizer, IMAGE_TOKEN + p, batch.select([i]), add_bos=True)["input_ids"]
-                   for i, (p, _) in enumerate(chunk)]
+            ids = [prompt_with_images(config, tokenizer, p, batch.select([i]))[0][0] for i, (p, _) in enumerate(chunk)]
         toks, lens = pad_prompts(ids, prompt_width, config.pad_id)
         out = engine.generate(toks, lens, rng=seed + s, max_new_tokens=max_new_tokens, images=batch)
         gen = np.asarray(out.tokens)[:real]

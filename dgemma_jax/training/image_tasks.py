@@ -19,8 +19,8 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from dgemma_jax.io.images import (BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN, ImageSettings, encode_with_images,
-                                  preprocess_images)
+from dgemma_jax.io.images import (BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN, preprocess_images, prompt_with_images,
+                                  settings_for)
 from dgemma_jax.training.data import Layout, Source, collate
 from dgemma_jax.training.tasks import digit_string
 
@@ -118,21 +118,17 @@ def heldout_examples(tasks: Sequence[ImageDigitTask], n: int, seed: int) -> list
     return [sample_mix(tasks, rng) for _ in range(n)]
 
 
-def image_prompt(tokenizer, prompt: str, image) -> list[int]:
-    """<bos> + the image's tokens + the instruction, as ids: the layout `prompt_with_images` gives a
-    prompt without an `<|image|>` marker. image: one preprocessed image (an `ImageBatch` of one)."""
-    return encode_with_images(tokenizer, IMAGE_TOKEN + prompt, image, add_bos=True)["input_ids"].tolist()
-
-
 class ImageTaskSource(Source):
     """Batches of one picture per row: the token layout of `data.collate` (the prompt holds the image's
     soft-token placeholders) plus "pixel_values" float32 [B, P, 3 p^2] and "pixel_positions" int32
-    [B, P, 2] from the image processor (`settings`). Deterministic per batch index."""
+    [B, P, 2] from the checkpoint's image processor (`config`; `max_soft_tokens`: its budget, default the
+    checkpoint's). Deterministic per batch index."""
 
-    def __init__(self, tasks: Sequence[ImageDigitTask], tokenizer, layout: Layout, batch_size: int,
-                 settings: ImageSettings, seed: int = 0):
-        self.tasks, self.tokenizer, self.layout = list(tasks), tokenizer, layout
-        self.batch_size, self.settings, self.seed = batch_size, settings, seed
+    def __init__(self, tasks: Sequence[ImageDigitTask], tokenizer, layout: Layout, batch_size: int, config,
+                 max_soft_tokens: int | None = None, seed: int = 0):
+        self.tasks, self.tokenizer, self.layout, self.config = list(tasks), tokenizer, layout, config
+        self.batch_size, self.seed = batch_size, seed
+        self.settings = settings_for(config, max_soft_tokens)
 
     def problems(self, index: int) -> list[tuple[np.ndarray, str, str]]:
         rng = np.random.default_rng([self.seed, index])
@@ -145,7 +141,8 @@ class ImageTaskSource(Source):
         pre = preprocess_images([image for image, _, _ in problems], self.settings)
         examples = []
         for i, (_, prompt, answer) in enumerate(problems):
-            ids = image_prompt(self.tokenizer, prompt, pre.select([i]))
+            # <bos>, the picture's tokens, the instruction: as `dgemma generate --image` lays it out
+            ids = prompt_with_images(self.config, self.tokenizer, prompt, pre.select([i]))[0][0].tolist()
             if len(ids) > self.layout.prompt_length:
                 raise ValueError(f"an image prompt is {len(ids)} tokens but data.prompt_length is "
                                  f"{self.layout.prompt_length}: raise prompt_length or lower the soft-token budget")

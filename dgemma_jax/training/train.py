@@ -41,7 +41,6 @@ from tqdm.auto import tqdm
 from dgemma_jax.config import RUNTIME_CHOICES, ModelConfig
 from dgemma_jax.io.char_tokenizer import CharTokenizer
 from dgemma_jax.io.hf import load_hf
-from dgemma_jax.io.images import settings_for
 from dgemma_jax.io.locations import resolve
 from dgemma_jax.io.model_dir import config_from_dict
 from dgemma_jax.model.api import init_params, param_shapes
@@ -174,7 +173,7 @@ def build_source(dc: dict, tokenizer, layout: data_lib.Layout, batch_size: int, 
             raise ValueError("data.kind 'image_tasks' trains the image path: the model needs a vision tower "
                              "(model.overrides.vision and the image token ids)")
         return image_tasks.ImageTaskSource(image_tasks.tasks_from_config(dc["image_tasks"]), tokenizer, layout,
-                                           batch_size, settings_for(config, dc.get("max_soft_tokens")), seed)
+                                           batch_size, config, dc.get("max_soft_tokens"), seed)
     if kind == "jsonl":
         return data_lib.JsonlSource(dc["path"], tokenizer.encode, layout, batch_size, seed,
                                     dc.get("prompt_key", "prompt"), dc.get("response_key", "response"),
@@ -374,8 +373,6 @@ class Run:
             pairs = _read_pairs(self.ec["path"], pk, rk, "eval.path")
             n = self.ec.get("num_examples")
             return pairs[: int(n)] if n else pairs
-        if self.dc.get("kind", "tasks") == "image_tasks":
-            return [(p, a) for _, p, a in self.eval_image_problems()]
         if self.dc.get("kind", "tasks") != "tasks":
             return []
         mix = TaskMix.from_config(self.dc["tasks"])
