@@ -15,6 +15,11 @@ What the prefix covers: the generation prompt without thinking ends in the empty
 the next turn the history diverges right after the previous `<|turn>model\\n`; everything before it
 (system, earlier turns, the last user message) is reused, and the previous answer is prefilled
 again at its template position. With thinking on, the thought is dropped the same way.
+
+Images (a checkpoint with a vision tower): `send(text, images=[...])` puts them before the text in
+the user's turn, preprocessed once. Each turn lays out every image of the conversation
+(`io.images.prompt_with_images`), and only those after the reused prefix are run through the vision
+tower again: earlier images stay in the cache, as any earlier token does.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dgemma_jax.engine import default_new_tokens, warn_if_cut_short
-from dgemma_jax.io.chat import history_without_thinking, render_chat, strip_thinking
+from dgemma_jax.io.chat import chat_images, history_without_thinking, render_chat, strip_thinking
+from dgemma_jax.io.images import ImageBatch, image_runs, preprocess_images, prompt_with_images, settings_for
 
 
 @dataclasses.dataclass
@@ -64,11 +70,14 @@ class ChatSession:
     tokenizer (the bundled digits model) cannot, and then every turn is the user's line alone.
     context: KV cache tokens (capped at the model's positions). max_new_tokens: per turn (default:
     `pipeline.DEFAULT_NEW_TOKENS`, capped to what fits). seed: turn t uses seed + t (mod 2**64).
+    max_soft_tokens: the per-image token budget (default: the checkpoint's, 280 for the released model).
     """
 
     def __init__(self, engine, tokenizer, *, system: str = "", thinking: bool = False, context: int = 4096,
-                 max_new_tokens: int | None = None, seed: int = 0):
+                 max_new_tokens: int | None = None, seed: int = 0, max_soft_tokens: int | None = None):
         self.engine, self.tokenizer = engine, tokenizer
+        self.max_soft_tokens = max_soft_tokens
+        self._preprocessed = []  # the conversation's images, preprocessed (ImageBatch of one each), in order
         self.thinking, self.max_new_tokens, self.seed = thinking, max_new_tokens, int(seed)
         self.cache_length = min(int(context), engine.config.max_position_embeddings)
         self.messages = [{"role": "system", "content": system}] if system else []
@@ -78,19 +87,58 @@ class ChatSession:
 
     def prompt_ids(self) -> list[int]:
         """The tokens of the conversation so far plus the generation prompt."""
-        if not self.templated:
-            return self.tokenizer.encode(self.messages[-1]["content"], add_bos=True)
-        text = render_chat(history_without_thinking(self.messages), add_generation_prompt=True,
-                           enable_thinking=self.thinking)
-        return list(self.tokenizer.encode(text))  # the text starts with <bos>
+        return self._prompt()[0]
 
-    def send(self, text: str) -> ChatTurn:
+    def _prompt(self):
+        """(the conversation's tokens + the generation prompt, its images as an ImageBatch or None)."""
+        if not self.templated:
+            last = self.messages[-1]["content"]
+            if not isinstance(last, str):
+                raise ValueError("this model's tokenizer has no chat template, so it cannot lay out images; "
+                                 "use a checkpoint with a Gemma 4 tokenizer and a vision tower")
+            return self.tokenizer.encode(last, add_bos=True), None
+        messages = history_without_thinking(self.messages)
+        text = render_chat(messages, add_generation_prompt=True, enable_thinking=self.thinking)
+        images = chat_images(messages)
+        if not images:
+            return list(self.tokenizer.encode(text)), None  # the text starts with <bos>
+        # each image is loaded and preprocessed once, on its turn: the history only grows at its end
+        settings = settings_for(self.engine.config, self.max_soft_tokens)
+        self._preprocessed += [preprocess_images(im, settings) for im in images[len(self._preprocessed):]]
+        tokens, _, batch = prompt_with_images(self.engine.config, self.tokenizer, text,
+                                             ImageBatch.concat(self._preprocessed), self.max_soft_tokens,
+                                             add_bos=False)
+        return tokens[0].tolist(), batch
+
+    def _new_images(self, ids: list[int], keep: int, batch):
+        """(keep, the images whose tokens start at or after `keep`): an image that the reused prefix
+        would cut is prefilled again whole (keep moves back to its start)."""
+        if batch is None:
+            return keep, None
+        runs = image_runs(ids, self.engine.config.image_token_id)
+        for a, b in runs:
+            if a < keep < b:
+                keep = a - 1  # back to the image's begin marker
+        return keep, batch.select([i for i, (a, _) in enumerate(runs) if a >= keep])
+
+    def send(self, text: str, images=()) -> ChatTurn:
+        """One user turn (`images`: paths, bytes, PIL images or arrays shown before the text)."""
         engine, sampler = self.engine, self.engine.sampler
-        self.messages.append({"role": "user", "content": text})
-        ids = self.prompt_ids()
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        content = text if not images else [{"type": "image", "image": im} for im in images] + [
+            {"type": "text", "text": text}]
+        self.messages.append({"role": "user", "content": content})
+        seen = len(self._preprocessed)
+        try:
+            ids, batch = self._prompt()
+        except ValueError:
+            self.messages.pop()  # nothing of a refused turn stays in the history
+            del self._preprocessed[seen:]
+            raise
         keep = 0
         if self.cache is not None:
             keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)  # at least one token to prefill
+        keep, batch = self._new_images(ids, keep, batch)
         if keep > 0:
             cache = self.cache.replace(lengths=jnp.full_like(self.cache.lengths, keep))
         else:
@@ -99,8 +147,13 @@ class ChatSession:
         max_new = (default_new_tokens(engine.config, sampler, len(ids), self.cache_length)
                    if self.max_new_tokens is None else self.max_new_tokens)
         rng = (self.seed + self.turns) % 2 ** 64
-        out = engine.generate(np.array([new], np.int32), None, rng=rng, max_new_tokens=max_new, cache=cache,
-                              cache_length=None if cache is not None else self.cache_length)
+        try:
+            out = engine.generate(np.array([new], np.int32), None, rng=rng, max_new_tokens=max_new, cache=cache,
+                                  cache_length=None if cache is not None else self.cache_length, images=batch)
+        except ValueError:
+            self.messages.pop()
+            del self._preprocessed[seen:]
+            raise
         tokens = np.asarray(out.tokens)[0]
         gen = [int(t) for t in tokens if int(t) != sampler.pad_id]
         thought, answer = split_reply(self.tokenizer, gen) if self.templated else ("", self.tokenizer.decode(gen, skip_special=True))

@@ -15,10 +15,9 @@ from dgemma_jax.backends import skip_absent_tpu
 from dgemma_jax.cli_run import checkpoint_flags
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import UsageError, print_warnings_as_lines
-from dgemma_jax.io.bundled import asset_path
+from dgemma_jax.io.bundled import bundled_choice, bundled_dir
 from dgemma_jax.io import locations
 from dgemma_jax.io.model_dir import load_config
-from dgemma_jax.pipeline import BUNDLED
 from dgemma_jax.serving import cli as serve_cli
 
 
@@ -50,10 +49,14 @@ def cmd_inspect(args) -> int:
     if args.preset:
         cfg = ModelConfig.preset(args.preset)
     else:  # like every other command: a checkpoint, by default the bundled model
-        if args.checkpoint in (None, "", BUNDLED):
+        is_bundled, name = bundled_choice(args.checkpoint)
+        if is_bundled:
             if args.revision is not None:
                 raise UsageError("--revision applies to a Hugging Face Hub checkpoint; pass --checkpoint REPO_ID too")
-            cfg = load_config(asset_path())
+            try:
+                cfg = load_config(bundled_dir(name))
+            except FileNotFoundError as e:
+                raise UsageError(str(e)) from None
         else:  # a remote checkpoint: its config files only, not the weights
             local = locations.kind(args.checkpoint) == "local"
             cfg = load_config(locations.resolve(args.checkpoint, args.revision, files="all" if local else "config"),
@@ -74,11 +77,19 @@ def cmd_inspect(args) -> int:
         "canvas": cfg.canvas_length,
         "params_total": counts["total"],
         "params_active_per_token": counts["active"],
-        "param_dtype": cfg.param_dtype,
-        "memory_bytes": {"checkpoint (" + cfg.param_dtype + ")": counts["total"] * bytes_per,
-                         "float32": counts["total"] * 4, "bfloat16": counts["total"] * 2,
-                         "int8": counts["total"]},
     }
+    vis = counts.get("vision", 0)  # the vision tower stays in the parameter dtype under int8
+    if cfg.vision is not None:
+        v = cfg.vision
+        info["vision"] = (f"{v.num_layers} layers x {v.hidden_size}, {v.num_heads} heads x {v.head_dim}, "
+                          f"patch {v.patch_size}, pool {v.pooling_kernel_size}x{v.pooling_kernel_size}")
+        info["params_vision"] = vis
+    info.update({
+        "param_dtype": cfg.param_dtype,
+        "memory_bytes": {"checkpoint (" + cfg.param_dtype + ")": (counts["total"] + vis) * bytes_per,
+                         "float32": (counts["total"] + vis) * 4, "bfloat16": (counts["total"] + vis) * 2,
+                         "int8": counts["total"] + vis * bytes_per},
+    })
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -98,17 +109,22 @@ def cmd_compile(args) -> int:
     if args.topology not in aot.TOPOLOGIES:
         raise UsageError(f"unknown --topology {args.topology!r}; choose one of {', '.join(aot.TOPOLOGIES)}")
     programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
-    known = ("prefill", "denoise_step", "commit", "generate", "lora_step", "slot_round", "prefill_slot")
+    known = ("prefill", "denoise_step", "commit", "generate", "lora_step", "slot_round", "prefill_slot",
+             "prefill_images")
     bad = [p for p in programs if p not in known]
     if bad:
         raise UsageError(f"unknown program(s) {bad}; choose from {', '.join(known)}")
+    if args.images < 0:
+        raise UsageError(f"--images must be >= 0; got {args.images}")
+    if args.images and "prefill_images" not in programs:
+        programs += ("prefill_images",)
     try:
         report = aot.compile_report(args.preset, args.topology, mesh=args.mesh, rules=args.rules,
                                     batch=args.batch, context=args.context, prompt=args.prompt,
                                     steps_per_canvas=args.steps, programs=programs, dtype=args.dtype,
                                     moe_dispatch=args.moe_dispatch, progress=_compile_progress,
-                                    layers=args.layers)
-    except RuntimeError as e:
+                                    quantize=args.quantize, images=args.images, layers=args.layers)
+    except (RuntimeError, ValueError) as e:
         raise UsageError(str(e)) from None
     _print_compile_report(report)
     if args.out:
@@ -136,7 +152,8 @@ def _compile_progress(name, index, count, seconds, entry):
 def _print_compile_report(r):
     gb = 1e9
     print(f"{r['preset']} on {r['topology']} ({r['chips']} chips, mesh {r['mesh']}, rules {r['rules']}), "
-          f"batch {r['batch']}, context {r['context']}, {r['dtype']}, moe {r['moe_dispatch']}, "
+          f"batch {r['batch']}, context {r['context']}, {r['dtype']}"
+          f"{' weights int8' if r.get('quantize') == 'int8' else ''}, moe {r['moe_dispatch']}, "
           f"layers {r.get('layers', 'unrolled')}")
     print(f"{'program':>13} {'compile s':>9} {'args GB':>8} {'temp GB':>8} {'total GB':>8} {'limit GB':>8} "
           f"{'GFLOP':>9} {'GB counted':>10} {'GB HBM':>8} {'proj ms':>8}  fits")
@@ -155,6 +172,10 @@ def _print_compile_report(r):
         print(f"projected from the TPU compiler's output (FLOPs, HBM traffic), not a measurement: denoise step {p['denoise_step_ms']:.2f} ms, "
               f"{p['steps_per_canvas']} steps + commit = {p['per_canvas_ms']:.1f} ms per canvas, "
               f"{p['tokens_per_second']:.0f} tokens/s")
+        if "denoise_step_ici_ms" in p and r["chips"] > 1:
+            print(f"with the step's collectives on the ICI ({p['denoise_step_ici_ms']:.2f} ms, perf/collectives.py): "
+                  f"{p['denoise_step_ms_with_ici']:.2f} ms run after the HBM-bound work, "
+                  f"{p['denoise_step_ms_ici_overlapped']:.2f} ms hidden under it")
 
 
 # ---------------------------------------------------------------------------- parser
@@ -189,7 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE dispatch the programs are compiled with (auto: ragged on TPU)")
     s.add_argument("--layers", choices=["auto", "unrolled", "scan"], default="auto",
                    help="layer layout (Runtime.layers): scan = one repeated layer group compiled and scanned "
-                        "(auto: scan for TPU)")
+                        "(auto: the platform default, Runtime.LAYER_DEFAULTS: unrolled on TPU for now)")
+    s.add_argument("--quantize", choices=["int8"], default=None,
+                   help="compile for weight-only int8 parameters (dgemma_jax.model.quant)")
+    s.add_argument("--images", type=int, default=0,
+                   help="add the released vision tower and compile prefill_images with this many images "
+                        "(280 soft tokens each) in the prompt")
     s.add_argument("--out", help="write the report as JSON here")
     s.set_defaults(fn=cmd_compile)
 

@@ -17,8 +17,10 @@ from dgemma_jax.chat_session import ChatSession
 from dgemma_jax.engine import DEFAULT_NEW_TOKENS, Engine, default_new_tokens, warn_if_cut_short
 from dgemma_jax.errors import UsageError
 from dgemma_jax.io import convert
+from dgemma_jax.io.bundled import BUNDLED, VISION_NAME
 from dgemma_jax.io.locations import resolve
 from dgemma_jax.model.quant import quantization_of, quantize_params
+from dgemma_jax.io.images import SOFT_TOKEN_BUDGETS, load_image, prompt_with_images
 from dgemma_jax.pipeline import load_checkpoint as load_for_cli
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.generate import CanvasEvent, collect
@@ -115,17 +117,29 @@ def cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else _strip_final_newline(sys.stdin.read())
     if not prompt:
         raise UsageError("empty prompt: pass --prompt TEXT or pipe text on stdin")
-    cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype, args.revision)
+    checkpoint = args.checkpoint
+    if args.image and checkpoint in (None, ""):  # the default model for a picture: the bundled one that reads them
+        checkpoint = f"{BUNDLED}:{VISION_NAME}"
+        print(f"[no --checkpoint: the bundled image model {VISION_NAME}]", file=sys.stderr, flush=True)
+    cfg, params, sampler, tok = load_for_cli(checkpoint, args.dtype, args.revision)
     params = quantize_for_cli(args, cfg, params)
     sampler = sampler_from_args(args, cfg, sampler)
-    ids = tok.encode(prompt, add_bos=True)
+    images = None
+    if args.image:
+        try:
+            tokens, _, images = prompt_with_images(cfg, tok, prompt, args.image, args.max_soft_tokens)
+        except ValueError as e:
+            raise UsageError(f"--image: {e}") from None
+        ids = tokens[0].tolist()
+    else:
+        ids = tok.encode(prompt, add_bos=True)
+        tokens = np.array([ids], np.int32)
     if args.max_prompt and len(ids) > args.max_prompt:
         raise UsageError(f"the prompt is {len(ids)} tokens, longer than --max-prompt {args.max_prompt}")
     engine = Engine(cfg, params, sampler)
-    tokens = np.array([ids], np.int32)
     seed, pinned = _seed_canvas(args, tok, sampler, 1)
     max_new = default_new_tokens(cfg, sampler, len(ids)) if args.max_new_tokens is None else args.max_new_tokens
-    kw = dict(rng=args.seed, max_new_tokens=max_new, seed_canvas=seed, pinned=pinned)
+    kw = dict(rng=args.seed, max_new_tokens=max_new, seed_canvas=seed, pinned=pinned, images=images)
     t0 = time.perf_counter()
     if args.show_steps:
         tty = sys.stdout.isatty() and not args.plain
@@ -162,8 +176,10 @@ def cmd_chat(args) -> int:
     params = quantize_for_cli(args, cfg, params)
     sampler = sampler_from_args(args, cfg, sampler)
     session = ChatSession(Engine(cfg, params, sampler), tok, system=args.system, thinking=args.thinking,
-                          context=args.context, max_new_tokens=args.max_new_tokens, seed=args.seed)
+                          context=args.context, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                          max_soft_tokens=args.max_soft_tokens)
     interactive = sys.stdin.isatty()
+    pending = []  # images from `/image PATH` lines, sent with the next message
     while True:
         if interactive:
             sys.stdout.write("you> ")
@@ -176,7 +192,23 @@ def cmd_chat(args) -> int:
             continue
         if line.strip() in ("/exit", "/quit"):
             break
-        turn = session.send(line)
+        if line.startswith("/image"):
+            path = line[len("/image"):].strip()
+            try:
+                load_image(path)  # refuse an unreadable file now, not after the next message
+            except ValueError as e:
+                print(f"dgemma: error: /image: {e}", file=sys.stderr, flush=True)
+                continue
+            pending.append(path)
+            print(f"[image {path} goes with your next message]", file=sys.stderr, flush=True)
+            continue
+        try:
+            turn = session.send(line, images=pending)
+        except ValueError as e:  # e.g. an image for a text-only checkpoint: the turn is dropped, the chat goes on
+            print(f"dgemma: error: {e}", file=sys.stderr, flush=True)
+            pending = []
+            continue
+        pending = []
         print(("model> " if interactive else "") + turn.answer, flush=True)
         if not args.quiet:
             print(f"[turn {session.turns}: reused {turn.reused} cached tokens, prefilled {turn.prefilled}, "
@@ -247,7 +279,8 @@ def bench_scratch_path() -> str:
 
 # ---------------------------------------------------------------------------- parser
 CHECKPOINT_HELP = ("a checkpoint (Hugging Face or dgemma_jax format): a local directory, a gs:// (or other fsspec) "
-                   "URL, or a Hugging Face Hub repo id, optionally REPO@REVISION (default: the bundled model)")
+                   "URL, a Hugging Face Hub repo id, optionally REPO@REVISION, or bundled:NAME (default: the bundled "
+                   "model)")
 
 
 def checkpoint_flags(s):
@@ -281,14 +314,23 @@ def add_commands(sub, positive):
     s.add_argument("--seed-canvas", dest="seed_canvas", help="start canvas text; --mask-char marks free positions")
     s.add_argument("--mask-char", dest="mask_char", default="_")
     s.add_argument("--max-prompt", type=positive(int), dest="max_prompt", default=None)
+    s.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image for the prompt (repeatable; a checkpoint with a vision tower): each goes at a "
+                        "<|image|> marker of the prompt, or before the prompt when it has none; without --checkpoint, "
+                        f"the bundled image model {VISION_NAME}")
+    s.add_argument("--max-soft-tokens", type=int, choices=SOFT_TOKEN_BUDGETS, dest="max_soft_tokens", default=None,
+                   help="tokens per image (default: the checkpoint's, 280 for the released model)")
     s.add_argument("--quiet", action="store_true", help="no stats line")
     sampler_flags(s)
     s.set_defaults(fn=cmd_generate)
 
-    s = sub.add_parser("chat", help="interactive multi-turn chat (Gemma 4 chat template)")
+    s = sub.add_parser("chat", help="interactive multi-turn chat (Gemma 4 chat template; a line /image PATH "
+                                    "adds an image to the next message)")
     s.add_argument("--system", default="")
     s.add_argument("--thinking", action="store_true", help="enable thinking (never fed back into history)")
     s.add_argument("--context", type=positive(int), default=4096, help="KV cache tokens")
+    s.add_argument("--max-soft-tokens", type=int, choices=SOFT_TOKEN_BUDGETS, dest="max_soft_tokens", default=None,
+                   help="tokens per /image (default: the checkpoint's, 280 for the released model)")
     s.add_argument("--quiet", action="store_true", help="no per-turn stats")
     sampler_flags(s)
     s.set_defaults(fn=cmd_chat)

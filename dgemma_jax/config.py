@@ -19,6 +19,8 @@ GLOBAL = "global"
 
 _DTYPES = ("float32", "bfloat16", "float16")
 DENOISE_WINDOWS = ("block", "band")
+# the per-image soft-token budgets of the Gemma 4 image processor
+SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 # how a program runs, not what the checkpoint computes: fields of `dgemma_jax.runtime.Runtime`
 # (ModelConfig held them in earlier versions; recipes and stored configs may still name them)
 RUNTIME_CHOICES = ("moe_dispatch", "moe_capacity_factor", "moe_shard_rows_factor", "attn_kernel", "attn_key_block",
@@ -38,6 +40,121 @@ def layer_pattern(num_layers: int, period: int = 6) -> tuple[str, ...]:
     types = [GLOBAL if (i + 1) % period == 0 else SLIDING for i in range(num_layers)]
     types[-1] = GLOBAL
     return tuple(types)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """Shapes and numerics of the Gemma 4 vision tower (`gemma4_vision`) and its projection into the text.
+
+    Patches of `patch_size` x `patch_size` RGB pixels are embedded (a linear map plus learned x and y
+    position tables of `position_embedding_size` entries), run through `num_layers` bidirectional
+    encoder layers (axial 2D RoPE with theta `rope_theta`, q/k norms, no 1/sqrt(d) scaling, a gelu-tanh
+    gated MLP of width `intermediate_size`), averaged over `pooling_kernel_size` x `pooling_kernel_size`
+    blocks into soft tokens, scaled by sqrt(hidden_size) and, when `standardize`, shifted and scaled by
+    the learned `std_bias` / `std_scale`. `use_clipped_linears`: every encoder linear clamps its input and
+    output to learned bounds (transformers' `Gemma4ClippableLinear`). `default_soft_tokens`: the image
+    processor's per-image budget this tower was released or trained with (the default of every image
+    prompt; a processor setting, not a shape: the tower takes any budget).
+    """
+
+    hidden_size: int = 1152
+    intermediate_size: int = 4304
+    num_layers: int = 27
+    num_heads: int = 16
+    num_kv_heads: int = 16
+    head_dim: int = 72
+    patch_size: int = 16
+    pooling_kernel_size: int = 3
+    position_embedding_size: int = 10_240
+    rope_theta: float = 100.0
+    rms_norm_eps: float = 1e-6
+    standardize: bool = False
+    use_clipped_linears: bool = False
+    default_soft_tokens: int = 280
+
+    def __post_init__(self):
+        def bad(field, value, why):
+            raise ValueError(f"VisionConfig.{field}={value!r} is invalid: {why}")
+
+        if self.default_soft_tokens not in SOFT_TOKEN_BUDGETS:
+            bad("default_soft_tokens", self.default_soft_tokens, f"must be a Gemma 4 soft-token budget, one of "
+                f"{SOFT_TOKEN_BUDGETS}")
+
+        for f in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "patch_size", "pooling_kernel_size", "position_embedding_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad(f, v, "must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            bad("num_kv_heads", self.num_kv_heads, f"must divide num_heads={self.num_heads}")
+        if self.head_dim % 4:
+            bad("head_dim", self.head_dim, "must be a multiple of 4 (axial RoPE rotates each half of a head "
+                "with one of the two patch coordinates)")
+        for f in ("rope_theta", "rms_norm_eps"):
+            if not getattr(self, f) > 0:
+                bad(f, getattr(self, f), "must be > 0")
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per flattened patch: 3 * patch_size^2."""
+        return 3 * self.patch_size * self.patch_size
+
+    def param_count(self, text_hidden: int) -> int:
+        """Parameters of the tower plus the projection into a text model of width `text_hidden`."""
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads) + 2 * hd
+        layer = attn + 3 * d * f + 4 * d + (4 * 7 if self.use_clipped_linears else 0)  # 7 linears x 4 bounds
+        tower = self.patch_dim * d + 2 * self.position_embedding_size * d + self.num_layers * layer
+        return tower + (2 * d if self.standardize else 0) + d * text_hidden
+
+    @staticmethod
+    def from_hf(vc: Mapping[str, Any]) -> "VisionConfig":
+        """From the `vision_config` of a Hugging Face config.json (a `gemma4_vision` config)."""
+        mt = vc.get("model_type", "gemma4_vision")
+        if mt not in ("gemma4_vision", None):
+            raise ValueError(f"vision_config has model_type={mt!r}; expected 'gemma4_vision'")
+        rope = vc.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ValueError(f"vision_config rope_type {rope.get('rope_type')!r} is unsupported: the Gemma 4 "
+                             "vision tower uses 'axial'")
+        act = vc.get("hidden_activation", "gelu_pytorch_tanh")
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"vision_config hidden_activation {act!r} is unsupported (expected gelu_pytorch_tanh)")
+        if vc.get("attention_bias"):
+            raise ValueError("vision_config attention_bias=true is unsupported (Gemma 4 has no biases)")
+        d = VisionConfig()
+        heads = int(vc.get("num_attention_heads", 12))
+        hidden = int(vc.get("hidden_size", 768))
+        try:
+            return VisionConfig(
+                hidden_size=hidden,
+                intermediate_size=int(vc.get("intermediate_size", 3072)),
+                num_layers=int(vc.get("num_hidden_layers", 16)),
+                num_heads=heads,
+                num_kv_heads=int(vc.get("num_key_value_heads", heads)),
+                head_dim=int(vc.get("head_dim") or hidden // heads),
+                patch_size=int(vc.get("patch_size", 16)),
+                pooling_kernel_size=int(vc.get("pooling_kernel_size") or 3),
+                position_embedding_size=int(vc.get("position_embedding_size", d.position_embedding_size)),
+                rope_theta=float(rope.get("rope_theta", 100.0)),
+                rms_norm_eps=float(vc.get("rms_norm_eps", 1e-6)),
+                standardize=bool(vc.get("standardize", False)),
+                use_clipped_linears=bool(vc.get("use_clipped_linears", False)),
+            )
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"config.json vision_config is invalid: {e}") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        """The `Gemma4VisionConfig` kwargs describing this tower."""
+        return dict(
+            model_type="gemma4_vision", hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim, patch_size=self.patch_size,
+            pooling_kernel_size=self.pooling_kernel_size, position_embedding_size=self.position_embedding_size,
+            rope_parameters={"rope_type": "axial", "rope_theta": self.rope_theta}, rms_norm_eps=self.rms_norm_eps,
+            standardize=self.standardize, use_clipped_linears=self.use_clipped_linears,
+            hidden_activation="gelu_pytorch_tanh",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +198,12 @@ class ModelConfig:
     # the same last window-1 committed tokens for every canvas position; "band" = position q sees (q - window, E)
     denoise_window: str = "block"
     name: str = "custom"
+    # The image path (None: a text-only model): the vision tower and the special ids of an image in the prompt
+    # (boi + image_token x n + eoi).
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
+    boi_token_id: int | None = None
+    eoi_token_id: int | None = None
 
     def __post_init__(self):
         if not self.layer_types:
@@ -88,6 +211,8 @@ class ModelConfig:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         eos = (self.eos_ids,) if isinstance(self.eos_ids, int) else self.eos_ids
         object.__setattr__(self, "eos_ids", tuple(int(e) for e in eos))
+        if isinstance(self.vision, Mapping):  # a stored config (dataclasses.asdict) names the tower as a dict
+            object.__setattr__(self, "vision", VisionConfig(**self.vision))
         self._validate()
 
     # ------------------------------------------------------------------ validation
@@ -135,6 +260,12 @@ class ModelConfig:
         for e in self.eos_ids:
             if not 0 <= e < self.vocab_size:
                 bad("eos_ids", self.eos_ids, f"id {e} is outside [0, {self.vocab_size})")
+        if self.vision is not None and not isinstance(self.vision, VisionConfig):
+            bad("vision", self.vision, "must be a VisionConfig or None")
+        for f in ("image_token_id", "boi_token_id", "eoi_token_id"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                bad(f, v, "must be a non-negative token id or None")
 
     # ------------------------------------------------------------------ derived
     def replace(self, **changes) -> "ModelConfig":
@@ -155,7 +286,8 @@ class ModelConfig:
         return math.sqrt(self.hidden_size)
 
     def param_count(self) -> dict[str, int]:
-        """Total and per-token active parameter counts (text model)."""
+        """Total and per-token active parameter counts (text model); "vision": the vision tower and its projection
+        into the text, when the model has one."""
         d = self.hidden_size
         emb = self.vocab_size * d
         attn = 0
@@ -170,7 +302,10 @@ class ModelConfig:
         sc = 3 * d * self.intermediate_size + d
         total = emb + attn + dense + experts + router + norms + sc
         active = total - experts + experts * self.top_k // self.num_experts
-        return {"total": total, "active": active, "experts": experts, "embedding": emb}
+        out = {"total": total, "active": active, "experts": experts, "embedding": emb}
+        if self.vision is not None:  # the tower + its projection, not part of "total" (the text model)
+            out["vision"] = self.vision.param_count(d)
+        return out
 
     # ------------------------------------------------------------------ presets
     @staticmethod
@@ -263,6 +398,11 @@ class ModelConfig:
                 eos_ids=tuple(int(e) for e in eos if e is not None),
                 name=str(cfg.get("_name_or_path") or "hf"),
             )
+            if cfg is not text and cfg.get("vision_config") is not None:
+                kw["vision"] = VisionConfig.from_hf(cfg["vision_config"])
+                for f in ("image_token_id", "boi_token_id", "eoi_token_id"):
+                    if cfg.get(f) is not None:
+                        kw[f] = int(cfg[f])
         except KeyError as e:
             raise ValueError(f"config.json is missing the field {e.args[0]!r} (or it is null) of a DiffusionGemma "
                              "text config") from None

@@ -27,6 +27,7 @@ from dgemma_jax.model.api import check_tokens, encode_pass
 from dgemma_jax.model.cache import KVCache, init_cache
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.model.layout import check_scannable, is_stacked, stack_layers, unstack_layers
+from dgemma_jax.model.masks import image_runs
 from dgemma_jax.model.quant import quantize_params
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import generate as gen
@@ -126,6 +127,53 @@ def prepare_inputs(config: ModelConfig, sampler: SamplerConfig, prompt_tokens, l
     if width > p:
         tokens = jnp.pad(tokens, ((0, 0), (0, width - p)), constant_values=config.pad_id)
     return tokens, jnp.asarray(lengths, jnp.int32), int(cache_length), seed_canvas, pinned
+
+
+def check_images(config: ModelConfig, tokens, lengths, images):
+    """The prompt's images checked against the prompt on the host: None, or (pixel_values,
+    position_ids) arrays for the programs (`check_images_host`, then on the device)."""
+    checked = check_images_host(config, tokens, lengths, images)
+    if checked is None:
+        return None
+    return (jnp.asarray(checked[0], jnp.float32), jnp.asarray(checked[1], jnp.int32))
+
+
+def check_images_host(config: ModelConfig, tokens, lengths, images):
+    """`check_images` without the device transfer: None, or numpy (pixel_values, position_ids).
+
+    images: an object with `pixel_values` [N, P, 3 p^2], `position_ids` [N, P, 2] and `soft_tokens`
+    [N] (`dgemma_jax.io.images.preprocess_images`). The prompts must hold exactly sum(soft_tokens) image
+    tokens in runs, one run of soft_tokens[i] tokens per image, in row-major order."""
+    if images is None:
+        tok = np.asarray(tokens)
+        if config.image_token_id is not None and (tok == config.image_token_id).any():
+            raise ValueError("the prompt holds image tokens but no images were given: pass images=... (the "
+                             "preprocessed images whose placeholders these are) or remove the image tokens")
+        return None
+    if config.vision is None:
+        raise ValueError(f"{config.name} is a text-only checkpoint (no vision tower): it cannot take images. "
+                         "Load a checkpoint with vision weights (vision_config in its config.json) or drop the images")
+    try:
+        pixels, positions = np.asarray(images.pixel_values), np.asarray(images.position_ids)
+        soft = [int(n) for n in np.asarray(images.soft_tokens).reshape(-1)]
+    except AttributeError:
+        raise ValueError("images must be preprocessed images (dgemma_jax.io.images.preprocess_images(...)): an "
+                         f"object with pixel_values, position_ids and soft_tokens; got {type(images).__name__}") from None
+    v = config.vision
+    want = v.patch_dim
+    if pixels.ndim != 3 or pixels.shape[-1] != want or positions.shape != pixels.shape[:2] + (2,):
+        raise ValueError(f"images.pixel_values must be [N, patches, {want}] and position_ids [N, patches, 2]; got "
+                         f"{pixels.shape} and {positions.shape}: preprocess them with this checkpoint's patch size "
+                         f"({v.patch_size})")
+    if len(soft) != pixels.shape[0]:
+        raise ValueError(f"images.soft_tokens lists {len(soft)} images but pixel_values holds {pixels.shape[0]}")
+    tok, n = np.asarray(tokens), np.asarray(lengths)
+    runs = [b - a for row, length in zip(tok, n) for a, b in image_runs(row[:length], config.image_token_id)]
+    if runs != soft:
+        raise ValueError(f"the prompts hold {len(runs)} run(s) of image tokens of lengths {runs}, but the "
+                         f"{len(soft)} image(s) give {soft} soft tokens: expand each image's placeholder with its "
+                         "own soft-token count (dgemma_jax.io.images) and pass the images in prompt order")
+    return (pixels, positions)
 
 
 MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
@@ -251,7 +299,8 @@ class Engine:
         """(prefill_slot, slot_round) jitted for this engine: the continuous-batching programs of
         `dgemma_jax.sampling.slots` (the server's), cache donated unless `donate=False`.
 
-        prefill_slot(params, cache=, slot=, tokens= [1, W], length= [1], fresh=) -> cache (one prompt chunk)
+        prefill_slot(params, cache=, slot=, tokens= [1, W], length= [1], fresh=, images=None) -> cache (one
+        prompt chunk; images: (pixel_values, position_ids) of the images wholly inside it)
         slot_round(params, cache=, keys=, canvas_index=, active=, last=, knobs=) -> RoundOutput (keywords)
         """
         rt = self.runtime
@@ -295,22 +344,26 @@ class Engine:
     # ------------------------------------------------------------------ running
     def generate(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
                  seed_canvas=None, pinned=None, cache_length: int | None = None,
-                 cache: KVCache | None = None) -> gen.GenerateOutput:
+                 cache: KVCache | None = None, images=None) -> gen.GenerateOutput:
         """Generate with the fused program: prompt_tokens [B, P] (right-padded), lengths [B].
 
         rng: an int seed, one key (split per row) or [B] keys (one stream per row: a row's output
         then does not depend on its batch). cache: continue an earlier cache (multi-turn chat: the
         prompt is then only the new tokens; `out.cache` of a previous call holds everything
-        committed so far, i.e. all but the last canvas). Returns `GenerateOutput`.
+        committed so far, i.e. all but the last canvas, earlier images included). images: the
+        prompt's images (`dgemma_jax.io.images.preprocess_images`: pixel values, positions, soft-token
+        counts), one run of `config.image_token_id` tokens per image in the prompts, in row-major
+        order (`check_images`). Returns `GenerateOutput`.
         """
         max_new_tokens = self.sampler.canvas_length if max_new_tokens is None else max_new_tokens
-        tokens, lengths, keys, cache, seed_canvas, pinned = self._prepare(
-            prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache)
+        tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
+            prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache, images)
         fn = self.fused_program(max_new_tokens)
         return fn(self.params, prompt_tokens=tokens, prompt_lengths=lengths, cache=cache, keys=keys,
-                  seed_canvas=seed_canvas, pinned=pinned)
+                  seed_canvas=seed_canvas, pinned=pinned, images=images)
 
-    def _prepare(self, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache=None):
+    def _prepare(self, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache=None,
+                 images=None):
         """Validate on the host, make per-row keys and the cache, place inputs on the mesh."""
         committed = None if cache is None else np.asarray(cache.lengths)
         if cache is not None:
@@ -318,31 +371,36 @@ class Engine:
         tokens, lengths, s, seed_canvas, pinned = prepare_inputs(
             self.config, self.sampler, prompt_tokens, lengths, max_new_tokens, cache_length, seed_canvas, pinned,
             committed, bucket=self.bucket)
+        images = check_images(self.config, tokens, lengths, images)
         keys = row_keys(rng, tokens.shape[0])
         if cache is None:
             cache = self.new_cache(tokens.shape[0], s)
         elif cache.batch_size != tokens.shape[0]:
             raise ValueError(f"cache batch {cache.batch_size} != prompt batch {tokens.shape[0]}")
         tokens, lengths, keys, seed_canvas, pinned = self._place(tokens, lengths, keys, seed_canvas, pinned)
-        return tokens, lengths, keys, cache, seed_canvas, pinned
+        if images is not None:
+            images = self._place(*images)
+        return tokens, lengths, keys, cache, seed_canvas, pinned, images
 
-    def _iter(self, which, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length):
+    def _iter(self, which, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, images):
         max_new_tokens = self.sampler.canvas_length if max_new_tokens is None else max_new_tokens
-        tokens, lengths, keys, cache, seed_canvas, pinned = self._prepare(
-            prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length)
-        return which(self.programs, self.params, tokens, lengths, cache, keys, max_new_tokens, seed_canvas, pinned)
+        tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
+            prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, None, images)
+        return which(self.programs, self.params, tokens, lengths, cache, keys, max_new_tokens, seed_canvas, pinned,
+                     images)
 
     def stream(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
-               seed_canvas=None, pinned=None, cache_length: int | None = None) -> Iterator[gen.CanvasEvent]:
+               seed_canvas=None, pinned=None, cache_length: int | None = None,
+               images=None) -> Iterator[gen.CanvasEvent]:
         """Per-canvas driver: yields each finished canvas (same tokens as `generate`)."""
         return self._iter(gen.iter_canvases, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned,
-                          cache_length)
+                          cache_length, images)
 
     def steps(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
-              seed_canvas=None, pinned=None, cache_length: int | None = None):
+              seed_canvas=None, pinned=None, cache_length: int | None = None, images=None):
         """Per-step driver: yields a `StepEvent` per denoising step and a `CanvasEvent` per canvas."""
         return self._iter(gen.iter_steps, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned,
-                          cache_length)
+                          cache_length, images)
 
 
 # jits shared by engines: (program key, config, sampler, runtime, donated) -> jitted function

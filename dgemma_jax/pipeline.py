@@ -6,6 +6,9 @@
     dg.generate("s93421=")                     # -> text
     dg.generate(["a12+34=", "s321="])          # -> list of texts (one batch)
     dg.chat([{"role": "user", "content": "Hi!"}])
+    dg.generate("<|image|>What is in the picture?", images=["photo.jpg"])   # a checkpoint with a vision tower
+    dg.chat([{"role": "user", "content": [{"type": "image", "path": "photo.jpg"},
+                                          {"type": "text", "text": "Describe it."}]}])
 """
 
 from __future__ import annotations
@@ -17,23 +20,28 @@ import numpy as np
 from dgemma_jax.chat_session import split_reply
 from dgemma_jax.engine import Engine, default_new_tokens, warn_if_cut_short
 from dgemma_jax.errors import UsageError
-from dgemma_jax.io.bundled import load_bundled
-from dgemma_jax.io.chat import history_without_thinking, render_chat
+from dgemma_jax.io.bundled import bundled_choice, load_bundled
+from dgemma_jax.io.chat import chat_images, history_without_thinking, render_chat
+from dgemma_jax.io.images import prompt_with_images
 from dgemma_jax.io.locations import resolve
 from dgemma_jax.io.model_dir import load_model, load_model_tokenizer
 
-BUNDLED = "bundled"
 
 
 def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: str | None = None):
-    """-> (config, params, sampler | None, tokenizer); None or "bundled": the bundled small model.
+    """-> (config, params, sampler | None, tokenizer); None or "bundled": the bundled small model,
+    "bundled:NAME" another bundled model (`dgemma_jax.io.bundled`, e.g. the image model VISION_NAME).
 
     checkpoint: a local directory, an fsspec URL (gs://...) or a Hugging Face Hub repo id, optionally
     REPO@REVISION (`dgemma_jax.io.locations`); revision: the Hub revision (branch, tag or commit)."""
-    if checkpoint in (None, "", BUNDLED):
+    is_bundled, name = bundled_choice(checkpoint)
+    if is_bundled:
         if revision is not None:
             raise UsageError("--revision applies to a Hugging Face Hub checkpoint; pass --checkpoint REPO_ID too")
-        return load_bundled()
+        try:
+            return load_bundled(name)
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from None
     checkpoint = resolve(checkpoint, revision)
     cfg, params, sampler = load_model(checkpoint, dtype=dtype)
     return cfg, params, sampler, load_model_tokenizer(checkpoint)
@@ -61,6 +69,10 @@ class DiffusionGemma:
     def sampler(self):
         return self.engine.sampler
 
+    def encode_with_images(self, text: str, images, max_soft_tokens: int | None = None, add_bos: bool = True):
+        """One prompt with images -> (tokens [1, T], lengths [1], ImageBatch) (`prompt_with_images`)."""
+        return prompt_with_images(self.config, self.tokenizer, text, images, max_soft_tokens, add_bos)
+
     def encode_batch(self, texts: Sequence[str]):
         if not texts:
             raise ValueError("no prompts: pass a string or a non-empty list of strings")
@@ -72,14 +84,23 @@ class DiffusionGemma:
         return tokens, np.array([len(x) for x in ids], np.int32)
 
     def generate(self, text: str | Sequence[str], max_new_tokens: int | None = None, seed: int = 0,
-                 **kw) -> Any:
+                 images=None, max_soft_tokens: int | None = None, **kw) -> Any:
         """One prompt -> text, or a list of prompts -> list of texts (one batch, per-row rng).
 
         max_new_tokens: default DEFAULT_NEW_TOKENS (256), capped to the whole canvases that fit after
         the longest prompt, as on the command line; a capped output that ends without an end of
-        sequence is a DgemmaWarning."""
+        sequence is a DgemmaWarning. images: for one prompt, an image or a list (paths, bytes, PIL
+        images or uint8 arrays; `dgemma_jax.io.images`), placed at the `<|image|>` markers of `text`
+        (or, without markers, before it); max_soft_tokens: the per-image token budget."""
         single = isinstance(text, str)
-        tokens, lengths = self.encode_batch([text] if single else list(text))
+        if images is not None:
+            if not single:
+                raise ValueError("images go with one prompt: pass text as a string (batch prompts with images "
+                                 "through Engine.generate)")
+            tokens, lengths, batch = self.encode_with_images(text, images, max_soft_tokens)
+            kw["images"] = batch
+        else:
+            tokens, lengths = self.encode_batch([text] if single else list(text))
         context = int(lengths.max())
         given = max_new_tokens is not None
         if not given:
@@ -91,15 +112,23 @@ class DiffusionGemma:
         return texts[0] if single else texts
 
     def chat(self, messages: Sequence[dict], max_new_tokens: int | None = None, enable_thinking: bool = False,
-             seed: int = 0) -> str:
-        """The assistant's answer (thinking stripped) to a Gemma 4 chat history."""
-        text = render_chat(history_without_thinking(list(messages)), add_generation_prompt=True,
-                           enable_thinking=enable_thinking)
-        ids = list(self.tokenizer.encode(text))
+             seed: int = 0, max_soft_tokens: int | None = None) -> str:
+        """The assistant's answer (thinking stripped) to a Gemma 4 chat history; content parts
+        `{"type": "image", "image" | "path": ...}` are images (a checkpoint with a vision tower)."""
+        messages = history_without_thinking(list(messages))
+        text = render_chat(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+        images = chat_images(messages)
+        batch = None
+        if images:
+            tokens, _, batch = self.encode_with_images(text, images, max_soft_tokens, add_bos=False)
+            ids = tokens[0].tolist()
+        else:
+            ids = list(self.tokenizer.encode(text))
         given = max_new_tokens is not None
         if not given:
             max_new_tokens = default_new_tokens(self.config, self.sampler, len(ids))
-        out = self.engine.generate(np.array([ids], np.int32), None, rng=seed, max_new_tokens=max_new_tokens)
+        out = self.engine.generate(np.array([ids], np.int32), None, rng=seed, max_new_tokens=max_new_tokens,
+                                   images=batch)
         if not given:
             warn_if_cut_short(self.config, max_new_tokens, out.finished, len(ids))
         gen = [int(t) for t in np.asarray(out.tokens)[0] if int(t) != self.sampler.pad_id]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -52,28 +51,17 @@ def main(argv=None):
     import numpy as np
 
     from dgemma_jax.training import bundled
-    from dgemma_jax.training.checkpoint import load_params
     from dgemma_jax.training.evaluate import evaluate_exact_match, sweep_steps
     from dgemma_jax.training.tasks import DIGIT_KINDS, kind_problems
     from dgemma_jax.training.plots import plot_loss_curve, plot_step_sweep, plot_tokens_per_forward
-    from dgemma_jax.training.train import Run, _d, load_config, train
+    from dgemma_jax.training.train import _d, load_config
 
     overrides = {"train.workdir": args.workdir}
     if args.steps:
         overrides["train.num_steps"] = args.steps
     cfg = load_config(args.config, overrides)
-    if args.fresh and os.path.isdir(args.workdir):
-        shutil.rmtree(args.workdir)
     t0 = time.time()
-    if args.skip_train:
-        run = Run(cfg)
-        params = load_params(os.path.join(args.workdir, "export"))
-        with open(os.path.join(args.workdir, "summary.json")) as f:
-            summary = json.load(f)
-    else:
-        summary = train(cfg)
-        run = summary.pop("run")
-        params = jax.device_get(run.inference_params())
+    run, params, summary = bundled.train_or_reload(cfg, args.workdir, args.skip_train, args.fresh)
     wall_train = time.time() - t0
     mcfg, sampler, tok = run.model_config, run.sampler, run.tokenizer
     lay = run.layout

@@ -199,3 +199,47 @@ def test_compile_works_without_jax_platforms_set(tmp_path):
                         "--out", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads((tmp_path / "r.json").read_text())["programs"]["denoise_step"]["fits"]
+
+
+def test_int8_weights_halve_what_the_step_must_read_and_collectives_are_priced(tmp_path):
+    reports = {}
+    for quant in (None, "int8"):
+        out = tmp_path / f"{quant}.json"
+        extra = ["--quantize", quant] if quant else []
+        r = _run("--preset", "bench", "--topology", "v6e-8", "--dtype", "bfloat16", "--context", "1024",
+                 "--prompt", "256", "--programs", "denoise_step", "--out", str(out), *extra)
+        assert r.returncode == 0, r.stderr[-2000:]
+        reports[quant] = json.loads(out.read_text())
+    bf16, int8 = (reports[k]["programs"]["denoise_step"] for k in (None, "int8"))
+    assert reports["int8"]["quantize"] == "int8" and "weights int8" in r.stdout
+    # int8 kernels: one byte a weight plus per-channel scales; the router, norms and the tied
+    # embedding stay bf16, so the required parameter bytes fall to between 1/2 and 3/4 of bf16's
+    ratio = int8["required_param_bytes"] / bf16["required_param_bytes"]
+    assert 0.5 < ratio < 0.75, ratio
+    assert int8["hbm_bytes"] < bf16["hbm_bytes"]
+    # the expert-parallel step sums partial outputs over the 8 chips every layer
+    for step in (bf16, int8):
+        reduces = step["collectives_by_kind"]["all-reduce"]
+        assert reduces["count"] >= 4  # bench: 4 layers, at least one all-reduce each
+        assert step["ici_seconds"] > 0
+        assert step["projected_seconds_with_ici"] == pytest.approx(step["projected_seconds"] + step["ici_seconds"])
+    p = reports["int8"]["projection"]
+    assert p["denoise_step_ms_with_ici"] > p["denoise_step_ms"]
+
+
+def test_an_image_prompt_compiles_with_the_vision_tower_for_v5e_8():
+    from dgemma_jax.config import ModelConfig, VisionConfig
+    from dgemma_jax.perf.aot import compile_report
+
+    base = ModelConfig.preset("tiny-6layer").replace(dtype="bfloat16", param_dtype="bfloat16")
+    tower = VisionConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=4, head_dim=8,
+                         position_embedding_size=64)
+    cfg = base.replace(vision=tower, image_token_id=base.vocab_size - 1, boi_token_id=base.vocab_size - 2,
+                       eoi_token_id=base.vocab_size - 3)
+    rep = compile_report(cfg, "v5e-8", context=1024, prompt=320, programs=("prefill", "prefill_images"), images=1)
+    text, image = rep["programs"]["prefill"], rep["programs"]["prefill_images"]
+    assert rep["images"] == 1 and rep["vision_param_bytes"] > 0 and rep["fits"]
+    # the tower's work (2520 patches through its layer, then pooling and the projection) is on top of the text pass
+    assert image["flops"] > text["flops"] and image["total_bytes"] > text["total_bytes"]
+    with pytest.raises(ValueError, match="cannot hold 2 image"):
+        compile_report(cfg, "v5e-8", context=1024, prompt=320, programs=("prefill_images",), images=2)

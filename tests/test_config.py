@@ -59,8 +59,10 @@ def _to_per_layer_form(config: dict) -> dict:
 
 
 def _neutral(cfg: ModelConfig) -> ModelConfig:
-    """Drop the fields that are not part of a checkpoint's shape/numerics description."""
-    return cfg.replace(name="x", dtype="float32", param_dtype="float32")
+    """Drop the fields that are not part of a checkpoint's shape/numerics description, and the image path
+    (the vision tower and image token ids: tests/test_vision.py)."""
+    return cfg.replace(name="x", dtype="float32", param_dtype="float32", vision=None, image_token_id=None,
+                       boi_token_id=None, eoi_token_id=None)
 
 
 # ---------------------------------------------------------------------------------------------- the release
@@ -319,6 +321,8 @@ def test_from_hf_reads_transformers_config(name, hf_config_source):
         f"config/{name}", compute, json.dumps(text_kwargs, sort_keys=True), ours.canvas_length)))
     assert "per_layer_config" in hf_cfg["text_config"]
     assert _neutral(ModelConfig.from_hf(hf_cfg)) == _neutral(ours)
+    vision = ModelConfig.from_hf(hf_cfg).vision  # the harness's tiny tower (1 layer, width 16)
+    assert (vision.num_layers, vision.hidden_size, vision.head_dim) == (1, 16, 8)
 
 
 def test_sampler_for_model_is_the_one_default_everywhere():

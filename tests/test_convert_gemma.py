@@ -127,12 +127,50 @@ def _shard(tree):
     return jax.tree.map(put, tree)
 
 
-def test_release_layout_converts_with_vision_kept_aside(tmp_path):
+def check_vision_against_fixture(params, g):
+    """Our converted vision tower against the fixture's gemma vision encoder, through each side's einsums."""
+    from tests.helpers.gemma_release import VISION
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, VISION["d"]))
+    vt = params["vision_tower"]
+    b = "vision_encoder/transformer/stacked_layers/block/"
+    _close(_f64(vt["input_proj"]), _f64(g["vision_encoder/entry/input_projection/w"]))
+    for i in range(2):  # gemma factorized_posemb: table i = pos_emb[:, i] (x, then y)
+        _close(_f64(vt["position_table"][i]), _f64(g["vision_encoder/entry/pos_emb"][:, i]))
+    _close(_f64(vt["std_scale"]), _f64(g["vision_encoder/standardize/scale"]))
+    _close(_f64(vt["std_bias"]), _f64(g["vision_encoder/standardize/bias"]))
+    _close(_f64(params["embed_vision"]["projection"]), _f64(g["embedder/mm_input_projection/w"]))
+    for i in range(VISION["layers"]):
+        lay, G = vt[f"layers_{i}"], (lambda name: _f64(g[b + name][i]))  # noqa: E731
+        for ours, theirs in (("pre_attn_norm", "pre_attention_norm"), ("post_attn_norm", "post_attention_norm"),
+                             ("pre_ffw_norm", "pre_ffw_norm"), ("post_ffw_norm", "post_ffw_norm")):
+            _close(_f64(lay[ours]["scale"]), G(theirs + "/scale"))
+        att = lay["attention"]
+        _close(_f64(att["q_norm"]["scale"]), G("attn/query_norm/scale"))
+        _close(_f64(att["k_norm"]["scale"]), G("attn/key_norm/scale"))
+        _close(np.einsum("td,dnh->tnh", x, _f64(att["q"])), np.einsum("TD,NDH->TNH", x, G("attn/q_einsum/w")))
+        k, v = np.einsum("SD,CKDH->CSKH", x, G("attn/kv_einsum/w"))
+        _close(np.einsum("td,dkh->tkh", x, _f64(att["k"])), k)
+        _close(np.einsum("td,dkh->tkh", x, _f64(att["v"])), v)
+        a = rng.standard_normal((3, VISION["heads"], VISION["hd"]))
+        _close(np.einsum("tnh,nhd->td", a, _f64(att["o"])), np.einsum("TNH,NHD->TD", a, G("attn/attn_vec_einsum/w")))
+        gate = np.einsum("td,cfd->tcf", x, G("mlp/gating_einsum/w"))  # gemma vision FeedForward
+        want = np.einsum("tf,fd->td", _gelu(gate[:, 0]) * gate[:, 1], G("mlp/linear/w"))
+        m = lay["mlp"]
+        h = _gelu(x @ _f64(m["gate"])) * (x @ _f64(m["up"]))
+        _close(h @ _f64(m["down"]), want)
+
+
+def test_release_layout_converts_with_vision(tmp_path):
     """The release's NESTED tree (`mlp2/.../w`, self-conditioner `ffw/.../w`, a vision encoder and
     `embedder/mm_input_projection/w`), saved sharded from 8 devices, converts in a one-device process:
-    every text parameter matches the fixture, the multimodal tensors are kept unchanged beside it."""
+    every text parameter matches the fixture, and so does the vision tower, its config read from the shapes."""
     import jax
-    import orbax.checkpoint as ocp
+
+    from dgemma_jax.config import VisionConfig
+    from dgemma_jax.io.convert import RELEASE_IMAGE_IDS
+    from tests.helpers.gemma_release import VISION
 
     assert len(jax.devices()) == 8
     values, tree = _fixture()
@@ -144,24 +182,46 @@ def test_release_layout_converts_with_vision_kept_aside(tmp_path):
     r = dgemma("convert", str(src), str(dst), "--quiet", "--preset", PRESET, env=env)  # format auto-detected
     assert r.returncode == 0, r.stderr[-3000:]
     assert "converted" in r.stdout and "from gemma" in r.stdout
-    assert "dgemma: warning:" in r.stderr and "no vision path yet" in r.stderr and "gemma_multimodal" in r.stderr
+    assert "gemma_multimodal" not in r.stderr and not (dst / "gemma_multimodal").exists()
 
     from dgemma_jax.io.model_dir import load_model
 
     cfg, params, _ = load_model(dst)
-    assert cfg == ModelConfig.preset(PRESET)
-    check_against_fixture(jax.tree.map(np.asarray, params), values)
+    vision = VisionConfig(hidden_size=VISION["d"], intermediate_size=VISION["ffw"], num_layers=VISION["layers"],
+                          num_heads=VISION["heads"], num_kv_heads=VISION["heads"], head_dim=VISION["hd"],
+                          patch_size=VISION["patch"], pooling_kernel_size=3, position_embedding_size=VISION["pos"],
+                          standardize=True)
+    assert cfg == ModelConfig.preset(PRESET, vision=vision, **RELEASE_IMAGE_IDS)
+    params = jax.tree.map(np.asarray, params)
+    check_against_fixture(params, values)
+    check_vision_against_fixture(params, values)
 
-    with ocp.PyTreeCheckpointer() as c:
-        kept = c.restore(str(dst / "gemma_multimodal"))
-    from dgemma_jax.io.convert import _flatten
 
-    kept = _flatten(kept)
-    want = {name for name, _, _ in vision_layout()}
-    assert set(kept) == want
-    for name in want:
-        assert np.asarray(kept[name]).dtype == values[name].dtype, name
-        np.testing.assert_array_equal(np.asarray(kept[name]), values[name])
+def test_vision_round_trip_with_clipped_linears():
+    """params_to_gemma and back with clip bounds (one gemma set for k and v together, one for gate and up)."""
+    import jax
+
+    from dgemma_jax.config import VisionConfig
+    from dgemma_jax.io.convert import gemma_names, params_to_gemma, split_gemma, vision_config_from_gemma
+    from tests.reference.random_params import random_params
+
+    vision = VisionConfig(hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=8,
+                          patch_size=2, position_embedding_size=12, standardize=False, use_clipped_linears=True)
+    cfg = ModelConfig.preset(PRESET, vision=vision)
+    params = jax.tree.map(np.asarray, random_params(cfg, 4))
+    for i in range(vision.num_layers):  # gemma holds one clip set per einsum: make the shared ones agree
+        lay = params["vision_tower"][f"layers_{i}"]
+        lay["attention"]["v_clip"] = lay["attention"]["k_clip"]
+        lay["mlp"]["up_clip"] = lay["mlp"]["gate_clip"]
+    for i in range(cfg.num_layers):  # and one skip_scale for both layer scalars
+        params[f"blocks_{i}"]["encoder_scalar"] = params[f"blocks_{i}"]["decoder_scalar"]
+    tree = params_to_gemma(params, cfg)
+    assert vision_config_from_gemma(gemma_names(tree)) == vision
+    back, mm, skipped = split_gemma(tree, cfg)
+    assert mm == {} and skipped == []
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+    text, mm, _ = split_gemma(tree, ModelConfig.preset(PRESET))  # a text-only target keeps the tower aside
+    assert "vision_tower" not in text and "embedder/mm_input_projection/w" in mm
 
 
 def test_bare_names_and_transformer_prefix(tmp_path):

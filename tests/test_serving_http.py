@@ -227,3 +227,20 @@ def test_sigterm_drains_open_requests_then_exits_cleanly():
             httpx.get(srv.url + "/health", timeout=2)
     finally:
         srv.stop()
+
+
+def test_an_int8_server_sorts_digits_and_reports_less_memory(server):
+    """`dgemma serve --quantize int8`: the bundled model's kernels quantized on load still sort digits
+    (its held-out accuracy with int8 weights: benchmarks/results/int8_quality.json)."""
+    srv = ServerProcess("--slots", "2", "--quantize", "int8")
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for i, p in enumerate(PROMPTS[:4]):
+            r = c.completions.create(model=MODEL, prompt=p, seed=i, max_tokens=32)
+            assert r.choices[0].text == _sorted(p), (p, r.choices[0].text)
+        float_args = server.health()["memory"]["slot_round"]["argument_size_in_bytes"]
+        int8_args = srv.health()["memory"]["slot_round"]["argument_size_in_bytes"]
+        assert int8_args < float_args  # fewer slots and one byte per kernel weight
+    finally:
+        srv.stop()
+    assert "Traceback" not in srv.log()

@@ -47,7 +47,7 @@ from typing import Any, Mapping, Sequence
 __all__ = [
     "TURN_START", "TURN_END", "THINK", "CHANNEL_START", "CHANNEL_END", "EMPTY_THOUGHT",
     "render_chat", "render_chat_template", "load_chat_template", "strip_thinking",
-    "history_without_thinking",
+    "history_without_thinking", "chat_images",
 ]
 
 BOS = "<bos>"
@@ -198,6 +198,35 @@ def strip_thinking(text: str) -> tuple[str, str]:
         if t:
             cleaned.append(t)
     return "\n".join(cleaned), "".join(answer).replace(CHANNEL_END, "").strip()
+
+
+IMAGE_SOURCE_KEYS = ("image", "path", "url")
+
+
+def chat_images(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """The images of `messages`, in the order `render_chat` writes their `<|image|>` placeholders.
+
+    An image part is `{"type": "image", "image": <PIL.Image, array or bytes>}` or with a `"path"` (or
+    `"url"`, which `dgemma_jax.io.images` refuses: download it first). Parts of a leading system message
+    are rendered as text only (no placeholder), so its images are not listed. Pass the result to
+    `dgemma_jax.io.images.encode_with_images` with the rendered text.
+    """
+    messages = _check_messages(messages)
+    rest = messages[1:] if messages[0]["role"] in _SYSTEM_ROLES else messages
+    offset = len(messages) - len(rest)
+    out = []
+    for i, m in enumerate(rest, start=offset):
+        content = m.get("content")
+        if not isinstance(content, (list, tuple)):
+            continue
+        for j, item in enumerate(content):
+            if isinstance(item, Mapping) and item.get("type") == "image":
+                source = next((item[k] for k in IMAGE_SOURCE_KEYS if item.get(k) is not None), None)
+                if source is None:
+                    raise ValueError(f"messages[{i}]['content'][{j}] is an image part without its image: add "
+                                     f"one of the keys {list(IMAGE_SOURCE_KEYS)} (a PIL image, array, bytes or path)")
+                out.append(source)
+    return out
 
 
 def history_without_thinking(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -23,13 +23,27 @@ Both spellings are accepted here. Other layouts the gemma loader knows are read 
 attention_type_{j}/…` with a leading axis, layer = period·i + j: gemma `gm/ckpts/_compat.py`), and a
 Kauldron training checkpoint (`params` next to `opt_state`, or the tree under `default/`).
 
-The release also carries a vision encoder (`vision_encoder/…`, `embedder/mm_input_projection/w`; kept in
-float32): dgemma_jax has no vision path yet, so those tensors are copied, unconverted and under their gemma
-names, into `<dst>/gemma_multimodal/` (an orbax checkpoint) and the conversion says so in a warning.
+The release also carries a vision encoder (gemma `gm/nn/gemma4/vision/`: `_encoder.py`, `_layers.py`,
+`_transformer.py`, `_modules.py`; kept in float32), converted into our `vision_tower` / `embed_vision`
+(`dgemma_jax.model.vision`) with its `VisionConfig` read from the tensor shapes (`vision_config_from_gemma`):
+
+    vision_encoder/entry/input_projection/w [3 p^2, Dv]   vision_encoder/entry/pos_emb [P, 2, Dv] (x, y tables)
+    vision_encoder/transformer/stacked_layers/block/...   one nn.scan over the layers: a leading [L] axis on
+        pre_attention_norm, post_attention_norm, pre_ffw_norm, post_ffw_norm /scale, attn/q_einsum/w [N, Dv, H],
+        attn/kv_einsum/w [2, K, Dv, H], attn/attn_vec_einsum/w [N, H, Dv], attn/query_norm, key_norm /scale,
+        mlp/gating_einsum/w [2, F, Dv], mlp/linear/w [F, Dv]; with clipped linears each einsum also holds
+        clip_input_min/max, clip_output_min/max scalars (one set for k and v together, one for gate and up)
+    vision_encoder/standardize/{scale, bias} [Dv]         embedder/mm_input_projection/w [Dv, D] (its norm has
+                                                          no scale)
+
+The vision norms multiply by their scale directly, as ours do. Audio tensors (`audio_encoder/…`,
+`embedder/audio_…`) and anything else multimodal stay unconverted: they are copied, under their gemma names,
+into `<dst>/gemma_multimodal/` (an orbax checkpoint) and the conversion says so in a warning.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -41,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
-from dgemma_jax.config import ModelConfig
+from dgemma_jax.config import ModelConfig, VisionConfig
 from dgemma_jax.errors import DgemmaWarning
 from dgemma_jax.io.hf import load_hf
 from dgemma_jax.io.locations import resolve
@@ -165,6 +179,61 @@ def gemma_names(tree: dict) -> dict[str, Any]:
     return out
 
 
+# the released tokenizer's image ids (boi + image x n + eoi), set on a converted model with a vision encoder
+RELEASE_IMAGE_IDS = dict(image_token_id=258_880, boi_token_id=255_999, eoi_token_id=258_882)
+_VISION_BLOCK = "vision_encoder/transformer/stacked_layers/block/"
+# (gemma name under _VISION_BLOCK, our path(s) in `layers_{i}`, how to split one layer's [..] tensor)
+VISION_LAYER_TABLE: list[tuple[str, tuple[tuple, ...], Callable]] = [
+    ("pre_attention_norm/scale", (("pre_attn_norm", "scale"),), lambda x: (x,)),
+    ("post_attention_norm/scale", (("post_attn_norm", "scale"),), lambda x: (x,)),
+    ("pre_ffw_norm/scale", (("pre_ffw_norm", "scale"),), lambda x: (x,)),
+    ("post_ffw_norm/scale", (("post_ffw_norm", "scale"),), lambda x: (x,)),
+    ("attn/query_norm/scale", (("attention", "q_norm", "scale"),), lambda x: (x,)),
+    ("attn/key_norm/scale", (("attention", "k_norm", "scale"),), lambda x: (x,)),
+    ("attn/q_einsum/w", (("attention", "q"),), lambda x: (np.transpose(x, (1, 0, 2)),)),       # [N,Dv,H]->[Dv,N,H]
+    ("attn/kv_einsum/w", (("attention", "k"), ("attention", "v")),
+     lambda x: (np.transpose(x[0], (1, 0, 2)), np.transpose(x[1], (1, 0, 2)))),                # [2,K,Dv,H]
+    ("attn/attn_vec_einsum/w", (("attention", "o"),), lambda x: (x,)),                         # [N,H,Dv]
+    ("mlp/gating_einsum/w", (("mlp", "gate"), ("mlp", "up")), lambda x: (x[0].T, x[1].T)),   # [2,F,Dv]->[Dv,F]
+    ("mlp/linear/w", (("mlp", "down"),), lambda x: (x,)),                                      # [F,Dv]
+]
+_CLIP_NAMES = ("clip_input_min", "clip_input_max", "clip_output_min", "clip_output_max")
+
+
+def _find(flat: dict, name: str):
+    for a in ((name, name.removesuffix("/w")) if name.endswith("/w") else (name, name + "/w")):
+        if a in flat:
+            return a
+    return None
+
+
+def vision_config_from_gemma(flat: dict[str, Any]) -> VisionConfig | None:
+    """The `VisionConfig` of a gemma tree's vision encoder ({gemma name: array}, see `gemma_names`), read from
+    its tensor shapes; None when it has none. Not in the tensors: the pooling kernel (3) and RoPE theta (100),
+    gemma's fixed values."""
+    if _find(flat, "vision_encoder/entry/input_projection/w") is None:
+        return None
+
+    def shape(name):
+        key = _find(flat, name)
+        if key is None:
+            raise ValueError(f"gemma checkpoint has a vision encoder but no tensor {name!r}")
+        return tuple(np.shape(flat[key]))
+
+    patch_dim, d = shape("vision_encoder/entry/input_projection/w")
+    n_pos = shape("vision_encoder/entry/pos_emb")[0]
+    n_layers, heads, _, hd = shape(_VISION_BLOCK + "attn/q_einsum/w")
+    kv = shape(_VISION_BLOCK + "attn/kv_einsum/w")[2]
+    ffw = shape(_VISION_BLOCK + "mlp/linear/w")[1]
+    patch = int(round(math.sqrt(patch_dim / 3)))
+    if 3 * patch * patch != patch_dim:
+        raise ValueError(f"gemma vision input_projection has {patch_dim} inputs, not 3 x patch^2")
+    return VisionConfig(hidden_size=d, intermediate_size=ffw, num_layers=n_layers, num_heads=heads, num_kv_heads=kv,
+                        head_dim=hd, patch_size=patch, pooling_kernel_size=3, position_embedding_size=n_pos,
+                        rope_theta=100.0, standardize=_find(flat, "vision_encoder/standardize/scale") is not None,
+                        use_clipped_linears=_find(flat, _VISION_BLOCK + "attn/q_einsum/clip_input_min") is not None)
+
+
 def _is_multimodal(name: str) -> bool:
     return name.startswith(_MM_PREFIXES)
 
@@ -218,6 +287,8 @@ def split_gemma(tree: dict, cfg: ModelConfig) -> tuple[dict, dict, list[str]]:
         _set(params, (blk, "decoder_scalar"), skip.reshape(1).copy())
     for theirs, ours, fn in SC_TABLE:
         put(ours, theirs, fn)
+    if cfg.vision is not None:
+        _split_vision(cfg, take, put, params)
     rest = sorted(set(flat) - used)
     mm = {k: flat[k] for k in rest if _is_multimodal(k)}
     rest = [k for k in rest if k not in mm]
@@ -227,6 +298,36 @@ def split_gemma(tree: dict, cfg: ModelConfig) -> tuple[dict, dict, list[str]]:
         raise ValueError(f"gemma checkpoint has tensors dgemma_jax does not know inside the text model: "
                          f"{unknown[:6]}{more}; its layout or model differs from {cfg.name}")
     return params, mm, rest
+
+
+def _split_vision(cfg: ModelConfig, take: Callable, put: Callable, params: dict):
+    """The vision encoder and `embedder/mm_input_projection` into `vision_tower` / `embed_vision` (checked
+    against cfg.vision's shapes by the caller's `_check_shapes`)."""
+    v = cfg.vision
+    put(("vision_tower", "input_proj"), "vision_encoder/entry/input_projection/w")
+    put(("vision_tower", "position_table"), "vision_encoder/entry/pos_emb", _T(1, 0, 2))  # [P, 2, Dv] -> [2, P, Dv]
+    put(("embed_vision", "projection"), "embedder/mm_input_projection/w")
+    if v.standardize:
+        put(("vision_tower", "std_scale"), "vision_encoder/standardize/scale")
+        put(("vision_tower", "std_bias"), "vision_encoder/standardize/bias")
+    for theirs, ours, split in VISION_LAYER_TABLE:
+        key, x = take(_VISION_BLOCK + theirs)
+        if x.shape[0] != v.num_layers:
+            raise ValueError(f"gemma tensor {key!r} has shape {tuple(x.shape)}: expected {v.num_layers} stacked layers")
+        clips = None
+        if v.use_clipped_linears and theirs.endswith("/w"):  # every vision einsum is a ClippedEinsum
+            base = _VISION_BLOCK + theirs.removesuffix("/w") + "/"
+            clips = np.stack([take(base + c)[1] for c in _CLIP_NAMES], axis=-1)  # [L, 4]
+        for i in range(v.num_layers):
+            try:
+                parts = split(x[i])
+            except (ValueError, IndexError) as e:
+                raise ValueError(f"gemma tensor {key!r} has shape {tuple(x.shape)}, which does not fit the vision "
+                                 f"encoder ({e})") from None
+            for path, part in zip(ours, parts):
+                _set(params, ("vision_tower", f"layers_{i}") + path, part)
+                if clips is not None:
+                    _set(params, ("vision_tower", f"layers_{i}") + path[:-1] + (path[-1] + "_clip",), clips[i])
 
 
 def gemma_to_params(tree: dict, cfg: ModelConfig) -> dict:
@@ -265,6 +366,25 @@ def params_to_gemma(params: dict, cfg: ModelConfig) -> dict:
     put("self_conditioner/pre_norm/scale", params["sc_norm"]["scale"])
     put("self_conditioner/ffw/gating_einsum/w", np.transpose(get(params, ("sc_mlp", "gate_up")), (1, 2, 0)))
     put("self_conditioner/ffw/linear/w", params["sc_mlp"]["down"])
+    if cfg.vision is not None:
+        v, vt = cfg.vision, params["vision_tower"]
+        put("vision_encoder/entry/input_projection/w", vt["input_proj"])
+        put("vision_encoder/entry/pos_emb", np.transpose(np.asarray(vt["position_table"]), (1, 0, 2)))
+        put("embedder/mm_input_projection/w", params["embed_vision"]["projection"])
+        if v.standardize:
+            put("vision_encoder/standardize/scale", vt["std_scale"])
+            put("vision_encoder/standardize/bias", vt["std_bias"])
+        layers = [vt[f"layers_{i}"] for i in range(v.num_layers)]
+        join = {"attn/q_einsum/w": lambda q: np.transpose(q[0], (1, 0, 2)),
+                "attn/kv_einsum/w": lambda kv: np.stack([np.transpose(a, (1, 0, 2)) for a in kv]),
+                "mlp/gating_einsum/w": lambda gu: np.stack([a.T for a in gu])}
+        for theirs, ours, _ in VISION_LAYER_TABLE:
+            parts = [[get(lay, p) for p in ours] for lay in layers]
+            put(_VISION_BLOCK + theirs, np.stack([join.get(theirs, lambda a: a[0])(ps) for ps in parts]))
+            if v.use_clipped_linears and theirs.endswith("/w"):  # every vision einsum is a ClippedEinsum
+                clip = np.stack([get(lay, ours[0][:-1] + (ours[0][-1] + "_clip",)) for lay in layers])  # [L, 4]
+                for j, c in enumerate(_CLIP_NAMES):
+                    put(_VISION_BLOCK + theirs.removesuffix("/w") + "/" + c, clip[:, j])
     return inv
 
 
@@ -369,7 +489,11 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
         cfg = ModelConfig.preset(preset or "diffusiongemma-26b-a4b")
         if dtype:
             cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
-        params, multimodal, skipped = split_gemma(restore_gemma(src), cfg)
+        tree = restore_gemma(src)
+        vision = vision_config_from_gemma(gemma_names(tree))
+        if vision is not None:  # the vision encoder converts too (its image ids: the released tokenizer's)
+            cfg = cfg.replace(vision=vision, **RELEASE_IMAGE_IDS)
+        params, multimodal, skipped = split_gemma(tree, cfg)
         params = jax.tree.map(lambda x: jnp.asarray(x, cfg.param_dtype), params)
     else:
         raise ValueError(f"unknown source format {src_format!r}; use 'hf', 'gemma' or 'dgemma'")
@@ -398,10 +522,9 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
         kept = _save_multimodal(dst, multimodal)
         encoders = sorted({k.split("/", 1)[0] if not k.startswith("embedder/") else "embedder/" + k.split("/")[1]
                            for k in multimodal})
-        warnings.warn(f"{src!r} carries multimodal weights ({len(multimodal)} tensors: {', '.join(encoders)}); "
-                      f"dgemma_jax has no vision path yet, so they were not converted: they are kept, unchanged and "
-                      f"under their gemma names, in {kept!r}; the converted model is text-only", DgemmaWarning,
-                      stacklevel=2)
+        warnings.warn(f"{src!r} carries multimodal weights dgemma_jax does not convert ({len(multimodal)} tensors: "
+                      f"{', '.join(encoders)}); they are kept, unchanged and under their gemma names, in {kept!r}",
+                      DgemmaWarning, stacklevel=2)
     if skipped:
         more = f" (and {len(skipped) - 6} more)" if len(skipped) > 6 else ""
         warnings.warn(f"{src!r} holds {len(skipped)} tensor(s) outside the model that were not converted: "

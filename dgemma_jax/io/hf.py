@@ -27,7 +27,11 @@ from dgemma_jax.io.locations import resolve
 
 DECODER = "model.decoder."
 ENCODER_LAYERS = "model.encoder.language_model.layers."
-IGNORED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "lm_head.")
+VISION_TOWER = "model.encoder.vision_tower."
+EMBED_VISION = "model.encoder.embed_vision."
+VISION_PREFIXES = (VISION_TOWER, EMBED_VISION)
+IGNORED_PREFIXES = VISION_PREFIXES + ("lm_head.",)  # what a text-only load leaves unread
+CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")  # ours: <kernel>_clip [4] in this order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +56,7 @@ class Entry:
         if self.perm is not None:
             view = self.hf_view if self.hf_view is not None else self.hf_shape
             x = x.reshape(tuple(view[p] for p in self.perm)).transpose(np.argsort(self.perm))
-        return np.ascontiguousarray(x.reshape(self.hf_shape))
+        return np.array(x.reshape(self.hf_shape), order="C")  # (ascontiguousarray would make a scalar 1-D)
 
 
 def name_table(cfg: ModelConfig) -> list[Entry]:
@@ -97,7 +101,61 @@ def name_table(cfg: ModelConfig) -> list[Entry]:
             Entry((blk, "decoder_scalar"), pre + "layer_scalar", (1,), (1,)),
             Entry((blk, "encoder_scalar"), f"{ENCODER_LAYERS}{i}.layer_scalar", (1,), (1,)),
         ]
+    if cfg.vision is not None:
+        out += vision_name_table(cfg)
     return out
+
+
+def vision_name_table(cfg: ModelConfig) -> list[Entry]:
+    """The vision tower (`vision_tower`) and its projection (`embed_vision`) of a config with `vision`.
+
+    A clip bound (`use_clipped_linears`) is one HF scalar per bound; ours stacks the four of a linear into
+    `<kernel>_clip` [4] (input_min, input_max, output_min, output_max): an entry's path then ends with the
+    bound's index."""
+    v = cfg.vision
+    d, n, k, h, f = v.hidden_size, v.num_heads, v.num_kv_heads, v.head_dim, v.intermediate_size
+    out = [
+        Entry(("vision_tower", "input_proj"), VISION_TOWER + "patch_embedder.input_proj.weight", (v.patch_dim, d),
+              (d, v.patch_dim), None, (1, 0)),
+        Entry(("vision_tower", "position_table"), VISION_TOWER + "patch_embedder.position_embedding_table",
+              (2, v.position_embedding_size, d), (2, v.position_embedding_size, d)),
+        Entry(("embed_vision", "projection"), EMBED_VISION + "embedding_projection.weight",
+              (d, cfg.hidden_size), (cfg.hidden_size, d), None, (1, 0)),
+    ]
+    if v.standardize:
+        out += [Entry(("vision_tower", "std_bias"), VISION_TOWER + "std_bias", (d,), (d,)),
+                Entry(("vision_tower", "std_scale"), VISION_TOWER + "std_scale", (d,), (d,))]
+    norms = {"pre_attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+             "pre_ffw_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+    for i in range(v.num_layers):
+        lay = ("vision_tower", f"layers_{i}")
+        pre = f"{VISION_TOWER}encoder.layers.{i}."
+        linears = [
+            Entry(lay + ("attention", "q"), pre + "self_attn.q_proj", (d, n, h), (n * h, d), (n, h, d), (2, 0, 1)),
+            Entry(lay + ("attention", "k"), pre + "self_attn.k_proj", (d, k, h), (k * h, d), (k, h, d), (2, 0, 1)),
+            Entry(lay + ("attention", "v"), pre + "self_attn.v_proj", (d, k, h), (k * h, d), (k, h, d), (2, 0, 1)),
+            Entry(lay + ("attention", "o"), pre + "self_attn.o_proj", (n, h, d), (d, n * h), (d, n, h), (1, 2, 0)),
+            Entry(lay + ("mlp", "gate"), pre + "mlp.gate_proj", (d, f), (f, d), None, (1, 0)),
+            Entry(lay + ("mlp", "up"), pre + "mlp.up_proj", (d, f), (f, d), None, (1, 0)),
+            Entry(lay + ("mlp", "down"), pre + "mlp.down_proj", (f, d), (d, f), None, (1, 0)),
+        ]
+        for e in linears:
+            out.append(dataclasses.replace(e, hf=e.hf + ".linear.weight"))
+            if v.use_clipped_linears:
+                out += [Entry(e.ours[:-1] + (e.ours[-1] + "_clip", j), f"{e.hf}.{b}", (), ())
+                        for j, b in enumerate(CLIP_BOUNDS)]
+        out += [Entry(lay + ("attention", "q_norm", "scale"), pre + "self_attn.q_norm.weight", (h,), (h,)),
+                Entry(lay + ("attention", "k_norm", "scale"), pre + "self_attn.k_norm.weight", (h,), (h,))]
+        out += [Entry(lay + (ours, "scale"), pre + theirs + ".weight", (d,), (d,)) for ours, theirs in norms.items()]
+    return out
+
+
+def _grouped(path: tuple) -> tuple[int, int] | None:
+    """(how many parts, the axis they stack on) when a table path names one part of a stacked leaf: a gate/up
+    half of a [D, 2, F] MLP kernel, or one of the four clip bounds of a vision linear; else None."""
+    if not isinstance(path[-1], int):
+        return None
+    return (4, 0) if str(path[-2]).endswith("_clip") else (2, 1)
 
 
 def _gated_mlp(path, prefix, d, f) -> list[Entry]:
@@ -163,8 +221,9 @@ def _check(cfg: ModelConfig, st: SafetensorsDir, table: list[Entry]):
     expected = {e.hf: e for e in table}
     present = set(st.keys())
     missing = sorted(set(expected) - present)
+    ignored = IGNORED_PREFIXES if cfg.vision is None else ("lm_head.",)
     unexpected = sorted(k for k in present - set(expected)
-                        if not k.startswith(IGNORED_PREFIXES) and not k.startswith("model.encoder.language_model."))
+                        if not k.startswith(ignored) and not k.startswith("model.encoder.language_model."))
     misshaped = [f"{k}: file {st.shape(k)} vs expected {expected[k].hf_shape}"
                  for k in sorted(present & set(expected)) if st.shape(k) != expected[k].hf_shape]
     problems = []
@@ -179,10 +238,25 @@ def _check(cfg: ModelConfig, st: SafetensorsDir, table: list[Entry]):
         raise ValueError(f"checkpoint {st.path!r} does not match its config ({cfg.name}): " + " | ".join(problems))
 
 
+def vision_tensors_present(path: str | os.PathLike) -> bool | None:
+    """Whether the safetensors of a local HF directory hold any vision tensor (None: no readable weights)."""
+    try:
+        st = SafetensorsDir(os.fspath(path))
+    except (OSError, ValueError):
+        return None
+    return any(k.startswith(VISION_PREFIXES) for k in st.keys())
+
+
 def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
             shardings: Any | None = None, config_overrides: dict | None = None,
-            progress: Callable[[Iterator], Iterator] | None = None, revision: str | None = None):
+            progress: Callable[[Iterator], Iterator] | None = None, revision: str | None = None,
+            vision: bool | None = None):
     """Read a Hugging Face DiffusionGemma directory (config.json + safetensors) -> (ModelConfig, params).
+
+    vision: whether to read the vision tower (`model.encoder.vision_tower.*`, `model.encoder.embed_vision.*`)
+    into the params `vision_tower` / `embed_vision` (config.vision set). None (default): when config.json
+    has a `vision_config` and the files hold vision tensors (a checkpoint without any, such as one `save_hf`
+    wrote for a text-only model, loads text-only); True: required; False: text only, the tower left unread.
 
     path: a local directory, a gs:// (or other fsspec) URL, or a Hub repo id[@revision]
     (`dgemma_jax.io.locations`: remote files are copied into a local cache first); revision: the
@@ -197,6 +271,12 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
     cfg = ModelConfig.from_hf(path)
     st = SafetensorsDir(path)
+    if vision is None:
+        vision = cfg.vision is not None and any(k.startswith(VISION_PREFIXES) for k in st.keys())
+    if vision and cfg.vision is None:
+        raise ValueError(f"checkpoint {st.path!r}: vision=True but its config.json has no vision_config")
+    if not vision:
+        cfg = cfg.replace(vision=None)
     table = name_table(cfg)
     _check(cfg, st, table)
     if dtype is None:
@@ -211,18 +291,20 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
             flat_shardings[tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp)] = s
 
     params: dict = {}
-    pending_pairs: dict = {}
+    pending_parts: dict = {}
     items = table if progress is None else progress(table)
     for entry in items:
         arr = entry.to_ours(st.get(entry.hf)).astype(np_dtype)
         path_ = entry.ours
-        if path_[-1] in (0, 1):  # a gate/up half of a stacked [D, 2, F] MLP weight
+        group = _grouped(path_)
+        if group is not None:  # one part of a stacked leaf (gate/up halves, clip bounds)
+            count, axis = group
             key = path_[:-1]
-            pending_pairs.setdefault(key, {})[path_[-1]] = arr
-            if len(pending_pairs[key]) < 2:
+            pending_parts.setdefault(key, {})[path_[-1]] = arr
+            if len(pending_parts[key]) < count:
                 continue
-            arr = np.stack([pending_pairs[key][0], pending_pairs[key][1]], axis=1)
-            del pending_pairs[key]
+            arr = np.stack([pending_parts[key][j] for j in range(count)], axis=axis)
+            del pending_parts[key]
             path_ = key
         sharding = flat_shardings.get(path_)
         if sharding is not None:
@@ -243,8 +325,9 @@ def save_hf(params, cfg: ModelConfig, path: str | os.PathLike, *, canvas_length:
     tensors = {}
     for entry in name_table(cfg):
         node = params
+        group = _grouped(entry.ours)
         for p in entry.ours:
-            node = node[p] if not isinstance(p, int) else node[:, p]
+            node = node[p] if not isinstance(p, int) else (node[p] if group[1] == 0 else node[:, p])
         arr = np.asarray(node)
         if np_dtype is not None:
             arr = arr.astype(np_dtype)
@@ -262,9 +345,13 @@ def save_hf(params, cfg: ModelConfig, path: str | os.PathLike, *, canvas_length:
         "model_type": "diffusion_gemma",
         "canvas_length": canvas_length or cfg.canvas_length,
         "text_config": text,
-        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32,
-                          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
-                          "head_dim": 8},
+        # a text-only model keeps a tiny stub (transformers would otherwise build its default 768x16 tower);
+        # load_hf reads a checkpoint without vision tensors as text-only
+        "vision_config": cfg.vision.to_hf() if cfg.vision is not None else {
+            "model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8},
+        **{f: getattr(cfg, f) for f in ("image_token_id", "boi_token_id", "eoi_token_id")
+           if getattr(cfg, f) is not None},
         "tie_word_embeddings": True,
         "dtype": "bfloat16" if cfg.param_dtype == "bfloat16" else "float32",
     }

@@ -27,7 +27,7 @@ from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import read_json
 from dgemma_jax.io.char_tokenizer import CharTokenizer
 from dgemma_jax.io.formats import FORMAT, META, detect_format  # noqa: F401 (also this module's API)
-from dgemma_jax.io.hf import load_hf
+from dgemma_jax.io.hf import load_hf, vision_tensors_present
 from dgemma_jax.io.tokenizer import load_tokenizer
 from dgemma_jax.model.api import param_shapes
 from dgemma_jax.model.quant import embedding_quantized, quantization_of, quantized_shapes
@@ -53,7 +53,11 @@ def config_from_dict(d: dict) -> ModelConfig:
 def load_config(path: str | os.PathLike, need_weights: bool = True) -> ModelConfig:
     fmt = detect_format(path, need_weights)
     if fmt == "hf":
-        return ModelConfig.from_hf(path)
+        cfg = ModelConfig.from_hf(path)
+        # like load_hf: a vision_config whose tower the files do not hold (save_hf's text-only stub) is no tower
+        if cfg.vision is not None and vision_tensors_present(path) is False:
+            cfg = cfg.replace(vision=None)
+        return cfg
     return config_from_dict(_read_meta(path)["config"])
 
 

@@ -2,7 +2,8 @@
 
 Two levels, and the only code that calls `Transformer.apply`:
 * traceable passes for the drivers (sampling, the engine, training) to use inside their own jits:
-  `encode_pass`, `denoise_logits`, `denoise_features`, `soft_embed_pass`; `adapters` adds the
+  `encode_pass`, `denoise_logits`, `denoise_features`, `soft_embed_pass`, `image_features_pass` (the vision
+  tower of a config with `vision`); `adapters` adds the
   unmerged LoRA collection; `runtime` (a `dgemma_jax.runtime.Runtime`, default: this process's
   backend on one device) is how the pass runs: mesh, platform, MoE dispatch, attention kernel;
 * checked, jitted entry points for users: `prefill`, `denoise`, `soft_embed`. They check their
@@ -23,6 +24,7 @@ from flax import linen as nn
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.cache import KVCache, check_replicas, init_cache
 from dgemma_jax.model.layers import LORA_COLLECTION
+from dgemma_jax.model.layout import cache_layer_shapes, layer_plan
 from dgemma_jax.model.transformer import Transformer
 from dgemma_jax.runtime import Runtime
 
@@ -40,12 +42,19 @@ def variables(params, adapters=None) -> dict:
 
 # ------------------------------------------------------------------ traceable passes (drivers)
 def encode_pass(params, config: ModelConfig, tokens, starts, num_new, cache: KVCache, logits_mode: str = "none",
-                adapters=None, runtime: Runtime | None = None):
+                adapters=None, runtime: Runtime | None = None, image_features=None, image_tokens=None):
     """Causal pass over tokens [B, T] written at cache slots starts[b] + t for t < num_new[b].
 
-    Returns (logits per `logits_mode` -- "all" [B, T, V], "last" [B, V], "none" None -- , new cache)."""
+    image_features [N, D] and image_tokens [B, T] bool (both or neither): the images of this pass
+    (see `Transformer.encode`; each image lies wholly in this pass). Returns (logits per
+    `logits_mode` -- "all" [B, T, V], "last" [B, V], "none" None -- , new cache)."""
+    if (image_features is None) != (image_tokens is None):
+        raise ValueError("image_features and image_tokens go together: pass both or neither")
+    if image_features is None:  # the text-only call, unchanged
+        return _model(config, runtime).apply(variables(params, adapters), tokens, starts, num_new, cache, logits_mode,
+                                             method="encode")
     return _model(config, runtime).apply(variables(params, adapters), tokens, starts, num_new, cache, logits_mode,
-                                         method="encode")
+                                         image_features, image_tokens, method="encode")
 
 
 def denoise_logits(params, config: ModelConfig, canvas, context_end, cache: KVCache, soft=None, adapters=None,
@@ -65,6 +74,13 @@ def denoise_features(params, config: ModelConfig, canvas, context_end, cache: KV
 def soft_embed_pass(params, config: ModelConfig, logits, adapters=None, runtime: Runtime | None = None):
     """Self-conditioning soft embedding of logits [B, L, V]: [B, L, D]."""
     return _model(config, runtime).apply(variables(params, adapters), logits, method="soft_embed")
+
+
+def image_features_pass(params, config: ModelConfig, pixel_values, position_ids, runtime: Runtime | None = None):
+    """Images through the vision tower and `embed_vision`: pixel_values float [N, P, 3 p^2] in [0, 1],
+    position_ids int [N, P, 2] (x, y; padding patches (-1, -1)) -> (features [N * S, D] with the valid soft
+    tokens of all images first, row-major in image order, activation dtype; n_valid int32 scalar)."""
+    return _model(config, runtime).apply({"params": params}, pixel_values, position_ids, method="image_features")
 
 
 def _boxed_init(config: ModelConfig, rng):
@@ -123,7 +139,6 @@ def _check_cache(config: ModelConfig, cache: KVCache, batch: int):
     if cache.batch_size != batch:
         raise ValueError(f"cache batch size {cache.batch_size} != input batch size {batch}")
     if cache.groups:
-        from dgemma_jax.model.layout import cache_layer_shapes, layer_plan
         plan = layer_plan(config)
         if cache.groups != plan.groups or len(cache.keys) != plan.period + len(plan.remainder):
             raise ValueError(f"the stacked cache has {cache.groups} groups and {len(cache.keys)} entries but this model "
@@ -142,8 +157,10 @@ def _check_cache(config: ModelConfig, cache: KVCache, batch: int):
 
 # ---------------------------------------------------------------------------- passes
 @functools.partial(jax.jit, static_argnames=("config", "logits_mode", "runtime"))
-def _prefill(params, config, tokens, lengths, cache, logits_mode, runtime=None):
-    return encode_pass(params, config, tokens, cache.lengths, lengths, cache, logits_mode, runtime=runtime)
+def _prefill(params, config, tokens, lengths, cache, logits_mode, runtime=None, image_features=None,
+             image_tokens=None):
+    return encode_pass(params, config, tokens, cache.lengths, lengths, cache, logits_mode, runtime=runtime,
+                       image_features=image_features, image_tokens=image_tokens)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "runtime"))
@@ -157,14 +174,19 @@ def _soft_embed(params, config, logits, runtime=None):
 
 
 def prefill(params: Params, config: ModelConfig, tokens, lengths=None, cache: KVCache | None = None, *,
-            logits: str = "all", runtime: Runtime | None = None):
+            logits: str = "all", runtime: Runtime | None = None, image_features=None, image_tokens=None):
     """Causal encoder pass: append tokens [B, T] to the cache at each row's current end.
 
     lengths: [B] number of valid (right-padded) tokens per row, default T. Padding is never
     written to the cache and never visible. cache: from `init_cache` (default: a new one of
     exactly T slots). logits: "all" -> [B, T, V], "last" -> [B, V] at each row's last valid
-    token, "none" -> None. runtime: how it runs (default: this backend, one device). Returns
-    (logits, new_cache).
+    token, "none" -> None. runtime: how it runs (default: this backend, one device).
+    image_features: [N, hidden_size] float, the projected soft tokens of this pass's images in
+    row-major order (the vision tower's output; unused trailing rows allowed); image_tokens: [B, T]
+    bool, True on the image placeholder tokens (mm_token_type_ids == 1), only among each row's
+    valid tokens, at most N of them. The k-th placeholder (row-major) takes feature row k; each run
+    of placeholders is one image, which attends to itself bidirectionally. Give both or neither;
+    an image must lie wholly in one call. Returns (logits, new_cache).
     """
     tokens = check_tokens(config, tokens)
     b, t = tokens.shape
@@ -189,7 +211,42 @@ def prefill(params: Params, config: ModelConfig, tokens, lengths=None, cache: KV
             raise ValueError(f"the cache holds {cache.max_length} tokens per row but this pass needs {need} "
                              f"(already committed {st.tolist()} + new {ln.tolist()}); create the cache with "
                              f"init_cache(config, batch, max_length>={need}) or shorten the prompt")
-    return _prefill(params, config, tokens, lengths, cache, logits, runtime)
+    if image_features is None and image_tokens is None:
+        return _prefill(params, config, tokens, lengths, cache, logits, runtime)
+    image_features, image_tokens = _check_images(config, image_features, image_tokens, lengths, (b, t))
+    return _prefill(params, config, tokens, lengths, cache, logits, runtime, image_features, image_tokens)
+
+
+def _check_images(config: ModelConfig, image_features, image_tokens, lengths, shape) -> tuple[jax.Array, jax.Array]:
+    """`prefill`'s image inputs, checked: shapes and dtypes always, counts when concrete."""
+    if image_features is None or image_tokens is None:
+        missing = "image_features" if image_features is None else "image_tokens"
+        raise ValueError(f"image_features and image_tokens go together; {missing} is missing")
+    feats = image_features if isinstance(image_features, jax.Array) else np.asarray(image_features)
+    if feats.ndim != 2 or feats.shape[1] != config.hidden_size:
+        raise ValueError(f"image_features must be [num_soft_tokens, hidden_size={config.hidden_size}] (the projected "
+                         f"vision features of every image, row-major); got shape {tuple(feats.shape)}")
+    if feats.shape[0] == 0:
+        raise ValueError("image_features has no rows; for a text-only pass leave image_features and image_tokens None")
+    if not jnp.issubdtype(feats.dtype, jnp.floating):
+        raise ValueError(f"image_features must be floating point; got dtype {feats.dtype}")
+    marks = image_tokens if isinstance(image_tokens, jax.Array) else np.asarray(image_tokens)
+    if tuple(marks.shape) != tuple(shape):
+        raise ValueError(f"image_tokens must have the shape of tokens {tuple(shape)} (True on image placeholders); "
+                         f"got {tuple(marks.shape)}")
+    if marks.dtype != bool:
+        raise ValueError(f"image_tokens must be a bool mask (e.g. mm_token_type_ids == 1); got dtype {marks.dtype}")
+    if _is_concrete(marks) and _is_concrete(lengths):
+        m, ln = np.asarray(marks), np.asarray(lengths)
+        beyond = m & (np.arange(shape[1])[None, :] >= ln[:, None])
+        if beyond.any():
+            rows = sorted(set(np.nonzero(beyond)[0].tolist()))
+            raise ValueError(f"image_tokens marks padding (positions at or beyond lengths) in rows {rows}; "
+                             "images must lie among each row's valid tokens")
+        if int(m.sum()) > feats.shape[0]:
+            raise ValueError(f"image_tokens marks {int(m.sum())} image placeholders but image_features has only "
+                             f"{feats.shape[0]} rows; every placeholder needs its feature row")
+    return jnp.asarray(feats), jnp.asarray(marks)
 
 
 def soft_embed(params: Params, config: ModelConfig, sc_logits, *, runtime: Runtime | None = None) -> jax.Array:

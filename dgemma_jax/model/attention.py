@@ -1,7 +1,8 @@
 """Gemma 4 attention in the two DiffusionGemma modes.
 
 * `encode` (causal): project the new tokens, write their K/V into the cache at each row's end,
-  attend causally (sliding layers: itself + window-1 previous tokens) over the cache.
+  attend causally (sliding layers: itself + window-1 previous tokens) over the cache; the tokens
+  of one image (when the pass carries images) also see each other in both directions.
 * `denoise` (bidirectional): the canvas attends to the read-only committed context in the cache
   plus the whole canvas. The two key sets are attended separately and merged with one shared
   softmax (log-sum-exp), so the cache is never concatenated or copied.
@@ -169,8 +170,12 @@ class Attention(nn.Module):
         with jax.named_scope("o_proj"):
             return project("btnh,nhd->btd", y, self.o, adapter(self, "o"))
 
-    def encode(self, x, starts, num_new, cache_k, cache_v):
-        """x: [B, T, D] new tokens at positions starts[b] + t; returns (out, cache_k, cache_v)."""
+    def encode(self, x, starts, num_new, cache_k, cache_v, image_span=None):
+        """x: [B, T, D] new tokens at positions starts[b] + t; returns (out, cache_k, cache_v).
+
+        image_span: None (text only) or (lo, hi) [B, T] from `masks.image_spans`: an image's tokens
+        also see each other bidirectionally. Every key of such an image lies in this pass (its K/V
+        are written before attending), and the sliding layers' key slice below covers the pass."""
         t = x.shape[1]
         positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         q, k, v = self._qkv(x, positions)
@@ -187,7 +192,7 @@ class Attention(nn.Module):
         else:
             keys, vals = cache_k, cache_v
             k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (x.shape[0], s))
-        mask = masks.causal_mask(positions, k_pos, starts + num_new, self.window)
+        mask = masks.causal_mask(positions, k_pos, starts + num_new, self.window, image_span)
         y = attend(q, [(keys, vals, mask)], self.rt.attn_key_block)
         return self._out(y), cache_k, cache_v
 

@@ -18,6 +18,7 @@ from flax import struct
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.layers import dtype_of
+from dgemma_jax.model.layout import stack_cache
 
 
 @struct.dataclass
@@ -83,7 +84,6 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
         values.append(jnp.zeros(shape, dtype))
     cache = KVCache(tuple(keys), tuple(values), jnp.zeros((batch_size,), jnp.int32), reps)
     if layers == "scan":
-        from dgemma_jax.model.layout import stack_cache
         return stack_cache(cache, config)
     if layers != "unrolled":
         raise ValueError(f"layers={layers!r} must be 'unrolled' or 'scan'")

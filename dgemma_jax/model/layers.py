@@ -122,7 +122,9 @@ def project(eq: str, x: jax.Array, w: jax.Array, ab=None) -> jax.Array:
     """einsum(eq, x, w) in x's dtype, plus the unmerged LoRA term (x A) B when `ab` is given.
 
     An int8 kernel (`is_quantized`) is read as int8 (HBM holds one byte per weight), cast exactly to
-    x's dtype inside the matmul, accumulated in float32 and scaled per output channel.
+    x's dtype inside the matmul and scaled per output channel in float32. The matmul's result is in
+    x's dtype, as a float kernel's is: where the contracted axis is split over chips, that result is
+    what the chips all-reduce (a float32 result doubled the bytes on the inter-chip links).
 
     The base kernel is read in its own dtype (cast to the activation dtype as always); the adapter
     term is computed in float32 and added before the result is cast back, so an adapter update the
@@ -130,7 +132,7 @@ def project(eq: str, x: jax.Array, w: jax.Array, ab=None) -> jax.Array:
     the output.
     """
     if is_quantized(w):  # int8 values cast exactly to x's dtype; the per-channel scale on the output
-        y = jnp.einsum(eq, x, w[QUANT_VALUES].astype(x.dtype), preferred_element_type=jnp.float32)
+        y = jnp.einsum(eq, x, w[QUANT_VALUES].astype(x.dtype)).astype(jnp.float32)
         y = y * output_scale(eq, w[QUANT_SCALE].astype(jnp.float32))
         if ab is not None:
             y = y + low_rank(eq, x, ab)

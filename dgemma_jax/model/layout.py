@@ -31,6 +31,9 @@ from jax.sharding import PartitionSpec as P
 from dgemma_jax.config import GLOBAL, ModelConfig
 
 GROUPS_KEY = "layer_groups"
+# the named scope of the scan over layer groups: the perf readers (`perf.hbm_traffic.loop_runs`) count its
+# loop body once per group, since every run streams that group's weights
+LAYER_LOOP_SCOPE = "layer_groups"
 LAYER_AXIS = "layers"  # the logical name of the stacked axis (replicated: no rule maps it)
 
 

@@ -7,7 +7,8 @@ Block (identical in both modes except for attention and the layer scalar)::
     m  = post_moe_norm(moe(route on x1, experts on pre_moe_norm(x1)))
     y  = (x1 + post_ffw_norm(d + m)) * layer_scalar          # encoder / decoder copy of the scalar
 
-Encoder mode: embed * sqrt(D) -> blocks (causal, writing the cache).
+Encoder mode: embed * sqrt(D) (image placeholders: the given image features, unscaled) -> blocks
+(causal, each image bidirectional within itself, writing the cache).
 Denoiser mode: RMSNorm_noscale(embed * sqrt(D) + sc_mlp(sc_norm(soft))) -> blocks (bidirectional
 over the canvas + read-only cache), where soft = softmax(previous tempered logits) @ E * sqrt(D)
 (exactly zero at the first step). Logits: softcap(final_norm(h) @ E^T), float32.
@@ -20,12 +21,14 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.model import masks
 from dgemma_jax.model.attention import Attention
 from dgemma_jax.model import layout
 from dgemma_jax.model.cache import KVCache
 from dgemma_jax.model.layers import (QUANT_SCALE, QUANT_VALUES, GatedMLP, RMSNorm, dtype_of, is_quantized, ones_param,
                                      param, rms_normalize, softcap)
 from dgemma_jax.model.moe import MoE
+from dgemma_jax.model.vision import MultimodalEmbedder, VisionTower, compact_rows
 from dgemma_jax.runtime import Runtime
 
 ACTIVATION_AXES = ("batch", "seq", "embed")
@@ -58,8 +61,8 @@ class Block(nn.Module):
         y = (y.astype(jnp.float32) * scalar.astype(jnp.float32)).astype(x1.dtype)
         return self.rt.constrain(y, ACTIVATION_AXES)
 
-    def encode(self, x, starts, num_new, cache_k, cache_v):
-        a, cache_k, cache_v = self.attn.encode(self.pre_attn_norm(x), starts, num_new, cache_k, cache_v)
+    def encode(self, x, starts, num_new, cache_k, cache_v, image_span=None):
+        a, cache_k, cache_v = self.attn.encode(self.pre_attn_norm(x), starts, num_new, cache_k, cache_v, image_span)
         x1 = x + self.post_attn_norm(a)
         return self._ffw(x1, self.encoder_scalar), cache_k, cache_v
 
@@ -86,6 +89,9 @@ class Transformer(nn.Module):
         self.final_norm = RMSNorm(cfg)
         self.sc_norm = RMSNorm(cfg)
         self.sc_mlp = GatedMLP(cfg, cfg.intermediate_size)
+        if cfg.vision is not None:  # a text-only model has neither (its parameter tree is unchanged)
+            self.vision_tower = VisionTower(cfg)
+            self.embed_vision = MultimodalEmbedder(cfg)
 
     # -------------------------------------------------------------- pieces
     def _embed(self, tokens):
@@ -96,6 +102,17 @@ class Transformer(nn.Module):
             rows = jnp.take(e[QUANT_VALUES], tokens, axis=0).astype(jnp.float32)
             return (rows * jnp.take(e[QUANT_SCALE][:, 0], tokens, axis=0)[..., None]).astype(dt) * scale
         return jnp.take(e, tokens, axis=0).astype(dt) * scale
+
+    def _place_images(self, x, image_features, image_tokens):
+        """x [B, T, D] with the k-th True of image_tokens (row-major) replaced by image_features[k].
+
+        A cumulative count gives each placeholder its row (static shapes, no boolean indexing);
+        rows past the end of image_features are clamped (`api.prefill` checks the count)."""
+        b, t, d = x.shape
+        flat = image_tokens.reshape(b * t).astype(bool)
+        row = jnp.clip(jnp.cumsum(flat.astype(jnp.int32)) - 1, 0, image_features.shape[0] - 1)
+        feats = jnp.take(image_features, row, axis=0).astype(x.dtype).reshape(b, t, d)
+        return self.rt.constrain(jnp.where(image_tokens.astype(bool)[..., None], feats, x), ACTIVATION_AXES)
 
     def logits(self, h):
         """Final norm -> tied head -> softcap, float32 [..., V]."""
@@ -167,12 +184,13 @@ class Transformer(nn.Module):
             out.append(lambda *a, fn=fn, v=block_vars: fn(v, *a))
         return out
 
-    def _encode_layers(self, x, starts, num_new, cache: KVCache):
+    def _encode_layers(self, x, starts, num_new, cache: KVCache, span=None):
+        extra = () if span is None else (span,)  # image spans: the text-only program stays as before
         if not self._scanning():
             c = layout.unstack_cache(cache, self.cfg)
             keys, values = list(c.keys), list(c.values)
             for i, run in enumerate(self._unrolled_blocks("encode")):
-                x, keys[i], values[i] = run(x, starts, num_new, keys[i], values[i])
+                x, keys[i], values[i] = run(x, starts, num_new, keys[i], values[i], *extra)
             new = c.replace(keys=tuple(keys), values=tuple(values))
             return x, (layout.stack_cache(new, self.cfg) if cache.groups else new)
         plan = layout.check_scannable(self.cfg)
@@ -188,17 +206,19 @@ class Transformer(nn.Module):
                 kj = jax.lax.dynamic_index_in_dim(ks[j], g, 0, keepdims=False)
                 vj = jax.lax.dynamic_index_in_dim(vs[j], g, 0, keepdims=False)
                 block_vars = {col: t[f"blocks_{j}"] for col, t in groups.items()}
-                h, kj, vj = fns[j](block_vars, h, starts, num_new, kj, vj)
+                h, kj, vj = fns[j](block_vars, h, starts, num_new, kj, vj, *extra)
                 ks[j] = jax.lax.dynamic_update_index_in_dim(ks[j], kj, g, 0)
                 vs[j] = jax.lax.dynamic_update_index_in_dim(vs[j], vj, g, 0)
             return (h, tuple(ks), tuple(vs)), None
 
         p = plan.period
-        (x, ks, vs), _ = jax.lax.scan(body, (x, c.keys[:p], c.values[:p]),
-                                      (jnp.arange(plan.groups, dtype=jnp.int32), self._groups(plan)))
+        with jax.named_scope(layout.LAYER_LOOP_SCOPE):
+            (x, ks, vs), _ = jax.lax.scan(body, (x, c.keys[:p], c.values[:p]),
+                                          (jnp.arange(plan.groups, dtype=jnp.int32), self._groups(plan)))
         keys, values = list(ks) + list(c.keys[p:]), list(vs) + list(c.values[p:])
         for r, i in enumerate(plan.remainder):
-            x, keys[p + r], values[p + r] = self.blocks[i].encode(x, starts, num_new, keys[p + r], values[p + r])
+            x, keys[p + r], values[p + r] = self.blocks[i].encode(x, starts, num_new, keys[p + r], values[p + r],
+                                                                   *extra)
         new = c.replace(keys=tuple(keys), values=tuple(values))
         return x, (new if cache.groups else layout.unstack_cache(new, self.cfg))
 
@@ -221,20 +241,43 @@ class Transformer(nn.Module):
             return h, None
 
         p = plan.period
-        x, _ = jax.lax.scan(body, x, (self._groups(plan), c.keys[:p], c.values[:p]))
+        with jax.named_scope(layout.LAYER_LOOP_SCOPE):
+            x, _ = jax.lax.scan(body, x, (self._groups(plan), c.keys[:p], c.values[:p]))
         for r, i in enumerate(plan.remainder):
             x = self.blocks[i].denoise(x, context_end, c.keys[p + r], c.values[p + r])
         return x
+    def image_features(self, pixel_values, position_ids):
+        """Images -> text-width soft tokens, the valid ones of all images compacted to the front.
+
+        pixel_values float [N, P, 3 p^2] rescaled to [0, 1]; position_ids int [N, P, 2] (x, y), padding
+        patches at (-1, -1). Returns (features [N * S, D] in the activation dtype: the valid soft tokens of
+        image 0, then image 1, ..., then zero rows; n_valid int32 scalar), S = P // pooling_kernel_size^2.
+        """
+        if self.cfg.vision is None:
+            raise ValueError("this model has no vision tower (ModelConfig.vision is None)")
+        soft, valid = self.vision_tower(pixel_values, position_ids)
+        return compact_rows(self.embed_vision(soft), valid)
 
     # -------------------------------------------------------------- modes
-    def encode(self, tokens, starts, num_new, cache: KVCache, logits_mode: str = "all"):
+    def encode(self, tokens, starts, num_new, cache: KVCache, logits_mode: str = "all", image_features=None,
+               image_tokens=None):
         """Causal pass over tokens [B, T] written at cache slots starts[b] + t (t < num_new[b]).
 
         Returns (logits or hidden, new cache, in the layout it was given). logits_mode: "all"
         [B,T,V], "last" [B,V] at each row's last valid token, "none" (no head; returns None).
+
+        Images (both or neither): image_features [N, D], the projected soft tokens of every image in
+        row-major order (trailing unused rows allowed); image_tokens [B, T] bool, True on the image
+        placeholders. The k-th placeholder in row-major [B, T] order takes row k in place of its
+        embedding (no sqrt(D) scale), and each run of consecutive placeholders (one image) attends to
+        itself bidirectionally on every layer, beyond the sliding window too. Positions are unchanged.
         """
         x = self._embed(tokens)
-        x, new_cache = self._encode_layers(x, starts, num_new, cache)
+        span = None
+        if image_features is not None:
+            x = self._place_images(x, image_features, image_tokens)
+            span = masks.image_spans(image_tokens, starts)
+        x, new_cache = self._encode_layers(x, starts, num_new, cache, span)
         new_cache = new_cache.replace(lengths=(starts + num_new).astype(jnp.int32))
         if logits_mode == "none":
             return None, new_cache
@@ -268,7 +311,13 @@ class Transformer(nn.Module):
         n = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
         _, cache = self.encode(tokens, cache.lengths, n, cache, "none")
         soft = self.soft_embed(jnp.zeros(tokens.shape + (self.cfg.vocab_size,), jnp.float32))
-        return self.denoise(tokens, cache.lengths, cache, soft)
+        out = self.denoise(tokens, cache.lengths, cache, soft)
+        if self.cfg.vision is not None:
+            k = self.cfg.vision.pooling_kernel_size
+            pixels = jnp.zeros((1, k * k, self.cfg.vision.patch_dim), jnp.float32)
+            pos = jnp.stack(jnp.meshgrid(jnp.arange(k), jnp.arange(k)), -1).reshape(1, k * k, 2)
+            self.image_features(pixels, pos)
+        return out
 
 
 class _Repeated:

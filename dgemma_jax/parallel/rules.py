@@ -35,16 +35,20 @@ _MODEL_SPLIT = (
     ("kv_heads", ("tensor", "expert")),
     ("mlp", ("tensor", "expert")),
     ("vocab", ("tensor", "expert")),
+    # the vision tower (model/vision.py): heads and MLP units split like the text model's; its width stays whole
+    ("vision_heads", ("tensor", "expert")),
+    ("vision_kv_heads", ("tensor", "expert")),
+    ("vision_mlp", ("tensor", "expert")),
 )
 
 RULE_SETS: dict[str, tuple[tuple[str, str | tuple[str, ...] | None], ...]] = {
     # Single-user latency: weights resident and split, only activations move.
-    "latency": (("batch", "data"),) + _MODEL_SPLIT + (("embed", None),),
+    "latency": (("batch", "data"),) + _MODEL_SPLIT + (("embed", None), ("vision_embed", None)),
     # Batch serving: rows over data/fsdp, model split as for latency.
-    "serving": (("batch", ("data", "fsdp")),) + _MODEL_SPLIT + (("embed", None),),
+    "serving": (("batch", ("data", "fsdp")),) + _MODEL_SPLIT + (("embed", None), ("vision_embed", None)),
     # Training: FSDP (parameters split along `embed` over fsdp, batch over data+fsdp),
     # optionally combined with tensor and expert parallelism.
-    "training": (("batch", ("data", "fsdp")),) + _MODEL_SPLIT + (("embed", "fsdp"),),
+    "training": (("batch", ("data", "fsdp")),) + _MODEL_SPLIT + (("embed", "fsdp"), ("vision_embed", "fsdp")),
 }
 
 

@@ -30,13 +30,16 @@ import jax
 import jax.numpy as jnp
 
 from dgemma_jax.backends import quiet_libtpu_load
-from dgemma_jax.config import ModelConfig
+from dgemma_jax.config import ModelConfig, VisionConfig
 from dgemma_jax.engine import Engine, compiled_memory
+from dgemma_jax.io.images import BOI_TOKEN_ID, EOI_TOKEN_ID, IMAGE_TOKEN_ID, ImageSettings
 from dgemma_jax.model.api import param_shapes
 from dgemma_jax.model.layout import stack_layers
+from dgemma_jax.model.quant import quantized_shapes
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.shardings import Shardings
 from dgemma_jax.perf import roofline
+from dgemma_jax.perf import collectives as coll
 from dgemma_jax.perf.compiled import cost
 from dgemma_jax.perf.hbm_traffic import hbm_traffic
 from dgemma_jax.runtime import Runtime
@@ -61,20 +64,28 @@ class Topology:
     hbm_bytes: float          # per chip, as the compiler counts it
     hbm_bw: float             # bytes/s per chip
     bf16_flops: float         # peak FLOP/s per chip
+    ici_bytes_per_s: float = 0.0  # bidirectional inter-chip bandwidth per chip (all its ports)
+    ici_ports: int = 4
+
+    @property
+    def ring_bytes_per_s(self) -> float:
+        """One bidirectional ring's bandwidth through a chip: one port's share (`perf.collectives`)."""
+        return self.ici_bytes_per_s / self.ici_ports
 
 
-# user-facing name -> topology descriptor (performance.md §1 for bandwidth and peak)
+# user-facing name -> topology descriptor (performance.md §1 for bandwidth and peak; ICI: the bidirectional
+# inter-chip bandwidth per chip and its ports from the Cloud TPU system architecture pages; v4: not priced)
 TOPOLOGIES: dict[str, Topology] = {
-    "v5e-1": Topology("v5e:1x1", "default", (1, 1, 1), 1, 15.75e9, 819e9, 197e12),
-    "v5e-4": Topology("v5e:2x2", "default", (2, 2, 1), 4, 15.75e9, 819e9, 197e12),
-    "v5e-8": Topology("v5e:2x4", "default", (2, 4, 1), 8, 15.75e9, 819e9, 197e12),
-    "v5e-16": Topology("v5e:4x4", "default", (2, 2, 1), 16, 15.75e9, 819e9, 197e12),
-    "v6e-1": Topology("v6e:1x1", "default", (1, 1, 1), 1, 31.25e9, 1640e9, 918e12),
-    "v6e-4": Topology("v6e:2x2", "default", (2, 2, 1), 4, 31.25e9, 1640e9, 918e12),
-    "v6e-8": Topology("v6e:2x4", "default", (2, 4, 1), 8, 31.25e9, 1640e9, 918e12),
-    "v6e-16": Topology("v6e:4x4", "default", (2, 2, 1), 16, 31.25e9, 1640e9, 918e12),
-    "v5p-8": Topology("v5:2x2x1", "megacore", (2, 2, 1), 4, 95.74e9, 2765e9, 459e12),
-    "v5p-16": Topology("v5:2x2x2", "megacore", (2, 2, 1), 8, 95.74e9, 2765e9, 459e12),
+    "v5e-1": Topology("v5e:1x1", "default", (1, 1, 1), 1, 15.75e9, 819e9, 197e12, 400e9, 4),
+    "v5e-4": Topology("v5e:2x2", "default", (2, 2, 1), 4, 15.75e9, 819e9, 197e12, 400e9, 4),
+    "v5e-8": Topology("v5e:2x4", "default", (2, 4, 1), 8, 15.75e9, 819e9, 197e12, 400e9, 4),
+    "v5e-16": Topology("v5e:4x4", "default", (2, 2, 1), 16, 15.75e9, 819e9, 197e12, 400e9, 4),
+    "v6e-1": Topology("v6e:1x1", "default", (1, 1, 1), 1, 31.25e9, 1640e9, 918e12, 800e9, 4),
+    "v6e-4": Topology("v6e:2x2", "default", (2, 2, 1), 4, 31.25e9, 1640e9, 918e12, 800e9, 4),
+    "v6e-8": Topology("v6e:2x4", "default", (2, 4, 1), 8, 31.25e9, 1640e9, 918e12, 800e9, 4),
+    "v6e-16": Topology("v6e:4x4", "default", (2, 2, 1), 16, 31.25e9, 1640e9, 918e12, 800e9, 4),
+    "v5p-8": Topology("v5:2x2x1", "megacore", (2, 2, 1), 4, 95.74e9, 2765e9, 459e12, 1200e9, 6),
+    "v5p-16": Topology("v5:2x2x2", "megacore", (2, 2, 1), 8, 95.74e9, 2765e9, 459e12, 1200e9, 6),
     "v4-8": Topology("v4:2x2x1", "megacore_dense", (2, 2, 1), 4, 31.75e9, 1200e9, 275e12),
     "v4-16": Topology("v4:2x2x2", "megacore_dense", (2, 2, 1), 8, 31.75e9, 1200e9, 275e12),
 }
@@ -111,13 +122,32 @@ def _abstract(tree, shardings):
     return jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=n), tree, shardings)
 
 
+def abstract_params(config: ModelConfig, shardings, quantize: str | None = None):
+    """The parameters as sharded ShapeDtypeStructs: float, or with int8 kernels (`model.quant`)."""
+    if quantize is None:
+        return _abstract(param_shapes(config), shardings.params)
+    shapes = quantized_shapes(config, quantize)
+    return _abstract(shapes, shardings.for_params(shapes))
+
+
+def with_released_vision(config: ModelConfig) -> ModelConfig:
+    """`config` with the released checkpoint's vision tower (spec: 27 layers, width 1152, patch 16,
+    pooling 3, standardized) and image ids, unless it has a tower already."""
+    if config.vision is not None:
+        return config
+    return config.replace(vision=VisionConfig(standardize=True), image_token_id=IMAGE_TOKEN_ID,
+                          boi_token_id=BOI_TOKEN_ID, eoi_token_id=EOI_TOKEN_ID)
+
+
 def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context: int, prompt: int,
-                   layers: str = "unrolled"):
-    """ShapeDtypeStructs (with shardings) for every program argument; parameters and cache in the
-    layer layout `layers` ("unrolled" or "scan", `model.layout`)."""
+                   quantize: str | None = None, images: int = 0, layers: str = "unrolled"):
+    """ShapeDtypeStructs (with shardings) for every program argument; quantize: "int8" params;
+    images: that many images at the released processor's default budget (280 soft tokens) for the
+    "prefill_images" program; layers: the parameters' and cache's layer layout ("unrolled" or
+    "scan", `model.layout`)."""
     rep = shardings.replicated
     rep_tree = lambda t: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), t)  # noqa: E731
-    params = _abstract(param_shapes(config), shardings.params)
+    params = abstract_params(config, shardings, quantize)
     if layers == "scan":
         params = stack_layers(params, config)
     cache = _abstract(shardings.cache_shape(batch, context, layers), shardings.cache(batch, context, layers))
@@ -137,7 +167,12 @@ def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context:
                 tokens=jax.ShapeDtypeStruct((1, prompt), jnp.int32, sharding=rep),
                 length=jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep),
                 fresh=jax.ShapeDtypeStruct((), jnp.bool_, sharding=rep))
-    return dict(params=params, cache=cache, keys=keys, state=state, tokens=tokens, lengths=lengths,
+    pictures = None
+    if images:
+        v, per = config.vision, ImageSettings().max_patches
+        pictures = (jax.ShapeDtypeStruct((images, per, v.patch_dim), jnp.float32, sharding=rep),
+                    jax.ShapeDtypeStruct((images, per, 2), jnp.int32, sharding=rep))
+    return dict(params=params, cache=cache, keys=keys, state=state, tokens=tokens, lengths=lengths, images=pictures,
                 canvas=canvas, active=active, slot=slot)
 
 
@@ -169,6 +204,9 @@ def engine_programs(engine: Engine, max_new_tokens: int) -> dict:
                                                          fresh=a["slot"]["fresh"]))),
         "prefill": (streaming.prefill_prompt,
                     lambda a: ((a["params"],), dict(tokens=a["tokens"], lengths=a["lengths"], cache=a["cache"]))),
+        "prefill_images": (streaming.prefill_prompt,
+                           lambda a: ((a["params"],), dict(tokens=a["tokens"], lengths=a["lengths"], cache=a["cache"],
+                                                           images=a["images"]))),
         "denoise_step": (engine.step_program(), lambda a: ((a["params"], a["cache"], a["keys"], a["state"]), {})),
         "commit": (engine.commit_program(),
                    lambda a: ((a["params"],), dict(cache=a["cache"], tokens=a["canvas"], active=a["active"]))),
@@ -212,12 +250,20 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
                    batch: int = 1, context: int = 32768, prompt: int = 2048, steps_per_canvas: int = 16,
                    programs=("prefill", "denoise_step", "commit", "generate"), dtype: str | None = None,
                    moe_dispatch: str = "auto", attn_kernel: str = "auto", sampler=None, devices=None,
-                   max_new_tokens: int | None = None, progress=None, layers: str = "auto") -> dict[str, Any]:
+                   max_new_tokens: int | None = None, progress=None, quantize: str | None = None,
+                   hop_latency_s: float = coll.DEFAULT_HOP_LATENCY_S, images: int = 0,
+                   layers: str = "auto") -> dict[str, Any]:
     """Lower and compile the engine's programs for a TPU topology; per-chip memory, cost, projections.
 
     context: KV cache capacity (prompt + committed canvases). prompt: tokens in one prefill call.
     moe_dispatch, attn_kernel, layers: the `Runtime` choices the programs are compiled with (for TPU;
-    layers "auto" = "scan" there: the repeated layer group compiled once).
+    layers "scan": the repeated layer group compiled once and scanned, `model.layout`).
+    quantize: "int8" compiles the programs for weight-only int8 parameters (`model.quant`).
+    images: compile with the released vision tower (`with_released_vision`) in the parameters, and
+    "prefill_images" (a program in `programs`) with that many images of 280 soft tokens in the prompt.
+    Every program's collectives are listed and priced on the slice's ICI (`perf.collectives`, with
+    `hop_latency_s` per ring step); projections are given without them, with them run after the
+    HBM-bound work (`..._with_ici`), and with them hidden under it (`..._ici_overlapped`).
     progress: optional callable(name, index, count, seconds, entry) called before each program
     (seconds and entry None) and after it (its compile seconds and report entry).
     Returns a JSON-able dict; `fits` is False when any program exceeds the chip's HBM.
@@ -225,6 +271,13 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
     cfg = preset if isinstance(preset, ModelConfig) else ModelConfig.preset(preset)
     if dtype:
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    if images:
+        cfg = with_released_vision(cfg)
+        if prompt < images * (ImageSettings().max_soft_tokens + 2):
+            raise ValueError(f"a prompt of {prompt} tokens cannot hold {images} image(s) of "
+                             f"{ImageSettings().max_soft_tokens} soft tokens and their markers: raise prompt")
+    elif "prefill_images" in programs:
+        raise ValueError("the prefill_images program needs images >= 1")
     topo = topology(topology_name)
     devs = devices if devices is not None else tpu_devices(topology_name)
     sampler = sampler or SamplerConfig.for_model(cfg, max_denoising_steps=48)
@@ -235,18 +288,27 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         mesh = f"expert={len(devs)}"
     sh = Shardings(cfg, make_mesh(mesh, devices=devs), rules)
     runtime = sh.runtime(platform="tpu", moe_dispatch=moe_dispatch, attn_kernel=attn_kernel, layers=layers)
-    args = program_inputs(cfg, sampler, sh, batch, context, prompt, runtime.layer_layout)
+    args = program_inputs(cfg, sampler, sh, batch, context, prompt, quantize, images, runtime.layer_layout)
     report: dict[str, Any] = {
         "preset": cfg.name, "topology": topology_name, "chips": len(devs), "mesh": dict(sh.mesh.shape),
         "rules": rules, "batch": batch, "context": context, "prompt": prompt, "dtype": cfg.param_dtype,
         "moe_dispatch": runtime.dispatch, "attn_kernel": attn_kernel, "layers": runtime.layer_layout,
         "hbm_limit_bytes": topo.hbm_bytes, "programs": {}, "fits": True,
+        "quantize": quantize, "images": images,
+        "vision_param_bytes": roofline.tree_bytes({k: v for k, v in args["params"].items()
+                                                   if k in ("vision_tower", "embed_vision")}),
+        "param_bytes_total": roofline.tree_bytes(args["params"]),
+        "ici": {"bidirectional_bytes_per_s_per_chip": topo.ici_bytes_per_s, "ports": topo.ici_ports,
+                "ring_bytes_per_s": topo.ring_bytes_per_s or None, "hop_latency_s": hop_latency_s,
+                "model": "ring algorithms over one port's bandwidth; see dgemma_jax/perf/collectives.py"},
     }
     for index, name in enumerate(programs):
         if progress is not None:
             progress(name, index, len(programs), None, None)
         kernels = KernelFlops()  # a fresh observer: a fresh trace of this program
         observed = runtime.replace(observer=kernels)
+        if name == "lora_step" and quantize is not None:
+            raise ValueError("lora_step compiles the float training step; drop quantize for it")
         if name == "lora_step":
             fn, pos = lora_step_program(cfg, sh, batch, prompt, max(1, (context - prompt) // cfg.canvas_length),
                                         runtime=observed)
@@ -285,23 +347,32 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         entry["projected_seconds"] = max(entry["flops"] / topo.bf16_flops, entry["hbm_bytes"] / topo.hbm_bw)
         entry["projected_seconds_cost_analysis_bytes"] = max(entry["flops"] / topo.bf16_flops,
                                                              entry["bytes_accessed"] / topo.hbm_bw)
+        _add_collectives(entry, compiled.as_text(), len(devs), topo, hop_latency_s)
         report["fits"] &= entry["fits"]
         report["programs"][name] = entry
         if progress is not None:
             progress(name, index, len(programs), time.perf_counter() - t0, entry)
     step = report["programs"].get("denoise_step", {})
     if "flops" in step:
-        _add_efficiency(step, cfg, sh, topo, batch, context)
+        _add_efficiency(step, cfg, sh, topo, batch, context, args["params"])
     commit = report["programs"].get("commit", {})
     if "projected_seconds" in step:
         per_canvas = steps_per_canvas * step["projected_seconds"] + commit.get("projected_seconds", 0.0)
+        per_canvas_ici = (steps_per_canvas * step.get("projected_seconds_with_ici", step["projected_seconds"])
+                          + commit.get("projected_seconds_with_ici", commit.get("projected_seconds", 0.0)))
         report["projection"] = {
             "label": PROJECTION_LABEL,
             "steps_per_canvas": steps_per_canvas,
             "denoise_step_ms": 1e3 * step["projected_seconds"],
+            "denoise_step_ici_ms": 1e3 * step.get("ici_seconds", 0.0),
+            "denoise_step_ms_with_ici": 1e3 * step.get("projected_seconds_with_ici", step["projected_seconds"]),
+            "denoise_step_ms_ici_overlapped": 1e3 * step.get("projected_seconds_ici_overlapped",
+                                                              step["projected_seconds"]),
             "roofline_step_ms": 1e3 * step.get("roofline_floor_seconds", float("nan")),
             "per_canvas_ms": 1e3 * per_canvas,
+            "per_canvas_ms_with_ici": 1e3 * per_canvas_ici,
             "tokens_per_second": sampler.canvas_length / per_canvas if per_canvas else None,
+            "tokens_per_second_with_ici": sampler.canvas_length / per_canvas_ici if per_canvas_ici else None,
             # every row (a server's slot) refines its own canvas in the same step
             "rows": batch,
             "tokens_per_second_all_rows": batch * sampler.canvas_length / per_canvas if per_canvas else None,
@@ -309,11 +380,26 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
     return report
 
 
-def _add_efficiency(entry: dict, cfg: ModelConfig, sh, topo: Topology, batch: int, context: int):
-    """The step's counted FLOPs and bytes against what it must do (perf/roofline.py)."""
+def _add_collectives(entry: dict, hlo_text: str, chips: int, topo: Topology, hop_latency_s: float):
+    """The program's collectives (`perf.collectives`) and, where the topology's ICI is known, their time."""
+    items = coll.collectives(hlo_text, chips)
+    entry["collectives"] = items
+    entry["collectives_by_kind"] = coll.summary(items)
+    if not topo.ring_bytes_per_s:
+        return
+    ici = coll.ici_seconds(items, topo.ring_bytes_per_s, hop_latency_s)
+    entry["ici"] = ici
+    entry["ici_seconds"] = ici["seconds"]
+    entry["projected_seconds_with_ici"] = entry["projected_seconds"] + ici["seconds"]
+    entry["projected_seconds_ici_overlapped"] = max(entry["projected_seconds"], ici["seconds"])
+
+
+def _add_efficiency(entry: dict, cfg: ModelConfig, sh, topo: Topology, batch: int, context: int, params=None):
+    """The step's counted FLOPs and bytes against what it must do (perf/roofline.py); params: the
+    (abstract) parameters compiled, whose bytes the step must read (int8 kernels: one byte a weight)."""
     chips = sh.mesh.devices.size
     useful = roofline.denoise_step_flops(cfg, batch, context) / chips
-    need = roofline.denoise_step_bytes_per_chip(cfg, sh, batch, context)
+    need = roofline.denoise_step_bytes_per_chip(cfg, sh, batch, context, params)
     floor = max(useful / topo.bf16_flops, need["total"] / topo.hbm_bw)
     entry.update(useful_flops=useful, required_bytes=need["total"], required_param_bytes=need["params"],
                  required_cache_bytes=need["cache"], flops_ratio=entry["flops"] / useful,

@@ -10,17 +10,18 @@ prefetched by the model's grouped matmul counts ~3x its size).
 `hbm_traffic(hlo_text)` counts only HBM: for each op of the entry computation (and of the loop
 bodies and conditional branches it runs), the operands and results whose layout has no memory-space
 annotation; a transfer counts its bytes on the HBM side; a fusion operand that the fusion only
-slices or gathers counts the rows it takes, not the whole array. Like cost_analysis, a loop body
-counts once (per-step figures come from the step program), except a scan over the layer groups
-(`Runtime(layers="scan")`, the loops of `Transformer._encode_layers` / `_denoise_layers`): its body
-stands for the unrolled layers and counts once per group (its trip count, read from the loop's
-condition), so both layouts' figures compare. A conditional counts its largest branch. This is our reading of the compiler's output, not a hardware measurement.
+slices or gathers counts the rows it takes, not the whole array. The model's scan over layer
+groups (`LAYER_LOOP_SCOPE`) counts once per group; any other loop body counts once, like
+cost_analysis (per-step figures come from the step program); a conditional counts its largest
+branch. This is our reading of the compiler's output, not a hardware measurement.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
+
+from dgemma_jax.model.layout import LAYER_LOOP_SCOPE
 
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
              "f32": 4, "s64": 8, "u64": 8, "f64": 8}
@@ -65,8 +66,7 @@ def _parse(text: str):
         m = _INST.match(line.strip())
         if cur is not None and m:
             name, typ, op, args, rest = m.groups()
-            rest = (rest or "") + (f" constant_value={args}" if op == "constant" else "")
-            comps[cur].append((name, typ, op, re.findall(r"%([\w.\-]+)", args), rest))
+            comps[cur].append((name, typ, op, re.findall(r"%([\w.\-]+)", args), rest or ""))
             if op == "parameter":
                 index[name] = int(args)
     if entry is None:
@@ -74,30 +74,36 @@ def _parse(text: str):
     return comps, entry, index
 
 
+
+
+def loop_runs(hlo_text: str, rest: str) -> int:
+    """How many times to count a while op's body (`rest`: its attributes): the trip count of the
+    model's layer-group scan (its condition is `counter < N`, the counter from 0), 1 for any other
+    loop (a body run a data-dependent number of times, like the MoE's skipped blocks, counts once)."""
+    m = re.search(r'op_name="([^"]*)"', rest)
+    cond = re.search(r"condition=%?([\w.\-]+)", rest)
+    if not m or LAYER_LOOP_SCOPE not in m.group(1) or not cond:
+        return 1
+    body = _computation(hlo_text, cond.group(1))
+    consts = re.findall(r"s32\[\][^ ]* constant\((\d+)\)", body)
+    # the compare may sit in a fusion the condition calls (XLA:CPU wraps it)
+    called = "".join(_computation(hlo_text, c) for c in re.findall(r"calls=%?([\w.\-]+)", body))
+    if len(consts) != 1 or "direction=LT" not in body + called:
+        raise ValueError(f"cannot read the trip count of the layer scan's loop from condition {cond.group(1)}")
+    return int(consts[0])
+
+
+def _computation(hlo_text: str, name: str) -> str:
+    """The instructions of computation `name` in an HLO module's text ("" when absent)."""
+    m = re.search(r"^%?" + re.escape(name) + r" .*?\{\n(.*?)\n\}", hlo_text, re.S | re.M)
+    return m.group(1) if m else ""
+
+
 def _scope(op: str, rest: str) -> str:
     """The op's source scope (its `op_name` metadata, layer numbers folded: blocks_N)."""
     m = re.search(r'op_name="([^"]*)"', rest)
     name = re.sub(r"^jit\([^)]*\)/", "", m.group(1)) if m else op
     return re.sub(r"blocks_\d+", "blocks_N", name)
-
-
-_LAYER_SCAN = re.compile(r'op_name="[^"]*_(?:encode|denoise)_layers/while"')
-
-
-def _trip_count(comps: dict, cond: str) -> int:
-    """The trip count of a `lax.scan` loop: its condition is `counter < constant` (the counter from 0)."""
-    consts = {}
-    for name, typ, op, args, rest in comps.get(cond, []):
-        if op == "constant":
-            m = re.search(r"constant_value=(-?\d+)$", rest)
-            if m:
-                consts[name] = int(m.group(1))
-    for name, typ, op, args, rest in comps.get(cond, []):
-        if op == "compare" and "direction=LT" in rest:
-            for a in args:
-                if a in consts:
-                    return consts[a]
-    raise ValueError(f"cannot read the trip count of the layer scan's condition {cond!r}")
 
 
 def hbm_traffic(hlo_text: str) -> dict:
@@ -141,10 +147,8 @@ def hbm_traffic(hlo_text: str) -> dict:
         for name, typ, op, args, rest in comps[comp]:
             if op == "while":
                 body = walk(re.search(r"body=%?([\w.\-]+)", rest).group(1))
-                if _LAYER_SCAN.search(rest):
-                    trips = _trip_count(comps, re.search(r"condition=%?([\w.\-]+)", rest).group(1))
-                    body = Counter({k: v * trips for k, v in body.items()})
-                out += body
+                runs = loop_runs(hlo_text, rest)
+                out += Counter({k: v * runs for k, v in body.items()})
             elif op == "conditional":
                 m = re.search(r"branch_computations=\{([^}]*)\}", rest)
                 names = ([b.strip().lstrip("%") for b in m.group(1).split(",")] if m else

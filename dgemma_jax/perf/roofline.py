@@ -27,6 +27,7 @@ import math
 import re
 
 import jax
+import numpy as np
 
 from dgemma_jax.config import SLIDING, ModelConfig
 from dgemma_jax.model.api import param_shapes
@@ -114,12 +115,17 @@ def _keys_read(config: ModelConfig, layer: int, context: int) -> int:
     return context
 
 
-def denoise_step_bytes_per_chip(config: ModelConfig, shardings, batch: int, context: int) -> dict[str, float]:
-    """{"params", "cache", "total"}: bytes one chip must read for one step (its shards)."""
+def denoise_step_bytes_per_chip(config: ModelConfig, shardings, batch: int, context: int,
+                                params=None) -> dict[str, float]:
+    """{"params", "cache", "total"}: bytes one chip must read for one step (its shards). params: the
+    parameter tree (arrays or ShapeDtypeStructs; default the float `param_shapes`), e.g. with int8
+    kernels, placed per `shardings.for_params`."""
     def shard_bytes(leaf, sharding):
-        return math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        return math.prod(sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
 
-    params = sum(jax.tree.leaves(jax.tree.map(shard_bytes, param_shapes(config), shardings.params)))
+    tree = param_shapes(config) if params is None else params
+    placement = shardings.params if params is None else shardings.for_params(tree)
+    params = sum(jax.tree.leaves(jax.tree.map(shard_bytes, tree, placement)))
     shapes, cshard = shardings.cache_shape(batch, context), shardings.cache(batch, context)
     cache = 0.0
     for i in range(config.num_layers):
@@ -127,3 +133,8 @@ def denoise_step_bytes_per_chip(config: ModelConfig, shardings, batch: int, cont
         for leaf, sh in ((shapes.keys[i], cshard.keys[i]), (shapes.values[i], cshard.values[i])):
             cache += frac * shard_bytes(leaf, sh)
     return {"params": float(params), "cache": float(cache), "total": float(params + cache)}
+
+
+def tree_bytes(tree) -> int:
+    """Bytes a tree of arrays or ShapeDtypeStructs holds (all shards together)."""
+    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))

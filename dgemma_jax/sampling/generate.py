@@ -26,7 +26,7 @@ import numpy as np
 from flax import struct
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model.api import encode_pass
+from dgemma_jax.model.api import encode_pass, image_features_pass
 from dgemma_jax.model.cache import KVCache
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import ops
@@ -67,8 +67,17 @@ def commit(params, config: ModelConfig, cache: KVCache, tokens: jax.Array, activ
 
 
 def prefill_prompt(params, config: ModelConfig, tokens, lengths, cache: KVCache,
-                   runtime: Runtime | None = None) -> KVCache:
-    return encode_pass(params, config, tokens, cache.lengths, lengths, cache, runtime=runtime)[1]
+                   runtime: Runtime | None = None, images=None) -> KVCache:
+    """The causal pass over the prompt. images: None, or (pixel_values [N, P, 3 p^2], position_ids
+    [N, P, 2]) of the prompt's N images, in the row-major order of their runs of image tokens
+    (`config.image_token_id`) in `tokens`: the vision tower's soft tokens replace those tokens'
+    embeddings, and each image attends to itself bidirectionally."""
+    if images is None:
+        return encode_pass(params, config, tokens, cache.lengths, lengths, cache, runtime=runtime)[1]
+    features, _ = image_features_pass(params, config, images[0], images[1], runtime=runtime)
+    within = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    return encode_pass(params, config, tokens, cache.lengths, lengths, cache, runtime=runtime,
+                       image_features=features, image_tokens=(tokens == config.image_token_id) & within)[1]
 
 
 def finish_canvas(sampler: SamplerConfig, argmax: jax.Array, finished: jax.Array):
@@ -121,16 +130,16 @@ def canvas_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCa
 
 def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_tokens, prompt_lengths,
                    cache: KVCache, keys: jax.Array, max_new_tokens: int, seed_canvas=None,
-                   pinned=None, runtime: Runtime | None = None) -> GenerateOutput:
+                   pinned=None, runtime: Runtime | None = None, images=None) -> GenerateOutput:
     """The whole generation as one program (trace under jit; config/sampler/max_new_tokens/runtime static).
 
     keys: [B] per-row keys. seed_canvas/pinned: optional start canvas and held positions for the
-    first canvas (infilling / edits).
+    first canvas (infilling / edits). images: the prompt's images (`prefill_prompt`).
     """
     b = prompt_tokens.shape[0]
     l = sampler.canvas_length
     n_canvas = num_canvases(max_new_tokens, l)
-    cache = prefill_prompt(params, config, prompt_tokens, prompt_lengths, cache, runtime)
+    cache = prefill_prompt(params, config, prompt_tokens, prompt_lengths, cache, runtime, images)
     out = jnp.full((b, n_canvas * l), sampler.pad_id, jnp.int32)
     steps = jnp.zeros((b, n_canvas), jnp.int32)
     finished = jnp.zeros((b,), bool)
@@ -192,12 +201,13 @@ class StepEvent:
 
 
 def _iterate(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens, seed_canvas,
-             pinned, per_step: bool) -> Iterator:
+             pinned, per_step: bool, images=None) -> Iterator:
     """The streaming driver. programs: the engine's jits of prefill_prompt, canvas_step, start_state,
     step_state and canvas_end (config and sampler bound), as attributes of those names."""
     l = programs.sampler.canvas_length
     n_canvas = num_canvases(max_new_tokens, l)
-    cache = programs.prefill_prompt(params, tokens=prompt_tokens, lengths=prompt_lengths, cache=cache)
+    cache = programs.prefill_prompt(params, tokens=prompt_tokens, lengths=prompt_lengths, cache=cache,
+                                    images=images)
     finished = jnp.zeros((prompt_tokens.shape[0],), bool)
     for c in range(n_canvas):
         index, last = jnp.int32(c), jnp.bool_(c + 1 >= n_canvas)
@@ -223,19 +233,19 @@ def _iterate(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_n
 
 
 def iter_canvases(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens,
-                  seed_canvas=None, pinned=None) -> Iterator[CanvasEvent]:
+                  seed_canvas=None, pinned=None, images=None) -> Iterator[CanvasEvent]:
     """Yield each finished canvas as soon as it is committed (streaming driver)."""
     for ev in _iterate(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens, seed_canvas,
-                       pinned, per_step=False):
+                       pinned, per_step=False, images=images):
         if isinstance(ev, CanvasEvent):
             yield ev
 
 
 def iter_steps(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens,
-               seed_canvas=None, pinned=None) -> Iterator[StepEvent | CanvasEvent]:
+               seed_canvas=None, pinned=None, images=None) -> Iterator[StepEvent | CanvasEvent]:
     """Yield every denoising step (a `StepEvent`) and every finished canvas (a `CanvasEvent`)."""
     for ev in _iterate(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens, seed_canvas,
-                       pinned, per_step=True):
+                       pinned, per_step=True, images=images):
         if not isinstance(ev, KVCache):
             yield ev
 

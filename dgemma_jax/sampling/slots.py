@@ -40,16 +40,18 @@ class RoundOutput:
 
 
 def prefill_slot(params, config: ModelConfig, cache: KVCache, slot: jax.Array, tokens: jax.Array,
-                 length: jax.Array, fresh: jax.Array, runtime: Runtime | None = None) -> KVCache:
+                 length: jax.Array, fresh: jax.Array, runtime: Runtime | None = None, images=None) -> KVCache:
     """Write a prompt chunk into row `slot`: tokens [1, W] (right-padded), length [1] valid tokens.
 
     fresh: the chunk starts a new request (the row's committed length is reset to 0 first; what the
     row held before stays behind its new length, where nothing reads it); otherwise the chunk is
     appended causally after what the row holds, so a long prompt goes in as several chunks of one
-    compiled width."""
+    compiled width. images: None, or (pixel_values, position_ids) of the images wholly inside this
+    chunk (`prefill_prompt`): an image's tokens must all be in one chunk, since it attends to itself
+    bidirectionally."""
     row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), cache)
     row = row.replace(lengths=jnp.where(fresh, jnp.zeros_like(row.lengths), row.lengths))
-    row = prefill_prompt(params, config, tokens, length, row, runtime)
+    row = prefill_prompt(params, config, tokens, length, row, runtime, images=images)
     return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, axis=0), cache, row)
 
 

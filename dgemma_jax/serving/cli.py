@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
-from dgemma_jax.cli_run import checkpoint_flags
+from dgemma_jax.cli_run import checkpoint_flags, quantize_for_cli
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.shardings import Shardings
 from dgemma_jax.pipeline import load_checkpoint
@@ -18,9 +19,20 @@ def cmd_serve(args) -> int:
     from dgemma_jax.serving.scheduler import Scheduler
     from dgemma_jax.serving.server import serve  # deferred: its web stack (fastapi, uvicorn) takes ~0.6 s to import
 
+    image_dirs = []
+    for d in args.allowed_image_dirs or ():
+        if not os.path.isdir(d):
+            print(f"dgemma: error: --allowed-image-dir {d}: no such directory", file=sys.stderr)
+            return 2
+        image_dirs.append(os.path.realpath(d))
     cfg, params, sampler, tok = load_checkpoint(args.checkpoint, args.dtype, args.revision)
+    if args.max_soft_tokens is not None and cfg.vision is None:
+        print(f"dgemma: error: --max-soft-tokens: {cfg.name} is a text-only checkpoint (no vision tower)",
+              file=sys.stderr)
+        return 2
     if sampler is None:  # a checkpoint without generation settings: the released defaults
         sampler = SamplerConfig.for_model(cfg)
+    params = quantize_for_cli(args, cfg, params)
     shardings = None
     if args.mesh:
         shardings = Shardings(cfg, make_mesh(args.mesh), args.rules)
@@ -41,7 +53,8 @@ def cmd_serve(args) -> int:
           file=sys.stderr, flush=True)
     print(f"dgemma serve: listening on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     serve(scheduler, name, host=args.host, port=args.port, drain_seconds=args.drain_seconds,
-          log_level=args.log_level, default_max_tokens=args.default_max_tokens)
+          log_level=args.log_level, default_max_tokens=args.default_max_tokens, allowed_image_dirs=image_dirs,
+          max_soft_tokens=args.max_soft_tokens)
     return 0
 
 
@@ -49,6 +62,8 @@ def add_command(sub, positive) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching over N slots")
     checkpoint_flags(s)
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
+    s.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8: weight-only int8 expert, attention and MLP kernels, quantized on load")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=positive(int), default=8000)
     s.add_argument("--slots", type=positive(int), default=8, help="requests denoised together (one cache row each)")
@@ -64,6 +79,12 @@ def add_command(sub, positive) -> None:
                    help="a request's max_tokens when it sends none (capped to what fits)")
     s.add_argument("--prefill-chunk", type=positive(int), default=512, dest="prefill_chunk",
                    help="prompts are prefilled in chunks of this many tokens (two compiled widths serve every length)")
+    s.add_argument("--allowed-image-dir", action="append", dest="allowed_image_dirs", default=None, metavar="DIR",
+                   help="chat image parts may name local files (file:///... or an absolute path) under DIR "
+                        "(repeatable; default none: images come as data URLs only)")
+    s.add_argument("--max-soft-tokens", type=int, choices=[70, 140, 280, 560, 1120], default=None,
+                   dest="max_soft_tokens",
+                   help="each image's soft-token budget (its prompt tokens; default the image processor's, 280)")
     s.add_argument("--mesh", default=None, help="shard over this host's devices, e.g. expert=8 or tensor=4,expert=2")
     s.add_argument("--rules", default="serving", choices=["latency", "serving", "training"])
     s.add_argument("--served-model-name", dest="served_model_name", default=None,

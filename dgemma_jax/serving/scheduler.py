@@ -30,7 +30,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from dgemma_jax.engine import Engine, compiled_memory, new_tokens_that_fit
+from dgemma_jax.engine import Engine, check_images_host, compiled_memory, new_tokens_that_fit
+from dgemma_jax.io.images import image_runs
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, row_keys
 from dgemma_jax.serving import text as text_lib
@@ -78,6 +79,8 @@ class Request:
     n: int = 1
     stop: Sequence[str] = ()
     keep_special: bool = False      # decode with special tokens (chat: the thought channel's markers)
+    images: Any = None              # the prompt's images (`dgemma_jax.io.images.ImageBatch`), in prompt order
+    chunks: Any = dataclasses.field(default=None, init=False, repr=False)   # set by `Scheduler.submit`
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     submitted: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -124,7 +127,7 @@ class Scheduler:
         big = min(int(prefill_chunk), self.context)
         self.prefill_widths = (min(SMALL_PREFILL, big), big)   # (short prompts and tails, whole chunks)
         self._prefill, self._round = engine.slot_programs()
-        self._compiled_prefill: dict[int, Any] = {}
+        self._compiled_prefill: dict[Any, Any] = {}
         self._compiled_round = None
         self._cache = None
         self._busy: list[_Choice | None] = [None] * self.slots
@@ -164,6 +167,50 @@ class Scheduler:
                              f"do not fit this server's context of {self.context} tokens per request; "
                              f"ask for at most {most} tokens or shorten the prompt")
 
+    def plan_chunks(self, prompt_ids: Sequence[int], images=None) -> list[tuple[int, int, int, Any]]:
+        """The prompt's prefill chunks: [(start, end, width, images wholly inside or None)], each at most the big
+        prefill width, none cutting an image (its `<|image>` ... `<image|>` block): a chunk that would
+        cut one ends before the image's begin marker, and the image starts the next chunk. ValueError
+        (HTTP 400) when the images do not match the prompt's image tokens, or an image is longer than
+        a chunk (`--prefill-chunk`)."""
+        cfg = self.engine.config
+        ids = np.asarray(prompt_ids, np.int32).reshape(-1)
+        check_images_host(cfg, ids[None], np.asarray([len(ids)], np.int32), images)
+        blocks = self._image_blocks(ids) if images is not None else []
+        small, big = self.prefill_widths
+        for i, (b, e) in enumerate(blocks):
+            if e - b > big:
+                raise ValueError(f"image {i + 1} of the prompt takes {e - b} tokens (its soft tokens and markers), "
+                                 f"more than this server's prefill chunk of {big} tokens; an image must go into "
+                                 f"the cache in one chunk: restart the server with --prefill-chunk {e - b} or more, "
+                                 "or send a smaller image budget")
+        chunks, start = [], 0
+        while start < len(ids):
+            rest = len(ids) - start
+            width = small if rest <= small else big
+            end = start + min(rest, width)
+            for b, e in blocks:
+                if b < end < e:       # the chunk would cut this image: end before its begin marker
+                    end = b
+            assert end > start, "an image longer than a chunk was let through"
+            inside = [i for i, (b, e) in enumerate(blocks) if start <= b and e <= end]
+            chunks.append((start, end, width, images.select(inside) if inside else None))
+            start = end
+        return chunks
+
+    def _image_blocks(self, ids: np.ndarray) -> list[tuple[int, int]]:
+        """[(begin, end)] of each image in `ids`: its run of image tokens with the begin / end markers
+        around it when they are there."""
+        cfg = self.engine.config
+        blocks = []
+        for b, e in image_runs(ids, cfg.image_token_id):
+            if b > 0 and cfg.boi_token_id is not None and ids[b - 1] == cfg.boi_token_id:
+                b -= 1
+            if e < len(ids) and cfg.eoi_token_id is not None and ids[e] == cfg.eoi_token_id:
+                e += 1
+            blocks.append((b, e))
+        return blocks
+
     def default_max_tokens(self, prompt_len: int, limit: int) -> int:
         """The most tokens (<= limit, whole canvases) that fit after a prompt of `prompt_len`."""
         return new_tokens_that_fit(self.engine.config, self.engine.sampler, prompt_len, limit, self.context)
@@ -193,6 +240,7 @@ class Scheduler:
         if request.n < 1:
             raise ValueError(f"n must be >= 1; got {request.n}")
         self.check_fits(len(request.prompt_ids), request.max_tokens)
+        request.chunks = self.plan_chunks(request.prompt_ids, request.images)
         keys = np.asarray(jax.random.key_data(row_keys(int(request.seed), request.n)))
         n_canvas = -(-request.max_tokens // self.canvas_length)
         with self._cond:
@@ -230,7 +278,21 @@ class Scheduler:
         self.memory["slot_round"] = compiled_memory(compiled)
         return compiled
 
-    def _prefill_for(self, width: int):
+    def _prefill_for(self, width: int, images=None):
+        """The compiled prefill of a chunk of `width` tokens; with images (pixel_values, position_ids)
+        a program per (width, images shape), compiled on first use."""
+        if images is not None:
+            key = (width, tuple(images[0].shape), tuple(images[1].shape))
+            if key not in self._compiled_prefill:
+                compiled = self._prefill.lower(self.engine.params, cache=self._cache, slot=np.int32(0),
+                                               tokens=np.zeros((1, width), np.int32),
+                                               length=np.ones((1,), np.int32), fresh=np.bool_(True),
+                                               images=images).compile()
+                n = images[0].shape[0]
+                self.memory[f"prefill_slot_{width}_images_{n}x{images[0].shape[1]}"] = compiled_memory(compiled)
+                self._compiled_prefill[key] = compiled
+                self.stats["image_prefill_compiles"] += 1
+            return self._compiled_prefill[key]
         if width not in self._compiled_prefill:
             compiled = self._prefill.lower(self.engine.params, cache=self._cache, slot=np.int32(0),
                                            tokens=np.zeros((1, width), np.int32),
@@ -270,26 +332,30 @@ class Scheduler:
                     choice = self._queue.popleft() if self._queue else None
             if choice is None:
                 return
-            self._prefill_row(slot, np.asarray(choice.request.prompt_ids, np.int32))
+            req = choice.request
+            self._prefill_row(slot, np.asarray(req.prompt_ids, np.int32), req.images, req.chunks)
             choice.slot, choice.admitted_round = slot, self.stats["rounds"]
             with self._cond:
                 self._busy[slot] = choice
             self.stats["prefills"] += 1
 
-    def _prefill_row(self, slot: int, ids: np.ndarray) -> None:
-        """The prompt into row `slot`, in chunks of the compiled prefill widths."""
-        small, big = self.prefill_widths
-        start = 0
-        while start < len(ids):
-            rest = len(ids) - start
-            width = small if rest <= small else big
-            n = min(rest, width)
+    def _prefill_row(self, slot: int, ids: np.ndarray, images=None, chunks=None) -> None:
+        """The prompt into row `slot`, in chunks of the compiled prefill widths (`plan_chunks`), each
+        chunk with the images wholly inside it."""
+        if chunks is None:
+            chunks = self.plan_chunks(ids, images)
+        for start, end, width, imgs in chunks:
+            n = end - start
             tokens = np.full((1, width), self.engine.config.pad_id, np.int32)
-            tokens[0, :n] = ids[start:start + n]
-            self._cache = self._prefill_for(width)(self.engine.params, cache=self._cache, slot=np.int32(slot),
-                                                   tokens=tokens, length=np.asarray([n], np.int32),
-                                                   fresh=np.bool_(start == 0))
-            start += n
+            tokens[0, :n] = ids[start:end]
+            kw = dict(cache=self._cache, slot=np.int32(slot), tokens=tokens, length=np.asarray([n], np.int32),
+                      fresh=np.bool_(start == 0))
+            if imgs is None:
+                self._cache = self._prefill_for(width)(self.engine.params, **kw)
+            else:
+                pixels = self.engine._place(np.asarray(imgs.pixel_values, np.float32),
+                                            np.asarray(imgs.position_ids, np.int32))
+                self._cache = self._prefill_for(width, pixels)(self.engine.params, images=tuple(pixels), **kw)
 
     def _one_round(self) -> None:
         n, l = self.slots, self.canvas_length

@@ -20,14 +20,16 @@ import signal
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from dgemma_jax.io.chat import history_without_thinking, render_chat
+from dgemma_jax.io.chat import chat_images, history_without_thinking, render_chat
+from dgemma_jax.io.images import prompt_with_images
+from dgemma_jax.serving import images as images_lib
 from dgemma_jax.serving import text as text_lib
 from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, SeqEvent, ShuttingDown
 from dgemma_jax.serving.schema import ChatRequest, CompletionRequest
@@ -48,9 +50,12 @@ def _error(status: int, message: str, kind: str, code: str | None = None, param:
                         status_code=status)
 
 
-def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
+def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+               allowed_image_dirs: Sequence[str] = (), max_soft_tokens: int | None = None) -> FastAPI:
     """The ASGI app serving `scheduler` under `model_name`. Its lifespan stops the scheduler (after
-    uvicorn has drained the open requests)."""
+    uvicorn has drained the open requests). allowed_image_dirs: directories whose files chat image
+    parts may name (default none: data URLs only); max_soft_tokens: each image's soft-token budget
+    (default: the checkpoint's image processor's, `dgemma_jax.io.images.settings_for`)."""
     tok, cfg = scheduler.tokenizer, scheduler.engine.config
     created = int(time.time())
 
@@ -93,9 +98,17 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
                            param="prompt")
         return list(item)
 
-    def chat_ids(body: ChatRequest) -> list[int]:
+    def chat_ids(body: ChatRequest):
+        """(prompt ids, ImageBatch or None) of a chat request."""
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        with_images = images_lib.has_image_parts(messages)
+        if with_images and cfg.vision is None:
+            raise APIError(400, f"{model_name} is a text-only checkpoint (no vision tower): it cannot take images; "
+                                "drop the image parts", param="messages")
         if not tok.has_chat_template:
+            if with_images:
+                raise APIError(400, f"{model_name} has no chat template, so it has no place for images: send text "
+                                    "only", param="messages")
             users = [m for m in messages if m["role"] == "user"]
             if len(messages) != 1 or len(users) != 1:
                 raise APIError(400, f"{model_name} has no chat template (a character-level model): send exactly one "
@@ -103,13 +116,32 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
             content = users[0].get("content")
             if not isinstance(content, str):
                 content = "".join(p.get("text", "") for p in content or () if p.get("type") == "text")
-            return prompt_ids(content)
+            return prompt_ids(content), None
         try:
-            text = render_chat(history_without_thinking(messages), add_generation_prompt=True,
-                               enable_thinking=body.thinking)
-            return list(tok.encode(text))
+            messages = history_without_thinking(messages)
+            if with_images:
+                messages = images_lib.resolve_image_parts(messages, allowed_image_dirs)
+                first = messages[0]
+                if first["role"] in ("system", "developer") and isinstance(first.get("content"), list) and any(
+                        isinstance(p, dict) and p.get("type") == "image" for p in first["content"]):
+                    raise ValueError("messages[0]: the chat template shows no images of a leading system message; "
+                                     "put the image in a user message")
+            text = render_chat(messages, add_generation_prompt=True, enable_thinking=body.thinking)
         except (TypeError, ValueError) as e:
             raise APIError(400, str(e), param="messages") from None
+        if not with_images:
+            try:
+                return list(tok.encode(text)), None
+            except (TypeError, ValueError) as e:
+                raise APIError(400, str(e), param="messages") from None
+        try:
+            tokens, _, batch = prompt_with_images(cfg, tok, text, chat_images(messages), max_soft_tokens,
+                                                  add_bos=False)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except Exception as e:  # noqa: BLE001 - a decoder's own exception: still the client's image
+            raise APIError(400, f"the image could not be read ({type(e).__name__}: {e})", param="messages") from None
+        return [int(t) for t in tokens[0]], batch
 
     def check_model(body) -> None:
         if body.model not in (None, model_name):
@@ -129,7 +161,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    def submit_all(body, prompts: list[list[int]], queue: asyncio.Queue, chat: bool) -> list[Request]:
+    def submit_all(body, prompts: list[list[int]], queue: asyncio.Queue, chat: bool, images=None) -> list[Request]:
         loop = asyncio.get_running_loop()
         sampler = sampler_for(body)
         try:
@@ -142,7 +174,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
             for p, ids in enumerate(prompts):
                 n_tok = budget if budget is not None else scheduler.default_max_tokens(len(ids), default_max_tokens)
                 req = Request(ids, n_tok, sampler, seed, n=body.n, stop=body.stops,
-                              keep_special=chat and tok.has_chat_template,
+                              keep_special=chat and tok.has_chat_template, images=images,
                               on_event=lambda ev, p=p: loop.call_soon_threadsafe(queue.put_nowait, (p, ev)))
                 reqs.append(scheduler.submit(req))
         except BaseException as e:
@@ -153,7 +185,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
             if isinstance(e, ShuttingDown):
                 raise APIError(503, str(e), "server_error", "shutting_down") from None
             if isinstance(e, ValueError):
-                raise APIError(400, str(e), param="max_tokens") from None
+                raise APIError(400, str(e), param="messages" if images is not None else "max_tokens") from None
             raise
         return reqs
 
@@ -173,10 +205,10 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
                 return
             await asyncio.sleep(DISCONNECT_POLL_S)
 
-    async def run(http: HTTPRequest, body, prompts: list[list[int]], chat: bool):
+    async def run(http: HTTPRequest, body, prompts: list[list[int]], chat: bool, images=None):
         check_model(body)
         queue: asyncio.Queue = asyncio.Queue()
-        reqs = submit_all(body, prompts, queue, chat)
+        reqs = submit_all(body, prompts, queue, chat, images)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         n_total = len(prompts) * body.n
         stamp = int(time.time())
@@ -262,7 +294,10 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
     # ------------------------------------------------------------------ routes
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HTTPRequest):
-        return await run(http, body, [chat_ids(body)], chat=True)
+        check_model(body)
+        # off the event loop: decoding and resizing an image takes a while
+        ids, images = await asyncio.get_running_loop().run_in_executor(None, chat_ids, body)
+        return await run(http, body, [ids], chat=True, images=images)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):

@@ -58,3 +58,22 @@ def heldout_pairs(metadata: dict[str, Any], n: int, seed: int) -> list[tuple[str
     mix = TaskMix.from_config(metadata["tasks"])
     rng = np.random.default_rng([int(seed), 99])
     return [mix.sample(rng) for _ in range(n)]
+
+
+def train_or_reload(cfg, workdir: str, skip_train: bool, fresh: bool):
+    """The bundling scripts' first step: train the recipe `cfg` in `workdir` (from scratch when `fresh`),
+    or with `skip_train` rebuild its Run and read the parameters and summary an earlier run exported
+    there. Returns (run, host params, summary)."""
+    # inside: the trainer imports this module (load_bundled), so importing it up top would be circular
+    from dgemma_jax.training.checkpoint import load_params
+    from dgemma_jax.training.train import Run, train  # deferred with the line above: the same cycle
+
+    if fresh and os.path.isdir(workdir):
+        shutil.rmtree(workdir)
+    if skip_train:
+        with open(os.path.join(workdir, "summary.json")) as f:
+            summary = json.load(f)
+        return Run(cfg), load_params(os.path.join(workdir, "export")), summary
+    summary = train(cfg)
+    run = summary.pop("run")
+    return run, jax.device_get(run.inference_params()), summary

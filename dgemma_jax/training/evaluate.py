@@ -10,6 +10,7 @@ import numpy as np
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.engine import Engine
+from dgemma_jax.io.images import ImageSettings, preprocess_images, prompt_with_images, settings_for
 from dgemma_jax.sampling.config import SamplerConfig
 
 
@@ -26,11 +27,15 @@ def pad_prompts(prompts: Sequence[Sequence[int]], width: int, pad_id: int = 0):
 
 def evaluate_exact_match(config: ModelConfig, params: Any, sampler: SamplerConfig, tokenizer,
                          pairs: Sequence[tuple[str, str]], *, prompt_width: int, max_new_tokens: int,
-                         batch_size: int = 100, seed: int = 0, engine=None, keep: int = 8) -> dict[str, Any]:
+                         batch_size: int = 100, seed: int = 0, engine=None, keep: int = 8,
+                         images: Sequence[Any] | None = None, image_settings: ImageSettings | None = None
+                         ) -> dict[str, Any]:
     """Generate an answer for each (prompt, answer) pair and score exact string match.
 
     Prompts are BOS + tokenizer.encode(prompt), right-padded to `prompt_width` (one compiled shape;
-    the last batch is padded with copies and the copies are not scored). Returns accuracy, per-row
+    the last batch is padded with copies and the copies are not scored). images: one picture per pair
+    (uint8 arrays, PIL images or paths), placed before its prompt's text as `prompt_with_images` does
+    and preprocessed with `image_settings` (default: the checkpoint's, `settings_for`). Returns accuracy, per-row
     denoiser passes, mean steps per canvas, tokens per forward pass (HF's metric), a few samples
     (the first `keep`) and a few failures (the first `keep` wrong answers).
     """
@@ -43,9 +48,16 @@ def evaluate_exact_match(config: ModelConfig, params: Any, sampler: SamplerConfi
         chunk = list(pairs[s:s + batch_size])
         real = len(chunk)
         chunk += [chunk[-1]] * (batch_size - real)
-        toks, lens = pad_prompts([[tokenizer.bos_id] + tokenizer.encode(p) for p, _ in chunk], prompt_width,
-                                 config.pad_id)
-        out = engine.generate(toks, lens, rng=seed + s, max_new_tokens=max_new_tokens)
+        batch = None
+        if images is None:
+            ids = [[tokenizer.bos_id] + tokenizer.encode(p) for p, _ in chunk]
+        else:
+            pics = list(images[s:s + batch_size])
+            batch = preprocess_images(pics + [pics[-1]] * (batch_size - real),
+                                      image_settings or settings_for(config))
+            ids = [prompt_with_images(config, tokenizer, p, batch.select([i]))[0][0] for i, (p, _) in enumerate(chunk)]
+        toks, lens = pad_prompts(ids, prompt_width, config.pad_id)
+        out = engine.generate(toks, lens, rng=seed + s, max_new_tokens=max_new_tokens, images=batch)
         gen = np.asarray(out.tokens)[:real]
         st = np.asarray(out.steps)[:real]
         tp = np.asarray(out.tokens_per_forward(sampler.pad_id))[:real]

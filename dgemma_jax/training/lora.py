@@ -45,6 +45,8 @@ __doc__ += "\n" + "\n".join(f"    {k:18s} {v}" for k, v in LORA_GROUPS.items()) 
 # per-expert output scale (transformers' router.proj / router.scale / router.per_expert_scale) and
 # anything added to the routing later; `freeze_router` freezes all of them (spec: router frozen in SFT)
 ROUTER_PATTERN = r"(^|/)moe/(?!(gate_up|down)$)[^/]+$"
+# the vision tower and its projection (a checkpoint with `vision`): the trainer is text-only, so they stay as loaded
+VISION_PATTERN = r"^(vision_tower|embed_vision)/"
 
 
 def path_str(path) -> str:

@@ -1,6 +1,8 @@
 """The DiffusionGemma training objective (spec §4): block diffusion with a clean prefix.
 
-Per example (batch layout in `dgemma_jax.training.data`)::
+Per example (batch layout in `dgemma_jax.training.data`; a batch with "pixel_values" and
+"pixel_positions" has one picture per row, `training.image_tasks`, run through the vision tower into
+the prompt's image placeholders in step 3)::
 
     1. choose one valid canvas c ~ U{0..num_canvases-1}; it starts at s = prompt_length + c * L
     2. t ~ U(eps, 1); noisy = uniform corruption of the clean canvas with prob t   (corruption.py)
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model.api import denoise_logits, encode_pass, soft_embed_pass
+from dgemma_jax.model.api import denoise_logits, encode_pass, image_features_pass, soft_embed_pass
 from dgemma_jax.model.cache import init_cache
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.training.corruption import corrupt, sample_t
@@ -81,12 +83,22 @@ def token_ce(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def encoder_pass(config: ModelConfig, params, tokens, lengths, want_logits: bool, cache_dtype=None, adapters=None,
-                 runtime: Runtime | None = None):
-    """The causal pass over whole training rows into a fresh cache: (logits or None, cache)."""
+                 runtime: Runtime | None = None, images: tuple[jax.Array, jax.Array] | None = None,
+                 prompt_lengths: jax.Array | None = None):
+    """The causal pass over whole training rows into a fresh cache: (logits or None, cache).
+
+    images: (pixel_values [N, P, 3 p^2], positions [N, P, 2]) of the rows' pictures in row-major order,
+    through the vision tower (trainable) into the `config.image_token_id` placeholders of the prompts
+    (positions < prompt_lengths; a response never carries an image)."""
     b, t = tokens.shape
     cache = init_cache(config, b, t, cache_dtype)
+    kw = {}
+    if images is not None:
+        feats, _ = image_features_pass(params, config, images[0], images[1], runtime=runtime)
+        in_prompt = jnp.arange(t, dtype=jnp.int32)[None, :] < prompt_lengths[:, None]
+        kw = dict(image_features=feats, image_tokens=(tokens == config.image_token_id) & in_prompt)
     return encode_pass(params, config, tokens, jnp.zeros((b,), jnp.int32), lengths, cache,
-                       "all" if want_logits else "none", adapters=adapters, runtime=runtime)
+                       "all" if want_logits else "none", adapters=adapters, runtime=runtime, **kw)
 
 
 def ar_loss(logits, tokens, lengths, prompt_lengths, on_prompt: bool):
@@ -131,7 +143,9 @@ def loss_fn(params, batch: dict, rng: jax.Array, *, config: ModelConfig, obj: Ob
         noisy = noise_override.astype(jnp.int32)
 
     want_ar = obj.ar_weight > 0
-    enc_logits, cache = encoder_pass(config, params, tokens, lengths, want_ar, adapters=adapters, runtime=runtime)
+    images = (batch["pixel_values"], batch["pixel_positions"]) if "pixel_values" in batch else None
+    enc_logits, cache = encoder_pass(config, params, tokens, lengths, want_ar, adapters=adapters, runtime=runtime,
+                                     images=images, prompt_lengths=plen)
 
     soft = None
     sc_on = jnp.zeros((b,), bool)

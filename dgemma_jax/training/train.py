@@ -50,6 +50,7 @@ from dgemma_jax.parallel.shardings import fetch
 from dgemma_jax.runtime import Runtime, split_choices
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.training import data as data_lib
+from dgemma_jax.training import image_tasks
 from dgemma_jax.training import lora as lora_lib
 from dgemma_jax.training.bundled import load_bundled
 from dgemma_jax.training.checkpoint import Checkpointer, load_params, save_params
@@ -78,12 +79,14 @@ def build_tokenizer(dc: dict):
     if kind == "tasks":
         return task_tokenizer()
     if kind == "char":
-        return CharTokenizer(dc["chars"])
+        return CharTokenizer(dc["chars"], tuple(dc.get("markers", ())))
+    if kind == "image_tasks":  # the characters of the image tasks' instructions and the image markers
+        return CharTokenizer(image_tasks.VISION_CHARS, image_tasks.MARKERS)
     if kind == "char_file":
         return CharTokenizer.load(dc["tokenizer_path"])
     if kind == "hf":
         return HFTokenizer(dc["tokenizer_path"])
-    raise ValueError(f"unknown data.tokenizer {kind!r}: use 'tasks', 'char', 'char_file' or 'hf'")
+    raise ValueError(f"unknown data.tokenizer {kind!r}: use 'tasks', 'image_tasks', 'char', 'char_file' or 'hf'")
 
 
 class HFTokenizer:
@@ -137,13 +140,40 @@ def build_model_and_params(mc: dict, ic: dict, vocab_size: int | None):
         params["embedding"] = (jax.random.normal(jax.random.key(int(ic.get("seed", 0)) + 1),
                                                  params["embedding"].shape, jnp.float32) * std
                                ).astype(params["embedding"].dtype)
+    if ic.get("vision_from_scratch") and cfg.vision is not None:
+        params = _vision_from_scratch(params, int(ic.get("seed", 0)))
     return cfg, params
 
 
-def build_source(dc: dict, tokenizer, layout: data_lib.Layout, batch_size: int, seed: int):
+def _vision_from_scratch(params, seed: int):
+    """A tower init that can learn to see: the patch projection at std 1/sqrt(3 p^2) (unit-RMS patch
+    features from pixels in [-1, 1]), random position tables (std 0.5) and the projection into the text
+    at std 1/sqrt(D_v) (unit-RMS image embeddings, as the text's). The default init (the reference's:
+    tables of ones, projections std 0.02) gives every patch the same position and buries the pixels under
+    it: the soft tokens of any two pictures then differ by ~4% of their size, at 1/6 of the text's scale."""
+    tower = dict(params["vision_tower"])
+    k_in, k_pos, k_out = jax.random.split(jax.random.key(seed + 2), 3)
+    proj = params["embed_vision"]["projection"]
+    embed = dict(params["embed_vision"],
+                 projection=(jax.random.normal(k_out, proj.shape, jnp.float32) / np.sqrt(proj.shape[0])
+                             ).astype(proj.dtype))
+    w, table = tower["input_proj"], tower["position_table"]
+    tower["input_proj"] = (jax.random.normal(k_in, w.shape, jnp.float32) / np.sqrt(w.shape[0])).astype(w.dtype)
+    tower["position_table"] = (jax.random.normal(k_pos, table.shape, jnp.float32) * 0.5).astype(table.dtype)
+    return dict(params, vision_tower=tower, embed_vision=embed)
+
+
+def build_source(dc: dict, tokenizer, layout: data_lib.Layout, batch_size: int, seed: int,
+                 config: ModelConfig | None = None):
     kind = dc.get("kind", "tasks")
     if kind == "tasks":
         return data_lib.TaskSource(TaskMix.from_config(dc["tasks"]), tokenizer, layout, batch_size, seed)
+    if kind == "image_tasks":
+        if config is None or config.vision is None:
+            raise ValueError("data.kind 'image_tasks' trains the image path: the model needs a vision tower "
+                             "(model.overrides.vision and the image token ids)")
+        return image_tasks.ImageTaskSource(image_tasks.tasks_from_config(dc["image_tasks"]), tokenizer, layout,
+                                           batch_size, config, dc.get("max_soft_tokens"), seed)
     if kind == "jsonl":
         return data_lib.JsonlSource(dc["path"], tokenizer.encode, layout, batch_size, seed,
                                     dc.get("prompt_key", "prompt"), dc.get("response_key", "response"),
@@ -156,7 +186,7 @@ def build_source(dc: dict, tokenizer, layout: data_lib.Layout, batch_size: int, 
             docs = [tokenizer.encode(d) for d in f.read().split(dc.get("separator", "\n\n")) if d.strip()]
         return data_lib.RawTextSource(docs, layout, batch_size, seed, int(dc.get("min_prompt", 1)),
                                       dc.get("bos_id"))
-    raise ValueError(f"unknown data.kind {kind!r}: use 'tasks', 'jsonl', 'chat' or 'raw_text'")
+    raise ValueError(f"unknown data.kind {kind!r}: use 'tasks', 'image_tasks', 'jsonl', 'chat' or 'raw_text'")
 
 
 def _read_pairs(path: str, prompt_key: str, response_key: str, what: str) -> list[tuple[str, str]]:
@@ -190,7 +220,7 @@ def check_eval_source(dc: dict, ec: dict) -> None:
     kind = dc.get("kind", "tasks")
     path = ec.get("path")
     if not path:
-        if kind == "tasks" and int(ec.get("seed", 12345)) == int(dc.get("seed", 0)):
+        if kind in ("tasks", "image_tasks") and int(ec.get("seed", 12345)) == int(dc.get("seed", 0)):
             raise ValueError(f"eval.seed {int(ec.get('seed', 12345))} equals data.seed: the eval problems would "
                              "be drawn exactly as training batch 99 is (the eval set is then a training batch); "
                              "choose a different eval.seed")
@@ -288,12 +318,16 @@ class Run:
         self.layout = data_lib.Layout(int(dc["prompt_length"]), int(dc["num_canvases"]), L,
                                       eos_id=cfg.eos_ids[0], pad_id=cfg.pad_id)
         self.seed = int(tc.get("seed", 0))
-        self.source = build_source(dc, self.tokenizer, self.layout, int(dc["batch_size"]), int(dc.get("seed", 0)))
+        self.source = build_source(dc, self.tokenizer, self.layout, int(dc["batch_size"]), int(dc.get("seed", 0)),
+                                   cfg)
         self.obj = ObjectiveConfig(canvas_length=L, **objective_options(dc, _d(config.get("objective"))))
         self.num_steps = int(tc["num_steps"])
         freeze = list(oc.pop("freeze", ()) or ())
         if oc.pop("freeze_router", False):
             freeze.append(lora_lib.ROUTER_PATTERN)
+        if cfg.vision is not None and dc.get("kind") != "image_tasks":
+            # text-only training: no gradient reaches the tower, and no weight decay either
+            freeze.append(lora_lib.VISION_PATTERN)
         self.lora = None
         if lc.get("enabled", False):
             self.lora = LoraSpec(int(lc["rank"]), float(lc.get("alpha", lc["rank"])), tuple(lc["groups"]))
@@ -345,14 +379,25 @@ class Run:
         rng = np.random.default_rng([int(self.ec.get("seed", 12345)), 99])
         return [mix.sample(rng) for _ in range(int(self.ec.get("num_examples", 100)))]
 
+    def eval_image_problems(self) -> list[tuple[Any, str, str]]:
+        """Held-out (picture, instruction, answer) problems of an image-task recipe (the eval seed)."""
+        return image_tasks.heldout_examples(image_tasks.tasks_from_config(self.dc["image_tasks"]),
+                                            int(self.ec.get("num_examples", 100)), int(self.ec.get("seed", 12345)))
+
     def evaluate(self, state=None) -> dict[str, Any]:
-        pairs = self.eval_pairs()
+        pictures = None
+        if self.dc.get("kind") == "image_tasks" and not self.ec.get("path"):
+            problems = self.eval_image_problems()
+            pairs, pictures = [(p, a) for _, p, a in problems], [im for im, _, _ in problems]
+        else:
+            pairs = self.eval_pairs()
         if not pairs:
             return {}
         return evaluate_exact_match(
             self.model_config, self.inference_params(state), self.sampler, self.tokenizer, pairs,
             prompt_width=self.layout.prompt_length, max_new_tokens=self.layout.response_capacity,
-            batch_size=int(self.ec.get("batch_size", 100)), seed=int(self.ec.get("seed", 12345)))
+            batch_size=int(self.ec.get("batch_size", 100)), seed=int(self.ec.get("seed", 12345)), images=pictures,
+            image_settings=getattr(self.source, "settings", None))
 
 
 def train(config) -> dict[str, Any]:

@@ -37,6 +37,32 @@ def _parity(preset: str):
     return arrays, {"inputs_sha256": digest, "case": f"tests/golden/parity_case.py preset {preset}"}
 
 
+def _image_prefill(preset: str):
+    from tests.reference import hf_reference as ref
+    from tests.golden import image_prefill_case as case
+
+    with tempfile.TemporaryDirectory() as tmp:
+        info = ref.numpy_checkpoint(preset, case.SEED, tmp)
+        inp = case.inputs(tmp)
+        arrays = case.hf_outputs(ref.load_reference(tmp), inp)
+        digest = store.inputs_sha256(*case.hash_items(tmp, inp))
+    arrays.update(case.checkpoint_record(info))
+    return arrays, {"inputs_sha256": digest, "case": f"tests/golden/image_prefill_case.py preset {preset}"}
+
+
+def _vision_e2e(preset: str):
+    from tests.golden import vision_e2e_case as case
+    from tests.reference import hf_reference as ref
+
+    with tempfile.TemporaryDirectory() as tmp:
+        info = case.make_checkpoint(preset, tmp)
+        inp = case.inputs(tmp)
+        arrays = case.hf_outputs(ref.load_reference(tmp), inp)
+        digest = store.inputs_sha256(*case.hash_items(tmp, inp))
+    arrays.update(case.checkpoint_record(info))
+    return arrays, {"inputs_sha256": digest, "case": f"tests/golden/vision_e2e_case.py preset {preset}"}
+
+
 def _recorded(test_file: str):
     """Run the live tests of `test_file`, recording the reference's values (tests/golden/reference_source.py)."""
     import subprocess
@@ -62,14 +88,18 @@ def _trace():
 
 
 def builders() -> dict:
-    from tests.golden import parity_case
+    from tests.golden import image_prefill_case, parity_case, vision_e2e_case
 
     out = {parity_case.golden_name(p): (lambda p=p: _parity(p)) for p in parity_case.PRESETS}
+    out.update({image_prefill_case.golden_name(p): (lambda p=p: _image_prefill(p)) for p in image_prefill_case.PRESETS})
+    out.update({vision_e2e_case.golden_name(p): (lambda p=p: _vision_e2e(p)) for p in vision_e2e_case.PRESETS})
     out["sampling"] = lambda: _recorded("tests/test_sampling_hf_parity.py")
     out["chat_template"] = lambda: _recorded("tests/test_chat_template.py")
     out["config"] = lambda: _recorded("tests/test_config.py")
     out["tokenizer"] = lambda: _recorded("tests/test_tokenizer.py")
     out["bf16_reference"] = lambda: _recorded("tests/test_model_behaviour.py")
+    out["images"] = lambda: _recorded("tests/test_images.py")
+    out["vision"] = lambda: _recorded("tests/test_vision.py")
     out["trace"] = _trace
     return out
 

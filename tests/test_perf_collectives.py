@@ -1,0 +1,118 @@
+"""Collectives read from programs the TPU compiler built (perf/collectives.py), their ICI price, and the
+layer-scan loop counted once per group in both the collective and the HBM-traffic readers."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dgemma_jax.perf import collectives as coll
+from dgemma_jax.perf.hbm_traffic import LAYER_LOOP_SCOPE, hbm_traffic
+
+pytest.importorskip("libtpu")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    from dgemma_jax.perf.aot import tpu_devices
+
+    return Mesh(np.array(tpu_devices("v5e-8")).reshape(2, 4), ("a", "b"))
+
+
+def _compiled_text(fn, *args):
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+def _sds(shape, mesh, spec, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def test_a_row_parallel_matmul_all_reduces_its_output_over_the_split_axis(mesh):
+    # x [16, 1024] @ w [1024, 512] with the contracted axis split 4 ways: each chip holds a partial sum
+    x = _sds((16, 1024), mesh, P(None, "b"))
+    w = _sds((1024, 512), mesh, P("b", None))
+    found = coll.collectives(_compiled_text(lambda x, w: x @ w, x, w), 8)
+    reduces = [c for c in found if c["kind"] == "all-reduce"]
+    assert reduces, found
+    assert sum(c["bytes"] * c["count"] for c in reduces) == 16 * 512 * 2  # bf16 output, once
+    assert {c["group"] for c in reduces} == {4}  # over "b" only, not all 8 chips
+
+
+def test_an_all_gather_counts_its_output_and_its_group(mesh):
+    x = _sds((64, 256), mesh, P(("a", "b"), None), jnp.float32)
+    out = NamedSharding(mesh, P())
+    text = jax.jit(lambda x: x * 2, out_shardings=out).lower(x).compile().as_text()
+    found = coll.summary(coll.collectives(text, 8))
+    assert found["all-gather"]["bytes"] == 64 * 256 * 4 and found["all-gather"]["count"] == 1
+
+
+def test_the_layer_scan_counts_once_per_group_and_other_loops_once(mesh):
+    w = _sds((5, 1024, 1024), mesh, P(None, ("a", "b"), None))
+    x = _sds((16, 1024), mesh, P())
+
+    def body(h, wi):
+        return jnp.tanh(h @ wi), None
+
+    def scanned(w, x):
+        with jax.named_scope(LAYER_LOOP_SCOPE):
+            return jax.lax.scan(body, x, w)[0]
+
+    def other_loop(w, x):
+        return jax.lax.scan(body, x, w)[0]
+
+    per_layer = 1024 * 1024 * 2 / 8  # one layer's weight shard per chip
+    for fn, runs in ((scanned, 5), (other_loop, 1)):
+        text = _compiled_text(fn, w, x)
+        reduces = [c for c in coll.collectives(text, 8) if c["kind"] == "all-reduce"]
+        assert sum(c["count"] for c in reduces) == runs
+        traffic = hbm_traffic(text)["total"]
+        assert runs * per_layer <= traffic < runs * per_layer * 1.2, (fn.__name__, traffic)
+
+
+def test_replica_group_spellings():
+    assert coll.group_size("replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add", 8) == 4
+    assert coll.group_size("replica_groups=[2,4]<=[8], to_apply=%add", 8) == 4
+    assert coll.group_size("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, x", 8) == 4
+    assert coll.group_size("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}, x", 8) == 8
+    assert coll.group_size("replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) "
+                           "{'axis_1'}, use_global_device_ids=true", 8) == 4
+    assert coll.group_size("to_apply=%add", 8) == 8
+
+
+def test_ring_prices():
+    mb = 1e6
+    # all-reduce: 2 (n-1)/n of the bytes over the ring, 2 (n-1) steps
+    t = coll.ici_seconds([{"kind": "all-reduce", "bytes": mb, "group": 8, "count": 30}], 100e9, 1e-6)
+    assert t["bandwidth_seconds"] == pytest.approx(30 * 2 * 7 / 8 * mb / 100e9)
+    assert t["latency_seconds"] == pytest.approx(30 * 14 * 1e-6)
+    assert t["seconds"] == pytest.approx(t["bandwidth_seconds"] + t["latency_seconds"])
+    # one chip: nothing moves
+    assert coll.ici_seconds([{"kind": "all-reduce", "bytes": mb, "group": 1, "count": 3}], 100e9)["seconds"] == 0
+    with pytest.raises(ValueError, match="unknown collective kind"):
+        coll.wire_bytes_and_steps("broadcast", 1.0, 4)
+
+
+def test_the_aot_table_renders_each_report_with_its_collective_time():
+    import json
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    try:
+        import aot_table
+    finally:
+        sys.path.pop(0)
+    paths = [os.path.join(root, "benchmarks", "results", f"aot_26b_{w}_v6e-8{s}.json")
+             for w, s in (("bf16", "_ici"), ("int8", ""))]
+    reports = [json.load(open(p)) for p in paths]
+    lines = aot_table.table(reports).splitlines()
+    assert len(lines) == 2 + len(reports)
+    for line, rep in zip(lines[2:], reports):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        step = rep["programs"]["denoise_step"]
+        assert cells[0] == "v6e-8" and cells[1] == ("int8" if rep["quantize"] else "bfloat16")
+        assert cells[6].startswith(f"{1e3 * step['ici']['seconds']:.2f}")
+        assert float(cells[7]) == pytest.approx(1e3 * (step["projected_seconds"] + step["ici_seconds"]), abs=0.01)
