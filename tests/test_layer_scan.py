@@ -133,3 +133,45 @@ def test_hbm_traffic_counts_the_models_layer_scan_once_per_group():
     scoped = [line for line in loops if layout.LAYER_LOOP_SCOPE in line]
     assert len(scoped) == 1 and loop_runs(text, scoped[0]) == layout.layer_plan(CFG12).groups == 2, runs
     assert all(loop_runs(text, line) == 1 for line in loops if line not in scoped)
+
+def test_hbm_traffic_counts_a_loop_nested_in_the_layer_scan_once_per_group():
+    """A loop inside the scan body (the MoE's row blocks) has the scope in its op_name too: it runs
+    once per group iteration, not its own trip count times."""
+    from dgemma_jax.perf.hbm_traffic import hbm_traffic
+
+    scope = f"jit(f)/Transformer._denoise_layers/{layout.LAYER_LOOP_SCOPE}"
+    text = f"""HloModule m
+
+%cond_in (p: (s32[], f32[1024])) -> pred[] {{
+  %p = (s32[], f32[1024]) parameter(0)
+  %c = s32[] constant(7)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}}
+
+%body_in (q: (s32[], f32[1024])) -> (s32[], f32[1024]) {{
+  %q = (s32[], f32[1024]) parameter(0)
+  %x = f32[1024] get-tuple-element(%q), index=1
+  %y = f32[1024] negate(%x)
+  %j = s32[] get-tuple-element(%q), index=0
+  ROOT %t = (s32[], f32[1024]) tuple(%j, %y)
+}}
+
+%cond (p2: (s32[], f32[1024])) -> pred[] {{
+  %p2 = (s32[], f32[1024]) parameter(0)
+  %c2 = s32[] constant(5)
+  %i2 = s32[] get-tuple-element(%p2), index=0
+  ROOT %lt2 = pred[] compare(%i2, %c2), direction=LT
+}}
+
+%body (q2: (s32[], f32[1024])) -> (s32[], f32[1024]) {{
+  %q2 = (s32[], f32[1024]) parameter(0)
+  ROOT %inner = (s32[], f32[1024]) while(%q2), condition=%cond_in, body=%body_in, metadata={{op_name="{scope}/while/body/moe/while"}}
+}}
+
+ENTRY %main (a: (s32[], f32[1024])) -> (s32[], f32[1024]) {{
+  %a = (s32[], f32[1024]) parameter(0)
+  ROOT %w = (s32[], f32[1024]) while(%a), condition=%cond, body=%body, metadata={{op_name="{scope}/while"}}
+}}
+"""
+    assert hbm_traffic(text)["total"] == 5 * 2 * 4096  # 5 groups x the negate's read and write

@@ -82,7 +82,8 @@ def loop_runs(hlo_text: str, rest: str) -> int:
     loop (a body run a data-dependent number of times, like the MoE's skipped blocks, counts once)."""
     m = re.search(r'op_name="([^"]*)"', rest)
     cond = re.search(r"condition=%?([\w.\-]+)", rest)
-    if not m or LAYER_LOOP_SCOPE not in m.group(1) or not cond:
+    # the scan's own loop, not a loop nested in its body (whose op_name holds the scope too)
+    if not m or not m.group(1).endswith(f"{LAYER_LOOP_SCOPE}/while") or not cond:
         return 1
     body = _computation(hlo_text, cond.group(1))
     consts = re.findall(r"s32\[\][^ ]* constant\((\d+)\)", body)
