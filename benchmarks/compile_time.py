@@ -10,6 +10,11 @@ and after each compile: compile times on a shared machine depend on them.
 
     python benchmarks/compile_time.py --out benchmarks/results/compile_time.json
     python benchmarks/compile_time.py --topologies v6e-8 --layers scan,unrolled
+    python benchmarks/compile_time.py --topologies v6e-8 --layers unrolled --num-layers 1,2,6,12
+
+--num-layers compiles the preset cut to its first N layers (same widths, experts, cache and mesh;
+run key "TOPOLOGY/LAYOUT/NL"): how compile time grows with the layers a program holds, so the
+floor of a scanned program (one 6-layer group per call site) can be read off a 6-layer one.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from dgemma_jax.config import ModelConfig  # noqa: E402
 from dgemma_jax.perf.aot import compile_report  # noqa: E402
 from dgemma_jax.perf.report import machine_info  # noqa: E402
 
@@ -38,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--programs", default="denoise_step,generate")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--num-layers", default=None,
+                    help="comma list: compile the preset cut to its first N layers (default: all of them)")
     ap.add_argument("--out", default="benchmarks/results/compile_time.json")
     args = ap.parse_args(argv)
     res = {"machine": machine_info(), "preset": args.preset, "context": args.context, "prompt": args.prompt,
@@ -47,30 +55,44 @@ def main(argv=None) -> int:
     if os.path.exists(args.out):  # keep what an earlier (partial) run measured
         with open(args.out) as f:
             res["runs"] = json.load(f).get("runs", {})
-    for topo in args.topologies.split(","):
-        for layers in args.layers.split(","):
-            key = f"{topo}/{layers}"
-            before = _load()
-            t0 = time.perf_counter()
-            rep = compile_report(args.preset, topo, context=args.context, prompt=args.prompt,
-                                 programs=tuple(args.programs.split(",")), layers=layers)
-            run = {"layers": rep["layers"], "mesh": rep["mesh"], "wall_seconds": round(time.perf_counter() - t0, 1),
-                   "load_before": before, "load_after": _load(), "programs": {}}
-            for name, p in rep["programs"].items():
-                run["programs"][name] = {k: p.get(k) for k in ("compile_seconds", "hbm_bytes", "bytes_accessed",
-                                                               "flops", "total_bytes", "fits", "hbm_bytes_by_op")}
-            res["runs"][key] = run
-            print(key, json.dumps(run["programs"]), file=sys.stderr, flush=True)
-            _compare(res)
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=1)
+    counts = [None] if not args.num_layers else [int(n) for n in args.num_layers.split(",")]
+    for topo, layers, n in ((t, ly, n) for t in args.topologies.split(",") for ly in args.layers.split(",")
+                            for n in counts):
+        key = f"{topo}/{layers}" + (f"/{n}L" if n else "")
+        before = _load()
+        t0 = time.perf_counter()
+        rep = compile_report(_cut(args.preset, n), topo, context=args.context, prompt=args.prompt,
+                             programs=tuple(args.programs.split(",")), layers=layers)
+        run = {"layers": rep["layers"], "num_layers": n or ModelConfig.preset(args.preset).num_layers,
+               "mesh": rep["mesh"], "wall_seconds": round(time.perf_counter() - t0, 1),
+               "load_before": before, "load_after": _load(), "programs": {}}
+        for name, p in rep["programs"].items():
+            run["programs"][name] = {k: p.get(k) for k in ("compile_seconds", "hbm_bytes", "bytes_accessed",
+                                                           "flops", "total_bytes", "fits", "hbm_bytes_by_op")}
+        res["runs"][key] = run
+        print(key, json.dumps(run["programs"]), file=sys.stderr, flush=True)
+        _compare(res)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
     return 0
+
+
+def _cut(preset: str, n: int | None):
+    """The preset, or its first n layers (same layer types from the start of the stack)."""
+    cfg = ModelConfig.preset(preset)
+    if not n:
+        return preset
+    if not 1 <= n <= cfg.num_layers:
+        raise SystemExit(f"--num-layers {n}: the preset has {cfg.num_layers} layers")
+    return cfg.replace(num_layers=n, layer_types=cfg.layer_types[:n])
 
 
 def _compare(res: dict) -> None:
     """scan / unrolled ratios per topology where both layouts were measured."""
     cmp = {}
     for key, run in res["runs"].items():
+        if key.count("/") != 1:  # a cut preset (--num-layers)
+            continue
         topo, layers = key.split("/")
         other = res["runs"].get(f"{topo}/unrolled")
         if layers != "scan" or other is None:

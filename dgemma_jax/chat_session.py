@@ -52,7 +52,7 @@ def split_reply(tokenizer, ids) -> tuple[str, str]:
     """(thought, answer) of a chat reply's token ids. Decoded with its special tokens, since a
     Gemma tokenizer's `skip_special` also drops the `<|channel>` / `<channel|>` markers that
     `strip_thinking` splits the thought off at (the thought would then stay in the answer)."""
-    return strip_thinking(tokenizer.decode(ids, skip_special=False))
+    return strip_thinking(tokenizer.decode_generated(ids, skip_special=False))
 
 
 def common_prefix(a, b) -> int:
@@ -156,7 +156,10 @@ class ChatSession:
             raise
         tokens = np.asarray(out.tokens)[0]
         gen = [int(t) for t in tokens if int(t) != sampler.pad_id]
-        thought, answer = split_reply(self.tokenizer, gen) if self.templated else ("", self.tokenizer.decode(gen, skip_special=True))
+        if self.templated:
+            thought, answer = split_reply(self.tokenizer, gen)
+        else:
+            thought, answer = "", self.tokenizer.decode_generated(gen, skip_special=True)
         if self.max_new_tokens is None:
             warn_if_cut_short(engine.config, max_new, np.asarray(out.finished), len(ids), self.cache_length)
         self.messages.append({"role": "assistant", "content": answer})

@@ -103,11 +103,11 @@ def _render_step(ev, tok, tty: bool, stream):
     settled = ev.canvas[0] == arg
     if not tty:
         frac = settled.mean()
-        stream.write(f"[canvas {ev.canvas_index} step {ev.step:>2} settled {frac:4.0%}] {tok.decode(arg, skip_special=True)!r}\n")
+        stream.write(f"[canvas {ev.canvas_index} step {ev.step:>2} settled {frac:4.0%}] {tok.decode_generated(arg, skip_special=True)!r}\n")
         return
     out = []
     for t, ok in zip(arg, settled):
-        s = tok.decode([t], skip_special=True).replace("\n", "\\n")
+        s = tok.decode_generated([t], skip_special=True).replace("\n", "\\n")
         out.append(f"\x1b[1m{s}\x1b[0m" if ok else f"\x1b[2m{s}\x1b[0m")
     stream.write(f"\r\x1b[2K[{ev.canvas_index}:{ev.step:>2}] " + "".join(out))
     stream.flush()
@@ -157,7 +157,7 @@ def cmd_generate(args) -> int:
         out_tokens, steps, finished = np.asarray(out.tokens), np.asarray(out.steps), np.asarray(out.finished)
     jax.block_until_ready(out_tokens)
     dt = time.perf_counter() - t0
-    text = tok.decode(out_tokens[0], skip_special=True)
+    text = tok.decode_generated(out_tokens[0], skip_special=True)
     print(text)
     if args.max_new_tokens is None:
         warn_if_cut_short(cfg, max_new, finished, len(ids))

@@ -13,13 +13,14 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
 
 from dgemma_jax.chat_session import split_reply
 from dgemma_jax.engine import Engine, default_new_tokens, warn_if_cut_short
-from dgemma_jax.errors import UsageError
+from dgemma_jax.errors import DgemmaWarning, UsageError
 from dgemma_jax.io.bundled import bundled_choice, load_bundled
 from dgemma_jax.io.chat import chat_images, history_without_thinking, render_chat
 from dgemma_jax.io.images import prompt_with_images
@@ -44,7 +45,21 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
             raise UsageError(str(e)) from None
     checkpoint = resolve(checkpoint, revision)
     cfg, params, sampler = load_model(checkpoint, dtype=dtype)
-    return cfg, params, sampler, load_model_tokenizer(checkpoint)
+    tokenizer = load_model_tokenizer(checkpoint)
+    mismatch = vocab_mismatch(cfg, tokenizer)
+    if mismatch:
+        warnings.warn(mismatch, DgemmaWarning, stacklevel=2)
+    return cfg, params, sampler, tokenizer
+
+
+def vocab_mismatch(config, tokenizer) -> str | None:
+    """A warning when the model can emit ids its tokenizer has no text for (None when it cannot)."""
+    n = getattr(tokenizer, "vocab_size", None)
+    if n is None or config.vocab_size <= n:
+        return None
+    return (f"the model's vocab_size is {config.vocab_size} but its tokenizer has {n} ids: a generated id past "
+            f"{n - 1} has no text and is written as U+FFFD; pair the checkpoint with the tokenizer it was "
+            "trained with")
 
 
 class DiffusionGemma:
@@ -108,7 +123,7 @@ class DiffusionGemma:
         out = self.engine.generate(tokens, lengths, rng=seed, max_new_tokens=max_new_tokens, **kw)
         if not given:
             warn_if_cut_short(self.config, max_new_tokens, out.finished, context, kw.get("cache_length"))
-        texts = [self.tokenizer.decode(row, skip_special=True) for row in np.asarray(out.tokens)]
+        texts = [self.tokenizer.decode_generated(row, skip_special=True) for row in np.asarray(out.tokens)]
         return texts[0] if single else texts
 
     def chat(self, messages: Sequence[dict], max_new_tokens: int | None = None, enable_thinking: bool = False,

@@ -34,6 +34,8 @@ __all__ = [
 ]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# what `Tokenizer.decode_generated` writes for an id the tokenizer has no text for
+REPLACEMENT = "\ufffd"
 _CONFIG_FILES = ("generation_config.json", "config.json", "tokenizer_config.json")
 # Gemma 4 marker tokens look like `<|turn>`, `<turn|>`, `<|think|>`, `<|"|>`, `<|image|>`.
 _MARKER_RE = re.compile(r"^(<\|[^<>\s]*>|<[^<>\s]*\|>)$")
@@ -80,6 +82,25 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def decode(self, ids: Any, skip_special: bool = False) -> str:
         """Text of `ids`; with `skip_special` the special tokens are left out."""
+
+    def decode_generated(self, ids: Any, skip_special: bool = False) -> str:
+        """Text of ids a model generated. A checkpoint whose vocabulary is larger than this tokenizer's
+        (`ModelConfig.vocab_size` > `vocab_size`) can emit ids this tokenizer has no text for: each
+        such id is written as U+FFFD (the replacement character), where `decode` would raise."""
+        ids = _as_id_list(ids)
+        n = self.vocab_size
+        if all(0 <= i < n for i in ids):
+            return self.decode(ids, skip_special)
+        parts, run = [], []
+        for i in ids + [-1]:  # a sentinel flushes the last run
+            if 0 <= i < n:
+                run.append(i)
+                continue
+            if run:
+                parts.append(self.decode(run, skip_special))
+                run = []
+            parts.append(REPLACEMENT)
+        return "".join(parts[:-1])
 
     def id_to_piece(self, token_id: int) -> str:
         raise NotImplementedError(f"{type(self).__name__} has no piece table")

@@ -393,7 +393,7 @@ class Scheduler:
     def _emit(self, c: _Choice, reason: str | None) -> str | None:
         pad = self.engine.sampler.pad_id
         ids = tuple(t for t in c.tokens if t != pad)
-        text, hit = text_lib.cut_at_stop(self.tokenizer.decode(ids, skip_special=not c.request.keep_special),
+        text, hit = text_lib.cut_at_stop(self.tokenizer.decode_generated(ids, skip_special=not c.request.keep_special),
                                          c.request.stop)
         if hit and reason != "cancelled":
             reason = "stop"
