@@ -34,7 +34,7 @@ from dgemma_jax.config import ModelConfig, VisionConfig
 from dgemma_jax.engine import Engine, compiled_memory
 from dgemma_jax.io.images import BOI_TOKEN_ID, EOI_TOKEN_ID, IMAGE_TOKEN_ID, ImageSettings
 from dgemma_jax.model.api import param_shapes
-from dgemma_jax.model.layout import stack_layers
+from dgemma_jax.model.layout import stack_layers, unstack_layers
 from dgemma_jax.model.quant import quantized_shapes
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.shardings import Shardings
@@ -399,6 +399,8 @@ def _add_efficiency(entry: dict, cfg: ModelConfig, sh, topo: Topology, batch: in
     (abstract) parameters compiled, whose bytes the step must read (int8 kernels: one byte a weight)."""
     chips = sh.mesh.devices.size
     useful = roofline.denoise_step_flops(cfg, batch, context) / chips
+    if params is not None:  # the requirement is read per layer: stacked (a scanned program's) parameters unstacked
+        params = unstack_layers(params, cfg)
     need = roofline.denoise_step_bytes_per_chip(cfg, sh, batch, context, params)
     floor = max(useful / topo.bf16_flops, need["total"] / topo.hbm_bw)
     entry.update(useful_flops=useful, required_bytes=need["total"], required_param_bytes=need["params"],
