@@ -52,9 +52,11 @@ def main(argv=None) -> int:
            "note": "AOT compile for the TPU topology on this CPU machine (perf.aot.compile_report), one compile "
                    "at a time; hbm_bytes: the compiled program's HBM traffic (perf.hbm_traffic)",
            "runs": {}}
-    if os.path.exists(args.out):  # keep what an earlier (partial) run measured
+    if os.path.exists(args.out):  # keep what an earlier (partial) run measured, and any other record in the file
         with open(args.out) as f:
-            res["runs"] = json.load(f).get("runs", {})
+            old = json.load(f)
+        res["runs"] = old.get("runs", {})
+        res.update({k: v for k, v in old.items() if k not in res and k != "scan_vs_unrolled"})
     counts = [None] if not args.num_layers else [int(n) for n in args.num_layers.split(",")]
     for topo, layers, n in ((t, ly, n) for t in args.topologies.split(",") for ly in args.layers.split(",")
                             for n in counts):
