@@ -184,6 +184,12 @@ class Transformer(nn.Module):
             out.append(lambda *a, fn=fn, v=block_vars: fn(v, *a))
         return out
 
+    def _scan_parts(self, cache: KVCache, method: str):
+        """(layer plan, the cache stacked, one callable per group position running `method`)."""
+        plan = layout.check_scannable(self.cfg)
+        rt = self._body_rt(plan)
+        return plan, layout.stack_cache(cache, self.cfg), [self._block_fn(j, method, rt) for j in range(plan.period)]
+
     def _encode_layers(self, x, starts, num_new, cache: KVCache, span=None):
         extra = () if span is None else (span,)  # image spans: the text-only program stays as before
         if not self._scanning():
@@ -193,10 +199,7 @@ class Transformer(nn.Module):
                 x, keys[i], values[i] = run(x, starts, num_new, keys[i], values[i], *extra)
             new = c.replace(keys=tuple(keys), values=tuple(values))
             return x, (layout.stack_cache(new, self.cfg) if cache.groups else new)
-        plan = layout.check_scannable(self.cfg)
-        c = layout.stack_cache(cache, self.cfg)
-        rt = self._body_rt(plan)
-        fns = [self._block_fn(j, "encode", rt) for j in range(plan.period)]
+        plan, c, fns = self._scan_parts(cache, "encode")
 
         def body(carry, xs):
             h, ks, vs = carry
@@ -228,10 +231,7 @@ class Transformer(nn.Module):
             for i, run in enumerate(self._unrolled_blocks("denoise")):
                 x = run(x, context_end, c.keys[i], c.values[i])
             return x
-        plan = layout.check_scannable(self.cfg)
-        c = layout.stack_cache(cache, self.cfg)
-        rt = self._body_rt(plan)
-        fns = [self._block_fn(j, "denoise", rt) for j in range(plan.period)]
+        plan, c, fns = self._scan_parts(cache, "denoise")
 
         def body(h, xs):
             groups, ks, vs = xs
@@ -246,6 +246,7 @@ class Transformer(nn.Module):
         for r, i in enumerate(plan.remainder):
             x = self.blocks[i].denoise(x, context_end, c.keys[p + r], c.values[p + r])
         return x
+
     def image_features(self, pixel_values, position_ids):
         """Images -> text-width soft tokens, the valid ones of all images compacted to the front.
 
