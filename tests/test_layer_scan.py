@@ -43,7 +43,8 @@ def test_layer_plan():
     assert layout.layer_plan(TINY.replace(num_layers=2, layer_types=(SLIDING, SLIDING))) == layout.LayerPlan(2, 1, 2)
 
 
-@pytest.mark.parametrize("cfg,mixed", [(TINY, False), (CFG12, True), (CFG8, False)], ids=["6", "12", "8"])
+# (a 6-layer stack, one group and no remainder, is the 8-layer case without its two unrolled layers)
+@pytest.mark.parametrize("cfg,mixed", [(CFG12, True), (CFG8, False)], ids=["12", "8"])
 def test_scan_equals_unrolled(cfg, mixed):
     """Encoder logits, the cache it writes and denoiser logits; `mixed`: also each layout run on the
     other layout's parameters and cache (converted inside the program)."""
@@ -179,19 +180,17 @@ ENTRY %main (a: (s32[], f32[1024])) -> (s32[], f32[1024]) {{
 
 @pytest.mark.slow
 def test_a_scanned_step_compiles_for_tpu_and_is_held_against_the_same_requirement():
-    """`compile_report(layers="scan")` end to end for v5e-8 (bf16 and int8): the report reads the
-    requirement per layer whatever the layout, and counts the scanned body once per group."""
+    """`compile_report(layers="scan")` end to end for v5e-8 with int8 weights (stacked int8 pairs): the
+    report reads the requirement per layer whatever the layout, and counts the scanned body once per group."""
     pytest.importorskip("libtpu")
     from dgemma_jax.perf.aot import compile_report
 
-    reps = {(layers, q): compile_report(CFG12, "v5e-8", mesh="expert=4,tensor=2", context=64, prompt=16,
-                                        programs=("denoise_step",), layers=layers, quantize=q)
-            for layers in ("unrolled", "scan") for q in (None, "int8")}
-    for q in (None, "int8"):
-        un, sc = (reps[(layers, q)] for layers in ("unrolled", "scan"))
-        assert sc["layers"] == "scan" and un["layers"] == "unrolled"
-        a, b = un["programs"]["denoise_step"], sc["programs"]["denoise_step"]
-        assert a["required_bytes"] == b["required_bytes"] > 0
-        # cost_analysis counts the loop body once (half the layers' FLOPs here), hbm_traffic once per group
-        assert b["compiler_flops"] < 0.75 * a["compiler_flops"]
-        assert b["hbm_bytes"] >= 0.9 * a["hbm_bytes"]
+    un, sc = (compile_report(CFG12, "v5e-8", mesh="expert=4,tensor=2", context=64, prompt=16,
+                             programs=("denoise_step",), layers=layers, quantize="int8")
+              for layers in ("unrolled", "scan"))
+    assert sc["layers"] == "scan" and un["layers"] == "unrolled"
+    a, b = un["programs"]["denoise_step"], sc["programs"]["denoise_step"]
+    assert a["required_bytes"] == b["required_bytes"] > 0
+    # cost_analysis counts the loop body once (half the layers' FLOPs here), hbm_traffic once per group
+    assert b["compiler_flops"] < 0.75 * a["compiler_flops"]
+    assert b["hbm_bytes"] >= 0.9 * a["hbm_bytes"]
