@@ -54,8 +54,8 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
 
 def vocab_mismatch(config, tokenizer) -> str | None:
     """A warning when the model can emit ids its tokenizer has no text for (None when it cannot)."""
-    n = getattr(tokenizer, "vocab_size", None)
-    if n is None or config.vocab_size <= n:
+    n = tokenizer.vocab_size
+    if config.vocab_size <= n:
         return None
     return (f"the model's vocab_size is {config.vocab_size} but its tokenizer has {n} ids: a generated id past "
             f"{n - 1} has no text and is written as U+FFFD; pair the checkpoint with the tokenizer it was "

@@ -158,11 +158,6 @@ def _ordered(tree) -> list:
     return sorted(tree, key=rank)
 
 
-def variables_groups(variables: dict, plan: LayerPlan) -> dict:
-    """{collection: {"blocks_j": stacked}} of every collection in `variables` that has groups."""
-    return {col: tree[GROUPS_KEY] for col, tree in variables.items() if is_stacked(tree)}
-
-
 # ------------------------------------------------------------------ cache
 def stack_cache(cache, config: ModelConfig):
     """A `KVCache` (or a tree of its shardings / shapes) with one entry per layer -> the stacked

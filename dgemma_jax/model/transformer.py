@@ -146,7 +146,7 @@ class Transformer(nn.Module):
             return False
         return layout.is_stacked(self.variables.get("params", {}))
 
-    def _groups(self, plan):
+    def _groups(self):
         """{collection: {"blocks_j": stacked}}: the parameters (and LoRA collection) of the scanned
         layers, stacked per group position (stacked here, a copy, when they were given unrolled)."""
         out = {}
@@ -217,7 +217,7 @@ class Transformer(nn.Module):
         p = plan.period
         with jax.named_scope(layout.LAYER_LOOP_SCOPE):
             (x, ks, vs), _ = jax.lax.scan(body, (x, c.keys[:p], c.values[:p]),
-                                          (jnp.arange(plan.groups, dtype=jnp.int32), self._groups(plan)))
+                                          (jnp.arange(plan.groups, dtype=jnp.int32), self._groups()))
         keys, values = list(ks) + list(c.keys[p:]), list(vs) + list(c.values[p:])
         for r, i in enumerate(plan.remainder):
             x, keys[p + r], values[p + r] = self.blocks[i].encode(x, starts, num_new, keys[p + r], values[p + r],
@@ -242,7 +242,7 @@ class Transformer(nn.Module):
 
         p = plan.period
         with jax.named_scope(layout.LAYER_LOOP_SCOPE):
-            x, _ = jax.lax.scan(body, x, (self._groups(plan), c.keys[:p], c.values[:p]))
+            x, _ = jax.lax.scan(body, x, (self._groups(), c.keys[:p], c.values[:p]))
         for r, i in enumerate(plan.remainder):
             x = self.blocks[i].denoise(x, context_end, c.keys[p + r], c.values[p + r])
         return x
