@@ -98,7 +98,7 @@ def test_unknown_topology_is_a_usage_error():
 
 def test_lora_training_step_compiles_for_v5e_8(tmp_path):
     out = tmp_path / "lora.json"
-    r = _run("--preset", "tiny-6layer", "--topology", "v5e-8", "--mesh", "fsdp=4,tensor=2", "--rules", "training",
+    r = _run("--preset", "tiny-2layer", "--topology", "v5e-8", "--mesh", "fsdp=4,tensor=2", "--rules", "training",
              "--batch", "8", "--context", "64", "--prompt", "16", "--programs", "lora_step", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads(out.read_text())

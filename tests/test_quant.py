@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dgemma_jax import ModelConfig
+from dgemma_jax.config import GLOBAL, SLIDING
 from dgemma_jax.engine import Engine
 from dgemma_jax.model import api
 from dgemma_jax.model.cache import init_cache
@@ -166,7 +167,9 @@ def test_sharded_int8_equals_unsharded_int8():
     (ragged expert-parallel MoE under shard_map, full-vocab head) give the unsharded tokens."""
     from dgemma_jax.parallel import Shardings, make_mesh
 
-    cfg = ModelConfig.preset("tiny-6layer", num_heads=8, num_kv_heads=4, num_global_kv_heads=2)
+    # 3 layers (sliding, sliding, global): both attention kinds, half the compile time of 6 (CI)
+    cfg = ModelConfig.preset("tiny-6layer", num_heads=8, num_kv_heads=4, num_global_kv_heads=2,
+                             num_layers=3, layer_types=(SLIDING, SLIDING, GLOBAL))
     q = quantize_params(cfg, random_params(cfg, 4), embedding=True)
     tokens = np.random.RandomState(0).randint(3, cfg.vocab_size, (2, 20)).astype(np.int32)
     lengths = np.array([20, 13], np.int32)
