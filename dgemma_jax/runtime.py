@@ -147,7 +147,7 @@ class Runtime:
         return jax.lax.with_sharding_constraint(
             x, NamedSharding(self.mesh, spec_for(x.shape, logical, self.rules, self.mesh)))
 
-    def expert_parallel(self, fn, z, weights, experts, gate_up, down, adapters=None):
+    def expert_parallel(self, fn, z, weights, experts, gate_up, down, adapters=None, dense=None):
         """Run the MoE dispatch `fn` per shard: each device serves only the experts it holds and the
         outputs are summed over those mesh axes.
 
@@ -159,13 +159,26 @@ class Runtime:
         as for every FSDP layer). Each expert is whole on one shard (gate_up [E, D, 2F] keeps gate and
         up side by side). gate_up / down may be int8 pairs {"int8", "scale"} (every leaf [E, ., .]):
         split over the experts like float kernels. Without a mesh this is just `fn(...)` with all experts local.
+
+        dense: optional (x [N, D], kernels, axes, mlp) for a dense MLP that runs beside the experts
+        (Gemma 4's parallel dense and MoE branches): `mlp(x, **kernels)` -> [N, D], `axes` the
+        kernels' logical axes by name. Where the dense kernels' hidden units are split over exactly
+        the experts' mesh axes (and nothing else is split), the dense MLP runs inside the same
+        per-shard body on its hidden-unit slices and both partial outputs are summed in one all-reduce
+        (one collective per layer instead of two: each costs a latency on the inter-chip links); then
+        this returns (experts' output, dense output). Elsewhere (no mesh, FSDP, other splits) it
+        returns (experts' output, None) and the caller runs the dense MLP as any layer.
         """
         if self.mesh is None:
-            return fn(self, z, weights, experts, gate_up, down, adapters)
+            y = fn(self, z, weights, experts, gate_up, down, adapters)
+            return y if dense is None else (y, None)
         mesh, rules = self.mesh, self.rules
         tok = _axes(spec_for(z.shape[:1], ("batch",), rules, mesh)[0])
         n_experts = jax.tree.leaves(gate_up)[0].shape[0]  # a float kernel, or an int8 pair's values and scales
         ex = tuple(a for a in _axes(spec_for((n_experts,), ("experts",), rules, mesh)[0]) if a not in tok)
+        dense_specs = None if dense is None else self._dense_beside_experts(dense[1], dense[2], ex)
+        if dense is not None and dense_specs is None:  # the caller's, partitioned by XLA
+            return self.expert_parallel(fn, z, weights, experts, gate_up, down, adapters), None
         if not (tok or ex):
             return fn(self, z, weights, experts, gate_up, down, adapters)
         shards = 1
@@ -174,21 +187,54 @@ class Runtime:
         e_local = n_experts // shards
         inner = self.local()  # no logical constraints inside the per-shard body
 
-        def body(z, weights, experts, gate_up, down, adapters):
+        def body(z, weights, experts, gate_up, down, adapters, dense_x, dense_kernels):
             index = jnp.zeros((), jnp.int32)
             for a in ex:
                 index = index * mesh.shape[a] + jax.lax.axis_index(a)
             y = fn(inner, z, weights, experts, gate_up, down, adapters, offset=index * e_local, shards=shards)
-            return jax.lax.psum(y, ex) if ex else y
+            if dense_kernels is None:
+                return jax.lax.psum(y, ex) if ex else y
+            # this shard's hidden units give a partial sum too: both reduced as one array, one
+            # all-reduce (XLA keeps two psums, or one psum of a tuple, as two collectives on TPU);
+            # in the activation dtype, as XLA:TPU reduces the experts' float32 partial anyway
+            yd = dense[3](dense_x, **dense_kernels)
+            both = jax.lax.psum(jnp.concatenate([y.astype(yd.dtype), yd], axis=-1), ex)
+            return both[:, :y.shape[-1]], both[:, y.shape[-1]:]
 
         t = _spec(tok)
         kernel = P(_spec(ex), None, None)
+        rows = P(t, None)
         return jax.shard_map(
             body, mesh=mesh, check_vma=False,
-            in_specs=(P(t, None), P(t, None), P(t, None), jax.tree.map(lambda _: kernel, gate_up),
+            in_specs=(rows, rows, rows, jax.tree.map(lambda _: kernel, gate_up),
                       jax.tree.map(lambda _: kernel, down),
-                      None if adapters is None else jax.tree.map(lambda _: kernel, adapters)),
-            out_specs=P(t, None))(z, weights, experts, gate_up, down, adapters)
+                      None if adapters is None else jax.tree.map(lambda _: kernel, adapters),
+                      None if dense is None else rows, dense_specs),
+            out_specs=rows if dense is None else (rows, rows))(
+                z, weights, experts, gate_up, down, adapters, None if dense is None else dense[0],
+                None if dense is None else dense[1])
+
+    def _dense_beside_experts(self, kernels, axes, ex):
+        """The per-shard in_specs of a dense MLP's kernels when they can run inside the experts'
+        body: every leaf split only along its "mlp" dimension and over exactly the mesh axes `ex`
+        (then each shard's output is a partial sum over `ex`, like the experts'); else None."""
+        if not ex:
+            return None
+        specs = {}
+        for name, kernel in kernels.items():
+            logical = axes[name]
+            leaf_specs = []
+            for leaf in jax.tree.leaves(kernel):
+                spec = spec_for(leaf.shape, logical, self.rules, self.mesh)
+                entries = tuple(spec) + (None,) * (leaf.ndim - len(spec))
+                for entry, name_ in zip(entries, logical):
+                    if entry is not None and (name_ != "mlp" or set(_axes(entry)) != set(ex)):
+                        return None
+                if leaf.shape[logical.index("mlp")] > 1 and entries[logical.index("mlp")] is None:
+                    return None  # the hidden units replicated: no partial sum to add
+                leaf_specs.append(spec)
+            specs[name] = jax.tree.unflatten(jax.tree.structure(kernel), leaf_specs)
+        return specs
 
     def head_parallel(self, fn, q, k, v, valid):
         """Run the attention kernel `fn(q, k, v, valid, rt=) -> (out, lse)` per head shard.

@@ -150,6 +150,38 @@ def test_expert_parallelism_moves_no_expert_weights(dispatch):
     assert all(n < cfg.num_experts * one_expert // 2 for n, _ in gathers), gathers
 
 
+@pytest.mark.parametrize("mesh_spec,fused", [("expert=2,tensor=4", True), ("data=2,tensor=4", True),
+                                              ("fsdp=2,tensor=4", False)])
+def test_dense_mlp_sums_with_the_experts_in_one_all_reduce(mesh_spec, fused):
+    """Where the dense MLP's hidden units are split over exactly the experts' mesh axes, its partial
+    output is summed in the experts' all-reduce: per layer one all-reduce for the MoE and dense
+    branches (not one each). With FSDP (embed split) the dense MLP stays XLA's; the same tokens either
+    way (test_sharded_generate_equals_unsharded, the training tests)."""
+    from dgemma_jax.perf.collectives import collectives
+
+    rules = "latency" if "fsdp" not in mesh_spec else "training"  # training: embed split over fsdp
+    sh = Shardings(CFG, make_mesh(mesh_spec), rules)
+    ps = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=n), param_shapes(CFG), sh.params)
+    batch = 2 if "data" in mesh_spec or "fsdp" in mesh_spec else 1
+    cache = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=n),
+                         sh.cache_shape(batch, 64), sh.cache(batch, 64))
+    keys = jax.eval_shape(lambda: row_keys(jax.random.key(0), batch))
+    state = jax.eval_shape(lambda: init_state(CFG, SAMPLER, jnp.zeros((batch, 16), jnp.int32)))
+    rt = sh.runtime(moe_dispatch="ragged")
+    step = jax.jit(lambda p, c, k, s: denoise_step(p, CFG, SAMPLER, c, c.lengths, k, s, runtime=rt))
+    hlo = step.lower(ps, cache, keys, state).compile().as_text()
+    inside = re.search(r"_ffw/moe/experts_ragged/shard_map/dense_mlp/", hlo) is not None
+    assert inside == fused  # the dense MLP's matmuls run in the experts' per-shard body, or as XLA's
+    if not fused:
+        return
+    reduces = [c for c in collectives(hlo, 8) if c["kind"] == "all-reduce"]
+    in_blocks = lambda pattern: sum(c["count"] for c in reduces if re.search(r"blocks_(N|\d+)[._]" + pattern, c["scope"]))
+    assert in_blocks(r".*_ffw/dense_mlp/") == 0, reduces  # no all-reduce of the dense MLP's own
+    assert in_blocks(r".*_ffw/moe/experts_ragged/shard_map/psum") == CFG.num_layers, reduces
+    rows = 16 * batch // (2 if "data" in mesh_spec else 1)
+    assert all(c["bytes"] == 2 * rows * CFG.hidden_size * 4 for c in reduces if "shard_map/psum" in c["scope"])
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -172,9 +204,10 @@ def test_two_process_distributed_equals_single_process(reference, tmp_path):
 
 
 # (expert-split training with the CPU capacity dispatch is covered by the trainer's mesh test in
-# test_training.py; here the TPU path's ragged blocks)
+# test_training.py; here the TPU path's ragged blocks; without fsdp the dense MLP runs inside the
+# experts' shard_map and its gradients flow back through that body)
 @pytest.mark.parametrize("mesh_spec,dispatch", [("fsdp=8", "auto"), ("data=2,fsdp=2,tensor=2", "auto"),
-                                                ("fsdp=2,expert=4", "ragged")])
+                                                ("fsdp=2,expert=4", "ragged"), ("data=2,expert=2,tensor=2", "ragged")])
 def test_sharded_training_loss_and_grads_equal_unsharded(reference, mesh_spec, dispatch):
     from dgemma_jax.training.data import Layout, collate
     from dgemma_jax.training.objective import ObjectiveConfig, loss_fn

@@ -196,21 +196,39 @@ def gelu_tanh(x):
     return jax.nn.gelu(x, approximate=True)
 
 
+# the dense MLP's kernels and their logical axes (`GatedMLP`); the MoE's shard_map reads these to
+# run the dense MLP beside the experts (`Runtime.expert_parallel`)
+GATED_MLP_AXES = {"gate_up": ("embed", None, "mlp"), "down": ("mlp", "embed")}
+
+
+def gated_mlp(x: jax.Array, gate_up, down, ab_gate_up=None, ab_down=None) -> jax.Array:
+    """down(gelu_tanh(x Wg) * (x Wu)) with gate_up [D, 2, F], down [F, D] (plain or int8 kernels,
+    optional LoRA pairs). On F columns of the kernels only, the result is that slice's partial sum."""
+    with jax.named_scope("dense_mlp"):
+        h = project("...d,dcf->...cf", x, gate_up, ab_gate_up)
+        h = gelu_tanh(h[..., 0, :]) * h[..., 1, :]
+        return project("...f,fd->...d", h, down, ab_down)
+
+
 class GatedMLP(nn.Module):
-    """down(gelu_tanh(x Wg) * (x Wu)); gate and up stored stacked as [D, 2, F]."""
+    """down(gelu_tanh(x Wg) * (x Wu)); gate and up stored stacked as [D, 2, F].
+
+    `__call__(x)` runs it; `__call__(x, kernels_only=True)` returns its kernels {"gate_up", "down"}
+    and its LoRA pairs (name -> pair, or None) for a caller that runs `gated_mlp` itself."""
 
     cfg: ModelConfig
     hidden: int
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, kernels_only: bool = False):
         d = x.shape[-1]
-        gate_up = param(self, "gate_up", (d, 2, self.hidden), ("embed", None, "mlp"), self.cfg)
-        down = param(self, "down", (self.hidden, d), ("mlp", "embed"), self.cfg)
-        with jax.named_scope("dense_mlp"):
-            h = project("...d,dcf->...cf", x, gate_up, adapter(self, "gate_up"))
-            h = gelu_tanh(h[..., 0, :]) * h[..., 1, :]
-            return project("...f,fd->...d", h, down, adapter(self, "down"))
+        kernels = {"gate_up": param(self, "gate_up", (d, 2, self.hidden), GATED_MLP_AXES["gate_up"], self.cfg),
+                   "down": param(self, "down", (self.hidden, d), GATED_MLP_AXES["down"], self.cfg)}
+        adapters = {k: ab for k in kernels if (ab := adapter(self, k)) is not None} or None
+        if kernels_only:
+            return kernels, adapters
+        adapters = adapters or {}
+        return gated_mlp(x, kernels["gate_up"], kernels["down"], adapters.get("gate_up"), adapters.get("down"))
 
 
 def softcap(logits: jax.Array, cap: float) -> jax.Array:

@@ -44,8 +44,8 @@ import numpy as np
 from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model.layers import (QUANT_SCALE, QUANT_VALUES, adapter, gelu_tanh, is_quantized, kernel_shape,
-                                     ones_param, param, project, rms_normalize)
+from dgemma_jax.model.layers import (GATED_MLP_AXES, QUANT_SCALE, QUANT_VALUES, adapter, gated_mlp, gelu_tanh,
+                                     is_quantized, kernel_shape, ones_param, param, project, rms_normalize)
 from dgemma_jax.runtime import Runtime
 
 
@@ -261,7 +261,11 @@ class MoE(nn.Module):
     rt: Runtime
 
     @nn.compact
-    def __call__(self, h: jax.Array, z: jax.Array) -> jax.Array:
+    def __call__(self, h: jax.Array, z: jax.Array, dense=None):
+        """h routes, z is processed. dense: optional (x, kernels) of the dense MLP that runs beside the
+        experts (`gated_mlp` on `GatedMLP` kernels, x shaped like z); then returns (experts' output,
+        dense MLP output or None): the dense output where the mesh let both be summed in one
+        all-reduce (`Runtime.expert_parallel`), None where the caller runs the dense MLP itself."""
         cfg = self.cfg
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         w_router = param(self, "router", (d, e), ("embed", "experts_router"), cfg)
@@ -282,6 +286,10 @@ class MoE(nn.Module):
         gate_up, down = (w if is_quantized(w) else w.astype(z.dtype) for w in (gate_up, down))
         adapters = {k: ab for k in ("gate_up", "down") if (ab := adapter(self, k)) is not None} or None
         with jax.named_scope(f"experts_{self.rt.dispatch}"):
+            beside = None if dense is None else (dense[0].reshape(-1, d), dense[1], GATED_MLP_AXES, gated_mlp)
             y = self.rt.expert_parallel(lambda rt, *a, **k: dispatch(cfg, rt, *a, **k), zf, weights, experts,
-                                        gate_up, down, adapters)
-        return y.reshape(shape).astype(z.dtype)
+                                        gate_up, down, adapters, dense=beside)
+        if dense is None:
+            return y.reshape(shape).astype(z.dtype)
+        y, yd = y
+        return y.reshape(shape).astype(z.dtype), None if yd is None else yd.reshape(dense[0].shape)

@@ -55,8 +55,15 @@ class Block(nn.Module):
         self.decoder_scalar = ones_param(self, "decoder_scalar", (1,), (None,), cfg)
 
     def _ffw(self, x1, scalar):
-        d = self.post_dense_norm(self.dense_mlp(self.pre_dense_norm(x1)))
-        m = self.post_moe_norm(self.moe(x1, self.pre_moe_norm(x1)))
+        xd = self.pre_dense_norm(x1)
+        kernels, adapters = self.dense_mlp(xd, kernels_only=True)
+        if adapters is None:  # offered to the experts' per-shard body: one all-reduce for both where the mesh allows
+            m, d = self.moe(x1, self.pre_moe_norm(x1), dense=(xd, kernels))
+        else:
+            m, d = self.moe(x1, self.pre_moe_norm(x1)), None
+        if d is None:
+            d = self.dense_mlp(xd)
+        d, m = self.post_dense_norm(d), self.post_moe_norm(m)
         y = x1 + self.post_ffw_norm(d + m)
         y = (y.astype(jnp.float32) * scalar.astype(jnp.float32)).astype(x1.dtype)
         return self.rt.constrain(y, ACTIVATION_AXES)
