@@ -14,7 +14,7 @@ helper below is the identity and the model math never depends on one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,16 @@ LAYER_LAYOUTS = ("auto", "unrolled", "scan")
 # grouped-matmul custom calls that need whole buffers): 2.6x the unrolled step's HBM traffic on
 # v6e-8 (benchmarks/results/compile_time.json), so TPU stays unrolled until that copy is gone
 LAYER_DEFAULTS = {"cpu": "unrolled", "gpu": "unrolled", "cuda": "unrolled", "rocm": "unrolled", "tpu": "unrolled"}
+
+
+class DenseBeside(NamedTuple):
+    """A dense MLP that runs beside the experts (`Runtime.expert_parallel`): its input x [N, D], its
+    kernels by name (plain or int8 pairs), their logical axes by name, and mlp(x, **kernels) -> [N, D]."""
+
+    x: jax.Array
+    kernels: dict
+    axes: dict
+    mlp: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,9 +170,8 @@ class Runtime:
         up side by side). gate_up / down may be int8 pairs {"int8", "scale"} (every leaf [E, ., .]):
         split over the experts like float kernels. Without a mesh this is just `fn(...)` with all experts local.
 
-        dense: optional (x [N, D], kernels, axes, mlp) for a dense MLP that runs beside the experts
-        (Gemma 4's parallel dense and MoE branches): `mlp(x, **kernels)` -> [N, D], `axes` the
-        kernels' logical axes by name. Where the dense kernels' hidden units are split over exactly
+        dense: optional `DenseBeside`, a dense MLP that runs beside the experts (Gemma 4's parallel
+        dense and MoE branches). Where the dense kernels' hidden units are split over exactly
         the experts' mesh axes (and nothing else is split), the dense MLP runs inside the same
         per-shard body on its hidden-unit slices and both partial outputs are summed in one all-reduce
         (one collective per layer instead of two: each costs a latency on the inter-chip links); then
@@ -176,7 +185,7 @@ class Runtime:
         tok = _axes(spec_for(z.shape[:1], ("batch",), rules, mesh)[0])
         n_experts = jax.tree.leaves(gate_up)[0].shape[0]  # a float kernel, or an int8 pair's values and scales
         ex = tuple(a for a in _axes(spec_for((n_experts,), ("experts",), rules, mesh)[0]) if a not in tok)
-        dense_specs = None if dense is None else self._dense_beside_experts(dense[1], dense[2], ex)
+        dense_specs = None if dense is None else self._dense_beside_experts(dense.kernels, dense.axes, ex)
         if dense is not None and dense_specs is None:  # the caller's, partitioned by XLA
             return self.expert_parallel(fn, z, weights, experts, gate_up, down, adapters), None
         if not (tok or ex):
@@ -197,13 +206,14 @@ class Runtime:
             # this shard's hidden units give a partial sum too: both reduced as one array, one
             # all-reduce (XLA keeps two psums, or one psum of a tuple, as two collectives on TPU);
             # in the activation dtype, as XLA:TPU reduces the experts' float32 partial anyway
-            yd = dense[3](dense_x, **dense_kernels)
+            yd = dense.mlp(dense_x, **dense_kernels)
             both = jax.lax.psum(jnp.concatenate([y.astype(yd.dtype), yd], axis=-1), ex)
             return both[:, :y.shape[-1]], both[:, y.shape[-1]:]
 
         t = _spec(tok)
         kernel = P(_spec(ex), None, None)
         rows = P(t, None)
+        dense_x, dense_kernels = (None, None) if dense is None else (dense.x, dense.kernels)
         return jax.shard_map(
             body, mesh=mesh, check_vma=False,
             in_specs=(rows, rows, rows, jax.tree.map(lambda _: kernel, gate_up),
@@ -211,8 +221,7 @@ class Runtime:
                       None if adapters is None else jax.tree.map(lambda _: kernel, adapters),
                       None if dense is None else rows, dense_specs),
             out_specs=rows if dense is None else (rows, rows))(
-                z, weights, experts, gate_up, down, adapters, None if dense is None else dense[0],
-                None if dense is None else dense[1])
+                z, weights, experts, gate_up, down, adapters, dense_x, dense_kernels)
 
     def _dense_beside_experts(self, kernels, axes, ex):
         """The per-shard in_specs of a dense MLP's kernels when they can run inside the experts'

@@ -46,7 +46,7 @@ from flax import linen as nn
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.layers import (GATED_MLP_AXES, QUANT_SCALE, QUANT_VALUES, adapter, gated_mlp, gelu_tanh,
                                      is_quantized, kernel_shape, ones_param, param, project, rms_normalize)
-from dgemma_jax.runtime import Runtime
+from dgemma_jax.runtime import DenseBeside, Runtime
 
 
 def route(h: jax.Array, w_router: jax.Array, router_scale: jax.Array, expert_scale: jax.Array, top_k: int,
@@ -286,7 +286,8 @@ class MoE(nn.Module):
         gate_up, down = (w if is_quantized(w) else w.astype(z.dtype) for w in (gate_up, down))
         adapters = {k: ab for k in ("gate_up", "down") if (ab := adapter(self, k)) is not None} or None
         with jax.named_scope(f"experts_{self.rt.dispatch}"):
-            beside = None if dense is None else (dense[0].reshape(-1, d), dense[1], GATED_MLP_AXES, gated_mlp)
+            beside = None if dense is None else DenseBeside(dense[0].reshape(-1, d), dense[1], GATED_MLP_AXES,
+                                                            gated_mlp)
             y = self.rt.expert_parallel(lambda rt, *a, **k: dispatch(cfg, rt, *a, **k), zf, weights, experts,
                                         gate_up, down, adapters, dense=beside)
         if dense is None:
