@@ -216,8 +216,7 @@ class Runtime:
         dense_x, dense_kernels = (None, None) if dense is None else (dense.x, dense.kernels)
         return jax.shard_map(
             body, mesh=mesh, check_vma=False,
-            in_specs=(rows, rows, rows, jax.tree.map(lambda _: kernel, gate_up),
-                      jax.tree.map(lambda _: kernel, down),
+            in_specs=(rows, rows, rows, _kernel_specs(gate_up, kernel), _kernel_specs(down, kernel),
                       None if adapters is None else jax.tree.map(lambda _: kernel, adapters),
                       None if dense is None else rows, dense_specs),
             out_specs=rows if dense is None else (rows, rows))(
@@ -267,6 +266,12 @@ class Runtime:
             lambda q, k, v, valid: fn(q, k, v, valid, rt=inner), mesh=mesh, check_vma=False,
             in_specs=(qs, ks, ks, P(qs[0], None)),
             out_specs=(qs, P(qs[0], None, qs[2])))(q, k, v, valid)
+
+
+def _kernel_specs(tree, kernel: P):
+    """in_specs of an expert kernel's tree: every [E, ., .] leaf split like `kernel`; the scalar group
+    index of a scanned layer's per-group kernel (`model.layout.PerGroup`) replicated."""
+    return jax.tree.map(lambda x: kernel if x.ndim else P(), tree)
 
 
 def _axes(entry) -> tuple:

@@ -106,7 +106,7 @@ def test_lora_training_step_compiles_for_v5e_8(tmp_path):
     assert step["fits"] and step["flops"] > 0 and rep["rules"] == "training"
 
 
-def _tpu_compiled(fn, *args):
+def _tpu_compiled(fn, *args, donate=()):
     import jax
 
     from dgemma_jax.perf.aot import tpu_devices
@@ -114,7 +114,7 @@ def _tpu_compiled(fn, *args):
     dev = tpu_devices("v5e-1")[0]
     shard = jax.sharding.SingleDeviceSharding(dev)
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shard) for a in args]
-    return jax.jit(fn).lower(*specs).compile()
+    return jax.jit(fn, donate_argnums=donate).lower(*specs).compile()
 
 
 def test_hbm_traffic_counts_what_crosses_hbm():
@@ -146,6 +146,33 @@ def test_hbm_traffic_counts_what_crosses_hbm():
     need = 2 * (4096 * 1024 + 1024 * 1024 + 4096 * 1024)
     got = hbm_traffic(compiled.as_text())["total"]
     assert need * 0.99 <= got <= 1.5 * need, (got, need)  # far below the whole array (128 MiB)
+
+
+def test_hbm_traffic_counts_an_update_in_place_by_the_rows_it_writes():
+    """A KV-cache write: rows scattered (or a block written) into a large buffer, in a loop, update the
+    buffer in place, so they cost the rows, not a read and a write of the whole buffer; where the
+    buffer must be copied first (not donated), the copy is counted."""
+    import jax
+    import jax.numpy as jnp
+
+    from dgemma_jax.perf.hbm_traffic import hbm_traffic
+
+    cache = jax.ShapeDtypeStruct((65536, 1024), jnp.bfloat16)  # 128 MiB
+    rows = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
+    start = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def scatter(c, u, s):
+        return jax.lax.fori_loop(0, 4, lambda i, c: c.at[s + 256 * i + jnp.arange(256)].set(u, mode="drop"), c)
+
+    def block(c, u, s):
+        return jax.lax.fori_loop(0, 4, lambda i, c: jax.lax.dynamic_update_slice_in_dim(c, u + i, s + 256 * i, 0), c)
+
+    whole = 2 * 65536 * 1024 * 2
+    for fn in (scatter, block):
+        got = hbm_traffic(_tpu_compiled(fn, cache, rows, start, donate=(0,)).as_text())["total"]
+        assert got < 0.02 * whole, (fn.__name__, got)  # ~ the rows read and written, not 256 MiB
+        copied = hbm_traffic(_tpu_compiled(fn, cache, rows, start).as_text())["total"]
+        assert copied >= whole, (fn.__name__, copied)  # the parameter's copy into the output
 
 
 def test_hbm_traffic_reads_loops_and_branches_like_cost_analysis():

@@ -76,11 +76,25 @@ def test_stack_unstack_round_trip_exact():
         assert layout.stack_layers(stacked, cfg) is stacked and layout.unstack_layers(params, cfg) is params
         # shapes, logical axes and int8 pairs convert the same way
         shapes = layout.stack_layers(param_shapes(cfg), cfg)
-        assert jax.tree.map(lambda s: s.shape, shapes) == jax.tree.map(lambda x: x.shape, stacked)
+        assert jax.tree.structure(shapes) == jax.tree.structure(stacked)
+        assert [s.shape for s in jax.tree.leaves(shapes)] == [x.shape for x in jax.tree.leaves(stacked)]
         axes = layout.stack_layers(logical_axes(cfg), cfg)
         assert tuple(axes[layout.GROUPS_KEY]["blocks_0"]["attn"]["q"]) == ("layers", "embed", "heads", "head_dim")
+        # the expert kernels stay side by side, unstacked: the very arrays of the layers
+        plan = layout.layer_plan(cfg)
+        for j in range(plan.period):
+            for name in ("gate_up", "down"):
+                pg = stacked[layout.GROUPS_KEY][f"blocks_{j}"]["moe"][name]
+                assert isinstance(pg, layout.PerGroup) and pg.index is None and len(pg.arrays) == plan.groups
+                for g in range(plan.groups):
+                    assert pg.arrays[g] is params[f"blocks_{plan.layer(g, j)}"]["moe"][name]
+                spec = axes[layout.GROUPS_KEY][f"blocks_{j}"]["moe"][name]
+                assert [tuple(a) for a in spec.arrays] == [tuple(logical_axes(cfg)["blocks_0"]["moe"][name])] * plan.groups
         q = quantize_params(cfg, params, "int8")
-        jax.tree.map(np.testing.assert_array_equal, layout.unstack_layers(layout.stack_layers(q, cfg), cfg), q)
+        qs = layout.stack_layers(q, cfg)
+        gate_up = qs[layout.GROUPS_KEY]["blocks_0"]["moe"]["gate_up"]  # int8 values per group, scales stacked
+        assert isinstance(gate_up["int8"], layout.PerGroup) and gate_up["scale"].shape[0] == plan.groups
+        jax.tree.map(np.testing.assert_array_equal, layout.unstack_layers(qs, cfg), q)
         # the cache
         c = init_cache(cfg, 2, 32)
         c = c.replace(keys=tuple(jax.random.normal(jax.random.key(i), k.shape) for i, k in enumerate(c.keys)))
@@ -194,3 +208,37 @@ def test_a_scanned_step_compiles_for_tpu_and_is_held_against_the_same_requiremen
     # cost_analysis counts the loop body once (half the layers' FLOPs here), hbm_traffic once per group
     assert b["compiler_flops"] < 0.75 * a["compiler_flops"]
     assert b["hbm_bytes"] >= 0.9 * a["hbm_bytes"]
+
+
+@pytest.mark.slow
+def test_scan_runs_the_grouped_matmul_on_per_group_kernels_on_an_expert_mesh():
+    """The accelerator program ("ragged" grouped matmuls per expert shard under shard_map) scanned: the
+    expert kernels go in whole as `PerGroup`s and each grouped matmul picks its group's array, float
+    and int8 alike; the tokens and the denoiser's logits are the unrolled program's."""
+    from dgemma_jax.parallel import Shardings, make_mesh
+
+    # two groups of (sliding, global), split over 2 experts x 4 heads
+    cfg = ModelConfig.preset("tiny-6layer", num_heads=8, num_kv_heads=4, num_global_kv_heads=2, num_layers=4,
+                             layer_types=(SLIDING, GLOBAL, SLIDING, GLOBAL))
+    assert layout.layer_plan(cfg) == layout.LayerPlan(2, 2, 4)
+    sh = Shardings(cfg, make_mesh("expert=2,tensor=4"), "latency")
+    params = init_params(cfg, 3)
+    canvas = jnp.asarray(TOKENS[:, :16])
+    for name, p in (("float", params), ("int8", quantize_params(cfg, params, "int8"))):
+        out, logits = {}, {}
+        for layers in ("unrolled", "scan"):
+            rt = Runtime(platform="tpu", moe_dispatch="ragged", moe_shard_rows_factor=1.0, layers=layers)
+            eng = Engine(cfg, sh.place_params(p), SAMPLER, shardings=sh, runtime=rt)
+            assert layout.is_stacked(eng.params) == (layers == "scan")
+            if layers == "scan":
+                pg = eng.params[layout.GROUPS_KEY]["blocks_0"]["moe"]["gate_up"]
+                assert isinstance(pg["int8"] if name == "int8" else pg, layout.PerGroup)
+            out[layers] = np.asarray(eng.generate(TOKENS, LENGTHS, rng=0, max_new_tokens=32).tokens)
+            cache = eng.new_cache(2, 64)
+            _, cache = jax.jit(lambda p_, c: encode_pass(p_, cfg, jnp.asarray(TOKENS), c.lengths,
+                                                         jnp.asarray(LENGTHS), c, "none", runtime=eng.runtime))(
+                eng.params, cache)
+            logits[layers] = np.asarray(jax.jit(lambda p_, c: denoise_logits(p_, cfg, canvas, c.lengths, c,
+                                                                            runtime=eng.runtime))(eng.params, cache))
+        np.testing.assert_array_equal(out["scan"], out["unrolled"], err_msg=name)
+        np.testing.assert_allclose(logits["scan"], logits["unrolled"], rtol=1e-5, atol=1e-3, err_msg=name)

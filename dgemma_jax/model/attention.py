@@ -20,6 +20,7 @@ from flax import linen as nn
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model import flash, masks
 from dgemma_jax.model.cache import window_slice, write_tokens
+from dgemma_jax.model.layout import LAYER_AXIS
 from dgemma_jax.model.layers import RMSNorm, adapter, apply_rope, param, project, rms_normalize, rope_inv_freq
 from dgemma_jax.runtime import Runtime
 
@@ -160,7 +161,7 @@ class Attention(nn.Module):
     def _replicate(self, k, v, cache_k):
         """k, v [B, T, K, H] -> [B, T, K r, H] when the cache stores each kv head r times (its head
         count says so, see model/cache.py): the keys then line up head for head with the cache."""
-        r = cache_k.shape[2] // self.kv_heads
+        r = cache_k.shape[-2] // self.kv_heads
         if r == 1:
             return k, v
         k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
@@ -170,19 +171,30 @@ class Attention(nn.Module):
         with jax.named_scope("o_proj"):
             return project("btnh,nhd->btd", y, self.o, adapter(self, "o"))
 
-    def encode(self, x, starts, num_new, cache_k, cache_v, image_span=None):
+    def encode(self, x, starts, num_new, cache_k, cache_v, image_span=None, group=None):
         """x: [B, T, D] new tokens at positions starts[b] + t; returns (out, cache_k, cache_v).
 
         image_span: None (text only) or (lo, hi) [B, T] from `masks.image_spans`: an image's tokens
         also see each other bidirectionally. Every key of such an image lies in this pass (its K/V
-        are written before attending), and the sliding layers' key slice below covers the pass."""
+        are written before attending), and the sliding layers' key slice below covers the pass.
+        group: the caches are stacked [G, B, S, K, H] (a scanned program) and this layer's is entry
+        `group`: written in place and read through slices, never copied out whole."""
         t = x.shape[1]
         positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         q, k, v = self._qkv(x, positions)
         k, v = self._replicate(k, v, cache_k)
-        cache_k = write_tokens(cache_k, k, starts, num_new)
-        cache_v = write_tokens(cache_v, v, starts, num_new)
-        cache_k, cache_v = self.rt.constrain(cache_k, CACHE_AXES), self.rt.constrain(cache_v, CACHE_AXES)
+        axes = CACHE_AXES if group is None else (LAYER_AXIS,) + CACHE_AXES
+        cache_k = self.rt.constrain(write_tokens(cache_k, k, starts, num_new, group), axes)
+        cache_v = self.rt.constrain(write_tokens(cache_v, v, starts, num_new, group), axes)
+        layer_k, layer_v = cache_k, cache_v
+        if group is not None:
+            layer_k = jax.lax.dynamic_index_in_dim(cache_k, group, 0, keepdims=False)
+            layer_v = jax.lax.dynamic_index_in_dim(cache_v, group, 0, keepdims=False)
+        out = self._encode_attend(q, starts, num_new, positions, layer_k, layer_v, image_span)
+        return out, cache_k, cache_v
+
+    def _encode_attend(self, q, starts, num_new, positions, cache_k, cache_v, image_span):
+        t = q.shape[1]
         s = cache_k.shape[1]
         size = (self.window - 1 + t) if self.window is not None else s
         if size < s:  # sliding layer: only the last window-1 committed tokens + the new ones matter
@@ -191,10 +203,10 @@ class Attention(nn.Module):
             k_pos = w0[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :]
         else:
             keys, vals = cache_k, cache_v
-            k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (x.shape[0], s))
+            k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (q.shape[0], s))
         mask = masks.causal_mask(positions, k_pos, starts + num_new, self.window, image_span)
         y = attend(q, [(keys, vals, mask)], self.rt.attn_key_block)
-        return self._out(y), cache_k, cache_v
+        return self._out(y)
 
     def denoise(self, x, context_end, cache_k, cache_v):
         """x: [B, L, D] canvas at positions context_end[b] + j; the cache is only read."""

@@ -96,11 +96,21 @@ def cache_shape(config: ModelConfig, batch_size: int, max_length: int, dtype=Non
     return jax.eval_shape(lambda: init_cache(config, batch_size, max_length, dtype, kv_replicas, layers))
 
 
-def write_tokens(cache_kv: jax.Array, new_kv: jax.Array, starts: jax.Array, num_new: jax.Array) -> jax.Array:
+def write_tokens(cache_kv: jax.Array, new_kv: jax.Array, starts: jax.Array, num_new: jax.Array,
+                 group=None) -> jax.Array:
     """Write new_kv [B, T, K, H] into cache_kv [B, S, K, H] at slots starts[b] + t for t < num_new[b].
 
     Padding tokens (t >= num_new[b]) and slots beyond the cache are dropped, never written.
+    group: cache_kv is a stacked layer cache [G, B, S, K, H] (a scanned program's, `model.layout`)
+    and the tokens go into its entry `group` (scattered in place: the other entries are not copied).
     """
+    if group is not None:
+        b, t = new_kv.shape[:2]
+        s = cache_kv.shape[2]
+        offs = jnp.arange(t, dtype=jnp.int32)[None, :]
+        slots = jnp.where(offs < num_new[:, None], starts[:, None] + offs, s)
+        rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+        return cache_kv.at[group, rows, slots].set(new_kv.astype(cache_kv.dtype), mode="drop")
     b, t = new_kv.shape[:2]
     s = cache_kv.shape[1]
     offs = jnp.arange(t, dtype=jnp.int32)[None, :]

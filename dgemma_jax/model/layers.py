@@ -31,10 +31,13 @@ def param(module: nn.Module, name: str, shape, axes: tuple, cfg: ModelConfig, in
     tied head) casts the int8 values right before it and applies the scale to its output."""
     if module.has_variable("params", name):
         stored = module.get_variable("params", name)
-        if is_quantized(stored):
-            if tuple(stored[QUANT_VALUES].shape) != tuple(shape):
-                raise ValueError(f"int8 kernel {name!r} of {module.name!r} has shape "
-                                 f"{tuple(stored[QUANT_VALUES].shape)}; the model expects {tuple(shape)}")
+        from dgemma_jax.model.layout import PerGroup  # (layout builds on this module)
+
+        if is_quantized(stored) or isinstance(stored, PerGroup):
+            # an int8 pair, or a scanned layer's per-group kernel (`model.layout.PerGroup`): as stored
+            if kernel_shape(stored) != tuple(shape):
+                raise ValueError(f"kernel {name!r} of {module.name!r} has shape {kernel_shape(stored)}; "
+                                 f"the model expects {tuple(shape)}")
             return stored
     init = init or nn.initializers.normal(0.02)
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype_of(cfg.param_dtype))

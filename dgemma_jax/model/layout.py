@@ -8,6 +8,16 @@ leading axis (P = the period, G = the number of whole groups); layers after the 
 (a count that is not a multiple of the period, or a last layer forced global out of pattern) keep
 their own `blocks_i` subtree and run unrolled after the scan. Every other parameter is unchanged.
 
+Except the expert kernels (`PER_GROUP`): a `PerGroup` holds their G arrays side by side, unstacked.
+The TPU's grouped matmul is an opaque call that reads whole arrays: fed the slice of a stacked
+kernel, the compiled loop first copies the slice out (a read and a write of every expert weight
+per step: 2.56x the 26B step's HBM traffic on v6e-8). The scan passes a `PerGroup` in whole with
+the group being run, and the MoE dispatch runs in the `lax.switch` branch of that group
+(`per_group_switch`) on its arrays as they lie. The switch sits around the whole dispatch, not
+each grouped matmul: around a matmul alone, the compiler staged one branch's kernel into on-chip
+memory on every pass whether that branch ran or not (1.33x). Matmuls that XLA fuses (every
+other kernel) slice a stacked array for free.
+
 Checkpoints, the Hugging Face loader, converters, LoRA and int8 quantization all produce and
 consume the unrolled layout; `stack_layers` / `unstack_layers` convert any pytree laid out like the
 parameters (arrays, `jax.ShapeDtypeStruct`s, `NamedSharding`s, logical `PartitionSpec`s, the LoRA
@@ -22,6 +32,8 @@ layer's [B, S, K, H]; `KVCache.groups` = G says which (0 = one entry per layer).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +41,77 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dgemma_jax.config import GLOBAL, ModelConfig
+from dgemma_jax.model.layers import QUANT_VALUES
 
 GROUPS_KEY = "layer_groups"
 # the named scope of the scan over layer groups: the perf readers (`perf.hbm_traffic.loop_runs`) count its
 # loop body once per group, since every run streams that group's weights
 LAYER_LOOP_SCOPE = "layer_groups"
 LAYER_AXIS = "layers"  # the logical name of the stacked axis (replicated: no rule maps it)
+# parameters read by an opaque kernel (the MoE's grouped matmuls), kept per group (a `PerGroup`) in
+# the stacked layout: (path suffix) of the float kernel; an int8 kernel's "int8" values likewise
+PER_GROUP = (("moe", "gate_up"), ("moe", "down"))
+
+
+@jax.tree_util.register_pytree_node_class
+class PerGroup:
+    """One parameter of every scanned group as G separate arrays (or shapes, shardings, logical
+    specs), and `index`, the group a scan body runs (None outside one)."""
+
+    def __init__(self, arrays, index=None):
+        self.arrays, self.index = tuple(arrays), index
+
+    def tree_flatten(self):
+        return (self.arrays, self.index), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    def __repr__(self):
+        return f"PerGroup({len(self.arrays)} x {getattr(self.arrays[0], 'shape', self.arrays[0])}, index={self.index})"
+
+    @property
+    def shape(self):
+        return tuple(self.arrays[0].shape)
+
+    @property
+    def dtype(self):
+        return self.arrays[0].dtype
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def at(self, index) -> "PerGroup":
+        return PerGroup(self.arrays, index)
+
+    def astype(self, dtype) -> "PerGroup":
+        if all(a.dtype == dtype for a in self.arrays):
+            return self
+        return PerGroup(tuple(a.astype(dtype) for a in self.arrays), self.index)
+
+
+def _is_per_group(x) -> bool:
+    return isinstance(x, PerGroup)
+
+
+def has_per_group(tree) -> bool:
+    return any(_is_per_group(x) for x in jax.tree.leaves(tree, is_leaf=_is_per_group))
+
+
+def per_group_switch(fn, tree, *args):
+    """fn(tree with each `PerGroup` as its group's array, *args), run in the `lax.switch` branch of
+    the group being run: each branch hands fn the arrays it reads as they are, so an opaque kernel
+    (the TPU's grouped matmul) reads them in place, and the compiler stages a branch's weights only
+    when that branch runs. Every `PerGroup` in the tree must be at the same group."""
+    groups = [x for x in jax.tree.leaves(tree, is_leaf=_is_per_group) if _is_per_group(x)]
+    n = len(groups[0].arrays)
+
+    def branch(i, *a):
+        return fn(jax.tree.map(lambda x: x.arrays[i] if _is_per_group(x) else x, tree, is_leaf=_is_per_group), *a)
+
+    return jax.lax.switch(groups[0].index, [functools.partial(branch, i) for i in range(n)], *args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +154,7 @@ def check_scannable(config: ModelConfig) -> LayerPlan:
 
 # ------------------------------------------------------------------ leaves
 def _is_leaf(x) -> bool:
-    return isinstance(x, (P, jax.ShapeDtypeStruct, NamedSharding))
+    return isinstance(x, (P, jax.ShapeDtypeStruct, NamedSharding, PerGroup))
 
 
 def _stack(*xs):
@@ -95,6 +172,8 @@ def _stack(*xs):
 
 
 def _index(x, g: int):
+    if isinstance(x, PerGroup):
+        return x.arrays[g]
     if isinstance(x, P):
         return P(*tuple(x)[1:])
     if isinstance(x, NamedSharding):
@@ -124,7 +203,7 @@ def stack_layers(params, config: ModelConfig):
     for j in range(plan.period):
         trees = [params[f"blocks_{plan.layer(g, j)}"] for g in range(plan.groups)]
         try:
-            groups[f"blocks_{j}"] = jax.tree.map(_stack, *trees, is_leaf=_is_leaf)
+            groups[f"blocks_{j}"] = _stack_tree(trees)
         except ValueError as e:
             raise ValueError(f"layers {[plan.layer(g, j) for g in range(plan.groups)]} (group position {j}) have "
                              f"different parameter structures and cannot be stacked: {e}; use "
@@ -145,6 +224,39 @@ def unstack_layers(params, config: ModelConfig):
             out[f"blocks_{plan.layer(g, j)}"] = jax.tree.map(lambda x, g=g: _index(x, g), groups[f"blocks_{j}"],
                                                              is_leaf=_is_leaf)
     return {k: out[k] for k in _ordered(out)}
+
+
+def _per_group(path: tuple) -> bool:
+    return any(path[-len(p):] == p or path[-len(p) - 1:] == p + (QUANT_VALUES,) for p in PER_GROUP)
+
+
+def _stack_tree(trees, path=()):
+    """The layers' trees (one per group) stacked leaf by leaf; `PER_GROUP` leaves side by side."""
+    if _per_group(path) and not isinstance(trees[0], Mapping):
+        return PerGroup(trees)
+    if isinstance(trees[0], Mapping):
+        keys = list(trees[0])
+        if any(list(t) != keys for t in trees[1:]):
+            raise ValueError(f"different keys under {'/'.join(path) or 'the layer'}")
+        return {k: _stack_tree([t[k] for t in trees], path + (k,)) for k in keys}
+    return jax.tree.map(_stack, *trees, is_leaf=_is_leaf)
+
+
+def split_per_group(tree):
+    """A stacked group tree -> (the tree with each `PerGroup` replaced by None: what a scan slices,
+    the `PerGroup`s alone: what its body takes whole)."""
+    is_pg = lambda x: isinstance(x, PerGroup)  # noqa: E731
+    return (jax.tree.map(lambda x: None if is_pg(x) else x, tree, is_leaf=is_pg),
+            jax.tree.map(lambda x: x if is_pg(x) else None, tree, is_leaf=is_pg))
+
+
+def join_per_group(sliced, whole, index):
+    """`split_per_group`'s two halves back in one tree, each `PerGroup` at group `index`."""
+    if isinstance(whole, PerGroup):
+        return whole.at(index)
+    if isinstance(whole, Mapping):
+        return {k: join_per_group(sliced[k], whole[k], index) for k in whole}
+    return sliced
 
 
 def _scanned_key(key: str, plan: LayerPlan) -> bool:

@@ -44,6 +44,7 @@ import numpy as np
 from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.model import layout
 from dgemma_jax.model.layers import (GATED_MLP_AXES, QUANT_SCALE, QUANT_VALUES, adapter, gated_mlp, gelu_tanh,
                                      is_quantized, kernel_shape, ones_param, param, project, rms_normalize)
 from dgemma_jax.runtime import DenseBeside, Runtime
@@ -235,7 +236,15 @@ def dispatch(cfg: ModelConfig, rt: Runtime, z, weights, experts, gate_up, down, 
     z [N, D]; weights/experts [N, k] with GLOBAL expert ids. `shards` is the number of expert shards
     (1 = all experts local); pairs routed to other shards contribute nothing here. `adapters`: the
     local experts' LoRA pairs (see the module docstring) or None.
+
+    A scanned layer's kernels come as `layout.PerGroup`s: the whole dispatch then runs in one
+    `lax.switch` branch per group, each on its group's arrays as they lie in HBM (`per_group_switch`).
     """
+    if layout.has_per_group((gate_up, down)):
+        return layout.per_group_switch(
+            lambda kernels, z, weights, experts: dispatch(cfg, rt, z, weights, experts, *kernels, adapters, offset,
+                                                          shards),
+            (gate_up, down), z, weights, experts)
     e_local = kernel_shape(gate_up)[0]
     valid = None
     if shards > 1:

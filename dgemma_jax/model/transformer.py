@@ -68,8 +68,9 @@ class Block(nn.Module):
         y = (y.astype(jnp.float32) * scalar.astype(jnp.float32)).astype(x1.dtype)
         return self.rt.constrain(y, ACTIVATION_AXES)
 
-    def encode(self, x, starts, num_new, cache_k, cache_v, image_span=None):
-        a, cache_k, cache_v = self.attn.encode(self.pre_attn_norm(x), starts, num_new, cache_k, cache_v, image_span)
+    def encode(self, x, starts, num_new, cache_k, cache_v, image_span=None, group=None):
+        a, cache_k, cache_v = self.attn.encode(self.pre_attn_norm(x), starts, num_new, cache_k, cache_v, image_span,
+                                               group)
         x1 = x + self.post_attn_norm(a)
         return self._ffw(x1, self.encoder_scalar), cache_k, cache_v
 
@@ -155,7 +156,8 @@ class Transformer(nn.Module):
 
     def _groups(self):
         """{collection: {"blocks_j": stacked}}: the parameters (and LoRA collection) of the scanned
-        layers, stacked per group position (stacked here, a copy, when they were given unrolled)."""
+        layers, stacked per group position (stacked here, a copy, when they were given unrolled);
+        `layout.PER_GROUP` kernels as `layout.PerGroup`s, which the scan passes whole to its body."""
         out = {}
         for col, tree in self.variables.items():
             if not any(k == layout.GROUPS_KEY or k.startswith("blocks_") for k in tree):
@@ -208,23 +210,22 @@ class Transformer(nn.Module):
             return x, (layout.stack_cache(new, self.cfg) if cache.groups else new)
         plan, c, fns = self._scan_parts(cache, "encode")
 
+        sliced, whole = layout.split_per_group(self._groups())
+
         def body(carry, xs):
             h, ks, vs = carry
             g, groups = xs
+            groups = layout.join_per_group(groups, whole, g)
             ks, vs = list(ks), list(vs)
-            for j in range(plan.period):
-                kj = jax.lax.dynamic_index_in_dim(ks[j], g, 0, keepdims=False)
-                vj = jax.lax.dynamic_index_in_dim(vs[j], g, 0, keepdims=False)
+            for j in range(plan.period):  # each layer writes its tokens into entry g of the stacked caches
                 block_vars = {col: t[f"blocks_{j}"] for col, t in groups.items()}
-                h, kj, vj = fns[j](block_vars, h, starts, num_new, kj, vj, *extra)
-                ks[j] = jax.lax.dynamic_update_index_in_dim(ks[j], kj, g, 0)
-                vs[j] = jax.lax.dynamic_update_index_in_dim(vs[j], vj, g, 0)
+                h, ks[j], vs[j] = fns[j](block_vars, h, starts, num_new, ks[j], vs[j], span, g)
             return (h, tuple(ks), tuple(vs)), None
 
         p = plan.period
         with jax.named_scope(layout.LAYER_LOOP_SCOPE):
             (x, ks, vs), _ = jax.lax.scan(body, (x, c.keys[:p], c.values[:p]),
-                                          (jnp.arange(plan.groups, dtype=jnp.int32), self._groups()))
+                                          (jnp.arange(plan.groups, dtype=jnp.int32), sliced))
         keys, values = list(ks) + list(c.keys[p:]), list(vs) + list(c.values[p:])
         for r, i in enumerate(plan.remainder):
             x, keys[p + r], values[p + r] = self.blocks[i].encode(x, starts, num_new, keys[p + r], values[p + r],
@@ -240,8 +241,11 @@ class Transformer(nn.Module):
             return x
         plan, c, fns = self._scan_parts(cache, "denoise")
 
+        sliced, whole = layout.split_per_group(self._groups())
+
         def body(h, xs):
-            groups, ks, vs = xs
+            g, groups, ks, vs = xs
+            groups = layout.join_per_group(groups, whole, g)
             for j in range(plan.period):
                 block_vars = {col: t[f"blocks_{j}"] for col, t in groups.items()}
                 h = fns[j](block_vars, h, context_end, ks[j], vs[j])
@@ -249,7 +253,7 @@ class Transformer(nn.Module):
 
         p = plan.period
         with jax.named_scope(layout.LAYER_LOOP_SCOPE):
-            x, _ = jax.lax.scan(body, x, (self._groups(), c.keys[:p], c.values[:p]))
+            x, _ = jax.lax.scan(body, x, (jnp.arange(plan.groups, dtype=jnp.int32), sliced, c.keys[:p], c.values[:p]))
         for r, i in enumerate(plan.remainder):
             x = self.blocks[i].denoise(x, context_end, c.keys[p + r], c.values[p + r])
         return x

@@ -10,7 +10,9 @@ prefetched by the model's grouped matmul counts ~3x its size).
 `hbm_traffic(hlo_text)` counts only HBM: for each op of the entry computation (and of the loop
 bodies and conditional branches it runs), the operands and results whose layout has no memory-space
 annotation; a transfer counts its bytes on the HBM side; a fusion operand that the fusion only
-slices or gathers counts the rows it takes, not the whole array. The model's scan over layer
+slices or gathers counts the rows it takes, not the whole array; an update in place (a scatter or
+dynamic-update-slice into its first operand, a KV-cache write) counts the rows it writes, not the
+whole buffer. The model's scan over layer
 groups (`LAYER_LOOP_SCOPE`) counts once per group; any other loop body counts once, like
 cost_analysis (per-step figures come from the step program); a conditional counts its largest
 branch. This is our reading of the compiler's output, not a hardware measurement.
@@ -32,6 +34,8 @@ _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
 _NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
                "replica-id", "iota"}
 _SLICING = {"dynamic-slice", "slice", "gather"}
+# ops that update operand 0 in its own buffer: {op: the operand index of the update}
+_IN_PLACE = {"scatter": 2, "dynamic-update-slice": 1}
 
 
 def _arrays(type_text: str) -> list[tuple[int, bool]]:
@@ -133,6 +137,22 @@ def hbm_traffic(hlo_text: str) -> dict:
                 return full
         return min(total, full)
 
+    def in_place_update(comp: str) -> int | None:
+        """The bytes a fusion writes when its root updates its first operand in place (a scatter or
+        dynamic-update-slice into fusion parameter 0, as a KV-cache write is): its update's; else None.
+        XLA runs such an update in the operand's own buffer (a copy, when one is needed, is a
+        separate op), so neither the whole operand is read nor the whole result written."""
+        insts = {n: (t, op, a) for n, t, op, a, _ in comps.get(comp, [])}
+        root = comps[comp][-1][0] if comps.get(comp) else None
+        while root in insts and insts[root][1] == "bitcast":
+            root = insts[root][2][0]
+        if root not in insts or insts[root][1] not in _IN_PLACE:
+            return None
+        _, op, args = insts[root]
+        if insts.get(args[0], ("", ""))[1] != "parameter" or param_index.get(args[0]) != 0:
+            return None
+        return sum(b for b, _ in _arrays(insts.get(args[_IN_PLACE[op]], ("",))[0]))
+
     def operand_bytes(shapes, op, args, rest):
         sizes = [_hbm(shapes.get(a, "")) for a in args]
         called = re.search(r"calls=%?([\w.\-]+)", rest)
@@ -168,6 +188,13 @@ def hbm_traffic(hlo_text: str) -> dict:
                 dest = parts[:1] if op == "copy-start" else parts[len(source):][:1]
                 if source and dest:
                     out[(op, _scope(op, rest))] += dest[0][0] * ((not source[0][1]) + (not dest[0][1]))
+            elif op == "fusion" and (called := re.search(r"calls=%?([\w.\-]+)", rest)) and \
+                    (written := in_place_update(called.group(1))) is not None:
+                # the update's bytes written; the other operands (indices, the update) read as usual
+                out[(op, _scope(op, rest))] += written + operand_bytes(shapes, op, [""] + args[1:], rest)
+            elif op in _IN_PLACE:
+                written = _hbm(shapes.get(args[_IN_PLACE[op]], ""))
+                out[(op, _scope(op, rest))] += written + sum(_hbm(shapes.get(a, "")) for a in args[1:])
             else:
                 out[(op, _scope(op, rest))] += _hbm(typ) + operand_bytes(shapes, op, args, rest)
         return out
