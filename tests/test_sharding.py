@@ -203,6 +203,9 @@ def test_two_process_distributed_equals_single_process(reference, tmp_path):
     np.testing.assert_array_equal(np.load(multi), ref_tokens)
 
 
+_UNSHARDED_GRADS: dict = {}
+
+
 # (expert-split training with the CPU capacity dispatch is covered by the trainer's mesh test in
 # test_training.py; here the TPU path's ragged blocks; without fsdp the dense MLP runs inside the
 # experts' shard_map and its gradients flow back through that body)
@@ -222,7 +225,9 @@ def test_sharded_training_loss_and_grads_equal_unsharded(reference, mesh_spec, d
     # "ragged": the expert-parallel grouped-matmul blocks
     grad_fn = lambda rt: jax.value_and_grad(lambda p, b, k: loss_fn(p, b, k, config=CFG, obj=obj, runtime=rt)[0])  # noqa: E731
     key = jax.random.key(7)
-    loss0, grads0 = jax.jit(grad_fn(Runtime(moe_dispatch=dispatch)))(params, batch, key)
+    if dispatch not in _UNSHARDED_GRADS:  # the one-device reference, computed once per dispatch
+        _UNSHARDED_GRADS[dispatch] = jax.jit(grad_fn(Runtime(moe_dispatch=dispatch)))(params, batch, key)
+    loss0, grads0 = _UNSHARDED_GRADS[dispatch]
 
     sh = Shardings(CFG, make_mesh(mesh_spec), "training")
     placed = sh.place_params(params)

@@ -36,7 +36,8 @@ def param(module: nn.Module, name: str, shape, axes: tuple, cfg: ModelConfig, in
         if is_quantized(stored) or isinstance(stored, PerGroup):
             # an int8 pair, or a scanned layer's per-group kernel (`model.layout.PerGroup`): as stored
             if kernel_shape(stored) != tuple(shape):
-                raise ValueError(f"kernel {name!r} of {module.name!r} has shape {kernel_shape(stored)}; "
+                kind = "int8 kernel" if is_quantized(stored) else "per-group kernel"
+                raise ValueError(f"{kind} {name!r} of {module.name!r} has shape {kernel_shape(stored)}; "
                                  f"the model expects {tuple(shape)}")
             return stored
     init = init or nn.initializers.normal(0.02)

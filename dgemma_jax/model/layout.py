@@ -47,6 +47,8 @@ GROUPS_KEY = "layer_groups"
 # the named scope of the scan over layer groups: the perf readers (`perf.hbm_traffic.loop_runs`) count its
 # loop body once per group, since every run streams that group's weights
 LAYER_LOOP_SCOPE = "layer_groups"
+# the named scope of `per_group_switch` (its conditional in a compiled program is "<scope>/cond")
+PER_GROUP_SCOPE = "per_group_switch"
 LAYER_AXIS = "layers"  # the logical name of the stacked axis (replicated: no rule maps it)
 # parameters read by an opaque kernel (the MoE's grouped matmuls), kept per group (a `PerGroup`) in
 # the stacked layout: (path suffix) of the float kernel; an int8 kernel's "int8" values likewise
@@ -111,7 +113,8 @@ def per_group_switch(fn, tree, *args):
     def branch(i, *a):
         return fn(jax.tree.map(lambda x: x.arrays[i] if _is_per_group(x) else x, tree, is_leaf=_is_per_group), *a)
 
-    return jax.lax.switch(groups[0].index, [functools.partial(branch, i) for i in range(n)], *args)
+    with jax.named_scope(PER_GROUP_SCOPE):
+        return jax.lax.switch(groups[0].index, [functools.partial(branch, i) for i in range(n)], *args)
 
 
 @dataclasses.dataclass(frozen=True)

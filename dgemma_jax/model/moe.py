@@ -241,10 +241,13 @@ def dispatch(cfg: ModelConfig, rt: Runtime, z, weights, experts, gate_up, down, 
     `lax.switch` branch per group, each on its group's arrays as they lie in HBM (`per_group_switch`).
     """
     if layout.has_per_group((gate_up, down)):
+        # every strategy's output is in z's dtype, widened to float32 (below): the branches hand it out
+        # narrow. The barrier keeps the compiler from hoisting the cast, the same in every branch, out
+        # of the switch, which would carry float32 across the switch's boundary (through HBM).
         return layout.per_group_switch(
-            lambda kernels, z, weights, experts: dispatch(cfg, rt, z, weights, experts, *kernels, adapters, offset,
-                                                          shards),
-            (gate_up, down), z, weights, experts)
+            lambda kernels, z, weights, experts: jax.lax.optimization_barrier(
+                dispatch(cfg, rt, z, weights, experts, *kernels, adapters, offset, shards).astype(z.dtype)),
+            (gate_up, down), z, weights, experts).astype(jnp.float32)
     e_local = kernel_shape(gate_up)[0]
     valid = None
     if shards > 1:
