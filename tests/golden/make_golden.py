@@ -111,26 +111,52 @@ def build(name: str):
 
 
 def differences(name: str, arrays: dict, meta: dict) -> list[str]:
-    """How a recomputed golden record differs from the committed file (empty: current)."""
+    """How a recomputed golden record's making differs from the committed file's (empty: current):
+    the inputs hash, the transformers / torch versions, the entries, their shapes and dtypes."""
     if not os.path.exists(store.path_of(name)):
         return [f"{name}: no committed file"]
     old, old_meta = store.load(name)
     out = []
     if old_meta.get("inputs_sha256") != meta["inputs_sha256"]:
         out.append(f"{name}: inputs changed (sha256 {old_meta.get('inputs_sha256')} -> {meta['inputs_sha256']})")
+    for lib in ("transformers", "torch"):
+        if old_meta.get(lib) != meta[lib]:
+            out.append(f"{name}: made with {lib} {old_meta.get(lib)}, this is {meta[lib]}")
     if sorted(old) != sorted(arrays):
         out.append(f"{name}: entries {sorted(set(old) ^ set(arrays))} differ")
     for k in sorted(set(old) & set(arrays)):
         a, b = np.asarray(old[k]), np.asarray(arrays[k])
-        if a.shape != b.shape:
-            out.append(f"{name}/{k}: shape {a.shape} != {b.shape}")
-        elif np.issubdtype(a.dtype, np.floating):
+        if a.shape != b.shape or a.dtype.kind != b.dtype.kind:
+            out.append(f"{name}/{k}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}")
+    return out
+
+
+def value_differences(name: str, arrays: dict) -> list[str]:
+    """The entries whose values differ from the committed file's: integers, booleans and strings
+    exactly, floats beyond FLOAT_ATOL (the record must first pass `differences`)."""
+    old, _ = store.load(name)
+    out = []
+    for k in sorted(set(old) & set(arrays)):
+        a, b = np.asarray(old[k]), np.asarray(arrays[k])
+        if np.issubdtype(a.dtype, np.floating):
             d = float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max()) if a.size else 0.0
             if not d <= FLOAT_ATOL:
                 out.append(f"{name}/{k}: max |difference| {d:.3e} > {FLOAT_ATOL}")
         elif not np.array_equal(a, b):
             out.append(f"{name}/{k}: differs")
     return out
+
+
+def made_on_another_cpu(name: str, meta: dict) -> str | None:
+    """Why the committed file's values cannot be reproduced bit for bit here, or None: torch picked
+    other vector kernels when it was made (its `cpu_capability`; files made before it was recorded
+    say nothing)."""
+    made = store.load(name)[1].get("cpu_capability")
+    if made == meta["cpu_capability"]:
+        return None
+    return (f"{name} was made with torch's {made or 'unrecorded'} CPU kernels, this machine runs "
+            f"{meta['cpu_capability']}: float results differ in their last bits (bfloat16 ones more) and a "
+            f"near tie may pick another token")
 
 
 def main(argv=None) -> int:
@@ -144,8 +170,12 @@ def main(argv=None) -> int:
         arrays, meta = build(name)
         if args.check:
             diffs = differences(name, arrays, meta)
-            bad += diffs
-            print(f"{name}: {'current' if not diffs else 'STALE'}")
+            values = [] if diffs else value_differences(name, arrays)
+            other_cpu = made_on_another_cpu(name, meta) if values else None
+            bad += diffs + ([] if other_cpu else values)
+            print(f"{name}: " + ("STALE" if diffs or (values and not other_cpu) else
+                                 f"inputs and versions current; values not comparable ({other_cpu})" if values
+                                 else "current"))
         else:
             path = store.save(name, arrays, meta)
             print(f"wrote {os.path.relpath(path)} ({os.path.getsize(path) / 1024:.0f} KiB)")

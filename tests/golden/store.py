@@ -76,4 +76,7 @@ def reference_versions() -> dict:
     import torch
     import transformers
 
-    return {"transformers": transformers.__version__, "torch": torch.__version__, "numpy": np.__version__}
+    # the vector kernels torch's CPU build picked on this machine ("AVX512", "AVX2", ...): float32 results,
+    # and bfloat16 ones more, differ in their last bits between them, and a near tie can flip a token
+    return {"transformers": transformers.__version__, "torch": torch.__version__, "numpy": np.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
