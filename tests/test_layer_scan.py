@@ -221,7 +221,7 @@ def test_the_per_group_switch_hands_out_bfloat16(monkeypatch):
     """A switch's result lives in HBM on TPU: every scanned layer writes the MoE's [T, D] output out of
     its per-group switch and reads it back. The dispatch ends in bfloat16 in every branch, but the
     compiler hoisted that common cast out of the switch, so float32 crossed, twice the bytes (26B
-    v6e-8: 0.17 GB a step, 2.3% of it), until the branches kept it (`moe.dispatch`). AOT for v5e-8 in
+    v6e-8: 0.17 GB a step, 2.3% of it), until a barrier kept it in (`layout.per_group_switch`). AOT for v5e-8 in
     bfloat16, scanned: each of the 6 layers in the body has its switch, handing out bfloat16."""
     pytest.importorskip("libtpu")
     from dgemma_jax.perf import aot

@@ -106,12 +106,18 @@ def per_group_switch(fn, tree, *args):
     """fn(tree with each `PerGroup` as its group's array, *args), run in the `lax.switch` branch of
     the group being run: each branch hands fn the arrays it reads as they are, so an opaque kernel
     (the TPU's grouped matmul) reads them in place, and the compiler stages a branch's weights only
-    when that branch runs. Every `PerGroup` in the tree must be at the same group."""
+    when that branch runs. Every `PerGroup` in the tree must be at the same group.
+
+    On TPU a switch's result lives in HBM: what the branches return is written out and read back.
+    Each branch's result passes an optimization barrier, so the compiler cannot hoist work common to
+    every branch out of the switch (it moved the MoE's final cast to bfloat16 out, and the float32
+    sum crossed: twice the bytes); return the narrowest form the caller needs."""
     groups = [x for x in jax.tree.leaves(tree, is_leaf=_is_per_group) if _is_per_group(x)]
     n = len(groups[0].arrays)
 
     def branch(i, *a):
-        return fn(jax.tree.map(lambda x: x.arrays[i] if _is_per_group(x) else x, tree, is_leaf=_is_per_group), *a)
+        picked = jax.tree.map(lambda x: x.arrays[i] if _is_per_group(x) else x, tree, is_leaf=_is_per_group)
+        return jax.lax.optimization_barrier(fn(picked, *a))
 
     with jax.named_scope(PER_GROUP_SCOPE):
         return jax.lax.switch(groups[0].index, [functools.partial(branch, i) for i in range(n)], *args)

@@ -238,16 +238,21 @@ def dispatch(cfg: ModelConfig, rt: Runtime, z, weights, experts, gate_up, down, 
     local experts' LoRA pairs (see the module docstring) or None.
 
     A scanned layer's kernels come as `layout.PerGroup`s: the whole dispatch then runs in one
-    `lax.switch` branch per group, each on its group's arrays as they lie in HBM (`per_group_switch`).
+    `lax.switch` branch per group, each on its group's arrays as they lie in HBM (`per_group_switch`),
+    and hands its output out in z's dtype (the switch's result crosses HBM); float32 after it.
     """
     if layout.has_per_group((gate_up, down)):
-        # every strategy's output is in z's dtype, widened to float32 (below): the branches hand it out
-        # narrow. The barrier keeps the compiler from hoisting the cast, the same in every branch, out
-        # of the switch, which would carry float32 across the switch's boundary (through HBM).
-        return layout.per_group_switch(
-            lambda kernels, z, weights, experts: jax.lax.optimization_barrier(
-                dispatch(cfg, rt, z, weights, experts, *kernels, adapters, offset, shards).astype(z.dtype)),
-            (gate_up, down), z, weights, experts).astype(jnp.float32)
+        y = layout.per_group_switch(
+            lambda kernels, z, weights, experts: _dispatch_here(cfg, rt, z, weights, experts, *kernels, adapters,
+                                                                offset, shards),
+            (gate_up, down), z, weights, experts)
+    else:
+        y = _dispatch_here(cfg, rt, z, weights, experts, gate_up, down, adapters, offset, shards)
+    return y.astype(jnp.float32)
+
+
+def _dispatch_here(cfg, rt, z, weights, experts, gate_up, down, adapters, offset, shards):
+    """`dispatch` on these kernels (arrays or int8 pairs), in z's dtype."""
     e_local = kernel_shape(gate_up)[0]
     valid = None
     if shards > 1:
@@ -256,14 +261,16 @@ def dispatch(cfg: ModelConfig, rt: Runtime, z, weights, experts, gate_up, down, 
         experts = jnp.where(valid, local, 0)
     strategy = rt.dispatch
     if strategy == "dense":
-        return dispatch_dense(z, weights, experts, gate_up, down, valid, adapters, rt).astype(jnp.float32)
-    if strategy == "ragged":
+        y = dispatch_dense(z, weights, experts, gate_up, down, valid, adapters, rt)
+    elif strategy == "ragged":
         rows = None
         if shards > 1:  # blocks of ~factor x this shard's expected share of the pairs
             rows = -(-int(math.ceil(rt.moe_shard_rows_factor * z.shape[0] * cfg.top_k / shards)) // 8) * 8
-        return dispatch_ragged(z, weights, experts, gate_up, down, valid, rows, adapters).astype(jnp.float32)
-    levels = capacity_levels(z.shape[0], cfg.top_k, cfg.num_experts, rt.moe_capacity_factor)
-    return dispatch_capacity(z, weights, experts, gate_up, down, levels, valid, adapters, rt).astype(jnp.float32)
+        y = dispatch_ragged(z, weights, experts, gate_up, down, valid, rows, adapters)
+    else:
+        levels = capacity_levels(z.shape[0], cfg.top_k, cfg.num_experts, rt.moe_capacity_factor)
+        y = dispatch_capacity(z, weights, experts, gate_up, down, levels, valid, adapters, rt)
+    return y.astype(z.dtype)
 
 
 class MoE(nn.Module):

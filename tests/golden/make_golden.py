@@ -11,6 +11,7 @@ repository root. tests/test_golden_current.py (marker `ref`) runs the --check co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -110,53 +111,55 @@ def build(name: str):
     return arrays, meta
 
 
-def differences(name: str, arrays: dict, meta: dict) -> list[str]:
-    """How a recomputed golden record's making differs from the committed file's (empty: current):
-    the inputs hash, the transformers / torch versions, the entries, their shapes and dtypes."""
+@dataclasses.dataclass
+class Check:
+    """A recomputed golden record against the committed file. `stale`: how its making differs (inputs
+    hash, transformers / torch versions, entries, their shapes and dtypes); `values`: the entries whose
+    values differ (integers, booleans and strings exactly, floats beyond FLOAT_ATOL); `other_cpu`: why
+    the values cannot be reproduced bit for bit here, or None (torch picked other vector kernels when
+    the file was made, its `cpu_capability`; files made before that was recorded say nothing)."""
+    stale: list
+    values: list
+    other_cpu: str | None
+
+    @property
+    def current(self) -> bool:
+        return not self.stale and not self.values
+
+    @property
+    def failures(self) -> list:
+        """What makes the file stale: its making, or its values where they are comparable here."""
+        return self.stale + ([] if self.other_cpu else self.values)
+
+
+def check(name: str, arrays: dict, meta: dict) -> Check:
     if not os.path.exists(store.path_of(name)):
-        return [f"{name}: no committed file"]
+        return Check([f"{name}: no committed file"], [], None)
     old, old_meta = store.load(name)
-    out = []
+    stale, values = [], []
     if old_meta.get("inputs_sha256") != meta["inputs_sha256"]:
-        out.append(f"{name}: inputs changed (sha256 {old_meta.get('inputs_sha256')} -> {meta['inputs_sha256']})")
+        stale.append(f"{name}: inputs changed (sha256 {old_meta.get('inputs_sha256')} -> {meta['inputs_sha256']})")
     for lib in ("transformers", "torch"):
         if old_meta.get(lib) != meta[lib]:
-            out.append(f"{name}: made with {lib} {old_meta.get(lib)}, this is {meta[lib]}")
+            stale.append(f"{name}: made with {lib} {old_meta.get(lib)}, this is {meta[lib]}")
     if sorted(old) != sorted(arrays):
-        out.append(f"{name}: entries {sorted(set(old) ^ set(arrays))} differ")
+        stale.append(f"{name}: entries {sorted(set(old) ^ set(arrays))} differ")
     for k in sorted(set(old) & set(arrays)):
         a, b = np.asarray(old[k]), np.asarray(arrays[k])
         if a.shape != b.shape or a.dtype.kind != b.dtype.kind:
-            out.append(f"{name}/{k}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}")
-    return out
-
-
-def value_differences(name: str, arrays: dict) -> list[str]:
-    """The entries whose values differ from the committed file's: integers, booleans and strings
-    exactly, floats beyond FLOAT_ATOL (the record must first pass `differences`)."""
-    old, _ = store.load(name)
-    out = []
-    for k in sorted(set(old) & set(arrays)):
-        a, b = np.asarray(old[k]), np.asarray(arrays[k])
-        if np.issubdtype(a.dtype, np.floating):
+            stale.append(f"{name}/{k}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}")
+        elif np.issubdtype(a.dtype, np.floating):
             d = float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max()) if a.size else 0.0
             if not d <= FLOAT_ATOL:
-                out.append(f"{name}/{k}: max |difference| {d:.3e} > {FLOAT_ATOL}")
+                values.append(f"{name}/{k}: max |difference| {d:.3e} > {FLOAT_ATOL}")
         elif not np.array_equal(a, b):
-            out.append(f"{name}/{k}: differs")
-    return out
-
-
-def made_on_another_cpu(name: str, meta: dict) -> str | None:
-    """Why the committed file's values cannot be reproduced bit for bit here, or None: torch picked
-    other vector kernels when it was made (its `cpu_capability`; files made before it was recorded
-    say nothing)."""
-    made = store.load(name)[1].get("cpu_capability")
-    if made == meta["cpu_capability"]:
-        return None
-    return (f"{name} was made with torch's {made or 'unrecorded'} CPU kernels, this machine runs "
-            f"{meta['cpu_capability']}: float results differ in their last bits (bfloat16 ones more) and a "
-            f"near tie may pick another token")
+            values.append(f"{name}/{k}: differs")
+    made = old_meta.get("cpu_capability")
+    other_cpu = None if made == meta["cpu_capability"] else (
+        f"{name} was made with torch's {made or 'unrecorded'} CPU kernels, this machine runs "
+        f"{meta['cpu_capability']}: float results differ in their last bits (bfloat16 ones more) and a near "
+        f"tie may pick another token")
+    return Check(stale, values, other_cpu)
 
 
 def main(argv=None) -> int:
@@ -169,13 +172,10 @@ def main(argv=None) -> int:
     for name in names:
         arrays, meta = build(name)
         if args.check:
-            diffs = differences(name, arrays, meta)
-            values = [] if diffs else value_differences(name, arrays)
-            other_cpu = made_on_another_cpu(name, meta) if values else None
-            bad += diffs + ([] if other_cpu else values)
-            print(f"{name}: " + ("STALE" if diffs or (values and not other_cpu) else
-                                 f"inputs and versions current; values not comparable ({other_cpu})" if values
-                                 else "current"))
+            c = check(name, arrays, meta)
+            bad += c.failures
+            print(f"{name}: " + ("current" if c.current else "STALE" if c.failures else
+                                 f"inputs and versions current; values not comparable ({c.other_cpu})"))
         else:
             path = store.save(name, arrays, meta)
             print(f"wrote {os.path.relpath(path)} ({os.path.getsize(path) / 1024:.0f} KiB)")
