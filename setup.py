@@ -39,7 +39,7 @@ setup(
         "pydantic>=2",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "openai>=1.40", "httpx>=0.27"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "openai>=1.40", "httpx>=0.27"],
         # The numerical reference: Hugging Face transformers' diffusion_gemma on CPU. Not needed by the
         # default tests (they read tests/golden); install it with the CPU wheel index, else pip takes
         # the multi-GB CUDA build of torch:

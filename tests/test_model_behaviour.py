@@ -432,16 +432,25 @@ def test_bfloat16_no_worse_than_reference(bf16_models, bf16_reference):
 
 # ---------------------------------------------------------------------------------------------- (f) import
 def test_import_is_light():
-    code = ("import sys, time; t = time.perf_counter(); import dgemma_jax; dt = time.perf_counter() - t; "
-            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')); "
-            "print(dt); print(','.join(heavy))")
+    """`import dgemma_jax` loads none of the heavy optional parts (torch / transformers, orbax's
+    checkpointing, the HTTP server, the tokenizer backends, Pillow, grain: each is imported where it is
+    used) and costs little beyond the libraries it is built on. Measured side by side in one process,
+    because jax's own import dominates and varies with the machine: here `import jax, flax` takes ~2.0 s
+    and dgemma_jax adds ~0.15 s (orbax.checkpoint alone would add ~0.33 s, fastapi + uvicorn ~0.42 s);
+    the last CI machine took 3.03 s for the whole. The bound on our share is 0.75 s (5x the measurement)."""
+    heavy_roots = ("torch", "transformers", "orbax", "fastapi", "uvicorn", "starlette", "tokenizers",
+                   "sentencepiece", "PIL", "grain", "tensorflow")
+    code = ("import sys, time; t0 = time.perf_counter(); import jax, flax; t1 = time.perf_counter(); "
+            "import dgemma_jax; t2 = time.perf_counter(); "
+            f"heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy_roots!r})); "
+            "print(t1 - t0); print(t2 - t1); print(','.join(heavy))")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout.splitlines()
-    dt, heavy = float(out[0]), out[1] if len(out) > 1 else ""
-    print(f"import dgemma_jax: {dt:.2f}s")
+    base, ours, heavy = float(out[0]), float(out[1]), out[2] if len(out) > 2 else ""
+    print(f"import jax, flax: {base:.2f}s; import dgemma_jax on top: {ours:.2f}s")
     assert heavy == "", f"import dgemma_jax pulled in {heavy}"
-    assert dt < 3.0, f"import dgemma_jax took {dt:.2f}s"
+    assert ours < 0.75, f"import dgemma_jax took {ours:.2f}s on top of jax and flax ({base:.2f}s)"
