@@ -239,7 +239,8 @@ def test_the_per_group_switch_hands_out_bfloat16(monkeypatch):
 
 
 @pytest.mark.slow
-def test_scan_runs_the_grouped_matmul_on_per_group_kernels_on_an_expert_mesh():
+@pytest.mark.parametrize("name", ["float", "int8"])  # one case each: two pytest-xdist workers share them
+def test_scan_runs_the_grouped_matmul_on_per_group_kernels_on_an_expert_mesh(name):
     """The accelerator program ("ragged" grouped matmuls per expert shard under shard_map) scanned: the
     expert kernels go in whole as `PerGroup`s and each grouped matmul picks its group's array, float
     and int8 alike; the tokens and the denoiser's logits are the unrolled program's."""
@@ -252,21 +253,21 @@ def test_scan_runs_the_grouped_matmul_on_per_group_kernels_on_an_expert_mesh():
     sh = Shardings(cfg, make_mesh("expert=2,tensor=4"), "latency")
     params = init_params(cfg, 3)
     canvas = jnp.asarray(TOKENS[:, :16])
-    for name, p in (("float", params), ("int8", quantize_params(cfg, params, "int8"))):
-        out, logits = {}, {}
-        for layers in ("unrolled", "scan"):
-            rt = Runtime(platform="tpu", moe_dispatch="ragged", moe_shard_rows_factor=1.0, layers=layers)
-            eng = Engine(cfg, sh.place_params(p), SAMPLER, shardings=sh, runtime=rt)
-            assert layout.is_stacked(eng.params) == (layers == "scan")
-            if layers == "scan":
-                pg = eng.params[layout.GROUPS_KEY]["blocks_0"]["moe"]["gate_up"]
-                assert isinstance(pg["int8"] if name == "int8" else pg, layout.PerGroup)
-            out[layers] = np.asarray(eng.generate(TOKENS, LENGTHS, rng=0, max_new_tokens=32).tokens)
-            cache = eng.new_cache(2, 64)
-            _, cache = jax.jit(lambda p_, c: encode_pass(p_, cfg, jnp.asarray(TOKENS), c.lengths,
-                                                         jnp.asarray(LENGTHS), c, "none", runtime=eng.runtime))(
-                eng.params, cache)
-            logits[layers] = np.asarray(jax.jit(lambda p_, c: denoise_logits(p_, cfg, canvas, c.lengths, c,
-                                                                            runtime=eng.runtime))(eng.params, cache))
-        np.testing.assert_array_equal(out["scan"], out["unrolled"], err_msg=name)
-        np.testing.assert_allclose(logits["scan"], logits["unrolled"], rtol=1e-5, atol=1e-3, err_msg=name)
+    p = params if name == "float" else quantize_params(cfg, params, "int8")
+    out, logits = {}, {}
+    for layers in ("unrolled", "scan"):
+        rt = Runtime(platform="tpu", moe_dispatch="ragged", moe_shard_rows_factor=1.0, layers=layers)
+        eng = Engine(cfg, sh.place_params(p), SAMPLER, shardings=sh, runtime=rt)
+        assert layout.is_stacked(eng.params) == (layers == "scan")
+        if layers == "scan":
+            pg = eng.params[layout.GROUPS_KEY]["blocks_0"]["moe"]["gate_up"]
+            assert isinstance(pg["int8"] if name == "int8" else pg, layout.PerGroup)
+        out[layers] = np.asarray(eng.generate(TOKENS, LENGTHS, rng=0, max_new_tokens=32).tokens)
+        cache = eng.new_cache(2, 64)
+        _, cache = jax.jit(lambda p_, c: encode_pass(p_, cfg, jnp.asarray(TOKENS), c.lengths,
+                                                     jnp.asarray(LENGTHS), c, "none", runtime=eng.runtime))(
+            eng.params, cache)
+        logits[layers] = np.asarray(jax.jit(lambda p_, c: denoise_logits(p_, cfg, canvas, c.lengths, c,
+                                                                        runtime=eng.runtime))(eng.params, cache))
+    np.testing.assert_array_equal(out["scan"], out["unrolled"], err_msg=name)
+    np.testing.assert_allclose(logits["scan"], logits["unrolled"], rtol=1e-5, atol=1e-3, err_msg=name)

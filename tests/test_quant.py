@@ -161,7 +161,8 @@ def test_engine_quantize_equals_passing_int8_params(params):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
-def test_sharded_int8_equals_unsharded_int8():
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])  # one case each: two pytest-xdist workers share them
+def test_sharded_int8_equals_unsharded_int8(platform):
     """int8 kernels and their scales are placed by the float kernels' logical axes (the scales'
     size-1 axes replicated), on expert/tensor and FSDP meshes, and the CPU and accelerator programs
     (ragged expert-parallel MoE under shard_map, full-vocab head) give the unsharded tokens."""
@@ -173,25 +174,25 @@ def test_sharded_int8_equals_unsharded_int8():
     q = quantize_params(cfg, random_params(cfg, 4), embedding=True)
     tokens = np.random.RandomState(0).randint(3, cfg.vocab_size, (2, 20)).astype(np.int32)
     lengths = np.array([20, 13], np.int32)
-    for rt in (Runtime(), Runtime(platform="tpu", moe_dispatch="ragged", moe_shard_rows_factor=1.0)):
-        ref = Engine(cfg, q, SAMPLER, runtime=rt).generate(tokens, lengths, rng=0, max_new_tokens=32)
-        for mesh_spec, rules in (("expert=2,tensor=4", "latency"), ("fsdp=8", "training")):
-            sh = Shardings(cfg, make_mesh(mesh_spec), rules)
-            placed = sh.place_params(q)
-            float_specs = {k: s.spec for k, s in _flat(sh.params).items()}
-            split = 0
-            for k, x in _flat(placed).items():  # values like the float kernel; scales too, but size-1 axes
-                kernel, leaf = (k, None) if k in float_specs else (k.rsplit("[", 1)[0], k.rsplit("[", 1)[1])
-                want = tuple(float_specs[kernel]) + (None,) * (x.ndim - len(float_specs[kernel]))
-                if leaf == "'scale']":
-                    want = tuple(None if n == 1 else a for n, a in zip(x.shape, want))
-                assert tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec)) == want, k
-                split += leaf is not None and any(a is not None for a in want)
-            assert split > 20  # the int8 kernels really are split
-            out = Engine(cfg, placed, SAMPLER, shardings=sh, runtime=rt).generate(tokens, lengths, rng=0,
-                                                                                   max_new_tokens=32)
-            np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens),
-                                          err_msg=f"{mesh_spec} {rt.platform}")
+    rt = Runtime() if platform == "cpu" else Runtime(platform="tpu", moe_dispatch="ragged", moe_shard_rows_factor=1.0)
+    ref = Engine(cfg, q, SAMPLER, runtime=rt).generate(tokens, lengths, rng=0, max_new_tokens=32)
+    for mesh_spec, rules in (("expert=2,tensor=4", "latency"), ("fsdp=8", "training")):
+        sh = Shardings(cfg, make_mesh(mesh_spec), rules)
+        placed = sh.place_params(q)
+        float_specs = {k: s.spec for k, s in _flat(sh.params).items()}
+        split = 0
+        for k, x in _flat(placed).items():  # values like the float kernel; scales too, but size-1 axes
+            kernel, leaf = (k, None) if k in float_specs else (k.rsplit("[", 1)[0], k.rsplit("[", 1)[1])
+            want = tuple(float_specs[kernel]) + (None,) * (x.ndim - len(float_specs[kernel]))
+            if leaf == "'scale']":
+                want = tuple(None if n == 1 else a for n, a in zip(x.shape, want))
+            assert tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec)) == want, k
+            split += leaf is not None and any(a is not None for a in want)
+        assert split > 20  # the int8 kernels really are split
+        out = Engine(cfg, placed, SAMPLER, shardings=sh, runtime=rt).generate(tokens, lengths, rng=0,
+                                                                               max_new_tokens=32)
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens),
+                                      err_msg=f"{mesh_spec} {rt.platform}")
 
 
 def test_quantized_checkpoint_round_trip(params, tmp_path):
