@@ -5,15 +5,15 @@ The cells are defined here (the notebook is generated, so edit this file and reg
 
     python launch/make_colab.py                 # (re)write launch/colab_tpu.ipynb
     python launch/make_colab.py --check         # validate the notebook and print its code cells
-    python launch/make_colab.py --run --set MAX_NEW_TOKENS=32 --set STEPS=8
+    python launch/make_colab.py --run --set SEED=3
                                                 # execute the code cells here (magics skipped)
 
 `--check` needs no Jupyter packages: it checks the nbformat 4 structure by hand (top-level keys,
 cell types, ids, sources, outputs), that every code cell compiles once `!`/`%` lines are set
 aside, and that the file matches what this script generates. Exit status 1 lists the problems.
 `--run` runs the code cells in one namespace, like a notebook kernel would, after applying the
-`--set NAME=VALUE` overrides to the settings cell; with the default empty CHECKPOINT it exercises
-the small-model fallback on whatever JAX backend is present.
+`--set NAME=VALUE` overrides to the settings cell; with the default empty CHECKPOINT it runs
+the bundled model on whatever JAX backend is present.
 """
 
 from __future__ import annotations
@@ -33,66 +33,81 @@ NOTEBOOK = HERE / "colab_tpu.ipynb"
 INTRO = """\
 # DiffusionGemma on a Colab TPU (dgemma_jax)
 
-[dgemma_jax](https://github.com/YOUR_ORG/dgemma_jax) runs DiffusionGemma, a text diffusion model
-with a Gemma 4 mixture-of-experts backbone, in JAX. Instead of writing one token at a time it
-denoises a whole *canvas* of tokens (256 for the released model) in parallel, over up to 48 steps.
+dgemma_jax runs DiffusionGemma, a text diffusion model with a Gemma 4 mixture-of-experts backbone,
+in JAX. Instead of writing one token at a time it denoises a whole *canvas* of tokens (256 for the
+released model) in parallel, over up to 48 steps, then commits it and starts the next canvas.
 
 1. **Runtime > Change runtime type > TPU** (v5e-1, v6e-1 or v2-8). The notebook also runs on a CPU
    or GPU runtime, more slowly.
-2. Fill in the settings below and run all cells.
+2. **Runtime > Run all.** With the settings as they are it runs the small model bundled with
+   dgemma_jax (299k parameters, trained to sort digit strings: `s9350814272=` gives `0122345789`).
 
 Which model fits: the released `diffusiongemma-26B-A4B-it` holds 25 B parameters, about 51 GB in
-bfloat16, more than one Colab TPU chip has (v5e: 16 GB, v6e: 32 GB). Run it on a v5e-8 / v6e-8 /
-v5p-8 with `launch/tpu_vm.sh` (see `launch/README.md`). Here, point `CHECKPOINT` at a smaller
-DiffusionGemma checkpoint, or leave it empty to use the small model bundled with dgemma_jax
-(a random tiny model if this version bundles none: the pipeline runs, the text is noise).
+bfloat16 and about 26 GB with int8 weights. `QUANTIZE = "auto"` loads it in bfloat16 when that fits
+the runtime's accelerator memory, else in int8 when that fits, else stops with the sizes; one
+v5e-1 (16 GB) or v6e-1 (32 GB) chip holds neither yet (the int8 fit on a v6e-1 has not been
+compiled; an int4 path for a v5e-1 does not exist yet). A v5e-8 / v6e-8 / v5p-8 holds it:
+`launch/tpu_vm.sh` (see `launch/README.md`).
 """
 
 SETTINGS = """\
 # @title Settings { display-mode: "form" }
-# Where dgemma_jax comes from: a local copy (uploaded, or on Drive) wins over the git URL.
-REPO_URL = "https://github.com/YOUR_ORG/dgemma_jax"  # @param {type:"string"}
-REPO_REF = "main"  # @param {type:"string"}
-LOCAL_COPY = "/content/dgemma_jax"  # @param {type:"string"}
-# A Hugging Face DiffusionGemma checkpoint: a local directory (config.json, *.safetensors,
-# tokenizer files), a gs:// directory or a Hub repo id. Empty: the bundled small model.
+# A DiffusionGemma checkpoint: a local directory, a gs:// directory or a Hugging Face Hub repo id
+# (google/diffusiongemma-26B-A4B-it). Empty: the small model bundled with dgemma_jax.
 CHECKPOINT = ""  # @param {type:"string"}
-PROMPT = "Explain in two sentences how a diffusion language model writes text."  # @param {type:"string"}
-MAX_NEW_TOKENS = 256  # @param {type:"integer"}
-STEPS = 48  # @param {type:"integer"}
+# Empty: the bundled model's example (digits to sort), or a question for a real checkpoint.
+PROMPT = ""  # @param {type:"string"}
+QUANTIZE = "auto"  # @param ["auto", "none", "int8"]
+# 0: the library's default (256 tokens, fewer where the model's context ends sooner).
+MAX_NEW_TOKENS = 0  # @param {type:"integer"}
 SEED = 0  # @param {type:"integer"}
+# Where dgemma_jax comes from when it is not installed yet: a wheel or source archive uploaded to
+# /content (dgemma_jax-*.whl / dgemma_jax-*.tar.gz, built with `pip wheel --no-deps -w dist .`),
+# else this package name (a requirement pip understands, e.g. a git URL).
+PACKAGE = "dgemma_jax[tpu]"  # @param {type:"string"}
 """
 
 INSTALL_MD = """\
 ## Install
 
-`pip install "dgemma_jax[tpu] @ git+REPO_URL@REPO_REF"`, or an editable install of `LOCAL_COPY`
-when that directory exists. `[tpu]` pins `jax[tpu]` (with libtpu); it also installs fine on CPU
-and GPU runtimes. Nothing is installed when `dgemma_jax` is already importable. If Colab had
+Nothing is installed when `dgemma_jax` is already importable. Otherwise a wheel or source archive
+of dgemma_jax uploaded to `/content` (the file browser on the left) is installed with the `[tpu]`
+extra, which pins `jax[tpu]`; without one, `PACKAGE`. The cell says which it used. If Colab had
 already imported another jax version, restart the session (Runtime > Restart session) after this
-cell and skip it the second time.
+cell.
 """
 
 INSTALL = """\
+import glob
 import importlib
 import importlib.util
 import os
 import subprocess
 import sys
 
+UPLOAD_DIR = "/content"  # where Colab's file browser uploads go
 
-def pip_install(*args):
-    print("pip install", *args)
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *args], check=True)
+
+def install_source(search_dir):
+    \"\"\"(pip requirement, what it is): the newest uploaded wheel or source archive, else PACKAGE.\"\"\"
+    found = sorted(glob.glob(os.path.join(search_dir, "dgemma_jax-*.whl"))
+                   + glob.glob(os.path.join(search_dir, "dgemma_jax-*.tar.gz")), key=os.path.getmtime)
+    if found:
+        return f"{found[-1]}[tpu]", f"the uploaded file {os.path.basename(found[-1])}"
+    return PACKAGE, f"the package {PACKAGE!r}"
 
 
 if importlib.util.find_spec("dgemma_jax") is not None:
-    print("dgemma_jax is already installed")
-elif os.path.isfile(os.path.join(LOCAL_COPY, "setup.py")):
-    pip_install("-e", f"{LOCAL_COPY}[tpu]")
-    sys.path.insert(0, LOCAL_COPY)  # an editable install is only seen by new processes
+    print("dgemma_jax is already installed; nothing to install")
 else:
-    pip_install(f"dgemma_jax[tpu] @ git+{REPO_URL}@{REPO_REF}")
+    requirement, what = install_source(UPLOAD_DIR)
+    print("installing dgemma_jax from", what)
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", requirement], check=True)
+    except subprocess.CalledProcessError:
+        raise SystemExit(f"pip could not install {requirement!r}. Build a wheel from a dgemma_jax checkout "
+                         f"with `pip wheel --no-deps -w dist .`, upload dist/dgemma_jax-*.whl to {UPLOAD_DIR} "
+                         "and run this cell again (or set PACKAGE to a requirement pip can reach)") from None
 importlib.invalidate_caches()
 """
 
@@ -100,13 +115,13 @@ DEVICES = """\
 import jax
 
 print(f"jax {jax.__version__}: backend {jax.default_backend()}, {jax.device_count()} device(s)")
-HBM_BYTES = 0
+PER_DEVICE_BYTES = []
 for d in jax.devices():
     try:
         limit = (d.memory_stats() or {}).get("bytes_limit", 0)
     except Exception:  # not every backend reports memory
         limit = 0
-    HBM_BYTES += limit
+    PER_DEVICE_BYTES.append(limit)
     print(f"  {d}  {d.device_kind}" + (f"  {limit / 2**30:.1f} GiB" if limit else ""))
 if jax.default_backend() != "tpu":
     print("No TPU here (Runtime > Change runtime type > TPU); the cells below still run on",
@@ -116,161 +131,62 @@ if jax.default_backend() != "tpu":
 LOAD_MD = """\
 ## Load a model
 
-`dgemma_jax.load_hf(path)` reads a Hugging Face DiffusionGemma directory (config.json +
-safetensors, sharded index supported) into `(config, params)` without torch. Without a
-checkpoint, the bundled small model (`dgemma_jax.training.load_bundled`) is used when this
-version of dgemma_jax has one, else a random `tiny-2layer` model.
+`dgemma_jax.DiffusionGemma.from_pretrained(checkpoint)` reads a Hugging Face DiffusionGemma
+checkpoint (config.json + safetensors, no torch) or one in dgemma_jax's format, with its tokenizer
+and chat template; `None` loads the bundled small model. With several chips the weights are split
+over all of them (experts over an `expert` mesh axis); on one chip they must fit that chip.
 """
 
 LOAD = """\
-import os
-import subprocess
-
-import jax
 import numpy as np
 
 import dgemma_jax
-from dgemma_jax.engine import Engine
+from dgemma_jax.io.locations import resolve
+from dgemma_jax.parallel import Shardings, make_mesh
 
-try:
-    from dgemma_jax import SamplerConfig
-except ImportError:
-    from dgemma_jax.sampling.config import SamplerConfig
+WEIGHT_SHARE = 0.85  # the share of accelerator memory the weights may take (the rest: cache, activations)
 
 
-def resolve_checkpoint(ckpt):
-    \"\"\"A local directory for CHECKPOINT (copied from gs:// or downloaded from the Hub, REPO@REVISION
-    pins a revision): dgemma_jax.io.locations.resolve, the same as `dgemma generate --checkpoint`.\"\"\"
-    # Private bucket: first run `from google.colab import auth; auth.authenticate_user()`.
-    try:
-        from dgemma_jax.io.locations import resolve
-    except ImportError:  # a dgemma_jax from before checkpoint locations
-        pass
-    else:
-        return resolve(ckpt)
-    if os.path.isdir(ckpt):
-        return ckpt
-    local = os.path.join("/content" if os.path.isdir("/content") else os.getcwd(), "checkpoint")
-    if ckpt.startswith("gs://"):
-        # Private bucket: first run `from google.colab import auth; auth.authenticate_user()`.
-        os.makedirs(local, exist_ok=True)
-        subprocess.run(["gcloud", "storage", "cp", "-r", ckpt.rstrip("/") + "/*", local], check=True)
-        return local
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(ckpt, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"])
-
-
-def load_tokenizer(path):
-    \"\"\"(encode, decode) for a checkpoint directory; encode applies the chat template.\"\"\"
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(path)
-
-        def encode(text):
-            out = tok.apply_chat_template([{"role": "user", "content": text}],
-                                          add_generation_prompt=True, tokenize=True)
-            out = out["input_ids"] if hasattr(out, "keys") else out
-            return np.asarray(out).reshape(-1).tolist()
-
-        return encode, lambda ids: tok.decode(list(ids), skip_special_tokens=True)
-    except Exception as e:  # transformers missing or too old for this tokenizer
-        print("transformers tokenizer not used:", type(e).__name__, str(e)[:200])
-    path_json = os.path.join(path, "tokenizer.json")
-    if os.path.isfile(path_json):
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(path_json)
-
-        def encode(text):  # the Gemma 4 chat format
-            return tok.encode(f"<bos><|turn>user\\n{text}<turn|>\\n<|turn>model\\n",
-                              add_special_tokens=False).ids
-
-        return encode, lambda ids: tok.decode(list(ids), skip_special_tokens=True)
-    return None
-
-
-def as_tokenizer(tok):
-    \"\"\"Accept what a bundled model may come with: a path, (encode, decode) or an object.\"\"\"
-    if tok is None:
+def choose_quantize(config, quantize, per_device_bytes):
+    \"\"\"QUANTIZE as a value for from_pretrained: None (bfloat16) or "int8"; "auto" picks the first
+    that fits the accelerators' memory, and stops with the sizes when neither does.\"\"\"
+    if quantize not in ("auto", "none", "int8"):
+        raise ValueError(f"QUANTIZE must be 'auto', 'none' or 'int8', not {quantize!r}")
+    bf16 = config.param_count()["total"] * 2
+    sizes = {"none": bf16, "int8": bf16 * 0.52}  # int8 kernels + bf16 embeddings, norms and scales
+    if quantize != "auto":
+        return None if quantize == "none" else quantize
+    if not all(per_device_bytes):  # a backend that does not report its memory (CPU): no quantization
         return None
-    if isinstance(tok, (str, os.PathLike)):
-        return load_tokenizer(os.fspath(tok))
-    if isinstance(tok, tuple) and len(tok) == 2 and all(callable(f) for f in tok):
-        return tok
-    if hasattr(tok, "encode") and hasattr(tok, "decode"):
-        def ids_of(text):
-            out = tok.encode(text)
-            return list(getattr(out, "ids", out))
-
-        def encode(text):
-            try:
-                ids = ids_of(text)
-            except ValueError:  # e.g. a character-level vocabulary without some of these characters
-                ok = [ch for ch in text if _encodes(ch)]
-                print(f"note: the tokenizer cannot encode {len(text) - len(ok)} character(s) of the prompt; "
-                      "they are left out")
-                ids = ids_of("".join(ok))
-            bos = getattr(tok, "bos_id", None)
-            return ([int(bos)] if bos is not None else []) + ids
-
-        def _encodes(ch):
-            try:
-                ids_of(ch)
-                return True
-            except ValueError:
-                return False
-
-        return encode, lambda ids: tok.decode(list(ids))
-    return None
+    room = WEIGHT_SHARE * min(per_device_bytes) * len(per_device_bytes)
+    for choice in ("none", "int8"):
+        if sizes[choice] <= room:
+            print(f"QUANTIZE=auto: {choice} ({sizes[choice] / 2**30:.1f} GiB of weights, "
+                  f"{room / 2**30:.1f} GiB available for them)")
+            return None if choice == "none" else choice
+    raise SystemExit(f"this model needs {bf16 / 2**30:.0f} GiB in bfloat16 and ~{sizes['int8'] / 2**30:.0f} GiB "
+                     f"in int8, but the {len(per_device_bytes)} accelerator(s) here leave "
+                     f"{room / 2**30:.0f} GiB for weights: use a bigger TPU (launch/tpu_vm.sh)")
 
 
-tokenizer = None
-SMALL_FALLBACK = False
-if CHECKPOINT:
-    path = resolve_checkpoint(CHECKPOINT)
-    need = dgemma_jax.ModelConfig.from_hf(path).param_count()["total"] * 2  # bytes in bfloat16
-    if HBM_BYTES and need > 0.9 * HBM_BYTES:
-        print(f"warning: ~{need / 2**30:.0f} GiB of bfloat16 weights vs {HBM_BYTES / 2**30:.0f} GiB of "
-              "accelerator memory here; loading will likely fail (use a bigger TPU: launch/tpu_vm.sh)")
-    config, params = dgemma_jax.load_hf(path)
-    tokenizer = load_tokenizer(path)
-    SOURCE = f"checkpoint {CHECKPOINT}"
+BUNDLED = not CHECKPOINT
+if BUNDLED:
+    model = dgemma_jax.DiffusionGemma.from_pretrained(None)
+    SOURCE = "the bundled small model"
 else:
-    try:
-        from dgemma_jax.training import load_bundled
-    except ImportError:
-        load_bundled = None
-    if load_bundled is not None:
-        bundled = load_bundled()
-        if isinstance(bundled, dict):
-            config, params, tok = bundled["config"], bundled["params"], bundled.get("tokenizer")
-        elif isinstance(bundled, (tuple, list)):
-            config, params, tok = bundled[0], bundled[1], (bundled[2] if len(bundled) > 2 else None)
-        else:
-            config, params, tok = bundled.config, bundled.params, getattr(bundled, "tokenizer", None)
-        tokenizer = as_tokenizer(tok)
-        SOURCE = "the bundled small model"
-    else:
-        names = dgemma_jax.ModelConfig.preset_names()
-        tiny = "tiny-2layer" if "tiny-2layer" in names else min(
-            names, key=lambda n: dgemma_jax.ModelConfig.preset(n).param_count()["total"])
-        config = dgemma_jax.ModelConfig.preset(tiny)
-        params = dgemma_jax.init_params(config, SEED)
-        SOURCE = f"a RANDOM tiny model ({tiny}): the pipeline runs, the text is noise"
-    SMALL_FALLBACK = True
+    path = resolve(CHECKPOINT)  # a gs:// directory is copied, a Hub repo id downloaded
+    config = dgemma_jax.ModelConfig.from_hf(path)
+    quantize = choose_quantize(config, QUANTIZE, PER_DEVICE_BYTES)
+    shardings = None
+    if jax.device_count() > 1:
+        shardings = Shardings(config, make_mesh(f"expert={jax.device_count()}"), "latency")
+    model = dgemma_jax.DiffusionGemma.from_pretrained(path, shardings=shardings, quantize=quantize)
+    SOURCE = f"checkpoint {CHECKPOINT}" + (f" ({quantize})" if quantize else "")
+if not PROMPT:
+    PROMPT = "s9350814272=" if BUNDLED else "Explain in two sentences how a diffusion language model writes text."
 
-if tokenizer is None:  # no tokenizer: bytes -> ids, ids shown as numbers
-    def encode(text):
-        return [config.bos_id] + [3 + b % (config.vocab_size - 3) for b in text.encode()][:64]
-
-    def decode(ids):
-        return " ".join(str(int(i)) for i in ids)
-else:
-    encode, decode = tokenizer
-
-n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+config = model.config
+n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(model.params))
 print(f"loaded {SOURCE}: {config.num_layers} layers, {config.num_experts} experts (top {config.top_k}), "
       f"vocab {config.vocab_size}, canvas {config.canvas_length}, {n_params / 1e6:.1f} M parameters")
 """
@@ -278,54 +194,36 @@ print(f"loaded {SOURCE}: {config.num_layers} layers, {config.num_experts} expert
 GENERATE_MD = """\
 ## Generate
 
-`Engine(config, params, SamplerConfig(...))` compiles prefill + all denoising steps + the canvas
-loop into one program (`engine.generate`). The first call includes compilation; the second shows
-the compiled speed. `tokens per pass` is HF's metric: generated tokens / denoiser passes.
+`model.generate(text)` (the bundled model: a raw prompt) or `model.chat(messages)` (a real
+checkpoint: its chat template) runs prefill, every denoising step and the canvas loop as one
+compiled program. The first call includes compilation; the second shows the compiled speed.
 """
 
 GENERATE = """\
 import time
 
-sampler = SamplerConfig(canvas_length=config.canvas_length, max_denoising_steps=STEPS,
-                        eos_ids=config.eos_ids, pad_id=config.pad_id)
-engine = Engine(config, params, sampler)
-max_new = MAX_NEW_TOKENS
-if SMALL_FALLBACK:  # a couple of canvases are enough to watch the small model
-    max_new = min(MAX_NEW_TOKENS, 2 * config.canvas_length)
-prompt_ids = encode(PROMPT)
-prompt = np.asarray([prompt_ids], np.int32)
-print(f"prompt: {len(prompt_ids)} tokens; generating up to {max_new} tokens "
-      f"in canvases of {config.canvas_length}, at most {STEPS} steps each")
+
+max_new = MAX_NEW_TOKENS or None  # None: the library's default
 
 
-def visible(ids):
-    \"\"\"Generated ids up to the first EOS, pads dropped.\"\"\"
-    out = []
-    for t in np.asarray(ids).tolist():
-        if t in sampler.eos_ids:
-            break
-        if t != sampler.pad_id:
-            out.append(t)
-    return out
+def answer():
+    if BUNDLED:
+        return model.generate(PROMPT, max_new_tokens=max_new, seed=SEED)
+    return model.chat([{"role": "user", "content": PROMPT}], max_new_tokens=max_new, seed=SEED)
 
 
 for attempt in ("first call, with compilation", "second call, compiled"):
     t0 = time.perf_counter()
-    out = engine.generate(prompt, rng=SEED, max_new_tokens=max_new)
-    tokens = np.asarray(out.tokens)[0]
-    seconds = time.perf_counter() - t0
-    steps = np.asarray(out.steps)[0]
-    print(f"{attempt}: {seconds:.2f} s, {int(np.asarray(out.num_canvases))} canvas(es), "
-          f"denoiser passes per canvas {steps[steps > 0].tolist()}, "
-          f"{float(np.asarray(out.tokens_per_forward(sampler.pad_id))[0]):.1f} tokens per pass")
-print()
-print(decode(visible(tokens)))
+    ANSWER = answer()
+    print(f"{attempt}: {time.perf_counter() - t0:.2f} s")
+print(f"prompt: {PROMPT!r}")
+print(f"answer: {ANSWER!r}")
 """
 
 STEPS_MD = """\
 ## Watch the canvas converge
 
-`engine.steps(...)` runs the same generation one denoising step at a time and yields a
+`model.engine.steps(...)` runs the same generation one denoising step at a time and yields a
 `StepEvent(canvas_index, step, argmax [B, L], canvas [B, L], done)` after every step and a
 `CanvasEvent(index, tokens, steps, finished)` per finished canvas. Every step re-samples the whole
 canvas: low-entropy positions keep their sampled token, the others are re-noised, and the argmax
@@ -333,18 +231,32 @@ settles on the final text.
 """
 
 STEPS_CELL = """\
+from dgemma_jax.engine import default_new_tokens
+from dgemma_jax.io.chat import render_chat
+
+if BUNDLED:
+    prompt, lengths = model.encode_batch([PROMPT])
+else:
+    text = render_chat([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    prompt = np.asarray([model.tokenizer.encode(text)], np.int32)
+    lengths = None
+tok = model.tokenizer
+pad = model.sampler.pad_id
+if max_new is None:  # the library's default for this prompt, as model.generate / model.chat use
+    max_new = default_new_tokens(config, model.sampler, int(prompt.shape[1]))
+
 history = {}  # canvas index -> [argmax row per step]
-finished_canvases = {}
-for event in engine.steps(prompt, rng=SEED, max_new_tokens=max_new):
+canvases = {}
+for event in model.engine.steps(prompt, lengths, rng=SEED, max_new_tokens=max_new):
     if hasattr(event, "argmax"):  # StepEvent
         history.setdefault(event.canvas_index, []).append(np.asarray(event.argmax)[0].copy())
     else:  # CanvasEvent
-        finished_canvases[event.index] = np.asarray(event.tokens)[0]
+        canvases[event.index] = np.asarray(event.tokens)[0]
 
-streamed = np.concatenate([finished_canvases[i] for i in sorted(finished_canvases)])[:max_new]
-streamed = np.pad(streamed, (0, max_new - streamed.size), constant_values=sampler.pad_id)
-print("the step-by-step driver gives the same tokens as engine.generate:",
-      bool(np.array_equal(streamed, tokens)))
+streamed = [int(t) for i in sorted(canvases) for t in canvases[i] if int(t) != pad]
+if BUNDLED:
+    print("the step-by-step driver gives the same answer as model.generate:",
+          tok.decode_generated(streamed, skip_special=True) == ANSWER)
 
 for c, rows in sorted(history.items()):
     final = rows[-1]
@@ -352,30 +264,25 @@ for c, rows in sorted(history.items()):
     for i, row in enumerate(rows):
         settled = float(np.mean(row == final))
         changed = int(np.sum(row != rows[i - 1])) if i else row.size
-        text = decode(visible(row)).replace("\\n", " ")
+        text = tok.decode_generated(row, skip_special=True).replace("\\n", " ")
         print(f"  step {i + 1:2d}  {settled:4.0%} settled  {changed:3d} changed | {text[:90]}")
 """
 
 PLOT = """\
-try:
-    import matplotlib.pyplot as plt
-except ImportError:
-    plt = None
-    print("matplotlib is not installed; skipping the plots")
+import matplotlib.pyplot as plt
 
-if plt is not None:
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(13, 3.8))
-    for c, rows in sorted(history.items()):
-        final = rows[-1]
-        ax0.plot(range(1, len(rows) + 1), [np.mean(r == final) for r in rows], marker="o", label=f"canvas {c}")
-    ax0.set(xlabel="denoising step", ylabel="fraction equal to the final argmax", ylim=(0, 1.05),
-            title="convergence per canvas")
-    ax0.legend()
-    rows = history[min(history)]
-    ax1.imshow(np.stack([r == rows[-1] for r in rows]), aspect="auto", cmap="Greens", interpolation="nearest")
-    ax1.set(xlabel="canvas position", ylabel="step", title="canvas 0: positions already at their final token")
-    plt.tight_layout()
-    plt.show()
+fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(13, 3.8))
+for c, rows in sorted(history.items()):
+    final = rows[-1]
+    ax0.plot(range(1, len(rows) + 1), [np.mean(r == final) for r in rows], marker="o", label=f"canvas {c}")
+ax0.set(xlabel="denoising step", ylabel="fraction equal to the final argmax", ylim=(0, 1.05),
+        title="convergence per canvas")
+ax0.legend()
+rows = history[min(history)]
+ax1.imshow(np.stack([r == rows[-1] for r in rows]), aspect="auto", cmap="Greens", interpolation="nearest")
+ax1.set(xlabel="canvas position", ylabel="step", title="canvas 0: positions already at their final token")
+plt.tight_layout()
+plt.show()
 """
 
 NEXT_MD = """\
@@ -384,7 +291,7 @@ NEXT_MD = """\
 * Bigger models on a v5e-8 / v6e-8 / v5p-8 or a multi-host slice: `launch/tpu_vm.sh`, or GKE with
   XPK: `launch/gke_xpk.sh` (see `launch/README.md`).
 * The sampler knobs (`SamplerConfig`: steps, temperatures, entropy bound, stopping thresholds) and
-  the library API are described in the project README.
+  the library API: the project README and `docs/api.md`.
 """
 
 CELLS = [

@@ -526,52 +526,103 @@ class TestColabNotebook:
             assert found, f"no code cell contains {needles}"
             return found[0]
 
-        cell_with("pip", "install", "dgemma_jax[tpu] @ git+")
+        cell_with("pip", "install", "install_source(UPLOAD_DIR)")
         cell_with("jax.devices()")
-        cell_with("dgemma_jax.load_hf(")
-        cell_with("Engine(config, params", "SamplerConfig(")
-        cell_with("engine.generate(")
-        cell_with("engine.steps(", "argmax", "canvas_index")
-        # the bundled-model import is guarded: inside try/except ImportError
-        load = cell_with("load_bundled")
-        guarded = [node for node in ast.walk(ast.parse(strip_magics(load))) if isinstance(node, ast.Try)
-                   and any("load_bundled" in ast.unparse(s) for s in node.body)
-                   and any("ImportError" in ast.unparse(h.type) for h in node.handlers if h.type is not None)]
-        assert guarded, "the load_bundled import must sit in try/except ImportError"
+        cell_with("DiffusionGemma.from_pretrained(", "choose_quantize(")
+        cell_with("model.generate(", "model.chat(")
+        cell_with("model.engine.steps(", "argmax", "canvas_index")
 
-    def test_settings_are_form_fields(self, nb):
+    def test_runs_all_with_no_placeholder_to_edit(self, nb):
+        text = json.dumps(nb)
+        assert "YOUR_ORG" not in text and "REPO_URL" not in text
         settings = code_sources(nb)[0]
-        for name in ("CHECKPOINT", "PROMPT", "MAX_NEW_TOKENS", "REPO_URL"):
+        for name in ("CHECKPOINT", "PROMPT", "QUANTIZE", "MAX_NEW_TOKENS", "SEED", "PACKAGE"):
             assert f"{name} = " in settings and "# @param" in settings
+        ns = {}
+        exec(settings, ns)
+        assert ns["CHECKPOINT"] == "" and ns["QUANTIZE"] == "auto"  # Run all: the bundled model
 
-    def test_bundled_tokenizer_adapter(self, nb):
-        """as_tokenizer (load cell) wraps an encode/decode object, adds BOS, drops unknown characters."""
-        import numpy as np
+    @staticmethod
+    def _install_cell(nb):
+        return next(src for src in code_sources(nb) if "def install_source" in src)
 
-        load = next(src for src in code_sources(nb) if "def as_tokenizer" in src)
-        funcs = [n for n in ast.parse(load).body if isinstance(n, ast.FunctionDef)]
-        ns = {"os": os, "np": np}
+    def test_install_cell_installs_an_uploaded_wheel_and_says_so(self, nb, tmp_path, capsys):
+        """The install cell, run where dgemma_jax is not importable, pip-installs the wheel that
+        `pip wheel --no-deps -w dist .` (launch/README.md) builds, found in the upload folder."""
+        built = tmp_path / "dist"
+        r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(built), str(ROOT)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        wheel, = built.glob("dgemma_jax-*.whl")
+        import zipfile
+        names = zipfile.ZipFile(wheel).namelist()
+        assert "dgemma_jax/pipeline.py" in names
+        assert any(n.startswith("dgemma_jax/assets/dgemma-tiny-digits/params/") for n in names), \
+            "the wheel lacks the bundled model the notebook runs by default"
+        upload = tmp_path / "content"
+        upload.mkdir()
+        (upload / wheel.name).write_bytes(wheel.read_bytes())
+        calls = []
+
+        class Result:
+            returncode = 0
+
+        def fake_run(cmd, check=False):
+            calls.append(cmd)
+            return Result()
+
+        src = self._install_cell(nb).replace('UPLOAD_DIR = "/content"', f"UPLOAD_DIR = {str(upload)!r}")
+        import importlib.util
+        real_find_spec = importlib.util.find_spec
+        ns = {"PACKAGE": "dgemma_jax[tpu]"}
+        try:
+            importlib.util.find_spec = lambda name, *a: None if name == "dgemma_jax" else real_find_spec(name, *a)
+            subprocess_run, subprocess.run = subprocess.run, fake_run
+            exec(src, ns)
+        finally:
+            importlib.util.find_spec = real_find_spec
+            subprocess.run = subprocess_run
+        assert calls == [[sys.executable, "-m", "pip", "install", "--quiet", f"{upload / wheel.name}[tpu]"]]
+        assert f"installing dgemma_jax from the uploaded file {wheel.name}" in capsys.readouterr().out
+        # nothing uploaded: the package name, said so
+        assert ns["install_source"](str(tmp_path / "empty")) == ("dgemma_jax[tpu]", "the package 'dgemma_jax[tpu]'")
+
+    def test_install_cell_failure_says_how_to_upload_a_wheel(self, nb, tmp_path):
+        src = self._install_cell(nb).replace('UPLOAD_DIR = "/content"', f"UPLOAD_DIR = {str(tmp_path)!r}")
+
+        def failing_run(cmd, check=False):
+            raise subprocess.CalledProcessError(1, cmd)
+
+        import importlib.util
+        real_find_spec = importlib.util.find_spec
+        try:
+            importlib.util.find_spec = lambda name, *a: None if name == "dgemma_jax" else real_find_spec(name, *a)
+            subprocess_run, subprocess.run = subprocess.run, failing_run
+            with pytest.raises(SystemExit, match="pip wheel --no-deps -w dist"):
+                exec(src, {"PACKAGE": "dgemma_jax[tpu]"})
+        finally:
+            importlib.util.find_spec = real_find_spec
+            subprocess.run = subprocess_run
+
+    def test_quantize_auto_picks_what_fits_the_chips(self, nb):
+        load = next(src for src in code_sources(nb) if "def choose_quantize" in src)
+        funcs = [n for n in ast.parse(load).body
+                 if isinstance(n, ast.FunctionDef) or (isinstance(n, ast.Assign) and "WEIGHT_SHARE" in ast.unparse(n))]
+        ns = {}
         exec(compile(ast.Module(body=funcs, type_ignores=[]), "<load cell>", "exec"), ns)
-
-        class CharTok:  # the shape of a character-level tokenizer: ValueError on unknown characters
-            bos_id = 2
-            chars = "0123456789+="
-
-            def encode(self, text):
-                if any(c not in self.chars for c in text):
-                    raise ValueError(text)
-                return [3 + self.chars.index(c) for c in text]
-
-            def decode(self, ids):
-                return "".join(self.chars[i - 3] for i in ids if i >= 3)
-
-        encode, decode = ns["as_tokenizer"](CharTok())
-        assert encode("12+3=") == [2, 4, 5, 13, 6, 14]
-        assert encode("12+3=?") == [2, 4, 5, 13, 6, 14]
-        assert decode([4, 5, 13]) == "12+"
-        assert ns["as_tokenizer"](None) is None
-        pair = (lambda t: [1], lambda ids: "x")
-        assert ns["as_tokenizer"](pair) is pair
+        choose = ns["choose_quantize"]
+        import dgemma_jax
+        config = dgemma_jax.ModelConfig.preset("diffusiongemma-26b-a4b")  # ~51 GB in bfloat16
+        gib = 2 ** 30
+        assert choose(config, "auto", [95 * gib]) is None           # one v5p chip: bfloat16 fits
+        assert choose(config, "auto", [16 * gib] * 8) is None       # a v5e-8: split over 8 chips
+        assert choose(config, "auto", [40 * gib]) == "int8"         # bf16 does not fit, int8 does
+        with pytest.raises(SystemExit, match="GiB in bfloat16 .* int8"):
+            choose(config, "auto", [16 * gib])                      # a v5e-1: neither
+        assert choose(config, "auto", [0]) is None                  # a backend without memory stats
+        assert choose(config, "int8", [16 * gib]) == "int8" and choose(config, "none", [1]) is None
+        with pytest.raises(ValueError, match="QUANTIZE must be"):
+            choose(config, "int4x", [16 * gib])
 
     def test_make_colab_check(self):
         r = subprocess.run([sys.executable, str(MAKE_COLAB), "--check"], capture_output=True, text=True,
@@ -605,16 +656,27 @@ class TestColabNotebook:
         compile(make_colab.strip_magics("if True:\n    !pip install x\n%time y = 1\n"), "<t>", "exec")
 
     @pytest.mark.slow
-    def test_notebook_runs_on_the_small_model(self, tmp_path):
-        """Execute every code cell (fallback model, CPU) the way a kernel would."""
+    @pytest.mark.parametrize("prompt,seed", [(None, 0), ("s31415926535=", 3)])
+    def test_notebook_answers_as_the_library_does(self, tmp_path, prompt, seed):
+        """Execute every code cell (bundled model, CPU) the way a kernel would; its answer is the
+        library's for the same prompt and seed, and the step-by-step cell agrees with it."""
+        import dgemma_jax
         env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg", PYTHONPATH=str(ROOT))
         env.pop("XLA_FLAGS", None)
-        r = subprocess.run([sys.executable, str(MAKE_COLAB), "--run", "--set", "MAX_NEW_TOKENS=32",
-                            "--set", "STEPS=6", "--set", "CHECKPOINT=''"],
+        sets = ["--set", f"SEED={seed}"] + (["--set", f"PROMPT={prompt!r}"] if prompt else [])
+        r = subprocess.run([sys.executable, str(MAKE_COLAB), "--run", *sets],
                            capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert "dgemma_jax is already installed" in r.stdout
-        assert "the step-by-step driver gives the same tokens as engine.generate: True" in r.stdout
+        answers = [line[len("answer: "):] for line in r.stdout.splitlines() if line.startswith("answer: ")]
+        assert len(answers) == 1, r.stdout[-3000:]
+        expected = dgemma_jax.DiffusionGemma.from_pretrained(None).generate(prompt or "s9350814272=", seed=seed)
+        assert ast.literal_eval(answers[0]) == expected
+        if prompt is None:
+            assert expected == "0122345789"  # the README's example
+        else:
+            assert expected == "".join(sorted(prompt[1:-1]))  # the bundled model sorts these digits
+        assert "the step-by-step driver gives the same answer as model.generate: True" in r.stdout
         assert "canvas 0:" in r.stdout
 
 
