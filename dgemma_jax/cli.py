@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from dgemma_jax import cli_run
+from dgemma_jax import cli_run, compile_cache
 from dgemma_jax.backends import skip_absent_tpu
 from dgemma_jax.cli_run import checkpoint_flags
 from dgemma_jax.config import ModelConfig
@@ -237,6 +237,7 @@ def main(argv=None) -> int:
         return 2
     if args.command != "compile":  # AOT compilation for a TPU topology needs JAX's TPU plugin registered
         skip_absent_tpu()  # no libtpu probing noise on a machine without a TPU
+    compile_cache.enable()  # programs compiled by an earlier start are read back, not compiled again
     try:
         return int(args.fn(args) or 0)
     except (UsageError, ValueError, FileNotFoundError) as e:

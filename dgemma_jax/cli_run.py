@@ -13,6 +13,7 @@ import time
 import jax
 import numpy as np
 
+from dgemma_jax.compile_cache import CompileCounter
 from dgemma_jax.chat_session import ChatSession
 from dgemma_jax.engine import DEFAULT_NEW_TOKENS, Engine, default_new_tokens, warn_if_cut_short
 from dgemma_jax.errors import UsageError
@@ -114,6 +115,7 @@ def _render_step(ev, tok, tty: bool, stream):
 
 
 def cmd_generate(args) -> int:
+    compiles = CompileCounter()
     prompt = args.prompt if args.prompt is not None else _strip_final_newline(sys.stdin.read())
     if not prompt:
         raise UsageError("empty prompt: pass --prompt TEXT or pipe text on stdin")
@@ -166,12 +168,14 @@ def cmd_generate(args) -> int:
     if not args.quiet:
         tpf = n_tok / max(int(ran.sum()), 1)
         print(f"[{len(ran)} canvas(es), steps per canvas {ran.tolist()}, tokens per forward pass {tpf:.2f}, "
-              f"{n_tok} tokens in {dt:.2f} s = {n_tok / dt:.1f} tokens/s incl. compilation]", file=sys.stderr)
+              f"{n_tok} tokens in {dt:.2f} s = {n_tok / dt:.1f} tokens/s incl. compilation; {compiles.summary()}]",
+              file=sys.stderr)
     return 0
 
 
 # ---------------------------------------------------------------------------- chat
 def cmd_chat(args) -> int:
+    compiles = CompileCounter()
     cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype, args.revision)
     params = quantize_for_cli(args, cfg, params)
     sampler = sampler_from_args(args, cfg, sampler)
@@ -211,8 +215,9 @@ def cmd_chat(args) -> int:
         pending = []
         print(("model> " if interactive else "") + turn.answer, flush=True)
         if not args.quiet:
+            first = f"; {compiles.summary()}" if session.turns == 1 else ""
             print(f"[turn {session.turns}: reused {turn.reused} cached tokens, prefilled {turn.prefilled}, "
-                  f"steps {turn.steps}]", file=sys.stderr)
+                  f"steps {turn.steps}{first}]", file=sys.stderr)
     return 0
 
 

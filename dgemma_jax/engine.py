@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dgemma_jax import compile_cache
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import DgemmaWarning
 from dgemma_jax.model.api import check_tokens, encode_pass
@@ -242,11 +243,18 @@ class Engine:
     quantize: "int8" quantizes float `params` on construction (`model.quant.quantize_params`: int8
     expert, attention and MLP kernels, placed like the float ones when `shardings` are given); params
     already quantized are passed as they are, without it. None (default): run `params` as given.
+    compilation_cache: True (default) turns jax's persistent compilation cache on
+    (`dgemma_jax.compile_cache.enable`: JAX_COMPILATION_CACHE_DIR, else a directory already set in
+    jax.config, else ~/.cache/dgemma_jax/xla), a string names the directory, False leaves jax's
+    setting alone.
     """
 
     def __init__(self, config: ModelConfig, params: Any, sampler: SamplerConfig | None = None, *,
                  shardings: Any | None = None, runtime: Runtime | None = None, donate: bool = True,
-                 bucket: bool = True, quantize: str | None = None):
+                 bucket: bool = True, quantize: str | None = None,
+                 compilation_cache: bool | str = True):
+        if compilation_cache:
+            compile_cache.enable(None if compilation_cache is True else compilation_cache)
         self.config = config
         if quantize is not None:
             params = quantize_params(config, params, quantize)

@@ -66,19 +66,21 @@ class DiffusionGemma:
     """config + params + tokenizer + `Engine`; `.generate(text)`, `.chat(messages)`."""
 
     def __init__(self, config, params, tokenizer, sampler=None, shardings=None, runtime=None,
-                 quantize: str | None = None):
-        self.engine = Engine(config, params, sampler, shardings=shardings, runtime=runtime, quantize=quantize)
+                 quantize: str | None = None, compilation_cache: bool | str = True):
+        self.engine = Engine(config, params, sampler, shardings=shardings, runtime=runtime, quantize=quantize,
+                             compilation_cache=compilation_cache)
         self.config, self.params, self.tokenizer = config, self.engine.params, tokenizer
 
     @classmethod
     def from_pretrained(cls, checkpoint: str | None = None, dtype: str | None = None, sampler=None,
                         shardings=None, revision: str | None = None, runtime=None,
-                        quantize: str | None = None) -> "DiffusionGemma":
+                        quantize: str | None = None, compilation_cache: bool | str = True) -> "DiffusionGemma":
         """checkpoint: a local directory, gs:// (any fsspec URL) or a Hub repo id[@revision]; None: bundled.
         runtime: how the engine's programs run (`dgemma_jax.Runtime`; default: this backend).
-        quantize: "int8" quantizes the weights on load (`dgemma_jax.model.quant`)."""
+        quantize: "int8" quantizes the weights on load (`dgemma_jax.model.quant`).
+        compilation_cache: jax's persistent compilation cache, as `Engine` takes it (default on)."""
         cfg, params, saved_sampler, tok = load_checkpoint(checkpoint, dtype, revision)
-        return cls(cfg, params, tok, sampler or saved_sampler, shardings, runtime, quantize)
+        return cls(cfg, params, tok, sampler or saved_sampler, shardings, runtime, quantize, compilation_cache)
 
     @property
     def sampler(self):

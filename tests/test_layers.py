@@ -1,7 +1,7 @@
 """The package's import graph runs one way: each module imports only from its own layer or below.
 
 Layers, low to high (a module's layer is the first pattern that matches its dotted name):
-errors/backends/config < low-level sharding (mesh, rules, distributed) and the runtime < the model <
+errors/backends/config/paths/compile_cache < low-level sharding (mesh, rules, distributed) and the runtime < the model <
 shardings (which places a model's parameters and cache on a mesh) < sampling < the engine < io <
 training < chat_session < pipeline < serving, the perf reports and the CLI's runners < the CLI and
 the package root. Every `from dgemma_jax... import` counts, at module level or inside a function.
@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "dgemma_jax")
 
 LAYERS = [
-    ("dgemma_jax.errors", "dgemma_jax.backends", "dgemma_jax.config"),
+    ("dgemma_jax.errors", "dgemma_jax.backends", "dgemma_jax.config", "dgemma_jax.paths", "dgemma_jax.compile_cache"),
     ("dgemma_jax.parallel", "dgemma_jax.parallel.mesh", "dgemma_jax.parallel.rules", "dgemma_jax.parallel.distributed",
      "dgemma_jax.runtime"),
     ("dgemma_jax.model",),

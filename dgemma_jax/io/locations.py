@@ -36,6 +36,7 @@ import sys
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.io.formats import META, detect_format
+from dgemma_jax.paths import cache_root
 
 # files a checkpoint needs, as huggingface_hub allow_patterns (fnmatch: "*" also matches "/")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "params/*"]
@@ -53,13 +54,9 @@ class CheckpointNotFound(FileNotFoundError):
 
 
 def cache_dir() -> str:
-    """Where remote checkpoints are mirrored: $DGEMMA_CACHE, else $XDG_CACHE_HOME/dgemma_jax, else
-    ~/.cache/dgemma_jax (checkpoints under <it>/checkpoints)."""
-    root = os.environ.get("DGEMMA_CACHE")
-    if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                            "dgemma_jax")
-    return root
+    """Where remote checkpoints are mirrored: the project's cache directory (`paths.cache_root`:
+    $DGEMMA_CACHE, else $XDG_CACHE_HOME/dgemma_jax, else ~/.cache/dgemma_jax), under <it>/checkpoints."""
+    return cache_root()
 
 
 def split_revision(location: str, revision: str | None = None) -> tuple[str, str | None]:

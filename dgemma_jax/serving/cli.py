@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from dgemma_jax.compile_cache import CompileCounter
 from dgemma_jax.cli_run import checkpoint_flags, quantize_for_cli
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.shardings import Shardings
@@ -44,11 +45,12 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or cfg.name
     print(f"dgemma serve: compiling the slot programs for {args.slots} slot(s) x {context} tokens ...",
           file=sys.stderr, flush=True)
+    compiles = CompileCounter()
     scheduler.start()
     need = scheduler.memory.get("slot_round", {}).get("total_bytes", 0)
     print(f"dgemma serve: {name}, {args.slots} slot(s), context {context} tokens per slot, canvas "
           f"{sampler.canvas_length}, up to {scheduler.engine.sampler.max_denoising_steps} steps per canvas; "
-          f"compiled in {scheduler.stats['startup_compile_ms'] / 1e3:.1f} s; the denoise round needs "
+          f"ready in {scheduler.stats['startup_compile_ms'] / 1e3:.1f} s ({compiles.summary()}); the denoise round needs "
           f"{need / 2 ** 20:.1f} MiB (parameters, cache and temporaries, XLA's memory analysis)",
           file=sys.stderr, flush=True)
     print(f"dgemma serve: listening on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
