@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 
 from dgemma_jax.compile_cache import CompileCounter
 from dgemma_jax.cli_run import checkpoint_flags, quantize_for_cli
@@ -43,20 +45,32 @@ def cmd_serve(args) -> int:
                                     slots=args.slots, context=context, max_queue=args.max_queue,
                                     prefill_chunk=args.prefill_chunk)
     name = args.served_model_name or cfg.name
-    print(f"dgemma serve: compiling the slot programs for {args.slots} slot(s) x {context} tokens ...",
-          file=sys.stderr, flush=True)
     compiles = CompileCounter()
-    scheduler.start()
-    need = scheduler.memory.get("slot_round", {}).get("total_bytes", 0)
-    print(f"dgemma serve: {name}, {args.slots} slot(s), context {context} tokens per slot, canvas "
-          f"{sampler.canvas_length}, up to {scheduler.engine.sampler.max_denoising_steps} steps per canvas; "
-          f"ready in {scheduler.stats['startup_compile_ms'] / 1e3:.1f} s ({compiles.summary()}); the denoise round needs "
-          f"{need / 2 ** 20:.1f} MiB (parameters, cache and temporaries, XLA's memory analysis)",
-          file=sys.stderr, flush=True)
-    print(f"dgemma serve: listening on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    scheduler.start(wait=False)
+    print(f"dgemma serve: listening on http://{args.host}:{args.port}/v1; compiling {len(scheduler.programs)} "
+          f"programs for {args.slots} slot(s) x {context} tokens (/health answers 503 \"starting\" until they "
+          "are ready)", file=sys.stderr, flush=True)
+
+    def announce() -> None:
+        while not scheduler.ready.wait(0.2):
+            if scheduler.error is not None:
+                print(f"dgemma: error: the server could not compile its programs: {scheduler.error}",
+                      file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's shutdown; the exit status says it failed
+                return
+        need = scheduler.memory.get("slot_round", {}).get("total_bytes", 0)
+        print(f"dgemma serve: {name} ready: {args.slots} slot(s), context {context} tokens per slot, canvas "
+              f"{sampler.canvas_length}, up to {scheduler.engine.sampler.max_denoising_steps} steps per canvas; "
+              f"ready {scheduler.stats['startup_compile_ms'] / 1e3:.1f} s after the start of compilation "
+              f"({compiles.summary()}); the denoise round needs {need / 2 ** 20:.1f} MiB (parameters, cache "
+              "and temporaries, XLA's memory analysis)", file=sys.stderr, flush=True)
+
+    threading.Thread(target=announce, name="dgemma-announce", daemon=True).start()
     serve(scheduler, name, host=args.host, port=args.port, drain_seconds=args.drain_seconds,
           log_level=args.log_level, default_max_tokens=args.default_max_tokens, allowed_image_dirs=image_dirs,
           max_soft_tokens=args.max_soft_tokens)
+    if scheduler.error is not None and not scheduler.ready.is_set():
+        return 1
     return 0
 
 

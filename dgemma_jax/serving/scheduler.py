@@ -21,7 +21,9 @@ else ran (tests/test_serving_*.py); not verified on TPU or GPU.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -48,6 +50,10 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     """The scheduler is draining and takes no new requests (HTTP 503)."""
+
+
+class Starting(Exception):
+    """The scheduler is still compiling its programs and takes no requests yet (HTTP 503, Retry-After)."""
 
 
 @dataclasses.dataclass
@@ -138,6 +144,11 @@ class Scheduler:
         self.memory: dict[str, dict[str, int]] = {}
         self.stats = collections.Counter()
         self.error: BaseException | None = None
+        # start-up: each program's state ("pending", "compiling", "ready" with its seconds), and when
+        # every one is compiled and the worker runs
+        self.programs: dict[str, dict[str, Any]] = {}
+        self.ready = threading.Event()
+        self._started_at: float | None = None
 
     @classmethod
     def for_model(cls, config, params, tokenizer, sampler: SamplerConfig, *, max_steps: int | None = None,
@@ -216,16 +227,51 @@ class Scheduler:
         return new_tokens_that_fit(self.engine.config, self.engine.sampler, prompt_len, limit, self.context)
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        """Allocate the slots' cache, compile the round and the smallest prefill, start the worker."""
-        self._cache = self.engine.new_cache(self.slots, self.context)
-        t0 = time.perf_counter()
-        self._compiled_round = self._compile_round()
-        for width in sorted(set(self.prefill_widths)):
-            self._prefill_for(width)
-        self.stats["startup_compile_ms"] = int(1e3 * (time.perf_counter() - t0))
+    def start(self, wait: bool = True) -> None:
+        """Allocate the slots' cache, compile the round and the prefill widths (side by side: XLA
+        compiles them in parallel threads), then start the worker. wait=False returns at once and does
+        all that in a thread: until `ready` is set, `status()` reports each program's progress and
+        `submit` raises `Starting`; a failed compile sets `error`."""
+        self._started_at = time.perf_counter()
+        self.programs = {"slot_round": {"state": "pending"}}
+        self.programs.update({f"prefill_slot_{w}": {"state": "pending"} for w in sorted(set(self.prefill_widths))})
+        if wait:
+            self._start_up()
+            if self.error is not None:
+                raise self.error
+            return
+        threading.Thread(target=self._start_up, name="dgemma-startup", daemon=True).start()
+
+    def _start_up(self) -> None:
+        try:
+            self._cache = self.engine.new_cache(self.slots, self.context)
+            jobs = {"slot_round": self._compile_round}
+            jobs.update({f"prefill_slot_{w}": functools.partial(self._prefill_for, w)
+                         for w in sorted(set(self.prefill_widths))})
+            with concurrent.futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="dgemma-compile") as pool:
+                done = {name: pool.submit(self._timed, name, job) for name, job in jobs.items()}
+            round_program = done["slot_round"].result()
+            for future in done.values():
+                future.result()
+        except BaseException as e:  # noqa: BLE001 - reported through status(), /health and start(wait=True)
+            self.error = e
+            return
+        self._compiled_round = round_program
+        self.stats["startup_compile_ms"] = int(1e3 * (time.perf_counter() - self._started_at))
         self._thread = threading.Thread(target=self._run, name="dgemma-scheduler", daemon=True)
         self._thread.start()
+        self.ready.set()
+
+    def _timed(self, name: str, compile_fn):
+        self.programs[name] = {"state": "compiling"}
+        t0 = time.perf_counter()
+        try:
+            out = compile_fn()
+        except BaseException:
+            self.programs[name] = {"state": "failed"}
+            raise
+        self.programs[name] = {"state": "ready", "seconds": round(time.perf_counter() - t0, 2)}
+        return out
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop taking requests, finish every submitted one, then end the worker."""
@@ -243,6 +289,10 @@ class Scheduler:
         request.chunks = self.plan_chunks(request.prompt_ids, request.images)
         keys = np.asarray(jax.random.key_data(row_keys(int(request.seed), request.n)))
         n_canvas = -(-request.max_tokens // self.canvas_length)
+        if self._started_at is not None and not self.ready.is_set():  # compiling (before start: queued)
+            if self.error is not None:
+                raise ShuttingDown(f"the server failed to start ({self.error}); restart it")
+            raise Starting(f"the server is still compiling its programs ({self.progress()}); retry shortly")
         with self._cond:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down and takes no new requests")
@@ -257,12 +307,20 @@ class Scheduler:
             self._cond.notify_all()
         return request
 
+    def progress(self) -> str:
+        """Start-up progress in words: "1 of 3 programs compiled"."""
+        ready = sum(p["state"] == "ready" for p in self.programs.values())
+        return f"{ready} of {len(self.programs)} programs compiled"
+
     def status(self) -> dict:
         with self._cond:
             busy = sum(c is not None for c in self._busy)
+            since = self._started_at
             return {"slots": self.slots, "busy_slots": busy, "queued": len(self._queue), "context": self.context,
-                    "canvas_length": self.canvas_length, "stopping": self._stopping,
+                    "canvas_length": self.canvas_length, "stopping": self._stopping, "ready": self.ready.is_set(),
                     "worker_alive": bool(self._thread and self._thread.is_alive()), "memory": self.memory,
+                    "programs": {k: dict(v) for k, v in self.programs.items()},
+                    "seconds_since_start": round(time.perf_counter() - since, 1) if since is not None else None,
                     "stats": dict(self.stats)}
 
     # ------------------------------------------------------------------ programs

@@ -31,23 +31,28 @@ from dgemma_jax.io.chat import chat_images, history_without_thinking, render_cha
 from dgemma_jax.io.images import prompt_with_images
 from dgemma_jax.serving import images as images_lib
 from dgemma_jax.serving import text as text_lib
-from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, SeqEvent, ShuttingDown
+from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, SeqEvent, ShuttingDown, Starting
 from dgemma_jax.serving.schema import ChatRequest, CompletionRequest
 
 DEFAULT_MAX_TOKENS = 256   # when a request names no max_tokens (capped to what fits, like `dgemma generate`)
 DISCONNECT_POLL_S = 0.1
 
 
+STARTING_RETRY_AFTER_S = 5  # Retry-After of a request that arrives while the programs compile
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
+                 param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+        self.headers = headers
 
 
-def _error(status: int, message: str, kind: str, code: str | None = None, param: str | None = None):
+def _error(status: int, message: str, kind: str, code: str | None = None, param: str | None = None,
+           headers: dict[str, str] | None = None):
     return JSONResponse({"error": {"message": message, "type": kind, "code": code, "param": param}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -68,7 +73,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
-        return _error(e.status, e.message, e.kind, e.code, e.param)
+        return _error(e.status, e.message, e.kind, e.code, e.param, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request, e: RequestValidationError):
@@ -182,6 +187,9 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
                 r.cancelled.set()
             if isinstance(e, QueueFull):
                 raise APIError(429, str(e), "rate_limit_error", "queue_full") from None
+            if isinstance(e, Starting):
+                raise APIError(503, str(e), "server_error", "starting",
+                               headers={"Retry-After": str(STARTING_RETRY_AFTER_S)}) from None
             if isinstance(e, ShuttingDown):
                 raise APIError(503, str(e), "server_error", "shutting_down") from None
             if isinstance(e, ValueError):
@@ -312,8 +320,15 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
     async def health():
         st = scheduler.status()
         ok = st["worker_alive"] and not st["stopping"]
-        return JSONResponse({"status": "ok" if ok else ("draining" if st["stopping"] else "failed"),
-                             "model": model_name, **st}, status_code=200 if ok else 503)
+        if ok:
+            status = "ok"
+        elif st["stopping"]:
+            status = "draining"
+        elif not st.get("ready", True) and scheduler.error is None:
+            status = "starting"
+        else:
+            status = "failed"
+        return JSONResponse({"status": status, "model": model_name, **st}, status_code=200 if ok else 503)
 
     return app
 
