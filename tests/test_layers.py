@@ -188,3 +188,104 @@ def test_the_package_never_imports_torch_or_transformers():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             bad += [f"{module}:{node.lineno} {n}" for n in names if n.split(".")[0] in ("torch", "transformers")]
     assert not bad, bad
+
+
+# ---------------------------------------------------------------------------- import circles
+def _graph(modules=None) -> dict[str, set[str]]:
+    """module -> the package modules it imports (at module level or inside a function)."""
+    modules = MODULES if modules is None else modules
+    return {m: {t for t, _ in _imports(p) if t != m} for m, p in modules}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of the graph (its modules, the first repeated at the end), or None."""
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == "open":
+                return stack[stack.index(t):] + [t]
+            if t not in state and (found := visit(t)):
+                return found
+        stack.pop()
+        state[m] = "done"
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_circles():
+    # a circle inside a layer (model.layers <-> model.layout, training.bundled <-> training.train) forced
+    # deferred imports and made the import order matter
+    found = _cycle(_graph())
+    assert found is None, "import circle: " + " -> ".join(found)
+
+
+def test_the_circle_check_sees_a_circle(tmp_path):
+    path = dict(MODULES)["dgemma_jax.model.layout"]
+    fake = tmp_path / "layers.py"
+    fake.write_text(open(dict(MODULES)["dgemma_jax.model.layers"]).read()
+                    + "\n\ndef f():\n    from dgemma_jax.model.layout import PER_GROUP  # a test\n")
+    modules = [(m, str(fake) if m == "dgemma_jax.model.layers" else p) for m, p in MODULES]
+    found = _cycle(_graph(modules))
+    assert found is not None and "dgemma_jax.model.layers" in found and "dgemma_jax.model.layout" in found
+    assert path
+
+
+# ---------------------------------------------------------------------------- who compiles
+# The engine owns every compiled program that runs the model (`dgemma_jax/engine.py`), the trainer
+# its train and eval steps (`training/step.py`). The other jits below compile no model pass, or are
+# the checked one-call passes of `model/api.py` (prefill / denoise / soft_embed for a caller's own
+# code, which cannot import the engine from the model layer); any new one fails this test.
+JIT_OWNERS = {"dgemma_jax.engine", "dgemma_jax.training.step"}
+OTHER_JITS = {
+    ("dgemma_jax.model.api", "init_params"),       # random parameters
+    ("dgemma_jax.model.api", "_prefill"),          # the checked passes for callers (see above)
+    ("dgemma_jax.model.api", "_denoise"),
+    ("dgemma_jax.model.api", "_soft_embed"),
+    ("dgemma_jax.model.quant", "<module>"),        # quantizing one kernel
+    ("dgemma_jax.parallel.shardings", "init_cache"),   # allocating a sharded cache / parameters
+    ("dgemma_jax.parallel.shardings", "init_params"),
+}
+
+
+def _jit_sites(path: str, module: str):
+    """(module, enclosing function or <module>) of every jax.jit / jit / pjit use in the file."""
+    tree = ast.parse(open(path).read(), path)
+    sites = set()
+
+    def walk(node, where):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else where
+            if isinstance(child, (ast.Attribute, ast.Name)):
+                name = child.attr if isinstance(child, ast.Attribute) else child.id
+                base = ast.unparse(child.value) if isinstance(child, ast.Attribute) else ""
+                if name in ("jit", "pjit") and base in ("", "jax", "jax.experimental.pjit"):
+                    # a decorator names the function it decorates
+                    sites.add((module, inner if inner != where or not isinstance(node, ast.FunctionDef)
+                               else node.name))
+            walk(child, inner)
+
+    walk(tree, "<module>")
+    return sites
+
+
+def test_only_the_engine_and_the_trainer_compile_model_code():
+    sites = {s for m, p in MODULES for s in _jit_sites(p, m)}
+    others = {s for s in sites if s[0] not in JIT_OWNERS}
+    assert others <= OTHER_JITS, f"jit outside the engine and the trainer: {sorted(others - OTHER_JITS)}"
+    assert any(m == "dgemma_jax.engine" for m, _ in sites)
+
+
+def test_the_jit_check_sees_a_jit(tmp_path):
+    fake = tmp_path / "m.py"
+    fake.write_text("import jax\n\ndef run(params, x):\n    return jax.jit(forward)(params, x)\n")
+    assert _jit_sites(str(fake), "dgemma_jax.sampling.loop") == {("dgemma_jax.sampling.loop", "run")}
+    fake.write_text("import functools, jax\n\n@functools.partial(jax.jit, static_argnums=1)\ndef step(x, n):\n"
+                    "    return x\n")
+    assert _jit_sites(str(fake), "dgemma_jax.pipeline") == {("dgemma_jax.pipeline", "step")}

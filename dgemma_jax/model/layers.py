@@ -15,6 +15,7 @@ import numpy as np
 from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.model.per_group import PerGroup
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -31,10 +32,8 @@ def param(module: nn.Module, name: str, shape, axes: tuple, cfg: ModelConfig, in
     tied head) casts the int8 values right before it and applies the scale to its output."""
     if module.has_variable("params", name):
         stored = module.get_variable("params", name)
-        from dgemma_jax.model.layout import PerGroup  # (layout builds on this module)
-
         if is_quantized(stored) or isinstance(stored, PerGroup):
-            # an int8 pair, or a scanned layer's per-group kernel (`model.layout.PerGroup`): as stored
+            # an int8 pair, or a scanned layer's per-group kernel (`model.per_group.PerGroup`): as stored
             if kernel_shape(stored) != tuple(shape):
                 kind = "int8 kernel" if is_quantized(stored) else "per-group kernel"
                 raise ValueError(f"{kind} {name!r} of {module.name!r} has shape {kernel_shape(stored)}; "

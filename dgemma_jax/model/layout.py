@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from dgemma_jax.config import GLOBAL, ModelConfig
 from dgemma_jax.model.layers import QUANT_VALUES
+from dgemma_jax.model.per_group import PerGroup
 
 GROUPS_KEY = "layer_groups"
 # the named scope of the scan over layer groups: the perf readers (`perf.hbm_traffic.loop_runs`) count its
@@ -53,45 +54,6 @@ LAYER_AXIS = "layers"  # the logical name of the stacked axis (replicated: no ru
 # parameters read by an opaque kernel (the MoE's grouped matmuls), kept per group (a `PerGroup`) in
 # the stacked layout: (path suffix) of the float kernel; an int8 kernel's "int8" values likewise
 PER_GROUP = (("moe", "gate_up"), ("moe", "down"))
-
-
-@jax.tree_util.register_pytree_node_class
-class PerGroup:
-    """One parameter of every scanned group as G separate arrays (or shapes, shardings, logical
-    specs), and `index`, the group a scan body runs (None outside one)."""
-
-    def __init__(self, arrays, index=None):
-        self.arrays, self.index = tuple(arrays), index
-
-    def tree_flatten(self):
-        return (self.arrays, self.index), None
-
-    @classmethod
-    def tree_unflatten(cls, _, children):
-        return cls(*children)
-
-    def __repr__(self):
-        return f"PerGroup({len(self.arrays)} x {getattr(self.arrays[0], 'shape', self.arrays[0])}, index={self.index})"
-
-    @property
-    def shape(self):
-        return tuple(self.arrays[0].shape)
-
-    @property
-    def dtype(self):
-        return self.arrays[0].dtype
-
-    @property
-    def ndim(self):
-        return len(self.shape)
-
-    def at(self, index) -> "PerGroup":
-        return PerGroup(self.arrays, index)
-
-    def astype(self, dtype) -> "PerGroup":
-        if all(a.dtype == dtype for a in self.arrays):
-            return self
-        return PerGroup(tuple(a.astype(dtype) for a in self.arrays), self.index)
 
 
 def _is_per_group(x) -> bool:

@@ -36,7 +36,9 @@ from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.io.bundled import ASSETS_DIR, DEFAULT_NAME, asset_path, load_bundled, load_metadata  # noqa: F401
 from dgemma_jax.io.char_tokenizer import CharTokenizer
 from dgemma_jax.io.model_dir import save_model
+from dgemma_jax.training.checkpoint import load_params
 from dgemma_jax.training.tasks import TaskMix
+from dgemma_jax.training.train import Run, train
 
 
 def save_bundled(path: str, config: ModelConfig, params, sampler: SamplerConfig, tokenizer: CharTokenizer,
@@ -64,10 +66,6 @@ def train_or_reload(cfg, workdir: str, skip_train: bool, fresh: bool):
     """The bundling scripts' first step: train the recipe `cfg` in `workdir` (from scratch when `fresh`),
     or with `skip_train` rebuild its Run and read the parameters and summary an earlier run exported
     there. Returns (run, host params, summary)."""
-    # inside: the trainer imports this module (load_bundled), so importing it up top would be circular
-    from dgemma_jax.training.checkpoint import load_params
-    from dgemma_jax.training.train import Run, train  # deferred with the line above: the same cycle
-
     if fresh and os.path.isdir(workdir):
         shutil.rmtree(workdir)
     if skip_train:

@@ -39,6 +39,7 @@ from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from dgemma_jax.config import RUNTIME_CHOICES, ModelConfig
+from dgemma_jax.io.bundled import load_bundled
 from dgemma_jax.io.char_tokenizer import CharTokenizer
 from dgemma_jax.io.hf import load_hf
 from dgemma_jax.io.locations import resolve
@@ -52,7 +53,6 @@ from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.training import data as data_lib
 from dgemma_jax.training import image_tasks
 from dgemma_jax.training import lora as lora_lib
-from dgemma_jax.training.bundled import load_bundled
 from dgemma_jax.training.checkpoint import Checkpointer, load_params, save_params
 from dgemma_jax.training.evaluate import evaluate_exact_match
 from dgemma_jax.training.objective import ObjectiveConfig
