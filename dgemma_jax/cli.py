@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from dgemma_jax import cli_run, compile_cache
@@ -18,6 +19,7 @@ from dgemma_jax.errors import UsageError, print_warnings_as_lines
 from dgemma_jax.io.bundled import bundled_choice, bundled_dir
 from dgemma_jax.io import locations
 from dgemma_jax.io.model_dir import load_config
+from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.serving import cli as serve_cli
 
 
@@ -118,14 +120,29 @@ def cmd_compile(args) -> int:
         raise UsageError(f"--images must be >= 0; got {args.images}")
     if args.images and "prefill_images" not in programs:
         programs += ("prefill_images",)
+    progress = _compile_progress
+    devices = None
+    if args.save:
+        devices = aot.tpu_devices(args.topology)
+        cfg = ModelConfig.preset(args.preset)
+        if args.dtype:
+            cfg = cfg.replace(dtype=args.dtype, param_dtype=args.dtype)
+        mesh = dict(make_mesh(args.mesh or f"expert={len(devices)}", devices=devices).shape)
+        ident = compile_cache.identity(cfg, devices, mesh=mesh, rules=args.rules, quantize=args.quantize,
+                                       layers="scan" if args.layers == "scan" else "unrolled")
+        compile_cache.use_compiled_dir(args.save, ident)
+        progress = _saving_progress(args.save)
     try:
         report = aot.compile_report(args.preset, args.topology, mesh=args.mesh, rules=args.rules,
                                     batch=args.batch, context=args.context, prompt=args.prompt,
                                     steps_per_canvas=args.steps, programs=programs, dtype=args.dtype,
-                                    moe_dispatch=args.moe_dispatch, progress=_compile_progress,
+                                    moe_dispatch=args.moe_dispatch, progress=progress, devices=devices,
                                     quantize=args.quantize, images=args.images, layers=args.layers)
     except (RuntimeError, ValueError) as e:
         raise UsageError(str(e)) from None
+    if args.save:
+        with open(os.path.join(args.save, compile_cache.MANIFEST)) as f:
+            report["saved"] = {"directory": args.save, **json.load(f)}
     _print_compile_report(report)
     if args.out:
         with open(args.out, "w") as f:
@@ -134,6 +151,23 @@ def cmd_compile(args) -> int:
         print(f"dgemma: error: {aot.fix_hint(report)}", file=sys.stderr)
         return 3
     return 0
+
+
+def _saving_progress(directory):
+    """`_compile_progress`, and each compiled program recorded in the --save directory's manifest."""
+    before = {}
+
+    def progress(name, index, count, seconds, entry):
+        _compile_progress(name, index, count, seconds, entry)
+        if seconds is None:
+            before[name] = compile_cache.entries(directory)
+        elif "error" not in entry:
+            saved = compile_cache.record_program(directory, name, seconds, before[name])
+            entry["saved"] = saved
+            sys.stderr.write(f"    saved {name}: {len(saved['cache_keys'])} executable(s), "
+                             f"{saved['bytes'] / 2 ** 20:.1f} MiB\n")
+
+    return progress
 
 
 def _compile_progress(name, index, count, seconds, entry):
@@ -217,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add the released vision tower and compile prefill_images with this many images "
                         "(280 soft tokens each) in the prompt")
     s.add_argument("--out", help="write the report as JSON here")
+    s.add_argument("--save", metavar="DIR",
+                   help="keep the compiled programs in DIR (serialized executables and a manifest saying what "
+                        "they were compiled for), for `dgemma serve|generate --compiled DIR`")
     s.set_defaults(fn=cmd_compile)
 
     _add_more_commands(sub)

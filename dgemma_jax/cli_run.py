@@ -13,6 +13,7 @@ import time
 import jax
 import numpy as np
 
+from dgemma_jax import compile_cache
 from dgemma_jax.compile_cache import CompileCounter
 from dgemma_jax.chat_session import ChatSession
 from dgemma_jax.engine import DEFAULT_NEW_TOKENS, Engine, default_new_tokens, warn_if_cut_short
@@ -125,6 +126,7 @@ def cmd_generate(args) -> int:
         print(f"[no --checkpoint: the bundled image model {VISION_NAME}]", file=sys.stderr, flush=True)
     cfg, params, sampler, tok = load_for_cli(checkpoint, args.dtype, args.revision)
     params = quantize_for_cli(args, cfg, params)
+    use_compiled(args, cfg)
     sampler = sampler_from_args(args, cfg, sampler)
     images = None
     if args.image:
@@ -288,6 +290,23 @@ CHECKPOINT_HELP = ("a checkpoint (Hugging Face or dgemma_jax format): a local di
                    "model)")
 
 
+def compiled_flag(s):
+    s.add_argument("--compiled", metavar="DIR",
+                   help="read compiled programs from DIR and keep new ones there (made by `dgemma compile --save DIR` "
+                        "or an earlier run with --compiled DIR); a DIR made for another model, devices, mesh, rules, "
+                        "quantization or jax/libtpu version is refused, naming what differs")
+
+
+def use_compiled(args, config, shardings=None) -> None:
+    """--compiled DIR: check DIR was made for this run (`compile_cache.use_compiled_dir`) and compile into it."""
+    if not getattr(args, "compiled", None):
+        return
+    devices = list(shardings.mesh.devices.flat) if shardings is not None else jax.devices()[:1]
+    ident = compile_cache.identity(config, devices, mesh=dict(shardings.mesh.shape) if shardings is not None else None,
+                                   rules=getattr(args, "rules", None), quantize=getattr(args, "quantize", None))
+    compile_cache.use_compiled_dir(args.compiled, ident)
+
+
 def checkpoint_flags(s):
     """--checkpoint and --revision, the same for every command that loads a model."""
     s.add_argument("--checkpoint", help=CHECKPOINT_HELP)
@@ -326,6 +345,7 @@ def add_commands(sub, positive):
     s.add_argument("--max-soft-tokens", type=int, choices=SOFT_TOKEN_BUDGETS, dest="max_soft_tokens", default=None,
                    help="tokens per image (default: the checkpoint's, 280 for the released model)")
     s.add_argument("--quiet", action="store_true", help="no stats line")
+    compiled_flag(s)
     sampler_flags(s)
     s.set_defaults(fn=cmd_generate)
 

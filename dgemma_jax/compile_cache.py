@@ -7,7 +7,7 @@ next start instead of being compiled again (the bundled model's `dgemma generate
 The one setting is jax's own `JAX_COMPILATION_CACHE_DIR` (a local directory, or `gs://...` shared by
 the hosts of a pod); without it the cache is `$DGEMMA_CACHE/xla` (`~/.cache/dgemma_jax/xla` by
 default, beside the checkpoint mirror). `JAX_COMPILATION_CACHE_DIR=off` (or empty) turns it off.
-A cache directory the caller already set through `jax.config` is kept as it is.
+A cache directory already set in `jax.config` (by the caller, or a `--compiled` directory) is kept.
 
 `CompileCounter` counts, through `jax.monitoring`, the programs read from the cache and the ones
 compiled (with their compile seconds), so that a start can say what it cost::
@@ -19,6 +19,7 @@ compiled (with their compile seconds), so that a start can say what it cost::
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -30,6 +31,7 @@ from dgemma_jax.paths import cache_root
 ENV = "JAX_COMPILATION_CACHE_DIR"
 OFF = ("", "off", "none", "0", "false")
 
+XLA_CACHES_DEFAULT = "xla_gpu_per_fusion_autotune_cache_dir"  # jax's default jax_persistent_cache_enable_xla_caches
 _HIT = "/jax/compilation_cache/cache_hits"
 _COMPILE = "/jax/core/compile/backend_compile_duration"
 
@@ -43,17 +45,16 @@ def enable(directory: str | None = None) -> str | None:
     """Turn jax's persistent compilation cache on (idempotent); returns its directory, None when off.
 
     Args:
-      directory: the cache directory; None: JAX_COMPILATION_CACHE_DIR, else a directory already set in
-        `jax.config`, else `default_dir()`. "off" (or JAX_COMPILATION_CACHE_DIR=off) turns it off.
+      directory: the cache directory; None: the one jax.config already has (jax reads
+        JAX_COMPILATION_CACHE_DIR into it at import; a `--compiled` directory sets it too), else
+        JAX_COMPILATION_CACHE_DIR as set now, else `default_dir()`. "off" turns the cache off.
     Returns:
       The directory in use (a path or URL), or None when the cache is off.
     """
     if directory is None:
-        env = os.environ.get(ENV)
-        if env is not None:
-            directory = env
-        else:
-            directory = jax.config.jax_compilation_cache_dir or default_dir()
+        directory = jax.config.jax_compilation_cache_dir or os.environ.get(ENV)
+        if directory is None:
+            directory = default_dir()
     if directory.strip().lower() in OFF:
         if jax.config.jax_compilation_cache_dir is not None:
             jax.config.update("jax_compilation_cache_dir", None)
@@ -61,6 +62,11 @@ def enable(directory: str | None = None) -> str | None:
         return None
     if "://" not in directory:
         directory = os.path.abspath(os.path.expanduser(directory))
+    if jax.config.jax_persistent_cache_enable_xla_caches == XLA_CACHES_DEFAULT:
+        # jax's default turns on XLA:GPU's autotune cache under the cache directory, whose path then
+        # enters every program's cache key: a directory copied elsewhere (or the same programs saved to
+        # two directories) would never hit. Not used on TPU or CPU.
+        jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
     if jax.config.jax_compilation_cache_dir != directory:
         jax.config.update("jax_compilation_cache_dir", directory)
         _forget_decision()
@@ -142,3 +148,107 @@ def _listen() -> None:
         _LISTENING = True
     monitoring.register_event_listener(_on_event)
     monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+# ---------------------------------------------------------------------------- compiled-program directories
+# `dgemma compile ... --save DIR` and `dgemma serve|generate --compiled DIR`: a directory of compiled
+# programs made for one (model config, devices, mesh, shapes, software versions). Its executables are
+# jax's own serialized cache entries under DIR/xla (jax writes and reads them, a damaged one is
+# recompiled with a warning); DIR/manifest.json says what they were compiled for and lists them.
+MANIFEST = "manifest.json"
+
+
+class CompiledDirMismatch(ValueError):
+    """A --compiled directory made for another model, devices, mesh, shapes or software."""
+
+
+def software() -> dict:
+    """The versions a serialized executable depends on (jax, jaxlib, libtpu when installed, dgemma_jax)."""
+    import importlib.metadata as md  # deferred: only compiled-program directories need package versions
+
+    def version(dist):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    return {"jax": version("jax"), "jaxlib": version("jaxlib"), "libtpu": version("libtpu"),
+            "dgemma_jax": version("dgemma_jax")}
+
+
+def identity(config, devices, *, mesh: dict | None, rules: str | None, quantize: str | None,
+             layers: str = "unrolled") -> dict:
+    """What a directory's programs were compiled for: the model config (its name and a hash of every
+    field), the devices (kind and count), the mesh's axis sizes, the sharding rules, the weights'
+    quantization, the layer layout and `software()`. Shapes (slots, context, prompt widths) are not
+    part of it: they are in each program's cache key, so a run with other shapes compiles (and adds)
+    its own programs."""
+    import dataclasses  # deferred with the line below: only compiled-program directories hash configs
+    import hashlib
+
+    fields = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+    return {"model": config.name, "model_sha256": hashlib.sha256(fields.encode()).hexdigest()[:16],
+            "device_kind": devices[0].device_kind, "devices": len(devices), "mesh": dict(mesh or {}),
+            "rules": rules if mesh else None, "quantize": quantize, "layers": layers, **software()}
+
+
+def use_compiled_dir(directory: str, ident: dict, *, create: bool = True) -> str:
+    """Turn the compilation cache to `directory`/xla after checking that its manifest was written for
+    `ident`; a directory without a manifest gets one (create=True) and fills as programs compile.
+
+    Raises:
+      CompiledDirMismatch: naming the first field that differs and both values.
+    """
+    path = os.path.join(directory, MANIFEST)
+    if os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f).get("identity", {})
+        for key in sorted(set(saved) | set(ident)):
+            if _norm(saved.get(key)) != _norm(ident.get(key)):
+                raise CompiledDirMismatch(
+                    f"--compiled {directory} holds programs compiled for {key}={saved.get(key)!r}, but this run "
+                    f"has {key}={ident.get(key)!r}: compile them again (dgemma compile ... --save, or a run with "
+                    "--compiled pointing at an empty directory), or drop --compiled")
+    elif create:
+        _write_manifest(directory, {"identity": ident, "programs": {}})
+    else:
+        raise FileNotFoundError(f"--compiled {directory}: no {MANIFEST} there (not a compiled-program directory)")
+    # every program goes into the directory, however fast it compiled
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return enable(os.path.join(directory, "xla"))
+
+
+def record_program(directory: str, name: str, compile_s: float, before: set[str]) -> dict:
+    """Add program `name` to the manifest: the cache entries that appeared since `before` (a listing of
+    DIR/xla taken before it compiled), their bytes, and its compile seconds. Returns its entry."""
+    xla = os.path.join(directory, "xla")
+    new = sorted(set(_entries(xla)) - before)
+    entry = {"cache_keys": new, "bytes": sum(os.path.getsize(os.path.join(xla, k)) for k in new),
+             "compile_s": round(float(compile_s), 2)}
+    with open(os.path.join(directory, MANIFEST)) as f:
+        manifest = json.load(f)
+    manifest["programs"][name] = entry
+    _write_manifest(directory, manifest)
+    return entry
+
+
+def entries(directory: str) -> set[str]:
+    """The cache entries now in a compiled-program directory."""
+    return set(_entries(os.path.join(directory, "xla")))
+
+
+def _entries(xla: str) -> list[str]:
+    return [n for n in os.listdir(xla) if not n.startswith(".")] if os.path.isdir(xla) else []
+
+
+def _norm(value):
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def _write_manifest(directory: str, manifest: dict) -> None:
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{MANIFEST}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True, default=str)
+    os.replace(tmp, os.path.join(directory, MANIFEST))

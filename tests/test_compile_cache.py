@@ -23,23 +23,27 @@ def restore_cache_dir():
     compile_cache._forget_decision()
 
 
-def test_the_directory_comes_from_jax_env_then_jax_config_then_the_project_cache(tmp_path, monkeypatch,
+def test_the_directory_comes_from_jax_config_then_jax_env_then_the_project_cache(tmp_path, monkeypatch,
                                                                                 restore_cache_dir):
     monkeypatch.setenv("DGEMMA_CACHE", str(tmp_path / "dg"))
+    jax.config.update("jax_compilation_cache_dir", None)
     monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "from-env"))
     assert compile_cache.enable() == str(tmp_path / "from-env")
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "from-env")
     monkeypatch.delenv(compile_cache.ENV)
-    # a directory the caller set in jax.config is kept
-    assert compile_cache.enable() == str(tmp_path / "from-env")
+    # a directory already in jax.config (the caller's, or jax's from the variable at import) is kept
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
+    assert compile_cache.enable() == str(tmp_path / "mine")
     jax.config.update("jax_compilation_cache_dir", None)
     assert compile_cache.enable() == str(tmp_path / "dg" / "xla") == compile_cache.default_dir()
     assert compile_cache.enable(str(tmp_path / "explicit")) == str(tmp_path / "explicit")
     assert compile_cache.enable("gs://bucket/xla") == "gs://bucket/xla"  # a URL is passed as it is
     for off in ("off", "OFF", ""):
+        jax.config.update("jax_compilation_cache_dir", None)
         monkeypatch.setenv(compile_cache.ENV, off)
         assert compile_cache.enable() is None and jax.config.jax_compilation_cache_dir is None
         assert compile_cache.CompileCounter().summary().startswith("compilation cache off:")
+    assert compile_cache.enable("off") is None
 
 
 def test_a_directory_set_after_the_first_compilation_still_takes_effect(tmp_path, restore_cache_dir):

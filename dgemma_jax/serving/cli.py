@@ -8,7 +8,7 @@ import sys
 import threading
 
 from dgemma_jax.compile_cache import CompileCounter
-from dgemma_jax.cli_run import checkpoint_flags, quantize_for_cli
+from dgemma_jax.cli_run import checkpoint_flags, compiled_flag, quantize_for_cli, use_compiled
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.shardings import Shardings
 from dgemma_jax.pipeline import load_checkpoint
@@ -40,6 +40,7 @@ def cmd_serve(args) -> int:
     if args.mesh:
         shardings = Shardings(cfg, make_mesh(args.mesh), args.rules)
         params = shardings.place_params(params)
+    use_compiled(args, cfg, shardings)
     context = min(args.context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
     scheduler = Scheduler.for_model(cfg, params, tok, sampler, max_steps=args.max_steps, shardings=shardings,
                                     slots=args.slots, context=context, max_queue=args.max_queue,
@@ -77,6 +78,7 @@ def cmd_serve(args) -> int:
 def add_command(sub, positive) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching over N slots")
     checkpoint_flags(s)
+    compiled_flag(s)
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
     s.add_argument("--quantize", choices=["int8"], default=None,
                    help="int8: weight-only int8 expert, attention and MLP kernels, quantized on load")
