@@ -19,6 +19,7 @@ from dgemma_jax.errors import UsageError, print_warnings_as_lines
 from dgemma_jax.io.bundled import bundled_choice, bundled_dir
 from dgemma_jax.io import locations
 from dgemma_jax.io.model_dir import load_config
+from dgemma_jax.parallel import distributed
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.serving import cli as serve_cli
 
@@ -274,6 +275,9 @@ def main(argv=None) -> int:
         return 2
     if args.command != "compile":  # AOT compilation for a TPU topology needs JAX's TPU plugin registered
         skip_absent_tpu()  # no libtpu probing noise on a machine without a TPU
+        # one process of a multi-host run: join the others before any device is touched (a multi-host TPU
+        # slice is found by itself; elsewhere DGEMMA_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID); one host: nothing
+        distributed.initialize()
     compile_cache.enable()  # programs compiled by an earlier start are read back, not compiled again
     try:
         return int(args.fn(args) or 0)

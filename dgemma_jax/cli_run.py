@@ -22,6 +22,9 @@ from dgemma_jax.io import convert
 from dgemma_jax.io.bundled import BUNDLED, VISION_NAME
 from dgemma_jax.io.locations import resolve
 from dgemma_jax.model.quant import quantization_of, quantize_params
+from dgemma_jax.parallel.distributed import is_main_process, main_print
+from dgemma_jax.parallel.mesh import make_mesh
+from dgemma_jax.parallel.shardings import Shardings, fetch
 from dgemma_jax.io.images import SOFT_TOKEN_BUDGETS, load_image, prompt_with_images
 from dgemma_jax.pipeline import load_checkpoint as load_for_cli
 from dgemma_jax.sampling.config import SamplerConfig
@@ -68,6 +71,29 @@ def _seed_canvas(args, tok, sampler, batch_size: int):
     ids += [0] * free
     pinned += [False] * free
     return (np.array([ids] * batch_size, np.int32), np.array([pinned] * batch_size, bool))
+
+
+def mesh_flags(s, rules: str = "latency") -> None:
+    """--mesh and --rules, the same for every command that runs the model."""
+    s.add_argument("--mesh", default=None,
+                   help="shard the model over the devices of every host of the run, e.g. expert=8 or tensor=4,expert=2 "
+                        "(axes data, fsdp, tensor, expert; default: one device)")
+    s.add_argument("--rules", default=rules,
+                   help=f"how logical axes map to mesh axes: latency, serving, training or a rules file (default {rules})")
+
+
+def load_model_for_cli(args, checkpoint=None):
+    """(config, params, sampler, tokenizer, shardings) for --checkpoint, read straight into the --mesh's
+    shards and quantized by --quantize (placed like the float kernels)."""
+    mesh = make_mesh(args.mesh) if getattr(args, "mesh", None) else None
+    rules = getattr(args, "rules", "latency")
+    checkpoint = args.checkpoint if checkpoint is None else checkpoint
+    cfg, params, sampler, tok = load_for_cli(checkpoint, args.dtype, args.revision, mesh=mesh, rules=rules)
+    shardings = Shardings(cfg, mesh, rules) if mesh is not None else None
+    quantized = quantize_for_cli(args, cfg, params)
+    if quantized is not params and shardings is not None:
+        quantized = shardings.place_params(quantized)
+    return cfg, quantized, sampler, tok, shardings
 
 
 def quantize_for_cli(args, config, params):
@@ -124,9 +150,8 @@ def cmd_generate(args) -> int:
     if args.image and checkpoint in (None, ""):  # the default model for a picture: the bundled one that reads them
         checkpoint = f"{BUNDLED}:{VISION_NAME}"
         print(f"[no --checkpoint: the bundled image model {VISION_NAME}]", file=sys.stderr, flush=True)
-    cfg, params, sampler, tok = load_for_cli(checkpoint, args.dtype, args.revision)
-    params = quantize_for_cli(args, cfg, params)
-    use_compiled(args, cfg)
+    cfg, params, sampler, tok, shardings = load_model_for_cli(args, checkpoint)
+    use_compiled(args, cfg, shardings)
     sampler = sampler_from_args(args, cfg, sampler)
     images = None
     if args.image:
@@ -140,7 +165,7 @@ def cmd_generate(args) -> int:
         tokens = np.array([ids], np.int32)
     if args.max_prompt and len(ids) > args.max_prompt:
         raise UsageError(f"the prompt is {len(ids)} tokens, longer than --max-prompt {args.max_prompt}")
-    engine = Engine(cfg, params, sampler)
+    engine = Engine(cfg, params, sampler, shardings=shardings)
     seed, pinned = _seed_canvas(args, tok, sampler, 1)
     max_new = default_new_tokens(cfg, sampler, len(ids)) if args.max_new_tokens is None else args.max_new_tokens
     kw = dict(rng=args.seed, max_new_tokens=max_new, seed_canvas=seed, pinned=pinned, images=images)
@@ -158,16 +183,16 @@ def cmd_generate(args) -> int:
         out_tokens, steps, finished = collect(events, 1, max_new, sampler.canvas_length, sampler.pad_id)
     else:
         out = engine.generate(tokens, None, **kw)
-        out_tokens, steps, finished = np.asarray(out.tokens), np.asarray(out.steps), np.asarray(out.finished)
+        out_tokens, steps, finished = fetch(out.tokens), fetch(out.steps), fetch(out.finished)
     jax.block_until_ready(out_tokens)
     dt = time.perf_counter() - t0
     text = tok.decode_generated(out_tokens[0], skip_special=True)
-    print(text)
+    main_print(text)  # every host of a multi-host run computes it; the first one prints it
     if args.max_new_tokens is None:
         warn_if_cut_short(cfg, max_new, finished, len(ids))
     ran = steps[0][steps[0] > 0]
     n_tok = int((out_tokens[0] != sampler.pad_id).sum())
-    if not args.quiet:
+    if not args.quiet and is_main_process():
         tpf = n_tok / max(int(ran.sum()), 1)
         print(f"[{len(ran)} canvas(es), steps per canvas {ran.tolist()}, tokens per forward pass {tpf:.2f}, "
               f"{n_tok} tokens in {dt:.2f} s = {n_tok / dt:.1f} tokens/s incl. compilation; {compiles.summary()}]",
@@ -178,10 +203,9 @@ def cmd_generate(args) -> int:
 # ---------------------------------------------------------------------------- chat
 def cmd_chat(args) -> int:
     compiles = CompileCounter()
-    cfg, params, sampler, tok = load_for_cli(args.checkpoint, args.dtype, args.revision)
-    params = quantize_for_cli(args, cfg, params)
+    cfg, params, sampler, tok, shardings = load_model_for_cli(args)
     sampler = sampler_from_args(args, cfg, sampler)
-    session = ChatSession(Engine(cfg, params, sampler), tok, system=args.system, thinking=args.thinking,
+    session = ChatSession(Engine(cfg, params, sampler, shardings=shardings), tok, system=args.system, thinking=args.thinking,
                           context=args.context, max_new_tokens=args.max_new_tokens, seed=args.seed,
                           max_soft_tokens=args.max_soft_tokens)
     interactive = sys.stdin.isatty()
@@ -215,8 +239,8 @@ def cmd_chat(args) -> int:
             pending = []
             continue
         pending = []
-        print(("model> " if interactive else "") + turn.answer, flush=True)
-        if not args.quiet:
+        main_print(("model> " if interactive else "") + turn.answer, flush=True)
+        if not args.quiet and is_main_process():
             first = f"; {compiles.summary()}" if session.turns == 1 else ""
             print(f"[turn {session.turns}: reused {turn.reused} cached tokens, prefilled {turn.prefilled}, "
                   f"steps {turn.steps}{first}]", file=sys.stderr)
@@ -346,6 +370,7 @@ def add_commands(sub, positive):
                    help="tokens per image (default: the checkpoint's, 280 for the released model)")
     s.add_argument("--quiet", action="store_true", help="no stats line")
     compiled_flag(s)
+    mesh_flags(s)
     sampler_flags(s)
     s.set_defaults(fn=cmd_generate)
 
@@ -357,6 +382,7 @@ def add_commands(sub, positive):
     s.add_argument("--max-soft-tokens", type=int, choices=SOFT_TOKEN_BUDGETS, dest="max_soft_tokens", default=None,
                    help="tokens per /image (default: the checkpoint's, 280 for the released model)")
     s.add_argument("--quiet", action="store_true", help="no per-turn stats")
+    mesh_flags(s)
     sampler_flags(s)
     s.set_defaults(fn=cmd_chat)
 

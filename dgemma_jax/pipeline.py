@@ -25,26 +25,38 @@ from dgemma_jax.io.bundled import bundled_choice, load_bundled
 from dgemma_jax.io.chat import chat_images, history_without_thinking, render_chat
 from dgemma_jax.io.images import prompt_with_images
 from dgemma_jax.io.locations import resolve
-from dgemma_jax.io.model_dir import load_model, load_model_tokenizer
+from dgemma_jax.io.model_dir import load_config, load_model, load_model_tokenizer
+from dgemma_jax.parallel.mesh import make_mesh
+from dgemma_jax.parallel.shardings import Shardings
 
 
 
-def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: str | None = None):
+def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: str | None = None, *,
+                    mesh=None, rules: str | tuple = "latency"):
     """-> (config, params, sampler | None, tokenizer); None or "bundled": the bundled small model,
     "bundled:NAME" another bundled model (`dgemma_jax.io.bundled`, e.g. the image model VISION_NAME).
 
     checkpoint: a local directory, an fsspec URL (gs://...) or a Hugging Face Hub repo id, optionally
-    REPO@REVISION (`dgemma_jax.io.locations`); revision: the Hub revision (branch, tag or commit)."""
+    REPO@REVISION (`dgemma_jax.io.locations`); revision: the Hub revision (branch, tag or commit).
+    mesh: a `jax.sharding.Mesh` or a mesh spec ("expert=8", `parallel.make_mesh`): the parameters are
+    read straight into their shards under `rules` (`parallel.Shardings`), never whole on one device;
+    None: on the default device."""
+    if isinstance(mesh, str):
+        mesh = make_mesh(mesh)
     is_bundled, name = bundled_choice(checkpoint)
     if is_bundled:
         if revision is not None:
             raise UsageError("--revision applies to a Hugging Face Hub checkpoint; pass --checkpoint REPO_ID too")
         try:
-            return load_bundled(name)
+            cfg, params, sampler, tok = load_bundled(name)
         except FileNotFoundError as e:
             raise UsageError(str(e)) from None
+        if mesh is not None:  # a small model: read, then placed
+            params = Shardings(cfg, mesh, rules).place_params(params)
+        return cfg, params, sampler, tok
     checkpoint = resolve(checkpoint, revision)
-    cfg, params, sampler = load_model(checkpoint, dtype=dtype)
+    shardings = Shardings(load_config(checkpoint), mesh, rules) if mesh is not None else None
+    cfg, params, sampler = load_model(checkpoint, dtype=dtype, shardings=shardings)
     tokenizer = load_model_tokenizer(checkpoint)
     mismatch = vocab_mismatch(cfg, tokenizer)
     if mismatch:
@@ -74,12 +86,21 @@ class DiffusionGemma:
     @classmethod
     def from_pretrained(cls, checkpoint: str | None = None, dtype: str | None = None, sampler=None,
                         shardings=None, revision: str | None = None, runtime=None,
-                        quantize: str | None = None, compilation_cache: bool | str = True) -> "DiffusionGemma":
+                        quantize: str | None = None, compilation_cache: bool | str = True, mesh=None,
+                        rules: str | tuple = "latency") -> "DiffusionGemma":
         """checkpoint: a local directory, gs:// (any fsspec URL) or a Hub repo id[@revision]; None: bundled.
         runtime: how the engine's programs run (`dgemma_jax.Runtime`; default: this backend).
         quantize: "int8" quantizes the weights on load (`dgemma_jax.model.quant`).
-        compilation_cache: jax's persistent compilation cache, as `Engine` takes it (default on)."""
-        cfg, params, saved_sampler, tok = load_checkpoint(checkpoint, dtype, revision)
+        compilation_cache: jax's persistent compilation cache, as `Engine` takes it (default on).
+        mesh: a `jax.sharding.Mesh` or a spec ("expert=8"): the weights are read straight into their shards
+        under `rules` and every program runs on the mesh (or pass `shardings` built yourself)."""
+        if mesh is not None:
+            if shardings is not None:
+                raise ValueError("pass mesh (and rules) or shardings, not both")
+            mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
+        cfg, params, saved_sampler, tok = load_checkpoint(checkpoint, dtype, revision, mesh=mesh, rules=rules)
+        if mesh is not None:
+            shardings = Shardings(cfg, mesh, rules)
         return cls(cfg, params, tok, sampler or saved_sampler, shardings, runtime, quantize, compilation_cache)
 
     @property

@@ -208,8 +208,8 @@ def _check_params_files(path: str, recorded: dict) -> None:
 def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None):
     """Any supported checkpoint directory -> (ModelConfig, params, SamplerConfig | None)."""
     fmt = detect_format(path)
-    if fmt == "hf":
-        cfg, params = load_hf(path, dtype=dtype, shardings=shardings)
+    if fmt == "hf":  # a `Shardings`, or a pytree of shardings matching the parameters
+        cfg, params = load_hf(path, dtype=dtype, shardings=getattr(shardings, "params", shardings))
         return cfg, params, hf_sampler(path, cfg)
     meta = _read_meta(path)
     cfg = config_from_dict(meta["config"])

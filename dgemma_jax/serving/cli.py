@@ -8,10 +8,7 @@ import sys
 import threading
 
 from dgemma_jax.compile_cache import CompileCounter
-from dgemma_jax.cli_run import checkpoint_flags, compiled_flag, quantize_for_cli, use_compiled
-from dgemma_jax.parallel.mesh import make_mesh
-from dgemma_jax.parallel.shardings import Shardings
-from dgemma_jax.pipeline import load_checkpoint
+from dgemma_jax.cli_run import checkpoint_flags, compiled_flag, load_model_for_cli, mesh_flags, use_compiled
 from dgemma_jax.sampling.config import SamplerConfig
 
 DEFAULT_CONTEXT = 8192     # KV-cache tokens per slot when --context is not given (capped at the model's)
@@ -28,18 +25,13 @@ def cmd_serve(args) -> int:
             print(f"dgemma: error: --allowed-image-dir {d}: no such directory", file=sys.stderr)
             return 2
         image_dirs.append(os.path.realpath(d))
-    cfg, params, sampler, tok = load_checkpoint(args.checkpoint, args.dtype, args.revision)
+    cfg, params, sampler, tok, shardings = load_model_for_cli(args)
     if args.max_soft_tokens is not None and cfg.vision is None:
         print(f"dgemma: error: --max-soft-tokens: {cfg.name} is a text-only checkpoint (no vision tower)",
               file=sys.stderr)
         return 2
     if sampler is None:  # a checkpoint without generation settings: the released defaults
         sampler = SamplerConfig.for_model(cfg)
-    params = quantize_for_cli(args, cfg, params)
-    shardings = None
-    if args.mesh:
-        shardings = Shardings(cfg, make_mesh(args.mesh), args.rules)
-        params = shardings.place_params(params)
     use_compiled(args, cfg, shardings)
     context = min(args.context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
     scheduler = Scheduler.for_model(cfg, params, tok, sampler, max_steps=args.max_steps, shardings=shardings,
@@ -103,8 +95,7 @@ def add_command(sub, positive) -> None:
     s.add_argument("--max-soft-tokens", type=int, choices=[70, 140, 280, 560, 1120], default=None,
                    dest="max_soft_tokens",
                    help="each image's soft-token budget (its prompt tokens; default the image processor's, 280)")
-    s.add_argument("--mesh", default=None, help="shard over this host's devices, e.g. expert=8 or tensor=4,expert=2")
-    s.add_argument("--rules", default="serving", choices=["latency", "serving", "training"])
+    mesh_flags(s, rules="serving")
     s.add_argument("--served-model-name", dest="served_model_name", default=None,
                    help="the model id clients send (default: the checkpoint's name)")
     s.add_argument("--drain-seconds", type=positive(float), dest="drain_seconds", default=None,
