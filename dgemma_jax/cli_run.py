@@ -20,6 +20,7 @@ from dgemma_jax.io import convert
 from dgemma_jax.io.bundled import BUNDLED, VISION_NAME
 from dgemma_jax.io.locations import resolve
 from dgemma_jax.model.quant import quantization_of, quantize_params
+from dgemma_jax.parallel.profiling import profile
 from dgemma_jax.io.images import SOFT_TOKEN_BUDGETS, load_image, prompt_with_images
 from dgemma_jax.pipeline import load_checkpoint as load_for_cli
 from dgemma_jax.sampling.config import SamplerConfig
@@ -141,21 +142,22 @@ def cmd_generate(args) -> int:
     max_new = default_new_tokens(cfg, sampler, len(ids)) if args.max_new_tokens is None else args.max_new_tokens
     kw = dict(rng=args.seed, max_new_tokens=max_new, seed_canvas=seed, pinned=pinned, images=images)
     t0 = time.perf_counter()
-    if args.show_steps:
-        tty = sys.stdout.isatty() and not args.plain
-        events = []
-        for ev in engine.steps(tokens, None, **kw):
-            if isinstance(ev, CanvasEvent):
-                events.append(ev)
-                if tty:
-                    sys.stdout.write("\n")
-            else:
-                _render_step(ev, tok, tty, sys.stdout)
-        out_tokens, steps, finished = collect(events, 1, max_new, sampler.canvas_length, sampler.pad_id)
-    else:
-        out = engine.generate(tokens, None, **kw)
-        out_tokens, steps, finished = np.asarray(out.tokens), np.asarray(out.steps), np.asarray(out.finished)
-    jax.block_until_ready(out_tokens)
+    with profile(args.profile):  # --profile DIR: a jax.profiler trace of the generation
+        if args.show_steps:
+            tty = sys.stdout.isatty() and not args.plain
+            events = []
+            for ev in engine.steps(tokens, None, **kw):
+                if isinstance(ev, CanvasEvent):
+                    events.append(ev)
+                    if tty:
+                        sys.stdout.write("\n")
+                else:
+                    _render_step(ev, tok, tty, sys.stdout)
+            out_tokens, steps, finished = collect(events, 1, max_new, sampler.canvas_length, sampler.pad_id)
+        else:
+            out = engine.generate(tokens, None, **kw)
+            out_tokens, steps, finished = np.asarray(out.tokens), np.asarray(out.steps), np.asarray(out.finished)
+        jax.block_until_ready(out_tokens)
     dt = time.perf_counter() - t0
     text = tok.decode_generated(out_tokens[0], skip_special=True)
     print(text)
@@ -247,7 +249,8 @@ def cmd_train(args) -> int:
         config = load_config(args.config, overrides)
     except (KeyError, AttributeError) as e:
         raise UsageError(f"bad --config/--set: {e}") from None
-    main(config)
+    with profile(args.profile):  # --profile DIR: a jax.profiler trace of the whole run
+        main(config)
     return 0
 
 
@@ -281,6 +284,10 @@ def bench_scratch_path() -> str:
 CHECKPOINT_HELP = ("a checkpoint (Hugging Face or dgemma_jax format): a local directory, a gs:// (or other fsspec) "
                    "URL, a Hugging Face Hub repo id, optionally REPO@REVISION, or bundled:NAME (default: the bundled "
                    "model)")
+
+
+PROFILE_HELP = ("write a jax.profiler trace of the {what} to DIR (local or gs://; process 0 of a pod): "
+                "tensorboard --logdir DIR, with tensorboard-plugin-profile")
 
 
 def checkpoint_flags(s):
@@ -321,6 +328,7 @@ def add_commands(sub, positive):
     s.add_argument("--max-soft-tokens", type=int, choices=SOFT_TOKEN_BUDGETS, dest="max_soft_tokens", default=None,
                    help="tokens per image (default: the checkpoint's, 280 for the released model)")
     s.add_argument("--quiet", action="store_true", help="no stats line")
+    s.add_argument("--profile", metavar="DIR", help=PROFILE_HELP.format(what="generation"))
     sampler_flags(s)
     s.set_defaults(fn=cmd_generate)
 
@@ -354,6 +362,7 @@ def add_commands(sub, positive):
     s = sub.add_parser("train", help="train or fine-tune from an ml_collections recipe in configs/")
     s.add_argument("--config", required=True)
     s.add_argument("--set", action="append", help="override a config value: key.sub=value")
+    s.add_argument("--profile", metavar="DIR", help=PROFILE_HELP.format(what="whole run (keep it short)"))
     s.set_defaults(fn=cmd_train)
 
     # every argument, --help included, goes to the benchmark's own parser (`dgemma bench --help` lists

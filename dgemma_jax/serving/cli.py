@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from dgemma_jax.cli_run import checkpoint_flags, quantize_for_cli
+from dgemma_jax.cli_run import PROFILE_HELP, checkpoint_flags, quantize_for_cli
 from dgemma_jax.parallel.mesh import make_mesh
+from dgemma_jax.parallel.profiling import profile
 from dgemma_jax.parallel.shardings import Shardings
 from dgemma_jax.pipeline import load_checkpoint
 from dgemma_jax.sampling.config import SamplerConfig
@@ -52,9 +53,10 @@ def cmd_serve(args) -> int:
           f"{need / 2 ** 20:.1f} MiB (parameters, cache and temporaries, XLA's memory analysis)",
           file=sys.stderr, flush=True)
     print(f"dgemma serve: listening on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    serve(scheduler, name, host=args.host, port=args.port, drain_seconds=args.drain_seconds,
-          log_level=args.log_level, default_max_tokens=args.default_max_tokens, allowed_image_dirs=image_dirs,
-          max_soft_tokens=args.max_soft_tokens)
+    with profile(args.profile):  # --profile DIR: a jax.profiler trace of the serving, written when the server stops
+        serve(scheduler, name, host=args.host, port=args.port, drain_seconds=args.drain_seconds,
+              log_level=args.log_level, default_max_tokens=args.default_max_tokens, allowed_image_dirs=image_dirs,
+              max_soft_tokens=args.max_soft_tokens)
     return 0
 
 
@@ -93,5 +95,7 @@ def add_command(sub, positive) -> None:
                    help="on SIGTERM, wait at most this long for open requests (default: until they finish)")
     s.add_argument("--log-level", dest="log_level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--profile", metavar="DIR",
+                   help=PROFILE_HELP.format(what="requests served until the server stops (Ctrl-C / SIGTERM)"))
     s.set_defaults(fn=cmd_serve)
 
