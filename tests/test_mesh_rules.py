@@ -240,3 +240,21 @@ def test_meshes_by_name_or_axis_list_on_the_cpu_devices():
     with pytest.raises(ValueError, match=r"only one axis can take the rest"):
         make_mesh("tensor,expert", devs)
     assert MESH_AXES == ("data", "fsdp", "tensor", "expert")
+
+
+@needs_8
+def test_a_recipe_takes_its_rules_from_an_ml_collections_entry(tmp_path):
+    from dgemma_jax.training.train import Run, load_config
+
+    recipe = os.path.join(ROOT, "configs", "train_tiny.py")
+    over = {"train.workdir": str(tmp_path), "train.mesh": "fsdp=2,expert=4",
+            "train.rules": {"batch": ["data", "fsdp"], "experts": "expert", "embed": "fsdp"}}  # as --set parses it
+    config = load_config(recipe, over)
+    assert isinstance(config.train.rules, ml_collections.ConfigDict)
+    run = Run(config)
+    want = {"batch": ("data", "fsdp"), "experts": "expert", "embed": "fsdp"}
+    assert dict(run.shardings.rules) == dict(run.runtime.rules) == want
+    assert run.shardings.params["blocks_0"]["moe"]["gate_up"].spec == P("expert", "fsdp", None)
+    with pytest.raises(ValueError, match=r"rule for 'experts' names unknown mesh axis 'experts' \(did you mean "
+                                         r"'expert'\?\)"):
+        Run(load_config(recipe, {**over, "train.rules": {"experts": "experts"}}))
