@@ -24,6 +24,7 @@ from dgemma_jax.io.locations import resolve
 from dgemma_jax.model.quant import quantization_of, quantize_params
 from dgemma_jax.parallel.distributed import is_main_process, main_print
 from dgemma_jax.parallel.mesh import make_mesh
+from dgemma_jax.parallel.profiling import profile
 from dgemma_jax.parallel.shardings import Shardings, fetch
 from dgemma_jax.io.images import SOFT_TOKEN_BUDGETS, load_image, prompt_with_images
 from dgemma_jax.pipeline import load_checkpoint as load_for_cli
@@ -170,21 +171,22 @@ def cmd_generate(args) -> int:
     max_new = default_new_tokens(cfg, sampler, len(ids)) if args.max_new_tokens is None else args.max_new_tokens
     kw = dict(rng=args.seed, max_new_tokens=max_new, seed_canvas=seed, pinned=pinned, images=images)
     t0 = time.perf_counter()
-    if args.show_steps:
-        tty = sys.stdout.isatty() and not args.plain
-        events = []
-        for ev in engine.steps(tokens, None, **kw):
-            if isinstance(ev, CanvasEvent):
-                events.append(ev)
-                if tty:
-                    sys.stdout.write("\n")
-            else:
-                _render_step(ev, tok, tty, sys.stdout)
-        out_tokens, steps, finished = collect(events, 1, max_new, sampler.canvas_length, sampler.pad_id)
-    else:
-        out = engine.generate(tokens, None, **kw)
-        out_tokens, steps, finished = fetch(out.tokens), fetch(out.steps), fetch(out.finished)
-    jax.block_until_ready(out_tokens)
+    with profile(args.profile):  # --profile DIR: a jax.profiler trace of the generation
+        if args.show_steps:
+            tty = sys.stdout.isatty() and not args.plain
+            events = []
+            for ev in engine.steps(tokens, None, **kw):
+                if isinstance(ev, CanvasEvent):
+                    events.append(ev)
+                    if tty:
+                        sys.stdout.write("\n")
+                else:
+                    _render_step(ev, tok, tty, sys.stdout)
+            out_tokens, steps, finished = collect(events, 1, max_new, sampler.canvas_length, sampler.pad_id)
+        else:
+            out = engine.generate(tokens, None, **kw)
+            out_tokens, steps, finished = fetch(out.tokens), fetch(out.steps), fetch(out.finished)
+        jax.block_until_ready(out_tokens)
     dt = time.perf_counter() - t0
     text = tok.decode_generated(out_tokens[0], skip_special=True)
     main_print(text)  # every host of a multi-host run computes it; the first one prints it
@@ -278,7 +280,8 @@ def cmd_train(args) -> int:
         config = load_config(args.config, overrides)
     except (KeyError, AttributeError) as e:
         raise UsageError(f"bad --config/--set: {e}") from None
-    main(config)
+    with profile(args.profile):  # --profile DIR: a jax.profiler trace of the whole run
+        main(config)
     return 0
 
 
@@ -331,6 +334,10 @@ def use_compiled(args, config, shardings=None) -> None:
     compile_cache.use_compiled_dir(args.compiled, ident)
 
 
+PROFILE_HELP = ("write a jax.profiler trace of the {what} to DIR (local or gs://; process 0 of a pod): "
+                "tensorboard --logdir DIR, with tensorboard-plugin-profile")
+
+
 def checkpoint_flags(s):
     """--checkpoint and --revision, the same for every command that loads a model."""
     s.add_argument("--checkpoint", help=CHECKPOINT_HELP)
@@ -371,6 +378,7 @@ def add_commands(sub, positive):
     s.add_argument("--quiet", action="store_true", help="no stats line")
     compiled_flag(s)
     mesh_flags(s)
+    s.add_argument("--profile", metavar="DIR", help=PROFILE_HELP.format(what="generation"))
     sampler_flags(s)
     s.set_defaults(fn=cmd_generate)
 
@@ -405,6 +413,7 @@ def add_commands(sub, positive):
     s = sub.add_parser("train", help="train or fine-tune from an ml_collections recipe in configs/")
     s.add_argument("--config", required=True)
     s.add_argument("--set", action="append", help="override a config value: key.sub=value")
+    s.add_argument("--profile", metavar="DIR", help=PROFILE_HELP.format(what="whole run (keep it short)"))
     s.set_defaults(fn=cmd_train)
 
     # every argument, --help included, goes to the benchmark's own parser (`dgemma bench --help` lists

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dgemma_jax.config import RUNTIME_CHOICES
-from dgemma_jax.parallel.rules import CACHE_AXES, spec_for
+from dgemma_jax.parallel.rules import CACHE_AXES, check_rules, spec_for
 
 MOE_DISPATCH = ("auto", "dense", "ragged", "capacity")
 ATTN_KERNELS = ("auto", "xla", "splash")
@@ -52,8 +52,9 @@ class Runtime:
 
     platform: the backend programs are compiled for (default: this process's default backend; "tpu"
       when compiling ahead of time for a TPU topology from a CPU machine).
-    mesh, rules: the device mesh and the logical-axis rule set (`parallel.rules`); None / () = one
-      device, no placement constraints.
+    mesh, rules: the device mesh and the logical-axis rule set (`parallel.rules.rules_for`: pairs or a
+      mapping, checked against the mesh: an unknown logical or mesh axis is an error); None / () =
+      one device, no placement constraints.
     moe_dispatch: "auto" (capacity buffers on CPU, grouped matmuls elsewhere), "dense", "ragged"
       or "capacity" (model/moe.py). moe_capacity_factor, moe_shard_rows_factor: their buffer sizes.
     attn_kernel: how the denoiser's canvas attends to the cache where the mask allows: "auto" = the
@@ -90,7 +91,6 @@ class Runtime:
     def __post_init__(self):
         if self.platform is None:
             object.__setattr__(self, "platform", jax.default_backend())
-        object.__setattr__(self, "rules", tuple(self.rules))
 
         def bad(field, value, why):
             raise ValueError(f"Runtime.{field}={value!r} is invalid: {why}")
@@ -99,6 +99,8 @@ class Runtime:
             bad("platform", self.platform, f"must be one of {PLATFORMS}")
         if self.mesh is not None and not isinstance(self.mesh, Mesh):
             bad("mesh", self.mesh, "must be a jax.sharding.Mesh (see dgemma_jax.parallel.make_mesh) or None")
+        # normalized and checked: a typo in a rule is an error naming it, not a silently replicated dimension
+        object.__setattr__(self, "rules", check_rules(self.rules, self.mesh, where="Runtime.rules"))
         if self.moe_dispatch not in MOE_DISPATCH:
             bad("moe_dispatch", self.moe_dispatch, f"must be one of {MOE_DISPATCH}")
         for f in ("moe_capacity_factor", "moe_shard_rows_factor"):

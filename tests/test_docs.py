@@ -7,6 +7,7 @@ benchmarks/README.md; these tests keep it that way and keep the links between th
 
 import argparse
 import glob
+import json
 import os
 import re
 
@@ -133,3 +134,32 @@ def test_the_readme_python_samples_run():
         assert r.returncode == 0, f"{code}\n{r.stderr[-3000:]}"
         if "s9350814272=" in code:
             assert r.stdout.splitlines()[0] == "0122345789", r.stdout
+
+
+def _cell_rule(cell: str):
+    """A docs table cell as a rule target: `a` -> "a", `a` × `b` -> ("a", "b"), replicated -> None."""
+    axes = re.findall(r"`(\w+)`", cell)
+    if cell.strip() == "replicated":
+        return None
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def test_the_logical_axes_table_lists_exactly_the_codes_names_and_rule_sets():
+    # docs/tpu.md lists every logical axis name the model uses and what each built-in rule set maps it to;
+    # tests/test_mesh_rules.py checks that LOGICAL_AXES are the model's own names
+    from dgemma_jax.parallel.rules import LOGICAL_AXES, RULE_SETS, rules_for
+
+    section = _section(_read("docs/tpu.md"), "Meshes, logical axes and rule sets")
+    header = next(ln for ln in section.splitlines() if ln.startswith("| logical axis |"))
+    sets = re.findall(r"`(\w+)`", header)
+    assert sets == list(RULE_SETS), sets
+    rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in section.splitlines()
+            if re.match(r"\| `\w+` \|", ln) and len(ln.split("|")) == len(sets) + 4]
+    names = [re.fullmatch(r"`(\w+)`", r[0]).group(1) for r in rows]
+    assert sorted(names) == sorted(LOGICAL_AXES) and len(names) == len(set(names)), names
+    for row, name in zip(rows, names):
+        for set_name, cell in zip(sets, row[2:]):
+            assert _cell_rule(cell) == dict(RULE_SETS[set_name]).get(name), (name, set_name, cell)
+    # the rules-file example is a valid rule set
+    (example,) = re.findall(r"^```json\n(.*?)^```", section, re.S | re.M)
+    assert dict(rules_for(json.loads(example)))["experts"] == "expert"

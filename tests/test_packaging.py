@@ -78,3 +78,31 @@ def test_every_third_party_import_is_declared_in_setup_py():
         if not owners & declared:
             missing[name] = sorted(owners)
     assert not missing, f"imported but not declared in setup.py (module: distributions): {missing}"
+
+
+
+def _pip_installs(text: str) -> list[str]:
+    """What follows `pip install` (or `uv pip install`) on each line that has one."""
+    return re.findall(r"pip install ([^\n&]*)", text)
+
+
+def _project_extras(text: str) -> set[str]:
+    """The extras of the project (`.[a,b]`) that the file's pip install lines install."""
+    return {e for line in _pip_installs(text) for m in re.findall(r"\.\[([\w,]+)\]", line) for e in m.split(",")}
+
+
+def test_the_container_image_pins_jax_as_setup_py_and_installs_what_the_launch_scripts_do():
+    # launch/Dockerfile (gke_xpk.sh --docker-image): the same jax[tpu] pin as setup.py's [tpu] extra and the
+    # same extras as the install step of tpu_vm.sh and gke_xpk.sh, so the image runs what a pod installs
+    setup_py = open(os.path.join(ROOT, "setup.py")).read()
+    jax_version = re.search(r'^JAX_VERSION = "([^"]+)"', setup_py, re.M).group(1)
+    assert re.search(r'^ *"tpu": \[f"jax\[tpu\]==\{JAX_VERSION\}"', setup_py, re.M)
+    dockerfile = open(os.path.join(ROOT, "launch", "Dockerfile")).read()
+    assert re.search(r"^FROM python:3\.11-slim\b", dockerfile, re.M)
+    assert re.search(r"^ARG JAX_VERSION=(\S+)$", dockerfile, re.M).group(1) == jax_version
+    (install,) = _pip_installs(dockerfile)
+    assert re.findall(r"jax\[(\w+)\]==(\S+?)[\"' ]", install) == [("tpu", "${JAX_VERSION}")]
+    assert _project_extras(dockerfile) == {"tpu"}
+    for script in ("tpu_vm.sh", "gke_xpk.sh"):
+        assert _project_extras(open(os.path.join(ROOT, "launch", script)).read()) == {"tpu"}, script
+    assert re.search(r'^ENTRYPOINT \["dgemma"\]$', dockerfile, re.M)

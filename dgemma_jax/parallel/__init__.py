@@ -1,4 +1,5 @@
-"""Meshes, logical-axis sharding rules and multi-host start-up (AOT reports live in `dgemma_jax.perf`).
+"""Meshes, logical-axis sharding rules, multi-host start-up and the `--profile` trace (AOT reports live in
+`dgemma_jax.perf`).
 
 Submodules load lazily (the model imports only `parallel.rules`, through `dgemma_jax.runtime`).
 """
@@ -7,9 +8,10 @@ import importlib
 
 _EXPORTS = {
     "make_mesh": "mesh", "parse_mesh": "mesh",
-    "RULE_SETS": "rules", "rules_for": "rules", "spec_for": "rules",
+    "RULE_SETS": "rules", "LOGICAL_AXES": "rules", "rules_for": "rules", "check_rules": "rules", "spec_for": "rules",
     "Shardings": "shardings", "fetch": "shardings",
     "initialize": "distributed", "is_main_process": "distributed", "main_print": "distributed",
+    "profile": "profiling",
 }
 
 

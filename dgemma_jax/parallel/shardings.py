@@ -28,10 +28,13 @@ from dgemma_jax.runtime import Runtime
 
 
 class Shardings:
-    def __init__(self, config: ModelConfig, mesh: Mesh, rules: str | tuple = "latency"):
+    def __init__(self, config: ModelConfig, mesh: Mesh, rules="latency"):
+        """rules: a built-in rule set's name, a JSON rules file, a mapping or (name, target) pairs
+        (`parallel.rules.rules_for`); checked against `mesh` (an unknown logical or mesh axis is a
+        ValueError naming it)."""
         self.config = config
         self.mesh = mesh
-        self.rules = rules_for(rules) if isinstance(rules, str) else tuple(rules)
+        self.rules = rules_for(rules, mesh)
         self.rules_name = rules if isinstance(rules, str) else "custom"
         shapes = param_shapes(config)
         axes = logical_axes(config)

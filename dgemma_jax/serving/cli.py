@@ -8,7 +8,8 @@ import sys
 import threading
 
 from dgemma_jax.compile_cache import CompileCounter
-from dgemma_jax.cli_run import checkpoint_flags, compiled_flag, load_model_for_cli, mesh_flags, use_compiled
+from dgemma_jax.cli_run import PROFILE_HELP, checkpoint_flags, compiled_flag, load_model_for_cli, mesh_flags, use_compiled
+from dgemma_jax.parallel.profiling import profile
 from dgemma_jax.sampling.config import SamplerConfig
 
 DEFAULT_CONTEXT = 8192     # KV-cache tokens per slot when --context is not given (capped at the model's)
@@ -59,9 +60,10 @@ def cmd_serve(args) -> int:
               "and temporaries, XLA's memory analysis)", file=sys.stderr, flush=True)
 
     threading.Thread(target=announce, name="dgemma-announce", daemon=True).start()
-    serve(scheduler, name, host=args.host, port=args.port, drain_seconds=args.drain_seconds,
-          log_level=args.log_level, default_max_tokens=args.default_max_tokens, allowed_image_dirs=image_dirs,
-          max_soft_tokens=args.max_soft_tokens)
+    with profile(args.profile):  # --profile DIR: a jax.profiler trace of the serving, written when the server stops
+        serve(scheduler, name, host=args.host, port=args.port, drain_seconds=args.drain_seconds,
+              log_level=args.log_level, default_max_tokens=args.default_max_tokens, allowed_image_dirs=image_dirs,
+              max_soft_tokens=args.max_soft_tokens)
     if scheduler.error is not None and not scheduler.ready.is_set():
         return 1
     return 0
@@ -102,5 +104,7 @@ def add_command(sub, positive) -> None:
                    help="on SIGTERM, wait at most this long for open requests (default: until they finish)")
     s.add_argument("--log-level", dest="log_level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--profile", metavar="DIR",
+                   help=PROFILE_HELP.format(what="requests served until the server stops (Ctrl-C / SIGTERM)"))
     s.set_defaults(fn=cmd_serve)
 
