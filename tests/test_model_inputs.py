@@ -125,6 +125,31 @@ def test_prefill_bad_logits_mode(model):
         prefill(params, cfg, np.full((1, 5), 3, np.int32), logits="first")
 
 
+def test_text_and_another_configs_params_are_one_line_errors(model):
+    """A string where token ids belong said "got shape ()"; params of another config raised Flax's
+    ScopeParamShapeError. Both are now one-line ValueErrors naming the problem and the fix."""
+    import dgemma_jax as dg
+    from dgemma_jax.engine import Engine
+
+    CFG, params = model
+    eng = Engine(CFG, params)
+    for text in ("s9350814272=", ["s93=", "s21="]):
+        with pytest.raises(ValueError, match="not text: tokenize it first") as e:
+            eng.generate(text)
+        assert "\n" not in str(e.value)
+    other = ModelConfig.preset("tiny-2layer")
+    foreign = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), dg.param_shapes(other))
+    tokens, lengths = np.arange(3, 23, dtype=np.int32).reshape(2, 10), np.array([10, 6], np.int32)
+    calls = [lambda: Engine(CFG, foreign).generate(tokens, lengths, max_new_tokens=16),
+             lambda: dg.prefill(foreign, CFG, tokens, lengths),
+             lambda: dg.prefill(params, other, tokens % other.vocab_size, lengths)]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"the params do not fit this ModelConfig \(tiny-.layer\): For parameter "
+                                             r".* Pass the params made for this config") as e:
+            call()
+        assert "\n" not in str(e.value)
+
+
 def test_init_cache_bad_args():
     cfg = ModelConfig.preset(NAME)
     with pytest.raises(ValueError, match="batch_size"):
