@@ -82,6 +82,9 @@ def prepare_inputs(config: ModelConfig, sampler: SamplerConfig, prompt_tokens, l
     Returns (tokens [B, P] int32, lengths [B] int32, cache_length, seed_canvas, pinned).
     """
     _check_sampler(config, sampler)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((prompt_tokens, lengths))):
+        raise ValueError("generate checks its inputs on the host and cannot be traced: inside jax.jit call "
+                         "dgemma_jax.generate_fused (traceable; keys from dgemma_jax.row_keys)")
     tokens = check_tokens(config, prompt_tokens, "prompt_tokens")
     b, p = tokens.shape
     if b == 0 or p == 0:

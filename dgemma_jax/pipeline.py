@@ -131,13 +131,14 @@ class DiffusionGemma:
         """The assistant's answer (thinking stripped) to a Gemma 4 chat history; content parts
         `{"type": "image", "image" | "path": ...}` are images (a checkpoint with a vision tower).
         A tokenizer without a chat template (the bundled models' characters) cannot lay out the
-        template: the answer is then to the last message alone, its text and images as in `generate`."""
+        template: the answer is then to the last message alone, its text parts joined (as the server
+        does) and its images placed as in `generate`."""
         if not self.tokenizer.has_chat_template:
             if not messages:
                 raise ValueError("no messages: pass a list of {'role': ..., 'content': ...} dicts")
             content = messages[-1]["content"]
             parts = [content] if isinstance(content, str) else list(content)
-            text = " ".join(p if isinstance(p, str) else p.get("text", "") for p in parts
+            text = "".join(p if isinstance(p, str) else p.get("text", "") for p in parts
                             if isinstance(p, str) or p.get("type") == "text")
             images = chat_images([messages[-1]]) or None
             return self.generate(text, max_new_tokens, seed, images=images, max_soft_tokens=max_soft_tokens)

@@ -163,7 +163,8 @@ def stated_prints(code: str) -> list[str | None]:
 
 def test_the_example_reader_sees_blocks_skips_and_answers():
     text = ("a\n```python\nx = 1\n```\n<!-- doc-test: skip (needs a server) -->\n```python\nserve()\n```\n"
-            "```bash\ndgemma generate --prompt \"s21=\"   # -> 12\n```\n<!-- doc-test: skip (no paren -->\n")
+            "```bash\ndgemma generate --prompt \"s21=\"   # -> 12\n```\n<!-- doc-test: skip (no paren -->\n"
+            "prose naming `<!-- doc-test: skip (the reason) -->`\n")
     ex = examples("X.md", text)
     assert [(e["lang"], e["line"], e["skip"]) for e in ex] == [("python", 2, None), ("python", 6, "needs a server"),
                                                               ("bash", 9, None)]
@@ -173,12 +174,12 @@ def test_the_example_reader_sees_blocks_skips_and_answers():
 
 
 def bad_skip_marks(text: str) -> list[str]:
-    """`doc-test` comments that are not the documented mark on the line right before a block."""
+    """`doc-test` comments (lines starting `<!--`) that are not the documented mark right before a block."""
     lines = text.splitlines()
     bad = []
     for i, ln in enumerate(lines):
-        if "doc-test" in ln and not (SKIP_MARK.match(ln.strip()) and i + 1 < len(lines)
-                                     and lines[i + 1].startswith("```")):
+        marked = SKIP_MARK.match(ln.strip()) and i + 1 < len(lines) and lines[i + 1].startswith("```")
+        if ln.lstrip().startswith("<!--") and "doc-test" in ln and not marked:
             bad.append(ln)
     return bad
 
