@@ -8,21 +8,28 @@ Public API (see README "Library API"; in full: docs/api.md):
   load_hf, save_hf                Hugging Face checkpoints <-> params (safetensors, no torch)
   init_params, init_cache         random parameters, an empty KV cache
   prefill, denoise, soft_embed    the two model passes (causal encoder; bidirectional denoiser)
+  image_features                  the vision tower's soft tokens for a prompt's images
+  generate_fused, row_keys,       traceable pieces for your own jit / loop: the whole generation as one
+  initial_canvas, init_state,     traceable function, per-row keys, a canvas's start, one denoising step
+  denoise_step                    (docs/api.md, "Your own loop")
   quantize_params                 weight-only int8 kernels (`Engine(..., quantize="int8")` does it for you)
 """
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.engine import Engine, generate
 from dgemma_jax.io.hf import load_hf, save_hf
-from dgemma_jax.model import (KVCache, cache_shape, denoise, init_cache, init_params, logical_axes,
+from dgemma_jax.model import (KVCache, cache_shape, denoise, image_features, init_cache, init_params, logical_axes,
                               param_shapes, prefill, soft_embed)
 from dgemma_jax.model.quant import quantize_params
 from dgemma_jax.pipeline import DiffusionGemma
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
+from dgemma_jax.sampling.generate import generate_fused
+from dgemma_jax.sampling.loop import denoise_step, init_state, initial_canvas, row_keys
 
 __all__ = ["DiffusionGemma", "Engine", "KVCache", "ModelConfig", "Runtime", "SamplerConfig", "cache_shape", "denoise",
-           "generate", "init_cache", "init_params", "load_hf", "logical_axes", "param_shapes", "prefill",
-           "quantize_params", "save_hf", "soft_embed"]
+           "denoise_step", "generate", "generate_fused", "image_features", "init_cache", "init_params", "init_state",
+           "initial_canvas", "load_hf", "logical_axes", "param_shapes", "prefill", "quantize_params", "row_keys",
+           "save_hf", "soft_embed"]
 
 __version__ = "0.1.0"

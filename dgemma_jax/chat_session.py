@@ -149,7 +149,8 @@ class ChatSession:
         rng = (self.seed + self.turns) % 2 ** 64
         try:
             out = engine.generate(np.array([new], np.int32), None, rng=rng, max_new_tokens=max_new, cache=cache,
-                                  cache_length=None if cache is not None else self.cache_length, images=batch)
+                                  cache_length=None if cache is not None else self.cache_length, images=batch,
+                                  donate_cache=True)
         except ValueError:
             self.messages.pop()
             del self._preprocessed[seen:]

@@ -83,6 +83,9 @@ def prepare_inputs(config: ModelConfig, sampler: SamplerConfig, prompt_tokens, l
     Returns (tokens [B, P] int32, lengths [B] int32, cache_length, seed_canvas, pinned).
     """
     _check_sampler(config, sampler)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((prompt_tokens, lengths))):
+        raise ValueError("generate checks its inputs on the host and cannot be traced: inside jax.jit call "
+                         "dgemma_jax.generate_fused (traceable; keys from dgemma_jax.row_keys)")
     tokens = check_tokens(config, prompt_tokens, "prompt_tokens")
     b, p = tokens.shape
     if b == 0 or p == 0:
@@ -236,7 +239,8 @@ class Engine:
     mesh; without it everything runs on the default device.
     runtime: how the programs run (`dgemma_jax.Runtime`: platform, MoE dispatch, attention kernel,
     ...); default `Runtime()`. The shardings' mesh and rules are filled in when it has no mesh.
-    donate: give the cache's buffers to the programs (False: a cache passed in stays usable).
+    donate: give the caches the engine makes to its programs, in place (False: never donate). A
+    cache you pass to `generate` is donated only with `generate(..., donate_cache=True)`.
     bucket: pad prompt widths and derived cache lengths up to `bucket_length` (default), so that
     prompts of different lengths reuse a few compiled programs instead of compiling one per length;
     the outputs agree up to the order of floating-point sums. False compiles for the exact shapes given.
@@ -274,10 +278,13 @@ class Engine:
         self._streaming = None
 
     # ------------------------------------------------------------------ programs
-    def fused_program(self, max_new_tokens: int):
-        """The jitted fused generate for `max_new_tokens` (cache donated unless `donate=False`)."""
+    def fused_program(self, max_new_tokens: int, donate_cache: bool = True):
+        """The jitted fused generate for `max_new_tokens` (cache donated unless `donate=False` or
+        `donate_cache=False`)."""
         fn = functools.partial(gen.generate_fused, config=self.config, sampler=self.sampler,
                                max_new_tokens=int(max_new_tokens), runtime=self.runtime)
+        if not donate_cache:
+            return self._program(("fused", int(max_new_tokens), "cache kept"), fn, donate=())
         return self._program(("fused", int(max_new_tokens)), fn)
 
     def _program(self, key, fn, donate=("cache",)):
@@ -352,21 +359,24 @@ class Engine:
     # ------------------------------------------------------------------ running
     def generate(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
                  seed_canvas=None, pinned=None, cache_length: int | None = None,
-                 cache: KVCache | None = None, images=None) -> gen.GenerateOutput:
+                 cache: KVCache | None = None, images=None, donate_cache: bool = False) -> gen.GenerateOutput:
         """Generate with the fused program: prompt_tokens [B, P] (right-padded), lengths [B].
 
         rng: an int seed, one key (split per row) or [B] keys (one stream per row: a row's output
         then does not depend on its batch). cache: continue an earlier cache (multi-turn chat: the
         prompt is then only the new tokens; `out.cache` of a previous call holds everything
-        committed so far, i.e. all but the last canvas, earlier images included). images: the
+        committed so far, i.e. all but the last canvas, earlier images included). The cache you
+        pass stays usable unless `donate_cache=True`, which gives its buffers to the program (no
+        copy of the cache; your handle is then deleted). images: the
         prompt's images (`dgemma_jax.io.images.preprocess_images`: pixel values, positions, soft-token
         counts), one run of `config.image_token_id` tokens per image in the prompts, in row-major
         order (`check_images`). Returns `GenerateOutput`.
         """
         max_new_tokens = self.sampler.canvas_length if max_new_tokens is None else max_new_tokens
+        cache_given = cache
         tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
             prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache, images)
-        fn = self.fused_program(max_new_tokens)
+        fn = self.fused_program(max_new_tokens, donate_cache=cache_given is None or donate_cache)
         return fn(self.params, prompt_tokens=tokens, prompt_lengths=lengths, cache=cache, keys=keys,
                   seed_canvas=seed_canvas, pinned=pinned, images=images)
 
@@ -487,7 +497,13 @@ def _denoise_step(params, cache, keys, state, *, config, sampler, runtime):
 def generate(params, config: ModelConfig, prompt_tokens, lengths=None, sampler_config: SamplerConfig | None = None,
              rng: Any = 0, *, max_new_tokens: int | None = None, seed_canvas=None, pinned=None,
              cache_length: int | None = None, runtime: Runtime | None = None) -> gen.GenerateOutput:
-    """Prefill + multi-canvas denoising, one compiled program. See `Engine.generate`."""
+    """Prefill + multi-canvas denoising, one compiled program. See `Engine.generate`.
+
+    It checks its inputs on the host, so it cannot run inside `jax.jit`: there, call the traceable
+    `generate_fused` (docs/api.md, "Your own loop")."""
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, prompt_tokens, lengths, rng))):
+        raise ValueError("dgemma_jax.generate checks its inputs on the host and cannot be traced: inside jax.jit "
+                         "call dgemma_jax.generate_fused (traceable; keys from dgemma_jax.row_keys)")
     return Engine(config, params, sampler_config, runtime=runtime).generate(
         prompt_tokens, lengths, rng=rng, max_new_tokens=max_new_tokens, seed_canvas=seed_canvas, pinned=pinned,
         cache_length=cache_length)

@@ -7,7 +7,7 @@
     dg.generate(["a12+34=", "s321="])          # -> list of texts (one batch)
     dg.chat([{"role": "user", "content": "Hi!"}])
     dg.generate("<|image|>What is in the picture?", images=["photo.jpg"])   # a checkpoint with a vision tower
-    dg.chat([{"role": "user", "content": [{"type": "image", "path": "photo.jpg"},
+    dg.chat([{"role": "user", "content": [{"type": "image", "image": "photo.jpg"},
                                           {"type": "text", "text": "Describe it."}]}])
 """
 
@@ -152,7 +152,19 @@ class DiffusionGemma:
     def chat(self, messages: Sequence[dict], max_new_tokens: int | None = None, enable_thinking: bool = False,
              seed: int = 0, max_soft_tokens: int | None = None) -> str:
         """The assistant's answer (thinking stripped) to a Gemma 4 chat history; content parts
-        `{"type": "image", "image" | "path": ...}` are images (a checkpoint with a vision tower)."""
+        `{"type": "image", "image" | "path": ...}` are images (a checkpoint with a vision tower).
+        A tokenizer without a chat template (the bundled models' characters) cannot lay out the
+        template: the answer is then to the last message alone, its text parts joined (as the server
+        does) and its images placed as in `generate`."""
+        if not self.tokenizer.has_chat_template:
+            if not messages:
+                raise ValueError("no messages: pass a list of {'role': ..., 'content': ...} dicts")
+            content = messages[-1]["content"]
+            parts = [content] if isinstance(content, str) else list(content)
+            text = "".join(p if isinstance(p, str) else p.get("text", "") for p in parts
+                            if isinstance(p, str) or p.get("type") == "text")
+            images = chat_images([messages[-1]]) or None
+            return self.generate(text, max_new_tokens, seed, images=images, max_soft_tokens=max_soft_tokens)
         messages = history_without_thinking(list(messages))
         text = render_chat(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
         images = chat_images(messages)

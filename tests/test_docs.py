@@ -11,6 +11,8 @@ import json
 import os
 import re
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A five-minute read at roughly 250-280 words a minute, counting the words of the code blocks too
@@ -114,26 +116,138 @@ def test_the_api_names_the_readme_shows_are_exported():
     assert not {a for a in attrs if not hasattr(dgemma_jax, a)}, attrs
 
 
-def readme_python_blocks() -> list[str]:
-    """The README's ```python blocks that run without a server (the OpenAI client one needs `dgemma serve`)."""
-    blocks = re.findall(r"^```python\n(.*?)^```", _read("README.md"), re.S | re.M)
-    return [b for b in blocks if "OpenAI(" not in b]
+# ---------------------------------------------------------------------------- the examples run
+# Every ```python block of README.md and docs/*.md (and benchmarks/, launch/ READMEs) runs here, read from
+# the files: the blocks of one file in order, in one namespace (a block may use an earlier block's names),
+# from the repository root. A block that cannot run here (it needs a server, a TPU, a Hub download or a big
+# checkpoint) is marked in the markdown on the line before it with
+#     <!-- doc-test: skip (the reason) -->
+# and such blocks stay a small minority (`test_few_examples_are_skipped`). A `print(...)  # -> ANSWER`
+# line must print ANSWER. In ```bash blocks, each `dgemma generate ...  # -> ANSWER` line for a bundled
+# model (no --checkpoint) runs too and must print ANSWER.
+
+FENCED = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+SKIP_MARK = re.compile(r"^<!-- doc-test: skip \(([^()]+)\) -->$")
+ANSWER = re.compile(r"#\s*->\s*(\S+)")  # the answer: the first word after "# ->" (a remark may follow)
 
 
-def test_the_readme_python_samples_run():
-    # slow tier (tests/slow_tests.txt): the bundled model and a tiny engine compile, about 80 s on 2 cores
-    import subprocess
-    import sys
+def examples(rel: str, text: str | None = None) -> list[dict]:
+    """The fenced blocks of a markdown file: {file, line, lang, code, skip (the reason, or None)}."""
+    text = _read(rel) if text is None else text
+    out = []
+    for m in FENCED.finditer(text):
+        before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
+        skip = SKIP_MARK.match(before)
+        out.append({"file": rel, "line": text.count("\n", 0, m.start()) + 1, "lang": m.group(1),
+                    "code": m.group(2), "skip": skip.group(1) if skip else None})
+    return out
 
-    blocks = readme_python_blocks()
-    assert len(blocks) >= 2
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    for code in blocks:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
-                           timeout=600)
-        assert r.returncode == 0, f"{code}\n{r.stderr[-3000:]}"
-        if "s9350814272=" in code:
-            assert r.stdout.splitlines()[0] == "0122345789", r.stdout
+
+def _python_files() -> list[str]:
+    return [f for f in _doc_files() if any(e["lang"] == "python" and not e["skip"] for e in examples(f))]
+
+
+def stated_prints(code: str) -> list[str | None]:
+    """Per top-level print(...) call of a block, in order: the answer its `# -> ANSWER` comment states (on
+    the call's last line), or None."""
+    import ast
+
+    lines = code.splitlines()
+    out = []
+    for node in ast.parse(code).body:
+        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+                and getattr(node.value.func, "id", None) == "print"):
+            m = ANSWER.search(lines[node.end_lineno - 1])
+            out.append(m.group(1) if m else None)
+    return out
+
+
+def test_the_example_reader_sees_blocks_skips_and_answers():
+    text = ("a\n```python\nx = 1\n```\n<!-- doc-test: skip (needs a server) -->\n```python\nserve()\n```\n"
+            "```bash\ndgemma generate --prompt \"s21=\"   # -> 12\n```\n<!-- doc-test: skip (no paren -->\n"
+            "prose naming `<!-- doc-test: skip (the reason) -->`\n")
+    ex = examples("X.md", text)
+    assert [(e["lang"], e["line"], e["skip"]) for e in ex] == [("python", 2, None), ("python", 6, "needs a server"),
+                                                              ("bash", 9, None)]
+    assert stated_prints('print(f(1))  # -> 0159\nprint(g(\n  2))  # -> ab (remark)\nprint(3)\nh()  # -> no\n') == [
+        "0159", "ab", None]
+    assert len(bad_skip_marks(text)) == 1
+
+
+def bad_skip_marks(text: str) -> list[str]:
+    """`doc-test` comments (lines starting `<!--`) that are not the documented mark right before a block."""
+    lines = text.splitlines()
+    bad = []
+    for i, ln in enumerate(lines):
+        marked = SKIP_MARK.match(ln.strip()) and i + 1 < len(lines) and lines[i + 1].startswith("```")
+        if ln.lstrip().startswith("<!--") and "doc-test" in ln and not marked:
+            bad.append(ln)
+    return bad
+
+
+def test_few_examples_are_skipped():
+    blocks = [e for f in _doc_files() for e in examples(f) if e["lang"] == "python"]
+    skipped = [f"{e['file']}:{e['line']} ({e['skip']})" for e in blocks if e["skip"]]
+    assert len(blocks) >= 8, len(blocks)
+    assert 4 * len(skipped) <= len(blocks), f"{len(skipped)} of {len(blocks)} python examples skipped: {skipped}"
+    bad = [b for f in _doc_files() for b in bad_skip_marks(_read(f))]
+    assert not bad, f"doc-test marks not in the form '<!-- doc-test: skip (reason) -->' right before a block: {bad}"
+
+
+@pytest.mark.parametrize("rel", _python_files())
+def test_the_python_examples_run(rel, monkeypatch, capsys):
+    # slow tier (tests/slow_tests.txt): the bundled models and tiny engines compile (programs shared in-process)
+    monkeypatch.chdir(ROOT)
+    namespace = {"__name__": "__doc_example__"}
+    ran = 0
+    for e in examples(rel):
+        if e["lang"] != "python" or e["skip"]:
+            continue
+        code = compile(e["code"], f"{rel}:{e['line']}", "exec")
+        capsys.readouterr()
+        exec(code, namespace)
+        ran += 1
+        printed = capsys.readouterr().out.splitlines()
+        stated = stated_prints(e["code"])
+        assert len(printed) == len(stated), (f"{rel}:{e['line']}: {len(stated)} print calls, {len(printed)} lines "
+                                             f"printed: {printed}")
+        wrong = [(want, got) for want, got in zip(stated, printed) if want is not None and want != got.strip()]
+        assert not wrong, f"{rel}:{e['line']}: (stated, printed) {wrong}"
+    assert ran
+
+
+def bundled_commands() -> list[tuple[str, str, str]]:
+    """(where, command, answer) of every `dgemma generate ... # -> ANSWER` line in a bash block that runs a
+    bundled model (no --checkpoint)."""
+    out = []
+    for f in _doc_files():
+        for e in examples(f):
+            if e["lang"] != "bash" or e["skip"]:
+                continue
+            for k, ln in enumerate(e["code"].splitlines()):
+                m = ANSWER.search(ln)
+                if ln.startswith("dgemma generate ") and m and "--checkpoint" not in ln:
+                    out.append((f"{f}:{e['line'] + 1 + k}", ln[: m.start()].strip(), m.group(1)))
+    return out
+
+
+def test_the_bundled_model_commands_give_their_stated_answers(monkeypatch, capsys):
+    # slow tier: the two bundled models compile in-process
+    import shlex
+
+    from dgemma_jax.cli import main
+
+    monkeypatch.chdir(ROOT)
+    commands = bundled_commands()
+    assert {c for _, c, _ in commands} >= {'dgemma generate --prompt "s9350814272="',
+                                           'dgemma generate --image examples/digits.png --prompt "sort the digits '
+                                           'in the image"'}, commands
+    for where, command, answer in commands:
+        capsys.readouterr()
+        rc = main(shlex.split(command)[1:])
+        out = capsys.readouterr()
+        assert rc == 0, f"{where}: {command}\n{out.err[-2000:]}"
+        assert out.out.strip().splitlines()[-1] == answer, f"{where}: {command} printed {out.out!r}, not {answer}"
 
 
 def _cell_rule(cell: str):

@@ -1,5 +1,7 @@
 """The compiled engine: while_loop vs Python drivers, multi-canvas generation, infilling, batching."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -288,22 +290,69 @@ def test_a_canvas_length_the_model_was_not_trained_for_is_warned(params):
         Engine(CFG, params, _sampler())  # the trained length: no warning
 
 
-def test_donate_false_leaves_the_callers_cache_usable(params):
-    """Engine(donate=False) must not hand the caller's cache to XLA (it used to return the shared
-    fused program, which always donates); the default engine does donate it."""
+def test_a_cache_passed_in_is_donated_only_when_asked(params):
+    """A caller's cache stays usable after `generate(cache=...)` (it was donated by default, so the
+    caller's handle raised "Array has been deleted"); `donate_cache=True` gives it to the program, and
+    `Engine(donate=False)` never donates. The tokens are the same every way."""
     tokens = np.asarray([[5, 6, 7, 8]], np.int32)
     sampler = SamplerConfig(canvas_length=CFG.canvas_length, max_denoising_steps=4, eos_ids=(), pad_id=0)
-    results = {}
-    for donate in (False, True):
+    results = []
+    for donate, donate_cache, deleted in ((True, False, False), (False, False, False), (False, True, False),
+                                          (True, True, True)):
         eng = Engine(CFG, params, sampler, donate=donate)
         cache = eng.new_cache(1, 64)
-        out = eng.generate(tokens, rng=3, max_new_tokens=CFG.canvas_length, cache=cache)
-        results[donate] = np.asarray(out.tokens)
-        if donate:
+        out = eng.generate(tokens, rng=3, max_new_tokens=CFG.canvas_length, cache=cache, donate_cache=donate_cache)
+        results.append(np.asarray(out.tokens))
+        if deleted:
             with pytest.raises(RuntimeError, match="deleted|donated"):
                 np.asarray(cache.keys[0])
-        else:
-            assert np.asarray(cache.keys[0]).shape[1] == 64 and int(np.asarray(cache.lengths)[0]) == 0
-            again = eng.generate(tokens, rng=3, max_new_tokens=CFG.canvas_length, cache=cache)   # reusable
-            np.testing.assert_array_equal(np.asarray(again.tokens), results[False])
-    np.testing.assert_array_equal(results[False], results[True])
+            continue
+        assert np.asarray(cache.keys[0]).shape[1] == 64 and int(np.asarray(cache.lengths)[0]) == 0
+        again = eng.generate(tokens, rng=3, max_new_tokens=CFG.canvas_length, cache=cache)   # reusable
+        np.testing.assert_array_equal(np.asarray(again.tokens), results[-1])
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])
+
+
+def test_generate_fused_runs_inside_the_callers_jit(params):
+    """The exported traceable pieces: `dg.generate_fused` under the caller's own jax.jit, with keys from
+    `dg.row_keys`, gives the engine's tokens; `dg.generate` (host checks) says to use it when traced."""
+    import dgemma_jax as dg
+
+    sampler = _sampler()
+    tokens, lengths = _prompts()
+    keys = dg.row_keys(7, 3)
+
+    @jax.jit
+    def mine(params, tokens, lengths, keys):
+        cache = dg.init_cache(CFG, tokens.shape[0], 64)
+        out = dg.generate_fused(params, CFG, sampler, tokens, lengths, cache, keys, max_new_tokens=32)
+        return out.tokens, out.steps
+
+    got, steps = mine(params, tokens, lengths, keys)
+    want = Engine(CFG, params, sampler, bucket=False).generate(tokens, lengths, rng=keys, max_new_tokens=32,
+                                                               cache_length=64)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(steps), np.asarray(want.steps))
+    assert {"generate_fused", "row_keys", "init_state", "denoise_step", "initial_canvas"} <= set(dg.__all__)
+
+    with pytest.raises(ValueError, match="cannot be traced.*generate_fused") as e:
+        jax.jit(lambda p, t: dg.generate(p, CFG, t, None, sampler).tokens)(params, tokens)
+    assert "\n" not in str(e.value)
+
+
+def test_an_own_step_loop_from_the_exported_pieces_matches_the_denoise_canvas(params):
+    import dgemma_jax as dg
+
+    sampler = _sampler()
+    tokens, lengths = _prompts()
+    _, cache = dg.prefill(params, CFG, tokens, lengths, dg.init_cache(CFG, 3, 64), logits="none")
+    keys = dg.row_keys(5, 3)
+    canvas = dg.initial_canvas(keys, sampler.canvas_length, CFG.vocab_size)
+    state = dg.init_state(CFG, sampler, canvas)
+    step = jax.jit(functools.partial(dg.denoise_step, config=CFG, sampler=sampler))
+    while not bool(state.done.all()):
+        state = step(params, cache=cache, context_end=cache.lengths, keys=keys, state=state)
+    ref = jit_denoise_canvas(params, CFG, sampler, cache, keys, canvas)
+    np.testing.assert_array_equal(np.asarray(state.argmax), np.asarray(ref.argmax))
+    np.testing.assert_array_equal(np.asarray(state.steps), np.asarray(ref.steps))

@@ -125,6 +125,93 @@ def test_prefill_bad_logits_mode(model):
         prefill(params, cfg, np.full((1, 5), 3, np.int32), logits="first")
 
 
+def test_text_and_another_configs_params_are_one_line_errors(model):
+    """A string where token ids belong said "got shape ()"; params of another config raised Flax's
+    ScopeParamShapeError. Both are now one-line ValueErrors naming the problem and the fix."""
+    import dgemma_jax as dg
+    from dgemma_jax.engine import Engine
+
+    CFG, params = model
+    eng = Engine(CFG, params)
+    for text in ("s9350814272=", ["s93=", "s21="]):
+        with pytest.raises(ValueError, match="not text: tokenize it first") as e:
+            eng.generate(text)
+        assert "\n" not in str(e.value)
+    other = ModelConfig.preset("tiny-2layer")
+    foreign = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), dg.param_shapes(other))
+    tokens, lengths = np.arange(3, 23, dtype=np.int32).reshape(2, 10), np.array([10, 6], np.int32)
+    calls = [lambda: Engine(CFG, foreign).generate(tokens, lengths, max_new_tokens=16),
+             lambda: dg.prefill(foreign, CFG, tokens, lengths),
+             lambda: dg.prefill(params, other, tokens % other.vocab_size, lengths)]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"the params do not fit this ModelConfig \(tiny-.layer\): For parameter "
+                                             r".* Pass the params made for this config") as e:
+            call()
+        assert "\n" not in str(e.value)
+
+
+def test_a_left_padded_prefill_equals_the_right_padded_and_each_row_alone(model):
+    """prefill(padding="left"): row b's last lengths[b] tokens at positions cache.lengths[b] + i, as when
+    right-padded: the same cache and logits (left layout) as the right-padded batch, and each row's as
+    when it is prefilled alone and unpadded (to float32 rounding)."""
+    cfg, params = model
+    rng = np.random.default_rng(3)
+    n = np.array([9, 4, 1], np.int32)
+    rows = [rng.integers(3, cfg.vocab_size, k).astype(np.int32) for k in n]
+    right, left = np.zeros((3, 9), np.int32), np.full((3, 9), 7, np.int32)   # left padding of another id
+    for b, r in enumerate(rows):
+        right[b, : len(r)], left[b, 9 - len(r):] = r, r
+    lr, cr = prefill(params, cfg, right, n, init_cache(cfg, 3, 16))
+    ll, cl = prefill(params, cfg, left, n, init_cache(cfg, 3, 16), padding="left")
+    last_r, _ = prefill(params, cfg, right, n, init_cache(cfg, 3, 16), logits="last")
+    last_l, _ = prefill(params, cfg, left, n, init_cache(cfg, 3, 16), logits="last", padding="left")
+    np.testing.assert_array_equal(np.asarray(cl.lengths), n)
+    np.testing.assert_array_equal(np.asarray(last_l), np.asarray(last_r))
+    for b, r in enumerate(rows):
+        k = len(r)
+        np.testing.assert_array_equal(np.asarray(ll)[b, 9 - k:], np.asarray(lr)[b, :k])
+        for kr, kl in zip(cr.keys + cr.values, cl.keys + cl.values):
+            np.testing.assert_array_equal(np.asarray(kl)[b, :k], np.asarray(kr)[b, :k])
+        alone, ca = prefill(params, cfg, r[None], None, init_cache(cfg, 1, 16))
+        np.testing.assert_allclose(np.asarray(ll)[b, 9 - k:], np.asarray(alone)[0], atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(np.asarray(cl.keys[-1])[b, :k], np.asarray(ca.keys[-1])[0, :k], atol=2e-5)
+    with pytest.raises(ValueError, match="padding must be 'right' or 'left'"):
+        prefill(params, cfg, left, n, padding="middle")
+
+
+def test_image_features_are_what_the_prompt_pass_scatters_in():
+    """dg.image_features: the vision tower's soft tokens, image after image; prefilled through
+    prefill(image_features=) they give the engine's prompt pass's cache (which runs the tower itself)."""
+    import dgemma_jax as dg
+    from dgemma_jax.io.bundled import VISION_NAME, load_bundled
+    from dgemma_jax.io.images import prompt_with_images
+    from dgemma_jax.model.api import image_features_pass
+    from dgemma_jax.sampling.generate import prefill_prompt
+
+    cfg, params, _, tok = load_bundled(VISION_NAME)
+    digits = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "digits.png")
+    tokens, lengths, batch = prompt_with_images(cfg, tok, "<|image|> sort <|image|>", [digits, digits],
+                                                max_soft_tokens=70)
+    feats = dg.image_features(params, cfg, batch.pixel_values, batch.position_ids)
+    assert feats.shape == (int(np.sum(batch.soft_tokens)), cfg.hidden_size), (feats.shape, batch.soft_tokens)
+    full, n_valid = image_features_pass(params, cfg, jnp.asarray(batch.pixel_values), jnp.asarray(batch.position_ids))
+    assert int(n_valid) == feats.shape[0] and float(jnp.abs(feats).max()) > 0
+    marks = tokens == cfg.image_token_id
+    _, mine = prefill(params, cfg, tokens, lengths, init_cache(cfg, 1, 256), logits="none", image_features=feats,
+                      image_tokens=marks)
+    engine_cache = jax.jit(lambda p, t, n, c, px, pos: prefill_prompt(p, cfg, t, n, c, images=(px, pos)))(
+        params, jnp.asarray(tokens), jnp.asarray(lengths), init_cache(cfg, 1, 256), jnp.asarray(batch.pixel_values),
+        jnp.asarray(batch.position_ids))
+    for a, b in zip(mine.keys + mine.values, engine_cache.keys + engine_cache.values):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    # the features matter: other rows in their place give another cache
+    _, other = prefill(params, cfg, tokens, lengths, init_cache(cfg, 1, 256), logits="none",
+                       image_features=feats[::-1], image_tokens=marks)
+    assert not np.allclose(np.asarray(other.keys[-1]), np.asarray(mine.keys[-1]), atol=1e-3)
+    with pytest.raises(ValueError, match="has no vision tower"):
+        dg.image_features(None, ModelConfig.preset(NAME), batch.pixel_values, batch.position_ids)
+
+
 def test_init_cache_bad_args():
     cfg = ModelConfig.preset(NAME)
     with pytest.raises(ValueError, match="batch_size"):

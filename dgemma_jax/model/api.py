@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import errors as flax_errors
 from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
@@ -33,6 +34,18 @@ Params = Any
 
 def _model(config: ModelConfig, runtime: Runtime | None = None) -> Transformer:
     return Transformer(config, runtime if runtime is not None else Runtime())
+
+
+def _apply(config: ModelConfig, runtime: Runtime | None, variables_: dict, *args, method: str):
+    """`Transformer.apply`, with Flax's errors for params that do not fit the config (another
+    config's params) turned into one ValueError that names the parameter and the fix."""
+    try:
+        return _model(config, runtime).apply(variables_, *args, method=method)
+    except (flax_errors.ScopeParamShapeError, flax_errors.ScopeParamNotFoundError) as e:
+        what = str(e).split(" (https://", 1)[0]
+        raise ValueError(f"the params do not fit this ModelConfig ({config.name}): {what} Pass the params made "
+                         "for this config, or the config they were made with (e.g. the checkpoint's "
+                         "ModelConfig.from_hf / load_hf)") from None
 
 
 def variables(params, adapters=None) -> dict:
@@ -51,36 +64,34 @@ def encode_pass(params, config: ModelConfig, tokens, starts, num_new, cache: KVC
     if (image_features is None) != (image_tokens is None):
         raise ValueError("image_features and image_tokens go together: pass both or neither")
     if image_features is None:  # the text-only call, unchanged
-        return _model(config, runtime).apply(variables(params, adapters), tokens, starts, num_new, cache, logits_mode,
-                                             method="encode")
-    return _model(config, runtime).apply(variables(params, adapters), tokens, starts, num_new, cache, logits_mode,
-                                         image_features, image_tokens, method="encode")
+        return _apply(config, runtime, variables(params, adapters), tokens, starts, num_new, cache, logits_mode,
+                      method="encode")
+    return _apply(config, runtime, variables(params, adapters), tokens, starts, num_new, cache, logits_mode,
+                  image_features, image_tokens, method="encode")
 
 
 def denoise_logits(params, config: ModelConfig, canvas, context_end, cache: KVCache, soft=None, adapters=None,
                    runtime: Runtime | None = None):
     """Bidirectional pass over canvas [B, L] after context_end[b] committed tokens: float32 [B, L, V]."""
-    return _model(config, runtime).apply(variables(params, adapters), canvas, context_end, cache, soft,
-                                         method="denoise")
+    return _apply(config, runtime, variables(params, adapters), canvas, context_end, cache, soft, method="denoise")
 
 
 def denoise_features(params, config: ModelConfig, canvas, context_end, cache: KVCache, soft=None,
                      runtime: Runtime | None = None):
     """The denoiser up to the final norm, [B, L, D] (the fused sampler applies the head itself)."""
-    return _model(config, runtime).apply({"params": params}, canvas, context_end, cache, soft,
-                                         method="denoise_features")
+    return _apply(config, runtime, {"params": params}, canvas, context_end, cache, soft, method="denoise_features")
 
 
 def soft_embed_pass(params, config: ModelConfig, logits, adapters=None, runtime: Runtime | None = None):
     """Self-conditioning soft embedding of logits [B, L, V]: [B, L, D]."""
-    return _model(config, runtime).apply(variables(params, adapters), logits, method="soft_embed")
+    return _apply(config, runtime, variables(params, adapters), logits, method="soft_embed")
 
 
 def image_features_pass(params, config: ModelConfig, pixel_values, position_ids, runtime: Runtime | None = None):
     """Images through the vision tower and `embed_vision`: pixel_values float [N, P, 3 p^2] in [0, 1],
     position_ids int [N, P, 2] (x, y; padding patches (-1, -1)) -> (features [N * S, D] with the valid soft
     tokens of all images first, row-major in image order, activation dtype; n_valid int32 scalar)."""
-    return _model(config, runtime).apply({"params": params}, pixel_values, position_ids, method="image_features")
+    return _apply(config, runtime, {"params": params}, pixel_values, position_ids, method="image_features")
 
 
 def _boxed_init(config: ModelConfig, rng):
@@ -114,6 +125,10 @@ def _is_concrete(x) -> bool:
 
 def check_tokens(config: ModelConfig, tokens, what: str = "tokens") -> jax.Array:
     """Tokens must be an integer [B, T] array with ids in [0, vocab_size)."""
+    if isinstance(tokens, (str, bytes)) or (isinstance(tokens, (list, tuple)) and tokens
+                                            and isinstance(tokens[0], (str, bytes))):
+        raise ValueError(f"{what} must be token ids (an integer [batch, length] array), not text: tokenize it "
+                         "first (tokenizer.encode), or pass text to DiffusionGemma.generate")
     arr = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
     if arr.ndim != 2:
         raise ValueError(f"{what} must have shape [batch, length]; got shape {tuple(arr.shape)}. "
@@ -174,10 +189,15 @@ def _soft_embed(params, config, logits, runtime=None):
 
 
 def prefill(params: Params, config: ModelConfig, tokens, lengths=None, cache: KVCache | None = None, *,
-            logits: str = "all", runtime: Runtime | None = None, image_features=None, image_tokens=None):
+            logits: str = "all", runtime: Runtime | None = None, image_features=None, image_tokens=None,
+            padding: str = "right"):
     """Causal encoder pass: append tokens [B, T] to the cache at each row's current end.
 
-    lengths: [B] number of valid (right-padded) tokens per row, default T. Padding is never
+    lengths: [B] number of valid tokens per row, default T. padding: "right" (default: row b's
+    tokens are tokens[b, :lengths[b]]) or "left" (tokens[b, T - lengths[b]:], e.g. a tokenizer's
+    left-padded batch). Either way row b's i-th valid token sits at position cache.lengths[b] + i and
+    in that cache slot, so a left-padded batch gives the right-padded batch's cache and logits (the
+    "all" logits come back in the layout given; at padding they mean nothing). Padding is never
     written to the cache and never visible. cache: from `init_cache` (default: a new one of
     exactly T slots). logits: "all" -> [B, T, V], "last" -> [B, V] at each row's last valid
     token, "none" -> None. runtime: how it runs (default: this backend, one device).
@@ -186,7 +206,7 @@ def prefill(params: Params, config: ModelConfig, tokens, lengths=None, cache: KV
     bool, True on the image placeholder tokens (mm_token_type_ids == 1), only among each row's
     valid tokens, at most N of them. The k-th placeholder (row-major) takes feature row k; each run
     of placeholders is one image, which attends to itself bidirectionally. Give both or neither;
-    an image must lie wholly in one call. Returns (logits, new_cache).
+    an image must lie wholly in one call (image_tokens in the layout of `tokens`). Returns (logits, new_cache).
     """
     tokens = check_tokens(config, tokens)
     b, t = tokens.shape
@@ -197,6 +217,16 @@ def prefill(params: Params, config: ModelConfig, tokens, lengths=None, cache: KV
     lengths = jnp.asarray(lengths, jnp.int32)
     if lengths.shape != (b,):
         raise ValueError(f"lengths must have shape [{b}] (one per row); got {tuple(lengths.shape)}")
+    if padding not in ("right", "left"):
+        raise ValueError(f"padding must be 'right' or 'left' (where each row's padding is); got {padding!r}")
+    if padding == "left":  # the same pass over the rows moved to the right-padded layout
+        shift = t - lengths
+        tokens = _roll_rows(tokens, shift)
+        if image_tokens is not None:
+            image_tokens = _roll_rows(jnp.asarray(image_tokens), shift)
+        out, cache = prefill(params, config, tokens, lengths, cache, logits=logits, runtime=runtime,
+                             image_features=image_features, image_tokens=image_tokens)
+        return (_roll_rows(out, -shift) if logits == "all" else out), cache
     if cache is None:
         cache = init_cache(config, b, t)
     _check_cache(config, cache, b)
@@ -215,6 +245,47 @@ def prefill(params: Params, config: ModelConfig, tokens, lengths=None, cache: KV
         return _prefill(params, config, tokens, lengths, cache, logits, runtime)
     image_features, image_tokens = _check_images(config, image_features, image_tokens, lengths, (b, t))
     return _prefill(params, config, tokens, lengths, cache, logits, runtime, image_features, image_tokens)
+
+
+def _roll_rows(x, shift):
+    """x [B, T, ...] with row b moved `shift[b]` places to the left (cyclically): out[b, i] = x[b, i + shift[b]]."""
+    t = x.shape[1]
+    idx = (jnp.arange(t)[None, :] + shift[:, None]) % t
+    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "runtime"))
+def _image_features(params, config, pixel_values, position_ids, runtime=None):
+    return image_features_pass(params, config, pixel_values, position_ids, runtime=runtime)
+
+
+def image_features(params: Params, config: ModelConfig, pixel_values, position_ids, *,
+                   runtime: Runtime | None = None) -> jax.Array:
+    """The vision tower's output: the soft tokens that replace a prompt's image placeholders.
+
+    pixel_values: float [N, P, 3 p^2] in [0, 1] and position_ids: int [N, P, 2] (x, y; padding
+    patches (-1, -1)), as `dgemma_jax.io.images.preprocess_images` makes them (`.pixel_values`,
+    `.position_ids`). Returns [sum of the images' soft tokens, hidden_size] in the activation dtype:
+    image 0's soft tokens, then image 1's, ...; row k is what the k-th image placeholder of the
+    prompt (row-major) gets in `prefill(..., image_features=, image_tokens=)` and in the engine's
+    prompt pass. Checked and jitted; the number of rows is read on the host, so inside your own
+    `jax.jit` use `dgemma_jax.model.api.image_features_pass` (static shapes: all N * P / k^2 rows,
+    the valid ones first, and their count).
+    """
+    v = config.vision
+    if v is None:
+        raise ValueError(f"{config.name} has no vision tower (ModelConfig.vision is None): load a checkpoint with "
+                         "vision weights to compute image features")
+    px, pos = jnp.asarray(pixel_values), jnp.asarray(position_ids)
+    if px.ndim != 3 or px.shape[-1] != v.patch_dim or tuple(pos.shape) != tuple(px.shape[:2]) + (2,):
+        raise ValueError(f"pixel_values must be [N, patches, {v.patch_dim}] and position_ids [N, patches, 2]; got "
+                         f"{tuple(px.shape)} and {tuple(pos.shape)}: preprocess the images with this config's patch "
+                         f"size ({v.patch_size}, dgemma_jax.io.images.preprocess_images)")
+    features, n_valid = _image_features(params, config, px.astype(jnp.float32), pos.astype(jnp.int32), runtime)
+    if not _is_concrete(n_valid):
+        raise ValueError("image_features reads its row count on the host and cannot be traced: inside jax.jit use "
+                         "dgemma_jax.model.api.image_features_pass (all rows, the valid ones first, and their count)")
+    return features[: int(n_valid)]
 
 
 def _check_images(config: ModelConfig, image_features, image_tokens, lengths, shape) -> tuple[jax.Array, jax.Array]:
