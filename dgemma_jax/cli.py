@@ -121,6 +121,13 @@ def cmd_compile(args) -> int:
         raise UsageError(f"--images must be >= 0; got {args.images}")
     if args.images and "prefill_images" not in programs:
         programs += ("prefill_images",)
+    options = {}
+    for item in args.xla_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--xla-option takes KEY=VALUE (e.g. xla_tpu_enable_latency_hiding_scheduler=true); "
+                             f"got {item!r}")
+        options[key.strip()] = value.strip()
     progress = _compile_progress
     devices = None
     if args.save:
@@ -138,7 +145,8 @@ def cmd_compile(args) -> int:
                                     batch=args.batch, context=args.context, prompt=args.prompt,
                                     steps_per_canvas=args.steps, programs=programs, dtype=args.dtype,
                                     moe_dispatch=args.moe_dispatch, progress=progress, devices=devices,
-                                    quantize=args.quantize, images=args.images, layers=args.layers)
+                                    quantize=args.quantize, images=args.images, layers=args.layers,
+                                    compiler_options=options)
     except (RuntimeError, ValueError) as e:
         raise UsageError(str(e)) from None
     if args.save:
@@ -251,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--images", type=int, default=0,
                    help="add the released vision tower and compile prefill_images with this many images "
                         "(280 soft tokens each) in the prompt")
+    s.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an XLA compiler option for the TPU compile (repeatable), recorded in the report")
     s.add_argument("--out", help="write the report as JSON here")
     s.add_argument("--save", metavar="DIR",
                    help="keep the compiled programs in DIR (serialized executables and a manifest saying what "

@@ -276,3 +276,21 @@ def test_an_image_prompt_compiles_with_the_vision_tower_for_v5e_8():
     assert image["flops"] > text["flops"] and image["total_bytes"] > text["total_bytes"]
     with pytest.raises(ValueError, match="cannot hold 2 image"):
         compile_report(cfg, "v5e-8", context=1024, prompt=320, programs=("prefill_images",), images=2)
+
+
+def test_compiler_options_reach_the_tpu_compiler_and_are_recorded(tmp_path):
+    # an option name XLA does not know comes back from the TPU compiler itself, as one line
+    r = _run("--preset", "tiny-2layer", "--topology", "v5e-4", "--context", "64", "--prompt", "16",
+             "--programs", "denoise_step", "--xla-option", "xla_tpu_no_such_option=true")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "No such compile option" in r.stderr and "xla_tpu_no_such_option" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = _run("--preset", "tiny-2layer", "--topology", "v5e-4", "--xla-option", "novalue")
+    assert r.returncode == 2 and "KEY=VALUE" in r.stderr and "Traceback" not in r.stderr
+    out = tmp_path / "r.json"
+    r = _run("--preset", "tiny-2layer", "--topology", "v5e-4", "--context", "64", "--prompt", "16",
+             "--programs", "denoise_step", "--xla-option", "xla_tpu_enable_latency_hiding_scheduler=true",
+             "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert rep["compiler_options"] == {"xla_tpu_enable_latency_hiding_scheduler": "true"} and rep["fits"]

@@ -116,3 +116,17 @@ def test_the_aot_table_renders_each_report_with_its_collective_time():
         assert cells[0] == "v6e-8" and cells[1] == ("int8" if rep["quantize"] else "bfloat16")
         assert cells[6].startswith(f"{1e3 * step['ici']['seconds']:.2f}")
         assert float(cells[7]) == pytest.approx(1e3 * (step["projected_seconds"] + step["ici_seconds"]), abs=0.01)
+
+
+def test_async_collectives_nested_in_custom_call_fusions_and_async_wrappers_count_once():
+    """The forms the 26B step's HLO has: an all-reduce-start/-done pair inside a custom-call fusion's
+    computation, a reduce-scatter in an async-start wrapper, an all-gather pair inside a fusion, a
+    collective-permute pair at the top. Each counts once (the old reader found 2 of these 4)."""
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "data", "hlo_async_collectives.txt")
+    found = coll.collectives(open(path).read(), 8)
+    assert sorted((c["kind"], c["bytes"], c["group"], c["count"]) for c in found) == [
+        ("all-gather", 8 * 512 * 2, 4, 1), ("all-reduce", 8 * 512 * 2, 4, 1),
+        ("collective-permute", 8 * 512 * 2, 2, 1), ("reduce-scatter", 8 * 512 * 2, 4, 1)]
+    assert coll.summary(found)["all-reduce"]["count"] == 1

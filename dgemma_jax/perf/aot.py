@@ -252,7 +252,7 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
                    moe_dispatch: str = "auto", attn_kernel: str = "auto", sampler=None, devices=None,
                    max_new_tokens: int | None = None, progress=None, quantize: str | None = None,
                    hop_latency_s: float = coll.DEFAULT_HOP_LATENCY_S, images: int = 0,
-                   layers: str = "auto") -> dict[str, Any]:
+                   layers: str = "auto", compiler_options: dict[str, str] | None = None) -> dict[str, Any]:
     """Lower and compile the engine's programs for a TPU topology; per-chip memory, cost, projections.
 
     context: KV cache capacity (prompt + committed canvases). prompt: tokens in one prefill call.
@@ -264,6 +264,9 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
     Every program's collectives are listed and priced on the slice's ICI (`perf.collectives`, with
     `hop_latency_s` per ring step); projections are given without them, with them run after the
     HBM-bound work (`..._with_ici`), and with them hidden under it (`..._ici_overlapped`).
+    compiler_options: XLA options for the TPU compile ({"xla_tpu_...": "true"}), passed to
+    `.compile(compiler_options=...)` and recorded in the report; an option XLA does not know is a
+    ValueError naming it.
     progress: optional callable(name, index, count, seconds, entry) called before each program
     (seconds and entry None) and after it (its compile seconds and report entry).
     Returns a JSON-able dict; `fits` is False when any program exceeds the chip's HBM.
@@ -294,7 +297,7 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         "rules": rules, "batch": batch, "context": context, "prompt": prompt, "dtype": cfg.param_dtype,
         "moe_dispatch": runtime.dispatch, "attn_kernel": attn_kernel, "layers": runtime.layer_layout,
         "hbm_limit_bytes": topo.hbm_bytes, "programs": {}, "fits": True,
-        "quantize": quantize, "images": images,
+        "quantize": quantize, "images": images, "compiler_options": dict(compiler_options or {}),
         "vision_param_bytes": roofline.tree_bytes({k: v for k, v in args["params"].items()
                                                    if k in ("vision_tower", "embed_vision")}),
         "param_bytes_total": roofline.tree_bytes(args["params"]),
@@ -320,9 +323,12 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         entry: dict[str, Any] = {}
         t0 = time.perf_counter()
         try:
-            compiled = fn.lower(*pos, **kw).compile()
+            compiled = fn.lower(*pos, **kw).compile(compiler_options=dict(compiler_options or {}) or None)
         except Exception as e:  # the TPU compiler reports a program that does not fit
             msg = str(e)
+            if "No such compile option" in msg:
+                raise ValueError(f"{msg.strip().splitlines()[-1]}: XLA does not know it; check the name of the "
+                                 "compiler option (e.g. xla_tpu_...)") from None
             if "RESOURCE_EXHAUSTED" not in msg and "exceeds available HBM" not in msg:
                 raise
             entry.update(fits=False, error=msg.strip().splitlines()[-1][:400])

@@ -4,7 +4,8 @@ The roofline projection of a step, max(FLOPs / peak, HBM bytes / bandwidth), lea
 traffic between chips: on an expert- or tensor-parallel mesh every layer ends in an all-reduce
 of its partial outputs. `collectives(hlo_text)` lists every collective of the compiled module
 (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute, in their synchronous and
-async `-start` forms): kind, bytes, group size, and how many times the program runs it (the layer
+async `-start` forms, and wherever they sit: inside fusions, custom-call fusions, calls and the
+computations of `async-start` wrappers; an async pair, start and done, counts once): kind, bytes, group size, and how many times the program runs it (the layer
 scan's body once per layer group, any other loop body once, like `perf.hbm_traffic`; a
 conditional its largest branch).
 
@@ -109,15 +110,26 @@ def collectives(hlo_text: str, num_devices: int = 1) -> list[dict]:
                 else:
                     size = sum(b for b, _ in _arrays(typ))
                 found[(kind, int(size), group_size(rest, num_devices), _scope(rest))] += 1
-            elif op in ("call", "async-start") or op.endswith("-start"):
-                m = re.search(r"(?:to_apply|calls)=%?([\w.\-]+)", rest)
-                if m:
-                    add(count(m.group(1), stack + (comp,)), 1)
+            elif op.endswith(("-done", "-update")):
+                continue  # the second half of an async pair: its start (or async-start) counted it
+            else:
+                # a call, fusion, custom-call or async-start: the collectives of what it calls, once
+                for callee in _callees(rest):
+                    add(count(callee, stack + (comp,)), 1)
         memo[comp] = found
         return found
 
     return [{"kind": kind, "bytes": size, "group": group, "count": runs, "scope": scope}
             for (kind, size, group, scope), runs in sorted(count(entry).items(), key=lambda kv: -kv[0][1] * kv[1])]
+
+
+def _callees(rest: str) -> list[str]:
+    """The computations an instruction calls, from its attributes: `calls=`, `to_apply=` and
+    `called_computations={...}` (a fusion, a call, an async wrapper, a custom-call fusion)."""
+    names = re.findall(r"\b(?:calls|to_apply)=%?([\w.\-]+)", rest)
+    for group in re.findall(r"\b(?:called_computations|calls)=\{([^}]*)\}", rest):
+        names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()]
+    return list(dict.fromkeys(names))
 
 
 def _scope(rest: str) -> str:
