@@ -39,8 +39,8 @@ setup(
         "pydantic>=2",
     ],
     extras_require={
-        # xprof: TensorBoard's profile plugin backend, which reads the `--profile` traces in tests/test_profile.py
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "openai>=1.40", "httpx>=0.27", "xprof>=2.24"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "openai>=1.40", "httpx>=0.27", "xprof>=2.24",
+                 "ruff>=0.8"],
         # The numerical reference: Hugging Face transformers' diffusion_gemma on CPU. Not needed by the
         # default tests (they read tests/golden); install it with the CPU wheel index, else pip takes
         # the multi-GB CUDA build of torch:

@@ -56,7 +56,8 @@ def compare(ref: np.ndarray, got: np.ndarray, mask: np.ndarray | None = None) ->
     lq = lq - np.log(np.exp(lq).sum(-1, keepdims=True))
     kl = (np.exp(lp) * (lp - lq)).sum(-1)
     return {"max_abs": float(err.max()), "median_abs": float(np.median(err)),
-            "logit_scale_max_abs": float(np.abs(ref).max()), "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).mean()),
+            "logit_scale_max_abs": float(np.abs(ref).max()),
+            "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).mean()),
             "kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "positions": int(ref.shape[0])}
 
 

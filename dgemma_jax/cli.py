@@ -212,7 +212,8 @@ def _print_compile_report(r):
               f"{'yes' if e['fits'] else 'NO'}")
     if "projection" in r:
         p = r["projection"]
-        print(f"projected from the TPU compiler's output (FLOPs, HBM traffic), not a measurement: denoise step {p['denoise_step_ms']:.2f} ms, "
+        print("projected from the TPU compiler's output (FLOPs, HBM traffic), not a measurement: "
+              f"denoise step {p['denoise_step_ms']:.2f} ms, "
               f"{p['steps_per_canvas']} steps + commit = {p['per_canvas_ms']:.1f} ms per canvas, "
               f"{p['tokens_per_second']:.0f} tokens/s")
         if "denoise_step_ici_ms" in p and r["chips"] > 1:

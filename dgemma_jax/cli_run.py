@@ -132,7 +132,8 @@ def _render_step(ev, tok, tty: bool, stream):
     settled = ev.canvas[0] == arg
     if not tty:
         frac = settled.mean()
-        stream.write(f"[canvas {ev.canvas_index} step {ev.step:>2} settled {frac:4.0%}] {tok.decode_generated(arg, skip_special=True)!r}\n")
+        text = tok.decode_generated(arg, skip_special=True)
+        stream.write(f"[canvas {ev.canvas_index} step {ev.step:>2} settled {frac:4.0%}] {text!r}\n")
         return
     out = []
     for t, ok in zip(arg, settled):

@@ -14,7 +14,8 @@ from dgemma_jax import ModelConfig  # noqa: E402
 from dgemma_jax.perf.roofline import denoise_step_flops_by_part  # noqa: E402
 
 
-@pytest.mark.parametrize("name,context", [("bench", 512), ("bench", 100), ("tiny-6layer", 40), ("diffusiongemma-26b-a4b", 4096)])
+@pytest.mark.parametrize("name,context", [("bench", 512), ("bench", 100), ("tiny-6layer", 40),
+                                          ("diffusiongemma-26b-a4b", 4096)])
 def test_step_gemms_cover_the_analytic_flops(name, context):
     cfg = ModelConfig.preset(name)
     chunk = 2048 if cfg.vocab_size % 2048 == 0 else cfg.vocab_size
@@ -38,7 +39,8 @@ def test_ceiling_sums_count_times_time():
     assert r["useful_gflop"] == pytest.approx(useful / 1e9)
     assert r["jax"]["pct_of_peak"] == pytest.approx(100 * useful / 5e-3 / 1e9)
     assert r["jax"]["groups"]["a"]["ms"] == pytest.approx(3.0)
-    assert r["shapes"][0]["jax_ms_per_call"] == pytest.approx(1.0) and r["shapes"][1]["torch_ms_per_call"] == pytest.approx(0.5)
+    assert r["shapes"][0]["jax_ms_per_call"] == pytest.approx(1.0)
+    assert r["shapes"][1]["torch_ms_per_call"] == pytest.approx(0.5)
 
 
 @pytest.mark.ref

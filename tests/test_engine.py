@@ -272,7 +272,8 @@ def test_every_64_bit_seed_gives_its_own_stream(params):
     tokens, lengths = _prompts(1)
     outs = [np.asarray(eng.generate(tokens, lengths, rng=s, max_new_tokens=16).tokens) for s in (0, 2**32, 2**63, 2**64 - 1)]
     assert not np.array_equal(outs[0], outs[1])  # 2**32 is not seed 0 again
-    with pytest.raises(ValueError, match=r"seed 18446744073709551616 does not fit in 64 bits; use an integer in \[-2\*\*63, 2\*\*64\)"):
+    with pytest.raises(ValueError,
+                       match=r"seed 18446744073709551616 does not fit in 64 bits; use an integer in \[-2\*\*63, 2\*\*64\)"):
         eng.generate(tokens, lengths, rng=2**64, max_new_tokens=16)
 
 

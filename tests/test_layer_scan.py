@@ -190,7 +190,7 @@ ENTRY %main (a: (s32[], f32[1024])) -> (s32[], f32[1024]) {{
   %a = (s32[], f32[1024]) parameter(0)
   ROOT %w = (s32[], f32[1024]) while(%a), condition=%cond, body=%body, metadata={{op_name="{scope}/while"}}
 }}
-"""
+"""  # noqa: E501 (an HLO module as XLA prints it)
     assert hbm_traffic(text)["total"] == 5 * 2 * 4096  # 5 groups x the negate's read and write
 
 

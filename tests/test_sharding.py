@@ -244,7 +244,8 @@ def test_sharded_training_loss_and_grads_equal_unsharded(reference, mesh_spec, d
         err = np.abs(a - b).max()
         worst = max(worst, err / max(np.abs(b).max(), floor))
         assert err <= 5e-3 * np.abs(b).max() + floor
-    print(f"{mesh_spec}: loss {float(loss1):.6f} vs {float(loss0):.6f}, worst leaf max|dgrad| / max(max|grad|, floor) {worst:.1e}")
+    print(f"{mesh_spec}: loss {float(loss1):.6f} vs {float(loss0):.6f}, "
+          f"worst leaf max|dgrad| / max(max|grad|, floor) {worst:.1e}")
 
 
 def test_load_hf_straight_into_shards(reference, tmp_path):

@@ -118,7 +118,8 @@ class Shardings:
 
     def global_array(self, x, logical=None) -> jax.Array:
         """A host array (identical on every process) as a global array, replicated or per `logical`."""
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and getattr(x, "is_fully_addressable", True) is False:
+        if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+                and getattr(x, "is_fully_addressable", True) is False):
             return x
         if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             data = np.asarray(jax.random.key_data(x))

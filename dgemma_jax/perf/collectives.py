@@ -5,9 +5,9 @@ traffic between chips: on an expert- or tensor-parallel mesh every layer ends in
 of its partial outputs. `collectives(hlo_text)` lists every collective of the compiled module
 (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute, in their synchronous and
 async `-start` forms, and wherever they sit: inside fusions, custom-call fusions, calls and the
-computations of `async-start` wrappers; an async pair, start and done, counts once): kind, bytes, group size, and how many times the program runs it (the layer
-scan's body once per layer group, any other loop body once, like `perf.hbm_traffic`; a
-conditional its largest branch).
+computations of `async-start` wrappers; an async pair, start and done, counts once): kind, bytes,
+group size, and how many times the program runs it (the layer scan's body once per layer group, any
+other loop body once, like `perf.hbm_traffic`; a conditional its largest branch).
 
 `ici_seconds` prices them with the ring algorithms' wire bytes over the chip's public link
 bandwidth plus a latency per ring step:

@@ -122,8 +122,9 @@ def loss_fn(params, batch: dict, rng: jax.Array, *, config: ModelConfig, obj: Ob
     The *_override arguments pin the random choices (tests): sc_override [B] bool (self-conditioning
     on/off per row), canvas_override [B] canvas index, t_override [B], noise_override [B, L] noisy
     canvas tokens. adapters: the unmerged LoRA collection (`lora.forward_adapters`) added to the
-    base kernels in every pass, or None. runtime: how the passes run (`dgemma_jax.runtime`). Returns (loss, metrics dict of scalars); with return_logits the metrics also hold
-    "logits" [B, L, V] (pass 2), "clean" [B, L] and "noisy" [B, L].
+    base kernels in every pass, or None. runtime: how the passes run (`dgemma_jax.runtime`).
+    Returns (loss, metrics dict of scalars); with return_logits the metrics also hold "logits" [B, L, V]
+    (pass 2), "clean" [B, L] and "noisy" [B, L].
     """
     L = obj.canvas_length
     tokens = batch["tokens"].astype(jnp.int32)

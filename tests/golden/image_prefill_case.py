@@ -144,8 +144,6 @@ def encoder_append_images(hf_model, cache, ids, marks, features):
     import torch
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    from tests.reference import hf_reference as ref
-
     with torch.no_grad():
         input_ids = torch.from_numpy(np.asarray(ids, np.int64))[None]
         n = input_ids.shape[1]

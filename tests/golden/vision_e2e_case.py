@@ -207,8 +207,6 @@ def encoder_append_pixels(hf_model, cache, ids, marks, pixels, positions):
     The masks come from `create_masks_for_generate` with mm_token_type_ids (see image_prefill_case)."""
     import torch
 
-    from tests.reference import hf_reference as ref
-
     with torch.no_grad():
         input_ids = torch.from_numpy(np.asarray(ids, np.int64))[None]
         n = input_ids.shape[1]

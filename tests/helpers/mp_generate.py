@@ -18,7 +18,7 @@ if nproc:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dgemma_jax import ModelConfig, init_params  # noqa: E402
+from dgemma_jax import ModelConfig  # noqa: E402
 from dgemma_jax.engine import Engine  # noqa: E402
 from dgemma_jax.parallel import Shardings, fetch, make_mesh  # noqa: E402
 from dgemma_jax.sampling import SamplerConfig  # noqa: E402
