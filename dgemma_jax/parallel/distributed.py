@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import jax
 
@@ -28,6 +29,26 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                    process_id=process_id)
     elif _multi_host_tpu():
         jax.distributed.initialize()  # multi-host TPU VM slice: auto-detected
+    else:
+        return
+    if num_processes != 1:
+        native_stdout_to_stderr()
+
+
+def native_stdout_to_stderr() -> None:
+    """Keep file descriptor 1 for Python's own output.
+
+    Native libraries of a multi-process run write status lines to the C-level stdout (gloo prints
+    "0 is connected to 1 peer ranks..." when its collectives connect, at a moment of its choosing), which
+    would land in the middle of an answer a user pipes on. After this call fd 1 points at stderr and
+    `sys.stdout` writes to a duplicate of the original stdout, so `print` still reaches the user's pipe
+    and native chatter goes to the log stream.
+    """
+    sys.stdout.flush()
+    original = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(original, "w", buffering=1, encoding=sys.stdout.encoding or "utf-8",
+                           errors=getattr(sys.stdout, "errors", None) or "strict")
 
 
 def _multi_host_tpu() -> bool:
