@@ -255,8 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--layers", choices=["auto", "unrolled", "scan"], default="auto",
                    help="layer layout (Runtime.layers): scan = one repeated layer group compiled and scanned "
                         "(auto: the platform default, Runtime.LAYER_DEFAULTS: unrolled on TPU for now)")
-    s.add_argument("--quantize", choices=["int8"], default=None,
-                   help="compile for weight-only int8 parameters (dgemma_jax.model.quant)")
+    s.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="compile for weight-only int8 or int4 parameters (dgemma_jax.model.quant)")
     s.add_argument("--images", type=int, default=0,
                    help="add the released vision tower and compile prefill_images with this many images "
                         "(280 soft tokens each) in the prompt")

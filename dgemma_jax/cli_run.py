@@ -21,7 +21,7 @@ from dgemma_jax.errors import UsageError
 from dgemma_jax.io import convert
 from dgemma_jax.io.bundled import BUNDLED, VISION_NAME
 from dgemma_jax.io.locations import resolve
-from dgemma_jax.model.quant import quantization_of, quantize_params
+from dgemma_jax.model.quant import QUANTIZE_CHOICES, quantization_of, quantize_params, resolve_quantize
 from dgemma_jax.parallel.distributed import is_main_process, main_print
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.profiling import profile
@@ -91,15 +91,23 @@ def load_model_for_cli(args, checkpoint=None):
     checkpoint = args.checkpoint if checkpoint is None else checkpoint
     cfg, params, sampler, tok = load_for_cli(checkpoint, args.dtype, args.revision, mesh=mesh, rules=rules)
     shardings = Shardings(cfg, mesh, rules) if mesh is not None else None
-    quantized = quantize_for_cli(args, cfg, params)
+    quantized = quantize_for_cli(args, cfg, params, shardings)
     if quantized is not params and shardings is not None:
         quantized = shardings.place_params(quantized)
     return cfg, quantized, sampler, tok, shardings
 
 
-def quantize_for_cli(args, config, params):
-    """--quantize int8: the loaded float parameters as int8 kernels (`dgemma_jax.model.quant`)."""
+def quantize_for_cli(args, config, params, shardings=None):
+    """--quantize int8|int4|auto|none: the loaded float parameters as quantized kernels
+    (`dgemma_jax.model.quant`; auto picks by the memory of the devices the weights go to)."""
     mode = getattr(args, "quantize", None)
+    if mode == "auto" and quantization_of(params) is not None:
+        return params
+    devices = shardings.mesh.devices.flat if shardings is not None else None
+    try:
+        mode = resolve_quantize(config, mode, devices)
+    except ValueError as e:
+        raise UsageError(f"--quantize auto: {e}") from None
     if mode is None:
         return params
     if quantization_of(params) is not None:
@@ -360,8 +368,10 @@ def add_commands(sub, positive):
                        help=f"default: {DEFAULT_NEW_TOKENS}, or as many whole canvases as fit the model's positions")
         checkpoint_flags(s)
         s.add_argument("--dtype", choices=["float32", "bfloat16"])
-        s.add_argument("--quantize", choices=["int8"], default=None,
-                       help="int8: weight-only int8 expert, attention and MLP kernels, quantized on load")
+        s.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
+                       help="weight-only int8 (per channel) or int4 (group-wise) expert, attention and MLP kernels, "
+                            "quantized on load; auto: the first of none/int8/int4 whose weights fit the devices' "
+                            "memory (none on CPU); default none")
 
     s = sub.add_parser("generate", help="prompt -> text")
     s.add_argument("--prompt", help="the prompt (default: read stdin)")
@@ -406,8 +416,9 @@ def add_commands(sub, positive):
     s.add_argument("--preset", default=None, help="model preset of a gemma-layout checkpoint (default: the 26B)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
     s.add_argument("--force", action="store_true", help="replace an existing, non-empty destination")
-    s.add_argument("--quantize", choices=["int8"], default=None,
-                   help="int8: write weight-only int8 expert, attention and MLP kernels (read back as int8)")
+    s.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="write weight-only int8 (per channel) or int4 (group-wise) expert, attention and MLP kernels "
+                        "(read back as they are)")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_convert)
 

@@ -29,7 +29,7 @@ from dgemma_jax.model.cache import KVCache, init_cache
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.model.layout import check_scannable, is_stacked, stack_layers, unstack_layers
 from dgemma_jax.model.masks import image_runs
-from dgemma_jax.model.quant import quantize_params
+from dgemma_jax.model.quant import quantization_of, quantize_params, resolve_quantize
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import generate as gen
 from dgemma_jax.sampling import slots as slots_lib
@@ -244,9 +244,11 @@ class Engine:
     bucket: pad prompt widths and derived cache lengths up to `bucket_length` (default), so that
     prompts of different lengths reuse a few compiled programs instead of compiling one per length;
     the outputs agree up to the order of floating-point sums. False compiles for the exact shapes given.
-    quantize: "int8" quantizes float `params` on construction (`model.quant.quantize_params`: int8
-    expert, attention and MLP kernels, placed like the float ones when `shardings` are given); params
-    already quantized are passed as they are, without it. None (default): run `params` as given.
+    quantize: "int8" or "int4" quantizes float `params` on construction (`model.quant.quantize_params`:
+    weight-only expert, attention and MLP kernels, placed like the float ones when `shardings` are
+    given); "auto" picks the first of none / int8 / int4 whose weights fit the devices' memory
+    (`model.quant.resolve_quantize`; nothing on the CPU); params already quantized are passed as they
+    are, without it (or with "auto"). None or "none" (default): run `params` as given.
     compilation_cache: True (default) turns jax's persistent compilation cache on
     (`dgemma_jax.compile_cache.enable`: JAX_COMPILATION_CACHE_DIR, else a directory already set in
     jax.config, else ~/.cache/dgemma_jax/xla), a string names the directory, False leaves jax's
@@ -260,6 +262,10 @@ class Engine:
         if compilation_cache:
             compile_cache.enable(None if compilation_cache is True else compilation_cache)
         self.config = config
+        if quantize == "auto" and quantization_of(params) is not None:
+            quantize = None  # already quantized: nothing to choose
+        devices = shardings.mesh.devices.flat if shardings is not None else None
+        quantize = resolve_quantize(config, quantize, devices)
         if quantize is not None:
             params = quantize_params(config, params, quantize)
             if shardings is not None:

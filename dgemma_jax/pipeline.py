@@ -90,7 +90,8 @@ class DiffusionGemma:
                         rules: str | tuple = "latency") -> "DiffusionGemma":
         """checkpoint: a local directory, gs:// (any fsspec URL) or a Hub repo id[@revision]; None: bundled.
         runtime: how the engine's programs run (`dgemma_jax.Runtime`; default: this backend).
-        quantize: "int8" quantizes the weights on load (`dgemma_jax.model.quant`).
+        quantize: "int8" / "int4" quantizes the weights on load, "auto" picks none / int8 / int4 by the
+        devices' memory, None or "none" keeps the checkpoint's dtype (`dgemma_jax.model.quant`).
         compilation_cache: jax's persistent compilation cache, as `Engine` takes it (default on).
         mesh: a `jax.sharding.Mesh` or a spec ("expert=8"): the weights are read straight into their shards
         under `rules` and every program runs on the mesh (or pass `shardings` built yourself)."""

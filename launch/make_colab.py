@@ -57,7 +57,7 @@ SETTINGS = """\
 CHECKPOINT = ""  # @param {type:"string"}
 # Empty: the bundled model's example (digits to sort), or a question for a real checkpoint.
 PROMPT = ""  # @param {type:"string"}
-QUANTIZE = "auto"  # @param ["auto", "none", "int8"]
+QUANTIZE = "auto"  # @param ["auto", "none", "int8", "int4"]
 # 0: the library's default (256 tokens, fewer where the model's context ends sooner).
 MAX_NEW_TOKENS = 0  # @param {type:"integer"}
 SEED = 0  # @param {type:"integer"}
@@ -115,13 +115,11 @@ DEVICES = """\
 import jax
 
 print(f"jax {jax.__version__}: backend {jax.default_backend()}, {jax.device_count()} device(s)")
-PER_DEVICE_BYTES = []
 for d in jax.devices():
     try:
         limit = (d.memory_stats() or {}).get("bytes_limit", 0)
     except Exception:  # not every backend reports memory
         limit = 0
-    PER_DEVICE_BYTES.append(limit)
     print(f"  {d}  {d.device_kind}" + (f"  {limit / 2**30:.1f} GiB" if limit else ""))
 if jax.default_backend() != "tpu":
     print("No TPU here (Runtime > Change runtime type > TPU); the cells below still run on",
@@ -142,32 +140,8 @@ import numpy as np
 
 import dgemma_jax
 from dgemma_jax.io.locations import resolve
+from dgemma_jax.model.quant import resolve_quantize, weight_bytes
 from dgemma_jax.parallel import Shardings, make_mesh
-
-WEIGHT_SHARE = 0.85  # the share of accelerator memory the weights may take (the rest: cache, activations)
-
-
-def choose_quantize(config, quantize, per_device_bytes):
-    \"\"\"QUANTIZE as a value for from_pretrained: None (bfloat16) or "int8"; "auto" picks the first
-    that fits the accelerators' memory, and stops with the sizes when neither does.\"\"\"
-    if quantize not in ("auto", "none", "int8"):
-        raise ValueError(f"QUANTIZE must be 'auto', 'none' or 'int8', not {quantize!r}")
-    bf16 = config.param_count()["total"] * 2
-    sizes = {"none": bf16, "int8": bf16 * 0.52}  # int8 kernels + bf16 embeddings, norms and scales
-    if quantize != "auto":
-        return None if quantize == "none" else quantize
-    if not all(per_device_bytes):  # a backend that does not report its memory (CPU): no quantization
-        return None
-    room = WEIGHT_SHARE * min(per_device_bytes) * len(per_device_bytes)
-    for choice in ("none", "int8"):
-        if sizes[choice] <= room:
-            print(f"QUANTIZE=auto: {choice} ({sizes[choice] / 2**30:.1f} GiB of weights, "
-                  f"{room / 2**30:.1f} GiB available for them)")
-            return None if choice == "none" else choice
-    raise SystemExit(f"this model needs {bf16 / 2**30:.0f} GiB in bfloat16 and ~{sizes['int8'] / 2**30:.0f} GiB "
-                     f"in int8, but the {len(per_device_bytes)} accelerator(s) here leave "
-                     f"{room / 2**30:.0f} GiB for weights: use a bigger TPU (launch/tpu_vm.sh)")
-
 
 BUNDLED = not CHECKPOINT
 if BUNDLED:
@@ -176,10 +150,14 @@ if BUNDLED:
 else:
     path = resolve(CHECKPOINT)  # a gs:// directory is copied, a Hub repo id downloaded
     config = dgemma_jax.ModelConfig.from_hf(path)
-    quantize = choose_quantize(config, QUANTIZE, PER_DEVICE_BYTES)
     shardings = None
-    if jax.device_count() > 1:
+    if jax.device_count() > 1:  # the weights split over every chip, experts on an `expert` axis
         shardings = Shardings(config, make_mesh(f"expert={jax.device_count()}"), "latency")
+    # auto: the first of none / int8 / int4 whose weights fit 85% of the chips the weights go to
+    devices = shardings.mesh.devices.flat if shardings is not None else jax.devices()[:1]
+    quantize = resolve_quantize(config, QUANTIZE, devices)
+    print(f"QUANTIZE={QUANTIZE}: {quantize or config.param_dtype} weights, "
+          f"{weight_bytes(config, quantize) / 2**30:.1f} GiB")
     model = dgemma_jax.DiffusionGemma.from_pretrained(path, shardings=shardings, quantize=quantize)
     SOURCE = f"checkpoint {CHECKPOINT}" + (f" ({quantize})" if quantize else "")
 if not PROMPT:

@@ -528,7 +528,7 @@ class TestColabNotebook:
 
         cell_with("pip", "install", "install_source(UPLOAD_DIR)")
         cell_with("jax.devices()")
-        cell_with("DiffusionGemma.from_pretrained(", "choose_quantize(")
+        cell_with("DiffusionGemma.from_pretrained(", "resolve_quantize(")
         cell_with("model.generate(", "model.chat(")
         cell_with("model.engine.steps(", "argmax", "canvas_index")
 
@@ -604,25 +604,19 @@ class TestColabNotebook:
             importlib.util.find_spec = real_find_spec
             subprocess.run = subprocess_run
 
-    def test_quantize_auto_picks_what_fits_the_chips(self, nb):
-        load = next(src for src in code_sources(nb) if "def choose_quantize" in src)
-        funcs = [n for n in ast.parse(load).body
-                 if isinstance(n, ast.FunctionDef) or (isinstance(n, ast.Assign) and "WEIGHT_SHARE" in ast.unparse(n))]
-        ns = {}
-        exec(compile(ast.Module(body=funcs, type_ignores=[]), "<load cell>", "exec"), ns)
-        choose = ns["choose_quantize"]
-        import dgemma_jax
-        config = dgemma_jax.ModelConfig.preset("diffusiongemma-26b-a4b")  # ~51 GB in bfloat16
-        gib = 2 ** 30
-        assert choose(config, "auto", [95 * gib]) is None           # one v5p chip: bfloat16 fits
-        assert choose(config, "auto", [16 * gib] * 8) is None       # a v5e-8: split over 8 chips
-        assert choose(config, "auto", [40 * gib]) == "int8"         # bf16 does not fit, int8 does
-        with pytest.raises(SystemExit, match="GiB in bfloat16 .* int8"):
-            choose(config, "auto", [16 * gib])                      # a v5e-1: neither
-        assert choose(config, "auto", [0]) is None                  # a backend without memory stats
-        assert choose(config, "int8", [16 * gib]) == "int8" and choose(config, "none", [1]) is None
-        with pytest.raises(ValueError, match="QUANTIZE must be"):
-            choose(config, "int4x", [16 * gib])
+    def test_quantize_setting_is_the_librarys_choice(self, nb):
+        """QUANTIZE offers exactly the library's choices, and the load cell decides with the library's
+        `resolve_quantize` over the devices the weights go to (one chip, or the mesh's): what "auto"
+        picks for each chip is tested on the function (tests/test_quant_int4.py)."""
+        from dgemma_jax.model.quant import QUANTIZE_CHOICES
+
+        settings = code_sources(nb)[0]
+        line = next(x for x in settings.splitlines() if x.startswith("QUANTIZE = "))
+        assert ast.literal_eval(line.split("# @param", 1)[1].strip()) == list(QUANTIZE_CHOICES)
+        load = next(src for src in code_sources(nb) if "DiffusionGemma.from_pretrained(" in src)
+        assert "resolve_quantize(config, QUANTIZE, devices)" in load
+        assert "jax.devices()[:1]" in load and "shardings.mesh.devices" in load
+        assert "def choose_quantize" not in json.dumps(nb)  # the notebook keeps no rule of its own
 
     def test_make_colab_check(self):
         r = subprocess.run([sys.executable, str(MAKE_COLAB), "--check"], capture_output=True, text=True,

@@ -269,10 +269,14 @@ def test_bad_inputs_are_clear_errors(params):
     q = quantize_params(CFG, params)
     with pytest.raises(ValueError, match="already quantized"):
         quantize_params(CFG, q)
-    with pytest.raises(ValueError, match="unknown quantization mode 'int4'"):
-        quantize_params(CFG, params, "int4")
-    with pytest.raises(ValueError, match="unknown quantization mode 'fp8'"):
+    with pytest.raises(ValueError, match="unknown quantization mode 'fp4'"):
+        quantize_params(CFG, params, "fp4")
+    with pytest.raises(ValueError, match="unknown quantize value 'fp8'; choose one of auto, none, int8, int4"):
         Engine(CFG, params, SAMPLER, quantize="fp8")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_params(CFG, q, "int4")
+    with pytest.raises(ValueError, match="int8 only"):
+        quantize_params(CFG, params, "int4", embedding=True)
     with pytest.raises(ValueError, match="already quantized"):
         Engine(CFG, q, SAMPLER, quantize="int8")
     with pytest.raises(ValueError, match="do not match tiny-2layer"):
@@ -281,12 +285,12 @@ def test_bad_inputs_are_clear_errors(params):
     bad = jax.tree.map(lambda x: x, q)
     bad["blocks_0"]["attn"]["q"] = {"int8": jnp.zeros((3, 3, 3), jnp.int8), "scale": jnp.ones((1, 3, 3))}
     tokens, _ = _inputs(CFG)
-    with pytest.raises(ValueError, match="int8 kernel 'q' of 'attn' has shape"):
+    with pytest.raises(ValueError, match="quantized kernel 'q' of 'attn' has shape"):
         api.prefill(bad, CFG, tokens)
     from dgemma_jax.cli import build_parser
 
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["generate", "--prompt", "x", "--quantize", "int4"])
+        build_parser().parse_args(["generate", "--prompt", "x", "--quantize", "fp8"])
 
 
 def test_bundled_model_int8_agrees_with_float():

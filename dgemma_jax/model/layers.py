@@ -27,15 +27,15 @@ def dtype_of(name: str):
 def param(module: nn.Module, name: str, shape, axes: tuple, cfg: ModelConfig, init=None):
     """Declare a parameter with logical axis names (mapped to mesh axes in `dgemma_jax.parallel`).
 
-    A kernel the parameters hold quantized (an int8 kernel {"int8", "scale"}, see `model.quant`) is
-    returned as that pair, untouched: the matmul that reads it (`project`, the MoE dispatch, the
-    tied head) casts the int8 values right before it and applies the scale to its output."""
+    A kernel the parameters hold quantized (an int8 or int4 pair, see `model.quant`) is returned as
+    that pair, untouched: the matmul that reads it (`project`, the MoE dispatch, the tied head)
+    dequantizes or casts it there."""
     if module.has_variable("params", name):
         stored = module.get_variable("params", name)
         if is_quantized(stored) or isinstance(stored, PerGroup):
             # an int8 pair, or a scanned layer's per-group kernel (`model.per_group.PerGroup`): as stored
             if kernel_shape(stored) != tuple(shape):
-                kind = "int8 kernel" if is_quantized(stored) else "per-group kernel"
+                kind = "quantized kernel" if is_quantized(stored) else "per-group kernel"
                 raise ValueError(f"{kind} {name!r} of {module.name!r} has shape {kernel_shape(stored)}; "
                                  f"the model expects {tuple(shape)}")
             return stored
@@ -43,28 +43,55 @@ def param(module: nn.Module, name: str, shape, axes: tuple, cfg: ModelConfig, in
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype_of(cfg.param_dtype))
 
 
-# ---------------------------------------------------------------------------- int8 kernels
+# ---------------------------------------------------------------------------- quantized kernels
 # A weight-only int8 kernel is the pair {"int8": q, "scale": s}: q int8 laid out like the float
 # kernel, s float32 of the same rank with size 1 on the axes the kernel's matmul contracts (one
-# symmetric scale per output channel, and per expert). W ~= q * s. `model.quant` builds them.
-QUANT_VALUES, QUANT_SCALE = "int8", "scale"
+# symmetric scale per output channel, and per expert). W ~= q * s.
+# A weight-only int4 kernel is the pair {"int4": q, "scale": s}: q int4 laid out like the float
+# kernel, s float32 of the same rank whose last contracted axis holds one scale per group of
+# consecutive weights (its size is that axis's size / the group size) and whose other axes have the
+# kernel's sizes. W ~= q * s with each scale repeated over its group. `model.quant` builds both.
+QUANT_VALUES, INT4_VALUES, QUANT_SCALE = "int8", "int4", "scale"
 
 
 def is_quantized(w) -> bool:
-    """Whether `w` is an int8 kernel {"int8", "scale"} (else a plain array)."""
-    return isinstance(w, Mapping) and set(w) == {QUANT_VALUES, QUANT_SCALE}  # a dict, or FrozenDict in setup()
+    """Whether `w` is a quantized kernel, int8 {"int8", "scale"} or int4 {"int4", "scale"} (else a plain array)."""
+    # a dict, or FrozenDict in setup()
+    return isinstance(w, Mapping) and set(w) in ({QUANT_VALUES, QUANT_SCALE}, {INT4_VALUES, QUANT_SCALE})
+
+
+def is_int4(w) -> bool:
+    """Whether `w` is an int4 kernel {"int4", "scale"} (group-wise scales along the contracted axis)."""
+    return is_quantized(w) and INT4_VALUES in w
+
+
+def quant_values(w) -> jax.Array:
+    """The integer values of a quantized kernel (int8 or int4)."""
+    return w[INT4_VALUES] if INT4_VALUES in w else w[QUANT_VALUES]
+
+
+def itemsize(dtype) -> float:
+    """Bytes per element as memory holds them: 0.5 for the 4-bit types (numpy's itemsize says 1)."""
+    dtype = np.dtype(dtype)
+    return 0.5 if dtype in (np.dtype(jnp.int4), np.dtype(jnp.uint4)) else dtype.itemsize
 
 
 def kernel_shape(w) -> tuple:
-    """The logical shape of a kernel, float or int8."""
-    return tuple((w[QUANT_VALUES] if is_quantized(w) else w).shape)
+    """The logical shape of a kernel, float or quantized."""
+    return tuple((quant_values(w) if is_quantized(w) else w).shape)
 
 
 def dequantize(w, dtype=jnp.float32) -> jax.Array:
-    """A kernel as a float array of `dtype` (int8: q * s, computed in float32)."""
+    """A kernel as a float array of `dtype` (quantized: q * s in float32, each scale repeated over the
+    weights it covers: its channel for int8, its group for int4)."""
     if not is_quantized(w):
         return w.astype(dtype)
-    return (w[QUANT_VALUES].astype(jnp.float32) * w[QUANT_SCALE].astype(jnp.float32)).astype(dtype)
+    q = quant_values(w)
+    s = w[QUANT_SCALE].astype(jnp.float32)
+    for axis, (n, m) in enumerate(zip(q.shape, s.shape)):
+        if m not in (1, n):
+            s = jnp.repeat(s, n // m, axis=axis)
+    return (q.astype(jnp.float32) * s).astype(dtype)
 
 
 def output_scale(eq: str, scale: jax.Array) -> jax.Array:
@@ -127,14 +154,18 @@ def project(eq: str, x: jax.Array, w: jax.Array, ab=None) -> jax.Array:
     An int8 kernel (`is_quantized`) is read as int8 (HBM holds one byte per weight), cast exactly to
     x's dtype inside the matmul and scaled per output channel in float32. The matmul's result is in
     x's dtype, as a float kernel's is: where the contracted axis is split over chips, that result is
-    what the chips all-reduce (a float32 result doubled the bytes on the inter-chip links).
+    what the chips all-reduce (a float32 result doubled the bytes on the inter-chip links). An int4
+    kernel (`is_int4`) is dequantized to x's dtype right before the matmul (its scales vary along the
+    contracted axis, so they cannot move to the output); XLA may fuse that into the matmul's operand.
 
     The base kernel is read in its own dtype (cast to the activation dtype as always); the adapter
     term is computed in float32 and added before the result is cast back, so an adapter update the
     base dtype could not represent (bf16 rounds away deltas under half an ulp of W) still reaches
     the output.
     """
-    if is_quantized(w):  # int8 values cast exactly to x's dtype; the per-channel scale on the output
+    if is_int4(w):  # group-wise scales along the contracted axis: the kernel in x's dtype, then as a float one
+        w = dequantize(w, x.dtype)
+    elif is_quantized(w):  # int8 values cast exactly to x's dtype; the per-channel scale on the output
         y = jnp.einsum(eq, x, w[QUANT_VALUES].astype(x.dtype)).astype(jnp.float32)
         y = y * output_scale(eq, w[QUANT_SCALE].astype(jnp.float32))
         if ab is not None:

@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dgemma_jax.config import GLOBAL, ModelConfig
-from dgemma_jax.model.layers import QUANT_VALUES
+from dgemma_jax.model.layers import INT4_VALUES, QUANT_VALUES
 from dgemma_jax.model.per_group import PerGroup
 
 GROUPS_KEY = "layer_groups"
@@ -52,7 +52,7 @@ LAYER_LOOP_SCOPE = "layer_groups"
 PER_GROUP_SCOPE = "per_group_switch"
 LAYER_AXIS = "layers"  # the logical name of the stacked axis (replicated: no rule maps it)
 # parameters read by an opaque kernel (the MoE's grouped matmuls), kept per group (a `PerGroup`) in
-# the stacked layout: (path suffix) of the float kernel; an int8 kernel's "int8" values likewise
+# the stacked layout: (path suffix) of the float kernel; a quantized kernel's "int8"/"int4" values likewise
 PER_GROUP = (("moe", "gate_up"), ("moe", "down"))
 
 
@@ -198,7 +198,7 @@ def unstack_layers(params, config: ModelConfig):
 
 
 def _per_group(path: tuple) -> bool:
-    return any(path[-len(p):] == p or path[-len(p) - 1:] == p + (QUANT_VALUES,) for p in PER_GROUP)
+    return any(path[-len(p):] == p or path[-len(p) - 1:] in (p + (QUANT_VALUES,), p + (INT4_VALUES,)) for p in PER_GROUP)
 
 
 def _stack_tree(trees, path=()):

@@ -45,8 +45,9 @@ from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model import layout
-from dgemma_jax.model.layers import (GATED_MLP_AXES, QUANT_SCALE, QUANT_VALUES, adapter, gated_mlp, gelu_tanh,
-                                     is_quantized, kernel_shape, ones_param, param, project, rms_normalize)
+from dgemma_jax.model.layers import (GATED_MLP_AXES, QUANT_SCALE, adapter, dequantize, gated_mlp,
+                                     gelu_tanh, is_int4, is_quantized, kernel_shape, ones_param, param, project,
+                                     quant_values, rms_normalize)
 from dgemma_jax.runtime import DenseBeside, Runtime
 
 
@@ -78,13 +79,23 @@ def _ragged(x, w, sizes, ab=None):
     An int8 kernel goes into the grouped matmul as int8 (mixed with x's dtype, accumulated in float32:
     the TPU kernel then streams one byte a weight; an `astype` before it made XLA write a bf16 copy of
     every expert kernel first, 3.3x the step's required HBM bytes on v6e-8), and each row is scaled by
-    its group's per-channel scale [G, 1, O]."""
+    its group's per-channel scale [G, 1, O]. An int4 kernel, whose scales vary along I (one per block
+    of I), runs as one grouped matmul per block of I, each on the int4 values as stored and scaled by
+    that block's scales [G, O] (dequantizing it first kept bf16 copies of the experts: 18.4 GB of
+    temporaries for the 26B's step on one v5e chip, which does not fit)."""
     f32 = jnp.float32
     if is_quantized(w):
-        y = jax.lax.ragged_dot(x, w[QUANT_VALUES], sizes, preferred_element_type=f32)
+        q, scale = quant_values(w), w[QUANT_SCALE].astype(f32)
         # each row's group: rows are laid out group after group (rows past the groups are not outputs)
         group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x.shape[0], dtype=sizes.dtype), side="right")
-        y = y * w[QUANT_SCALE][:, 0, :].astype(f32)[jnp.minimum(group, sizes.shape[0] - 1)]
+        group = jnp.minimum(group, sizes.shape[0] - 1)
+        blocks = scale.shape[1]
+        width = q.shape[1] // blocks
+        y = 0.0
+        for j in range(blocks):  # int8: one block (its scale has size 1 along I)
+            part = jax.lax.ragged_dot(x[:, j * width:(j + 1) * width], q[:, j * width:(j + 1) * width], sizes,
+                                      preferred_element_type=f32)
+            y = y + part * scale[:, j, :][group]
     else:
         y = jax.lax.ragged_dot(x, w, sizes)
         if ab is None:
@@ -252,7 +263,11 @@ def dispatch(cfg: ModelConfig, rt: Runtime, z, weights, experts, gate_up, down, 
 
 
 def _dispatch_here(cfg, rt, z, weights, experts, gate_up, down, adapters, offset, shards):
-    """`dispatch` on these kernels (arrays or int8 pairs), in z's dtype."""
+    """`dispatch` on these kernels (arrays or quantized pairs), in z's dtype. The ragged grouped matmuls
+    read int4 pairs as they are (`_ragged`); the dense and capacity strategies (CPU, tests) dequantize
+    them to z's dtype here, on the experts held here (inside the expert-parallel body)."""
+    if rt.dispatch != "ragged":
+        gate_up, down = (dequantize(w, z.dtype) if is_int4(w) else w for w in (gate_up, down))
     e_local = kernel_shape(gate_up)[0]
     valid = None
     if shards > 1:

@@ -29,6 +29,7 @@ so `parallel.Shardings.for_params` places them on any mesh; checkpoints store th
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -37,9 +38,10 @@ import numpy as np
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import param_shapes
-from dgemma_jax.model.layers import QUANT_SCALE, QUANT_VALUES, dequantize, is_quantized
+from dgemma_jax.model.layers import (INT4_VALUES, QUANT_SCALE, QUANT_VALUES, dequantize, is_int4, is_quantized,
+                                     itemsize)
 
-QUANT_MODES = ("int8",)
+QUANT_MODES = ("int8", "int4")
 
 # (kernels by "/"-joined parameter path, the axes their matmul contracts)
 KERNELS: tuple[tuple[str, tuple[int, ...]], ...] = (
@@ -51,6 +53,8 @@ KERNELS: tuple[tuple[str, tuple[int, ...]], ...] = (
 # the tied embedding as the head [V, D] contracts D: one scale per vocabulary row
 EMBEDDING: tuple[str, tuple[int, ...]] = (r"^embedding$", (1,))
 QMAX = 127.0
+INT4_QMAX = 7.0  # symmetric: q in [-7, 7] (int4's -8 left unused, as int8's -128)
+INT4_GROUP = 128  # the largest group size; an axis it does not divide takes gcd(size, 128)
 
 
 def _path(path) -> str:
@@ -75,19 +79,50 @@ def quantize_kernel(w: jax.Array, contracted: tuple[int, ...]) -> dict:
     return {QUANT_VALUES: q, QUANT_SCALE: scale.astype(jnp.float32)}
 
 
-_quantize_jit = jax.jit(quantize_kernel, static_argnums=1)
+def int4_group(size: int) -> int:
+    """The group size along a contracted axis of `size`: gcd(size, 128) (the 26B: 128 for its 2816-wide
+    hidden axis, 64 for the experts' 704 and the dense MLP's 2112)."""
+    return math.gcd(size, int(INT4_GROUP))
+
+
+def int4_scale_shape(shape: tuple[int, ...], contracted: tuple[int, ...]) -> tuple[int, ...]:
+    """The int4 scale's shape: the kernel's, with the last contracted axis counted in groups."""
+    g = contracted[-1]
+    return tuple(n // int4_group(n) if i == g else n for i, n in enumerate(shape))
+
+
+def quantize_kernel_int4(w: jax.Array, contracted: tuple[int, ...]) -> dict:
+    """A float kernel -> {"int4": q, "scale": s}: symmetric, one scale per group of `int4_group`
+    consecutive weights along the last contracted axis (and per index of every other axis):
+    s = max|W| over the group / 7, q = round(W / s) in [-7, 7]; an all-zero group gets s = 1, q = 0."""
+    w32 = jnp.asarray(w, jnp.float32)
+    g = contracted[-1]
+    n = w32.shape[g]
+    size = int4_group(n)
+    grouped = w32.reshape(w32.shape[:g] + (n // size, size) + w32.shape[g + 1:])
+    amax = jnp.max(jnp.abs(grouped), axis=g + 1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / INT4_QMAX, 1.0)
+    q = jnp.clip(jnp.round(grouped / scale), -INT4_QMAX, INT4_QMAX).reshape(w32.shape).astype(jnp.int4)
+    return {INT4_VALUES: q, QUANT_SCALE: jnp.squeeze(scale, g + 1).astype(jnp.float32)}
+
+
+_quantize_jit = {"int8": jax.jit(quantize_kernel, static_argnums=1),
+                 "int4": jax.jit(quantize_kernel_int4, static_argnums=1)}
 
 
 def quantization_of(params) -> str | None:
-    """"int8" when any kernel of `params` is an int8 pair, else None."""
-    found = []
+    """"int8" or "int4" when the kernels of `params` are quantized pairs of that kind, else None."""
+    found = set()
 
     def visit(x):
-        found.append(is_quantized(x))
+        if is_quantized(x):
+            found.add("int4" if is_int4(x) else "int8")
         return x
 
     jax.tree.map(visit, params, is_leaf=is_quantized)
-    return "int8" if any(found) else None
+    if len(found) > 1:
+        raise ValueError("these parameters mix int8 and int4 kernels; quantize the float parameters once, in one mode")
+    return found.pop() if found else None
 
 
 def embedding_quantized(params) -> bool:
@@ -95,17 +130,21 @@ def embedding_quantized(params) -> bool:
 
 
 def quantize_params(config: ModelConfig, params, mode: str = "int8", *, embedding: bool = False):
-    """Float parameters -> the same tree with every target kernel an int8 pair (module docstring).
+    """Float parameters -> the same tree with every target kernel a quantized pair (module docstring).
 
-    mode: "int8" (the only one). embedding: quantize the tied embedding / head too (default False,
-    see benchmarks/results/int8_quality.json). Params in, new params out (nothing is changed in
-    place); arrays stay on the devices / shardings they were on. Raises a ValueError for an unknown
-    mode, parameters already quantized, or a tree that is not this config's."""
+    mode: "int8" (per-channel) or "int4" (group-wise). embedding: quantize the tied embedding / head
+    too (default False, see benchmarks/results/int8_quality.json; int8 only). Params in, new params
+    out (nothing is changed in place); arrays stay on the devices / shardings they were on. Raises a
+    ValueError for an unknown mode, parameters already quantized, or a tree that is not this config's."""
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; choose one of {', '.join(QUANT_MODES)}")
-    if quantization_of(params) is not None:
-        raise ValueError("these parameters are already quantized (int8 kernels); quantize the float parameters "
-                         "once, or pass the quantized ones as they are")
+    if embedding and mode != "int8":
+        raise ValueError(f"embedding=True quantizes the tied embedding / head in int8 only, not {mode}; "
+                         "leave it float (embedding=False)")
+    already = quantization_of(params)
+    if already is not None:
+        raise ValueError(f"these parameters are already quantized ({already} kernels); quantize the float "
+                         "parameters once, or pass the quantized ones as they are")
     want = {_path(p): tuple(s.shape) for p, s in jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]}
     have = {_path(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     if want != have:
@@ -115,7 +154,7 @@ def quantize_params(config: ModelConfig, params, mode: str = "int8", *, embeddin
 
     def one(path, w):
         axes = contracted_axes(_path(path), embedding)
-        return w if axes is None else _quantize_jit(w, axes)
+        return w if axes is None else _quantize_jit[mode](w, axes)
 
     return jax.tree_util.tree_map_with_path(one, params)
 
@@ -129,6 +168,9 @@ def quantized_shapes(config: ModelConfig, mode: str = "int8", *, embedding: bool
         axes = contracted_axes(_path(path), embedding)
         if axes is None:
             return s
+        if mode == "int4":
+            return {INT4_VALUES: jax.ShapeDtypeStruct(s.shape, jnp.int4),
+                    QUANT_SCALE: jax.ShapeDtypeStruct(int4_scale_shape(s.shape, axes), jnp.float32)}
         scale = tuple(1 if i in axes else n for i, n in enumerate(s.shape))
         return {QUANT_VALUES: jax.ShapeDtypeStruct(s.shape, jnp.int8),
                 QUANT_SCALE: jax.ShapeDtypeStruct(scale, jnp.float32)}
@@ -137,10 +179,59 @@ def quantized_shapes(config: ModelConfig, mode: str = "int8", *, embedding: bool
 
 
 def dequantize_params(params):
-    """int8 pairs back to float32 kernels (q * s); other leaves unchanged (for checks and measurements)."""
+    """Quantized pairs back to float32 kernels (q * s); other leaves unchanged (for checks and measurements)."""
     return jax.tree.map(lambda x: dequantize(x) if is_quantized(x) else x, params, is_leaf=is_quantized)
 
 
 def param_bytes(params) -> int:
-    """Bytes the parameter arrays hold (int8 values, scales and float leaves)."""
-    return int(sum(np.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)))
+    """Bytes the parameter arrays hold (int8 / int4 values, scales and float leaves; int4 counts half a byte)."""
+    return int(sum(math.prod(np.shape(x)) * itemsize(x.dtype) for x in jax.tree.leaves(params)))
+
+
+# ---------------------------------------------------------------------------- choosing a mode
+QUANTIZE_CHOICES = ("auto", "none") + QUANT_MODES
+WEIGHT_SHARE = 0.85  # the share of accelerator memory the weights may take (the rest: cache, activations)
+
+
+def weight_bytes(config: ModelConfig, mode: str | None = None) -> int:
+    """Bytes of this config's parameters in its param dtype (mode None) or quantized (from shapes, no arrays)."""
+    tree = param_shapes(config) if mode is None else quantized_shapes(config, mode)
+    return int(sum(math.prod(x.shape) * itemsize(x.dtype) for x in jax.tree.leaves(tree)))
+
+
+def device_bytes(devices) -> list[int | None]:
+    """Each device's memory limit in bytes (None where the backend reports none, as the CPU)."""
+    out = []
+    for d in devices:
+        try:
+            stats = d.memory_stats() or {}
+        except Exception:  # noqa: BLE001 - a backend without memory statistics
+            stats = {}
+        out.append(stats.get("bytes_limit"))
+    return out
+
+
+def resolve_quantize(config: ModelConfig, quantize: str | None, devices=None) -> str | None:
+    """A `quantize` argument as a mode: None / "none" -> None (the param dtype), "int8" / "int4" as
+    given, "auto" -> the first of none, int8, int4 whose weights fit `WEIGHT_SHARE` of the memory of
+    `devices` (the devices the weights are split over: a mesh's, else the one device they go to);
+    None on a backend that reports no memory (CPU). Raises a ValueError for another value, or when
+    even int4 does not fit (with the sizes)."""
+    if quantize is None or quantize == "none":
+        return None
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"unknown quantize value {quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
+    if quantize != "auto":
+        return quantize
+    limits = device_bytes(list(devices) if devices is not None else jax.devices()[:1])
+    if not limits or not all(limits):
+        return None
+    room = WEIGHT_SHARE * min(limits) * len(limits)
+    sizes = {mode: weight_bytes(config, None if mode == "none" else mode) for mode in ("none", "int8", "int4")}
+    for mode in ("none", "int8", "int4"):
+        if sizes[mode] <= room:
+            return None if mode == "none" else mode
+    gib = {k: f"{v / 2**30:.1f}" for k, v in sizes.items()}
+    raise ValueError(f"{config.name} needs {gib['none']} GiB of weights in {config.param_dtype}, {gib['int8']} GiB in "
+                     f"int8 and {gib['int4']} GiB in int4, but {len(limits)} device(s) leave {room / 2**30:.1f} GiB "
+                     "for weights; use more devices (--mesh) or a bigger accelerator")

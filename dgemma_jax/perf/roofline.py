@@ -27,10 +27,10 @@ import math
 import re
 
 import jax
-import numpy as np
 
 from dgemma_jax.config import SLIDING, ModelConfig
 from dgemma_jax.model.api import param_shapes
+from dgemma_jax.model.layers import itemsize
 
 # the parameter each matrix product multiplies by, by report part ("experts_topk": every expert's
 # kernel, of which a token uses top_k / num_experts; "embedding": the head's V x D, used twice by a step)
@@ -121,7 +121,7 @@ def denoise_step_bytes_per_chip(config: ModelConfig, shardings, batch: int, cont
     parameter tree (arrays or ShapeDtypeStructs; default the float `param_shapes`), e.g. with int8
     kernels, placed per `shardings.for_params`."""
     def shard_bytes(leaf, sharding):
-        return math.prod(sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        return math.prod(sharding.shard_shape(leaf.shape)) * itemsize(leaf.dtype)
 
     tree = param_shapes(config) if params is None else params
     placement = shardings.params if params is None else shardings.for_params(tree)
@@ -137,4 +137,4 @@ def denoise_step_bytes_per_chip(config: ModelConfig, shardings, batch: int, cont
 
 def tree_bytes(tree) -> int:
     """Bytes a tree of arrays or ShapeDtypeStructs holds (all shards together)."""
-    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+    return int(sum(math.prod(x.shape) * itemsize(x.dtype) for x in jax.tree.leaves(tree)))

@@ -9,6 +9,7 @@ import threading
 
 from dgemma_jax.compile_cache import CompileCounter
 from dgemma_jax.cli_run import PROFILE_HELP, checkpoint_flags, compiled_flag, load_model_for_cli, mesh_flags, use_compiled
+from dgemma_jax.model.quant import QUANTIZE_CHOICES
 from dgemma_jax.parallel.profiling import profile
 from dgemma_jax.sampling.config import SamplerConfig
 
@@ -74,8 +75,9 @@ def add_command(sub, positive) -> None:
     checkpoint_flags(s)
     compiled_flag(s)
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
-    s.add_argument("--quantize", choices=["int8"], default=None,
-                   help="int8: weight-only int8 expert, attention and MLP kernels, quantized on load")
+    s.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
+                   help="weight-only int8 (per channel) or int4 (group-wise) kernels, quantized on load; auto: the "
+                        "first of none/int8/int4 whose weights fit the devices' memory (none on CPU); default none")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=positive(int), default=8000)
     s.add_argument("--slots", type=positive(int), default=8, help="requests denoised together (one cache row each)")

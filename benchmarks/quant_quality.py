@@ -1,11 +1,11 @@
-"""Weight-only int8 (`dgemma_jax.model.quant`) against the float weights: logits, tokens, accuracy, bytes.
+"""Weight-only int8 and int4 (`dgemma_jax.model.quant`) against the float weights: logits, tokens, accuracy, bytes.
 
-    JAX_PLATFORMS=cpu python benchmarks/int8_quality.py            # writes benchmarks/results/int8_quality.json
-    JAX_PLATFORMS=cpu python benchmarks/int8_quality.py --per-kind 100 --out /tmp/q.json
+    JAX_PLATFORMS=cpu python benchmarks/quant_quality.py            # writes benchmarks/results/quant_quality.json
+    JAX_PLATFORMS=cpu python benchmarks/quant_quality.py --per-kind 100 --out /tmp/q.json
 
 For each model (random configs with every norm / scale / scalar moved away from 1, as
 tests/test_model_behaviour.py draws them, and the bundled model), for int8 with the tied embedding
-kept float (the default) and with it quantized too:
+kept float (the default) and with it quantized too, and for int4 (group-wise scales, embedding float):
 * logits of the causal pass (prefill, every prompt position) and of the first and a second
   (self-conditioned) denoising pass: max / median |int8 - float|, top-1 agreement, mean KL(float ||
   int8) of the softmax;
@@ -37,6 +37,7 @@ from dgemma_jax.config import ModelConfig  # noqa: E402
 from dgemma_jax.engine import Engine  # noqa: E402
 from dgemma_jax.model import api  # noqa: E402
 from dgemma_jax.model.cache import init_cache  # noqa: E402
+from dgemma_jax.model.layers import itemsize  # noqa: E402
 from dgemma_jax.model.quant import param_bytes, quantize_params, quantized_shapes  # noqa: E402
 from tests.reference.random_params import random_params  # noqa: E402
 
@@ -97,6 +98,7 @@ def variants_of(cfg, params) -> dict:
     return {"float": params,
             "int8": quantize_params(cfg, params),
             "int8_with_embedding": quantize_params(cfg, params, embedding=True),
+            "int4": quantize_params(cfg, params, "int4"),
             "bf16_rounded_reference": jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), params)}
 
 
@@ -104,11 +106,12 @@ def byte_report(cfg, variants) -> dict:
     f = variants["float"]
     return {"float32": param_bytes(jax.tree.map(lambda x: x.astype(jnp.float32), f)),
             "bfloat16": param_bytes(jax.tree.map(lambda x: x.astype(jnp.bfloat16), f)),
-            "int8": param_bytes(variants["int8"]), "int8_with_embedding": param_bytes(variants["int8_with_embedding"])}
+            "int8": param_bytes(variants["int8"]), "int8_with_embedding": param_bytes(variants["int8_with_embedding"]),
+            "int4": param_bytes(variants["int4"])}
 
 
 def shape_bytes(tree) -> int:
-    return int(sum(np.prod(s.shape) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(tree)))
+    return int(sum(np.prod(s.shape) * itemsize(s.dtype) for s in jax.tree.leaves(tree)))
 
 
 def random_config_report(name: str, seed: int, batch: int = 4, prompt: int = 24) -> dict:
@@ -149,7 +152,7 @@ def bundled_report(per_kind: int) -> dict:
     kw = dict(prompt_width=lay["prompt_length"], max_new_tokens=lay["num_canvases"] * lay["canvas_length"],
               batch_size=100, seed=EVAL_SEED)
     acc = {}
-    for name in ("float", "int8", "int8_with_embedding"):
+    for name in ("float", "int8", "int8_with_embedding", "int4"):
         engine = Engine(cfg, v[name], sampler)
         rows = {}
         t0 = time.time()
@@ -171,7 +174,7 @@ def bundled_report(per_kind: int) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "int8_quality.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "quant_quality.json"))
     ap.add_argument("--per-kind", type=int, default=500, help="held-out bundled problems per input kind")
     ap.add_argument("--configs", default="tiny-6layer:1,tiny-2layer:2,bench:3",
                     help="random configs as preset:seed, comma separated")
@@ -184,6 +187,7 @@ def main(argv=None):
     out["diffusiongemma_26b_bytes"] = {
         "bfloat16": bf16, "int8": shape_bytes(quantized_shapes(big)),
         "int8_with_embedding": shape_bytes(quantized_shapes(big, embedding=True)),
+        "int4": shape_bytes(quantized_shapes(big, "int4")),
         "embedding_bfloat16": big.vocab_size * big.hidden_size * 2}
     print(json.dumps(out["diffusiongemma_26b_bytes"]), flush=True)
     for item in args.configs.split(","):
