@@ -12,7 +12,11 @@ through it (`CountingFileSystem`), so the bytes are counted, not assumed. Each p
   `addressable_devices_indices_map` of each parameter's sharding (replicated tensors count whole for
   every process: each reads them);
 - headers: the safetensors headers (8 + header length per file), read by every process;
-- peak_rss_mb (ru_maxrss) and rss_before_mb (VmRSS before the load), load_s.
+- device_bytes: what the load left on this process's devices (host memory on CPU: every device holds
+  its own copy of a replicated tensor), in the loaded dtype;
+- peak_rss_mb (ru_maxrss) and rss_before_mb (VmRSS before the load), load_s. The difference also holds
+  what the load does besides reading: tracing the parameter shapes for the shardings (about 50 MB in
+  one process on this machine), the tokenizer library.
 
     python benchmarks/shard_load.py --out benchmarks/results/shard_load_cpu.json
 
@@ -33,7 +37,7 @@ import warnings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# the benchmark's model: hidden 256, 16 experts, vocabulary 16384 (about 52 MB in bfloat16)
+# the benchmark's model: hidden 256, 16 experts, vocabulary 16384 (24 MB in bfloat16)
 BENCH = dict(vocab_size=16384, hidden_size=256, num_layers=2, num_heads=8, head_dim=32, num_kv_heads=2,
              global_head_dim=64, num_global_kv_heads=1, intermediate_size=512, num_experts=16, top_k=2,
              moe_intermediate_size=256, sliding_window=8, canvas_length=16, eos_ids=(1,))
@@ -166,8 +170,9 @@ def worker(url: str, mesh_spec: str, dtype: str, out: str) -> None:
             pieces[f"{name}|{json.dumps(box)}"] = np.asarray(by_device[d].data)
     pid = jax.process_index()
     np.savez(os.path.join(out, f"shards{pid}.npz"), **pieces)
+    on_devices = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards)
     res = {"process": pid, "processes": jax.process_count(), "devices": jax.local_device_count(),
-           "bytes_read": bytes_read, "share": share, "load_s": round(load_s, 3),
+           "bytes_read": bytes_read, "share": share, "device_bytes": on_devices, "load_s": round(load_s, 3),
            "rss_before_mb": round(rss_before, 1), "peak_rss_mb": round(peak, 1)}
     with open(os.path.join(out, f"process{pid}.json"), "w") as f:
         json.dump(res, f)
