@@ -14,9 +14,9 @@ through it (`CountingFileSystem`), so the bytes are counted, not assumed. Each p
 - headers: the safetensors headers (8 + header length per file), read by every process;
 - device_bytes: what the load left on this process's devices (host memory on CPU: every device holds
   its own copy of a replicated tensor), in the loaded dtype;
-- peak_rss_mb (ru_maxrss) and rss_before_mb (VmRSS before the load), load_s. The difference also holds
-  what the load does besides reading: tracing the parameter shapes for the shardings (about 50 MB in
-  one process on this machine), the tokenizer library.
+- peak_rss_mb (VmHWM) and rss_before_mb (VmRSS before the load, after what the load does besides
+  reading weights: the small files mirrored, the parameter shapes traced for the shardings, the
+  tokenizer read), load_s.
 
     python benchmarks/shard_load.py --out benchmarks/results/shard_load_cpu.json
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -37,13 +36,13 @@ import warnings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# the benchmark's model: hidden 256, 16 experts, vocabulary 16384 (24 MB in bfloat16)
-BENCH = dict(vocab_size=16384, hidden_size=256, num_layers=2, num_heads=8, head_dim=32, num_kv_heads=2,
-             global_head_dim=64, num_global_kv_heads=1, intermediate_size=512, num_experts=16, top_k=2,
+# the benchmark's model: hidden 256, 64 experts, vocabulary 32768 (73 MB in bfloat16)
+BENCH = dict(vocab_size=32768, hidden_size=256, num_layers=2, num_heads=8, head_dim=32, num_kv_heads=2,
+             global_head_dim=64, num_global_kv_heads=1, intermediate_size=512, num_experts=64, top_k=2,
              moe_intermediate_size=256, sliding_window=8, canvas_length=16, eos_ids=(1,))
 # the test's: the same shape of model, small
 SMALL = dict(BENCH, vocab_size=1024, hidden_size=64, num_heads=8, head_dim=16, intermediate_size=128,
-             num_experts=8, moe_intermediate_size=64)
+             num_experts=8, moe_intermediate_size=64)  # 0.86 MB
 
 
 def write_checkpoint(path: str, sizes: dict, files: int = 3, seed: int = 0):
@@ -123,9 +122,11 @@ def _counting_filesystem():
     return CountingFileSystem
 
 
-def _rss_mb() -> float:
+def _rss_mb(field: str = "VmRSS") -> float:
+    """This process's resident memory now (VmRSS) or its peak (VmHWM), from /proc. Not ru_maxrss: Linux
+    keeps that across fork + exec, so a child started by a large parent reports the parent's peak."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
 
 
 def worker(url: str, mesh_spec: str, dtype: str, out: str) -> None:
@@ -139,11 +140,19 @@ def worker(url: str, mesh_spec: str, dtype: str, out: str) -> None:
     import numpy as np
 
     from dgemma_jax.errors import DgemmaWarning
+    from dgemma_jax.io.locations import locate
+    from dgemma_jax.io.model_dir import load_config, load_model_tokenizer
     from dgemma_jax.parallel.mesh import make_mesh
     from dgemma_jax.parallel.shardings import Shardings
     from dgemma_jax.pipeline import load_checkpoint
 
     mesh = make_mesh(mesh_spec)
+    # what the load does besides reading weights, done first so that the RSS before the load holds it: the
+    # config and tokenizer files mirrored, the parameter shapes traced for the shardings, the tokenizer read
+    local, weights = locate(url)
+    Shardings(load_config(local, weights=weights), mesh)
+    load_model_tokenizer(local)
+    counting.count[0] = 0
     rss_before = _rss_mb()
     t0 = time.perf_counter()
     with warnings.catch_warnings():  # the byte tokenizer covers fewer ids than the model's vocabulary
@@ -151,7 +160,7 @@ def worker(url: str, mesh_spec: str, dtype: str, out: str) -> None:
         cfg, params, _, _ = load_checkpoint(url, dtype=dtype, mesh=mesh)
     jax.block_until_ready(params)
     load_s = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = _rss_mb("VmHWM")
     bytes_read = counting.count[0]
 
     share = 0
@@ -236,6 +245,7 @@ def main(argv=None) -> int:
     for r in results:
         r["read_over_share"] = round(r["bytes_read"] / r["share"], 4)
         r["read_over_checkpoint"] = round(r["bytes_read"] / (sizes["weights"] + sizes["headers"]), 4)
+        r["load_rss_increase_mb"] = round(r["peak_rss_mb"] - r["rss_before_mb"], 1)
     write(res, args.out)
     print(json.dumps({k: v for k, v in res.items() if k != "machine"}, indent=1))
     return 0

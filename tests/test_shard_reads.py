@@ -140,7 +140,7 @@ def test_two_processes_each_read_their_own_shards_from_the_store(tmp_path):
               f"before the load), {r['load_s']} s")
         assert r["share"] + sizes["headers"] <= r["bytes_read"] <= r["share"] + sizes["headers"] + small + covering
         assert r["bytes_read"] < 0.65 * (sizes["weights"] + sizes["headers"])  # not the whole checkpoint
-        assert r["peak_rss_mb"] > r["rss_before_mb"] > 0
+        assert r["peak_rss_mb"] >= r["rss_before_mb"] > 0  # VmHWM and VmRSS from /proc, reported above
 
     want = load_checkpoint(str(ckpt), dtype="float32")[1]
     flat = {"/".join(str(getattr(k, "key", k)) for k in kp): np.asarray(x)

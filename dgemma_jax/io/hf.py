@@ -419,10 +419,9 @@ class SafetensorsDir:
             shape = tuple(b - a for a, b in box)
             first = bisect.bisect_right(firsts, int(starts[0])) - 1
             last_end = int(starts[-1]) + inner
-            if last_end <= merged[first][1]:  # the whole box lies in one read: a strided view of it
-                view = np.ndarray(shape, t.dtype, buffer=data[first], offset=int(starts[0]) - firsts[first],
-                                  strides=strides)
-                out.append(view.copy())
+            if last_end <= merged[first][1]:  # the whole box lies in one read: a strided view of it, no copy
+                out.append(np.ndarray(shape, t.dtype, buffer=data[first], offset=int(starts[0]) - firsts[first],
+                                      strides=strides))
                 continue
             flat = np.empty(len(starts) * inner, np.uint8)
             for j, s in enumerate(starts):
@@ -557,7 +556,7 @@ def _read_leaf(st: SafetensorsDir, parts: list[Entry], axis: int | None, shardin
     got: dict = {}
     for name, todo in wanted.items():
         for (_, finish, box, j), x in zip(todo, st.read(name, [t[0] for t in todo])):
-            got[box, j] = finish(x).astype(dtype)
+            got[box, j] = finish(x).astype(dtype, copy=False)
     pieces = {box: got[box, 0] if axis is None else
               np.stack([got[box, j] for j in range(box[axis][1] - box[axis][0])], axis=axis) for box in boxes}
     del got
