@@ -83,6 +83,20 @@ def test_ranged_reads_fetch_the_boxes_and_merge_close_ranges(tmp_path, counting)
     np.testing.assert_array_equal(SafetensorsDir(str(tmp_path)).get("w"), x)  # a local directory: the same reader
 
 
+def test_a_store_failing_mid_load_is_one_error_naming_the_fix(tmp_path, monkeypatch):
+    from dgemma_jax.io.locations import CheckpointNotFound
+
+    save_file({"w": np.zeros((4, 4), np.float32)}, str(tmp_path / "model.safetensors"))
+    st = SafetensorsDir(f"countfile://{tmp_path}")
+
+    def forbidden(*a, **k):
+        raise PermissionError("403 Forbidden: no storage.objects.get access")
+
+    monkeypatch.setattr(st.fs, "cat_ranges", forbidden)
+    with pytest.raises(CheckpointNotFound, match=r"countfile://.*403 Forbidden.*sign in to the store"):
+        st.get("w")
+
+
 @pytest.mark.filterwarnings("ignore:the model's vocab_size")
 def test_the_mirror_is_an_option_for_repeated_starts(tmp_path, counting):
     """By default a URL's weights are read from the store and never copied; mirror=True copies them once
@@ -110,6 +124,18 @@ def test_the_mirror_is_an_option_for_repeated_starts(tmp_path, counting):
     assert copies() == first and counting[0] == 0  # the second start: the listing only
     for got in (streamed, mirrored, again):
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, want)
+
+    from dgemma_jax.cli import build_parser
+    from dgemma_jax.cli_run import load_model_for_cli
+
+    p = build_parser()
+    assert p.parse_args(["generate"]).mirror is False and p.parse_args(["serve", "--mirror"]).mirror is True
+    assert not hasattr(p.parse_args(["inspect"]), "mirror")  # inspect reads no weights
+    os.remove(os.path.join(mirror, next(iter(first))))  # the command line's --mirror copies again
+    args = p.parse_args(["chat", "--checkpoint", url, "--mirror", "--dtype", "float32"])
+    cli = load_model_for_cli(args)[1]
+    assert len(copies()) == 3
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), cli, want)
 
 
 @pytest.mark.filterwarnings("ignore:the model's vocab_size")

@@ -26,7 +26,7 @@ from safetensors.numpy import save_file
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import read_json
-from dgemma_jax.io.locations import kind, locate, open_fs
+from dgemma_jax.io.locations import kind, locate, open_fs, remote_error
 
 DECODER = "model.decoder."
 ENCODER_LAYERS = "model.encoder.language_model.layers."
@@ -277,6 +277,17 @@ class SafetensorsDir:
         self.fs, self.root = (None, path) if kind(path) == "local" else open_fs(path)
         self.root = self.root.rstrip("/") or "/"
         self.max_gap = max_gap if max_gap is not None else (0 if self.fs is None else REMOTE_GAP)
+        try:
+            self._read_headers()
+        except (ValueError, FileNotFoundError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a store's auth or network failure
+            if self.fs is None:
+                raise
+            raise remote_error(path, e) from None
+
+    def _read_headers(self):
+        path = self.path
         index = self._join("model.safetensors.index.json")
         if self._isfile(index):
             weight_map = self._read_json(index)["weight_map"]
@@ -343,11 +354,15 @@ class SafetensorsDir:
             return out
         for k in range(0, len(pieces), READ_BATCH):
             batch = pieces[k:k + READ_BATCH]
-            got = self.fs.cat_ranges([full] * len(batch), [s for _, s, _ in batch], [e for *_, e in batch])
+            try:
+                got = self.fs.cat_ranges([full] * len(batch), [s for _, s, _ in batch], [e for *_, e in batch])
+            except Exception as e:  # noqa: BLE001 - auth, network: each store's own exception types
+                raise remote_error(self.path, e) from None
             for (i, s, e), data in zip(batch, got):
-                if isinstance(data, Exception) or len(data) != e - s:
-                    why = data if isinstance(data, Exception) else f"{len(data)} bytes came back"
-                    raise EOFError(f"{self._show(full)!r}: bytes {s}-{e} could not be read ({why})")
+                if isinstance(data, Exception):
+                    raise remote_error(self.path, data)
+                if len(data) != e - s:
+                    raise EOFError(f"{self._show(full)!r} ends before byte {e}")
                 out[i][s - ranges[i][0]:e - ranges[i][0]] = data
         return out
 
@@ -412,7 +427,10 @@ class SafetensorsDir:
                 merged[-1][1] = max(merged[-1][1], a + length)
             else:
                 merged.append([a, a + length])
-        data = self._fetch(self._join(t.file), [(a, b) for a, b in merged])
+        try:
+            data = self._fetch(self._join(t.file), [(a, b) for a, b in merged])
+        except EOFError as e:
+            raise ValueError(f"{e}: it is truncated; re-download it") from None
         firsts = [a for a, _ in merged]
         out = []
         for box, (starts, inner) in zip(boxes, runs):

@@ -158,7 +158,8 @@ def open_fs(url: str):
         raise CheckpointNotFound(f"cannot read {url!r}: {e}") from None
 
 
-def _remote_error(url: str, e: Exception) -> CheckpointNotFound:
+def remote_error(url: str, e: Exception) -> CheckpointNotFound:
+    """A store's failure (auth, network: each store's own exception types) as one line naming the fix."""
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     hint = ("sign in to the store (for gs://: gcloud auth application-default login, or a VM service account "
             "with read access to the bucket)" if isinstance(e, PermissionError) or "401" in first or "403" in first
@@ -212,7 +213,7 @@ def _mirror(url: str, files: str, check: bool, progress: bool) -> str:
     except (CheckpointNotFound, ValueError):
         raise
     except Exception as e:  # noqa: BLE001 - auth, network: each store's own exception types
-        raise _remote_error(url, e) from None
+        raise remote_error(url, e) from None
     rels = {posixpath.relpath(p.rstrip("/"), root) for p, info in listing.items()
             if info.get("type") != "directory" and not p.endswith("/")}
     if check:
@@ -252,7 +253,7 @@ def _mirror(url: str, files: str, check: bool, progress: bool) -> str:
         except Exception as e:  # noqa: BLE001
             if os.path.exists(tmp):
                 os.remove(tmp)
-            raise _remote_error(url, e) from None
+            raise remote_error(url, e) from None
         os.replace(tmp, dest)
         manifest[rel] = stamp
         _write_manifest(manifest_file, manifest)
