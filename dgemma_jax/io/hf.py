@@ -39,7 +39,8 @@ CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")  # ours: <k
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """ours = hf.reshape(hf_view).transpose(perm); shapes are ours and HF's."""
+    """ours = hf.reshape(hf_view).transpose(perm).reshape(shape); shapes are ours and HF's. `part` reads a
+    slice of ours from the HF tensor, `to_hf` writes ours back."""
 
     ours: tuple[str, ...]
     hf: str
@@ -81,10 +82,6 @@ class Entry:
             return x.reshape(merged)[tuple(cuts)]
 
         return tuple(hf_box), finish
-
-    def to_ours(self, x: np.ndarray) -> np.ndarray:
-        """The whole HF tensor in our layout."""
-        return self.part(tuple((0, n) for n in self.shape))[1](x)
 
     def to_hf(self, x: np.ndarray) -> np.ndarray:
         if self.perm is not None:
