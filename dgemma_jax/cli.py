@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("inspect", help="config, parameter counts (total/active), memory by dtype")
     s.add_argument("--preset", default=None, choices=ModelConfig.preset_names(),
                    help="describe a preset instead of a checkpoint (e.g. diffusiongemma-26b-a4b)")
-    checkpoint_flags(s)
+    checkpoint_flags(s, weights=False)
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_inspect)
 

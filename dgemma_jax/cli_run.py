@@ -89,7 +89,8 @@ def load_model_for_cli(args, checkpoint=None):
     mesh = make_mesh(args.mesh) if getattr(args, "mesh", None) else None
     rules = getattr(args, "rules", "latency")
     checkpoint = args.checkpoint if checkpoint is None else checkpoint
-    cfg, params, sampler, tok = load_for_cli(checkpoint, args.dtype, args.revision, mesh=mesh, rules=rules)
+    cfg, params, sampler, tok = load_for_cli(checkpoint, args.dtype, args.revision, mesh=mesh, rules=rules,
+                                             mirror=getattr(args, "mirror", False))
     shardings = Shardings(cfg, mesh, rules) if mesh is not None else None
     quantized = quantize_for_cli(args, cfg, params, shardings)
     if quantized is not params and shardings is not None:
@@ -347,11 +348,17 @@ PROFILE_HELP = ("write a jax.profiler trace of the {what} to DIR (local or gs://
                 "tensorboard --logdir DIR, with tensorboard-plugin-profile")
 
 
-def checkpoint_flags(s):
-    """--checkpoint and --revision, the same for every command that loads a model."""
+def checkpoint_flags(s, weights: bool = True):
+    """--checkpoint and --revision, the same for every command that loads a model (and --mirror where its
+    weights are read: weights=True)."""
     s.add_argument("--checkpoint", help=CHECKPOINT_HELP)
     s.add_argument("--revision", default=None,
                    help="the Hub revision of --checkpoint: a branch, tag or commit (default: main)")
+    if weights:
+        s.add_argument("--mirror", action="store_true",
+                       help="copy a gs:// (fsspec) --checkpoint's weights into the local mirror and read them from "
+                            "there, so that later starts skip the store (default: each process reads only its shards' "
+                            "bytes straight from the store)")
 
 
 def add_commands(sub, positive):

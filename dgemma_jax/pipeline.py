@@ -3,6 +3,7 @@
     from dgemma_jax.pipeline import DiffusionGemma
     dg = DiffusionGemma.from_pretrained("/path/to/checkpoint")   # HF or dgemma_jax dir; None = bundled model
     dg = DiffusionGemma.from_pretrained("gs://bucket/ckpt")      # or any fsspec URL, or a Hub repo id[@revision]
+    dg = DiffusionGemma.from_pretrained("gs://bucket/ckpt", mesh="expert=8")   # each host reads its shards' bytes
     dg.generate("s93421=")                     # -> text
     dg.generate(["a12+34=", "s321="])          # -> list of texts (one batch)
     dg.chat([{"role": "user", "content": "Hi!"}])
@@ -24,7 +25,7 @@ from dgemma_jax.errors import DgemmaWarning, UsageError
 from dgemma_jax.io.bundled import bundled_choice, load_bundled
 from dgemma_jax.io.chat import chat_images, history_without_thinking, render_chat
 from dgemma_jax.io.images import prompt_with_images
-from dgemma_jax.io.locations import resolve
+from dgemma_jax.io.locations import locate
 from dgemma_jax.io.model_dir import load_config, load_model, load_model_tokenizer
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.shardings import Shardings
@@ -32,7 +33,7 @@ from dgemma_jax.parallel.shardings import Shardings
 
 
 def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: str | None = None, *,
-                    mesh=None, rules: str | tuple = "latency"):
+                    mesh=None, rules: str | tuple = "latency", mirror: bool = False):
     """-> (config, params, sampler | None, tokenizer); None or "bundled": the bundled small model,
     "bundled:NAME" another bundled model (`dgemma_jax.io.bundled`, e.g. the image model VISION_NAME).
 
@@ -40,7 +41,9 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
     REPO@REVISION (`dgemma_jax.io.locations`); revision: the Hub revision (branch, tag or commit).
     mesh: a `jax.sharding.Mesh` or a mesh spec ("expert=8", `parallel.make_mesh`): the parameters are
     read straight into their shards under `rules` (`parallel.Shardings`), never whole on one device;
-    None: on the default device."""
+    None: on the default device. Each process reads only the bytes of its own shards, from a local
+    directory or, for a Hugging Face checkpoint at a URL, straight from the store (`locations.locate`);
+    mirror=True copies a URL's weights into the local mirror first (later starts read the copy)."""
     if isinstance(mesh, str):
         mesh = make_mesh(mesh)
     is_bundled, name = bundled_choice(checkpoint)
@@ -54,9 +57,9 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
         if mesh is not None:  # a small model: read, then placed
             params = Shardings(cfg, mesh, rules).place_params(params)
         return cfg, params, sampler, tok
-    checkpoint = resolve(checkpoint, revision)
-    shardings = Shardings(load_config(checkpoint), mesh, rules) if mesh is not None else None
-    cfg, params, sampler = load_model(checkpoint, dtype=dtype, shardings=shardings)
+    checkpoint, weights = locate(checkpoint, revision, mirror=mirror)
+    shardings = Shardings(load_config(checkpoint, weights=weights), mesh, rules) if mesh is not None else None
+    cfg, params, sampler = load_model(checkpoint, dtype=dtype, shardings=shardings, weights=weights)
     tokenizer = load_model_tokenizer(checkpoint)
     mismatch = vocab_mismatch(cfg, tokenizer)
     if mismatch:
@@ -87,19 +90,22 @@ class DiffusionGemma:
     def from_pretrained(cls, checkpoint: str | None = None, dtype: str | None = None, sampler=None,
                         shardings=None, revision: str | None = None, runtime=None,
                         quantize: str | None = None, compilation_cache: bool | str = True, mesh=None,
-                        rules: str | tuple = "latency") -> "DiffusionGemma":
+                        rules: str | tuple = "latency", mirror: bool = False) -> "DiffusionGemma":
         """checkpoint: a local directory, gs:// (any fsspec URL) or a Hub repo id[@revision]; None: bundled.
         runtime: how the engine's programs run (`dgemma_jax.Runtime`; default: this backend).
         quantize: "int8" / "int4" quantizes the weights on load, "auto" picks none / int8 / int4 by the
         devices' memory, None or "none" keeps the checkpoint's dtype (`dgemma_jax.model.quant`).
         compilation_cache: jax's persistent compilation cache, as `Engine` takes it (default on).
         mesh: a `jax.sharding.Mesh` or a spec ("expert=8"): the weights are read straight into their shards
-        under `rules` and every program runs on the mesh (or pass `shardings` built yourself)."""
+        under `rules` and every program runs on the mesh (or pass `shardings` built yourself).
+        mirror: copy a gs:// (fsspec) checkpoint's weights into the local mirror and read them from there
+        (later starts skip the store); default: each process reads its shards' bytes straight from the store."""
         if mesh is not None:
             if shardings is not None:
                 raise ValueError("pass mesh (and rules) or shardings, not both")
             mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
-        cfg, params, saved_sampler, tok = load_checkpoint(checkpoint, dtype, revision, mesh=mesh, rules=rules)
+        cfg, params, saved_sampler, tok = load_checkpoint(checkpoint, dtype, revision, mesh=mesh, rules=rules,
+                                                        mirror=mirror)
         if mesh is not None:
             shardings = Shardings(cfg, mesh, rules)
         return cls(cfg, params, tok, sampler or saved_sampler, shardings, runtime, quantize, compilation_cache)

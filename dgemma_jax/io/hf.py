@@ -4,26 +4,29 @@ This file is the only place that knows the Hugging Face tensor names. Each entry
 maps one of our leaves to one HF tensor and a layout change, written as "reshape the HF tensor,
 then transpose" so that it can be inverted for saving.
 
-Tensors are read one at a time (a 26B checkpoint is never held whole in host memory) and, when
-shardings are given, placed straight into their device shards.
+Tensors are read one at a time, as byte ranges of the safetensors files (local, or straight from an
+fsspec store such as gs://): a 26B checkpoint is never held whole in host memory, and when shardings
+are given each process reads only the slices of its own devices' shards and places them there.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
+import math
 import os
+import struct
 from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import read_json
-from dgemma_jax.io.locations import resolve
+from dgemma_jax.io.locations import kind, locate, open_fs, remote_error
 
 DECODER = "model.decoder."
 ENCODER_LAYERS = "model.encoder.language_model.layers."
@@ -36,7 +39,8 @@ CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")  # ours: <k
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """ours = hf.reshape(hf_view).transpose(perm); shapes are ours and HF's."""
+    """ours = hf.reshape(hf_view).transpose(perm).reshape(shape); shapes are ours and HF's. `part` reads a
+    slice of ours from the HF tensor, `to_hf` writes ours back."""
 
     ours: tuple[str, ...]
     hf: str
@@ -45,18 +49,78 @@ class Entry:
     hf_view: tuple[int, ...] | None = None
     perm: tuple[int, ...] | None = None
 
-    def to_ours(self, x: np.ndarray) -> np.ndarray:
-        if self.hf_view is not None:
-            x = x.reshape(self.hf_view)
-        if self.perm is not None:
-            x = x.transpose(self.perm)
-        return x.reshape(self.shape)
+    def part(self, box: tuple[tuple[int, int], ...]) -> tuple[tuple[tuple[int, int], ...], Callable]:
+        """The slice `box` ([start, stop) per axis of ours) -> (the box of the HF tensor to read, the function
+        from that HF box to the slice). The HF box covers the slice: a slice that is not one box on disk
+        (gate and up halves of an expert's merged axis, a split inner axis of an HF axis) is read as the
+        smallest box that holds it, then cut; slices along the axes that shardings split (heads, experts,
+        hidden units, vocabulary rows) are exact."""
+        view = self.hf_view if self.hf_view is not None else self.hf_shape
+        perm = self.perm if self.perm is not None else tuple(range(len(view)))
+        moved = tuple(view[p] for p in perm)  # after the transpose, before the final reshape
+        moved_box = [(0, n) for n in moved]
+        cuts, merged = [], []
+        for g, (a, b) in zip(_merges(moved, self.shape), box):
+            sub, first = _cover([moved[i] for i in g], a, b)
+            for i, r in zip(g, sub):
+                moved_box[i] = r
+            cuts.append(slice(a - first, b - first))
+            merged.append(math.prod(hi - lo for lo, hi in sub))
+        view_box = [None] * len(view)
+        for i, p in enumerate(perm):
+            view_box[p] = moved_box[i]
+        hf_box, read_view, inner = [], [], []
+        for g in _merges(view, self.hf_shape):  # an HF axis split into view axes: whole inner view axes read
+            lo, hi = view_box[g[0]]
+            rest = math.prod(view[i] for i in g[1:])
+            hf_box.append((lo * rest, hi * rest))
+            read_view += [hi - lo] + [view[i] for i in g[1:]]
+            inner += [slice(0, hi - lo)] + [slice(*view_box[i]) for i in g[1:]]
+
+        def finish(x: np.ndarray) -> np.ndarray:
+            x = x.reshape(read_view)[tuple(inner)].transpose(perm)
+            return x.reshape(merged)[tuple(cuts)]
+
+        return tuple(hf_box), finish
 
     def to_hf(self, x: np.ndarray) -> np.ndarray:
         if self.perm is not None:
             view = self.hf_view if self.hf_view is not None else self.hf_shape
             x = x.reshape(tuple(view[p] for p in self.perm)).transpose(np.argsort(self.perm))
         return np.array(x.reshape(self.hf_shape), order="C")  # (ascontiguousarray would make a scalar 1-D)
+
+
+def _merges(fine: tuple[int, ...], coarse: tuple[int, ...]) -> list[list[int]]:
+    """For a reshape that merges consecutive axes, fine -> coarse: the fine axes of each coarse axis."""
+    out, i = [], 0
+    for size in coarse:
+        group, n = [i], fine[i]
+        i += 1
+        while n < size:
+            group.append(i)
+            n *= fine[i]
+            i += 1
+        if n != size:
+            raise ValueError(f"{fine} does not merge into {coarse}")
+        out.append(group)
+    if any(n != 1 for n in fine[i:]):
+        raise ValueError(f"{fine} does not merge into {coarse}")
+    if out:
+        out[-1] += list(range(i, len(fine)))  # trailing size-1 axes
+    return out
+
+
+def _cover(dims: list[int], a: int, b: int) -> tuple[list[tuple[int, int]], int]:
+    """The smallest box of axes `dims` whose C-order flattening is a contiguous range holding [a, b) of the
+    flattened axes -> (the box, the flat index of its first element)."""
+    rest = math.prod(dims[1:])
+    lo, hi = a // rest, (b - 1) // rest + 1
+    if len(dims) == 1:
+        return [(a, b)], a
+    if hi - lo > 1:
+        return [(lo, hi)] + [(0, n) for n in dims[1:]], lo * rest
+    sub, first = _cover(dims[1:], a - lo * rest, b - lo * rest)
+    return [(lo, hi)] + sub, lo * rest + first
 
 
 def name_table(cfg: ModelConfig) -> list[Entry]:
@@ -168,47 +232,218 @@ def _gated_mlp(path, prefix, d, f) -> list[Entry]:
 
 
 # ---------------------------------------------------------------------------- reading
-class SafetensorsDir:
-    """Lazy access to the tensors of a directory of *.safetensors files (sharded index or not)."""
+# safetensors dtype names -> numpy (bfloat16 and the float8s through ml_dtypes, as jax names them)
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+           "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+MAX_HEADER = 100 * 2 ** 20  # the safetensors format's own bound on a header
+READ_CHUNK = 64 * 2 ** 20  # a long range is read as pieces of this size, requested together
+READ_BATCH = 8  # pieces in flight at once: the most one read holds beyond its output buffers
+# byte ranges closer than this are read as one range (the gap read and dropped): a request to a store
+# costs about as much as reading ~1 MiB; on a local disk only touching ranges are merged
+REMOTE_GAP = 2 ** 20
 
-    def __init__(self, path: str):
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One tensor of a safetensors file, from its header: `start` is its first byte in the file."""
+
+    file: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    start: int
+
+    @property
+    def strides(self) -> tuple[int, ...]:  # in bytes, C order
+        out, step = [], self.dtype.itemsize
+        for n in reversed(self.shape):
+            out.append(step)
+            step *= n
+        return tuple(reversed(out))
+
+
+class SafetensorsDir:
+    """The tensors of a directory of *.safetensors files (sharded index or not), local or at an fsspec
+    URL (gs://, memory://, ...). Each file's header (8-byte length + JSON) is parsed here; tensors are
+    read as byte ranges of the files (`read`: only the rows and slices asked for), never whole files.
+
+    max_gap: ranges closer than this many bytes are read as one (default: 0 locally, REMOTE_GAP for a URL)."""
+
+    def __init__(self, path: str, max_gap: int | None = None):
         self.path = path
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            weight_map = read_json(index, require=("weight_map",))["weight_map"]
+        self.fs, self.root = (None, path) if kind(path) == "local" else open_fs(path)
+        self.root = self.root.rstrip("/") or "/"
+        self.max_gap = max_gap if max_gap is not None else (0 if self.fs is None else REMOTE_GAP)
+        try:
+            self._read_headers()
+        except (ValueError, FileNotFoundError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a store's auth or network failure
+            if self.fs is None:
+                raise
+            raise remote_error(path, e) from None
+
+    def _read_headers(self):
+        path = self.path
+        index = self._join("model.safetensors.index.json")
+        if self._isfile(index):
+            weight_map = self._read_json(index)["weight_map"]
             files = sorted(set(weight_map.values()))
         else:
-            files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
+            files = sorted(fn for fn in self._listdir() if fn.endswith(".safetensors"))
             if not files:
                 raise FileNotFoundError(f"no *.safetensors files in {path!r}")
             weight_map = None
-        self._handles = {}
-        self.where = {}
+        self.tensors: dict[str, Tensor] = {}
         for fn in files:
-            full = os.path.join(path, fn)
-            if not os.path.isfile(full):
-                raise FileNotFoundError(f"the index names {fn!r} but {full!r} does not exist")
-            try:
-                h = safe_open(full, framework="numpy")
-            except (SafetensorError, OSError) as e:  # a bad header, a file cut short
-                raise ValueError(f"{full!r} is not a readable safetensors file ({e}); it is truncated or corrupt: "
-                                 "re-download it") from e
-            self._handles[fn] = h
-            for k in h.keys():
-                self.where[k] = fn
+            full = self._join(fn)
+            if not self._isfile(full):
+                raise FileNotFoundError(f"the index names {fn!r} but {self._show(full)!r} does not exist")
+            for name, t in self._header(fn).items():
+                self.tensors[name] = t
         if weight_map is not None:
-            missing = sorted(set(weight_map) - set(self.where))
+            missing = sorted(set(weight_map) - set(self.tensors))
             if missing:
                 raise ValueError(f"the safetensors index lists tensors that no file holds: {missing[:5]}")
 
+    # the file system: a local directory through os, a URL through its fsspec filesystem
+    def _join(self, fn: str) -> str:
+        return os.path.join(self.root, fn) if self.fs is None else f"{self.root}/{fn}"
+
+    def _show(self, full: str) -> str:
+        return full if self.fs is None else f"{self.path.rstrip('/')}/{full.rsplit('/', 1)[-1]}"
+
+    def _isfile(self, full: str) -> bool:
+        return os.path.isfile(full) if self.fs is None else self.fs.isfile(full)
+
+    def _listdir(self) -> list[str]:
+        if self.fs is None:
+            return os.listdir(self.root)
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
+
+    def _size(self, full: str) -> int:
+        return os.path.getsize(full) if self.fs is None else int(self.fs.size(full))
+
+    def _read_json(self, full: str) -> dict:
+        if self.fs is None:
+            return read_json(full, require=("weight_map",))
+        try:
+            data = json.loads(self.fs.cat_file(full))
+        except ValueError as e:
+            raise ValueError(f"{self._show(full)!r} cannot be read as JSON ({e})") from None
+        if not isinstance(data, dict) or "weight_map" not in data:
+            raise ValueError(f"{self._show(full)!r} lacks the required key 'weight_map'")
+        return data
+
+    def _fetch(self, full: str, ranges: list[tuple[int, int]]) -> list[bytearray]:
+        """The bytes of each [start, end) range of one file: long ranges in READ_CHUNK pieces, READ_BATCH
+        pieces requested together (concurrently on an async store such as gcsfs), each written into its
+        range's buffer."""
+        out = [bytearray(b - a) for a, b in ranges]
+        pieces = [(i, s, min(s + READ_CHUNK, b)) for i, (a, b) in enumerate(ranges) for s in range(a, b, READ_CHUNK)]
+        if self.fs is None:
+            with open(full, "rb") as f:
+                for i, s, e in pieces:
+                    f.seek(s)
+                    view = memoryview(out[i])[s - ranges[i][0]:e - ranges[i][0]]
+                    if f.readinto(view) != e - s:
+                        raise EOFError(f"{full!r} ends before byte {e}")
+            return out
+        for k in range(0, len(pieces), READ_BATCH):
+            batch = pieces[k:k + READ_BATCH]
+            try:
+                got = self.fs.cat_ranges([full] * len(batch), [s for _, s, _ in batch], [e for *_, e in batch])
+            except Exception as e:  # noqa: BLE001 - auth, network: each store's own exception types
+                raise remote_error(self.path, e) from None
+            for (i, s, e), data in zip(batch, got):
+                if isinstance(data, Exception):
+                    raise remote_error(self.path, data)
+                if len(data) != e - s:
+                    raise EOFError(f"{self._show(full)!r} ends before byte {e}")
+                out[i][s - ranges[i][0]:e - ranges[i][0]] = data
+        return out
+
+    def _header(self, fn: str) -> dict[str, Tensor]:
+        full = self._join(fn)
+        try:
+            size = self._size(full)
+            if size < 8:
+                raise ValueError(f"{size} bytes, shorter than the header length")
+            (n,) = struct.unpack("<Q", bytes(self._fetch(full, [(0, 8)])[0]))
+            if n > min(MAX_HEADER, size - 8):
+                raise ValueError(f"a header of {n} bytes in a file of {size}")
+            header = json.loads(bytes(self._fetch(full, [(8, 8 + n)])[0]))
+            out = {}
+            for name, d in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype = np.dtype(jnp.dtype(_DTYPES[d["dtype"]]))
+                shape = tuple(int(x) for x in d["shape"])
+                begin, end = (int(x) for x in d["data_offsets"])
+                if end - begin != dtype.itemsize * int(np.prod(shape)) or 8 + n + end > size:
+                    raise ValueError(f"tensor {name} lies outside the file or has the wrong size")
+                out[name] = Tensor(fn, dtype, shape, 8 + n + begin)
+            return out
+        except (ValueError, KeyError, TypeError, EOFError, struct.error) as e:  # a bad header, a file cut short
+            raise ValueError(f"{self._show(full)!r} is not a readable safetensors file ({e}); it is truncated or "
+                             "corrupt: re-download it") from None
+
     def keys(self):
-        return self.where.keys()
+        return self.tensors.keys()
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self.where[name]].get_slice(name).get_shape())
+        return self.tensors[name].shape
+
+    def dtype(self, name: str) -> np.dtype:
+        return self.tensors[name].dtype
 
     def get(self, name: str) -> np.ndarray:
-        return self._handles[self.where[name]].get_tensor(name)
+        """A whole tensor."""
+        return self.read(name, [tuple((0, n) for n in self.shape(name))])[0]
+
+    def read(self, name: str, boxes: list[tuple[tuple[int, int], ...]]) -> list[np.ndarray]:
+        """The boxes ([start, stop) per axis) of one tensor, read together: each box is the rows of its
+        contiguous runs on disk (a box cut along an inner axis is one run per outer row); runs closer
+        than max_gap are merged into one read."""
+        t = self.tensors[name]
+        strides = t.strides
+        runs = []  # per box: (run starts in bytes, run length in bytes)
+        for box in boxes:
+            k = len(box)  # the box is whole along the axes from k on
+            while k > 0 and box[k - 1] == (0, t.shape[k - 1]):
+                k -= 1
+            inner = (box[k - 1][1] - box[k - 1][0]) * strides[k - 1] if k else t.dtype.itemsize * int(np.prod(t.shape))
+            starts = np.array([t.start + (box[k - 1][0] * strides[k - 1] if k else 0)], np.int64)
+            for ax in range(k - 1):  # the outer axes: one run per row, in C order
+                rows = np.arange(*box[ax], dtype=np.int64) * strides[ax]
+                starts = (starts[:, None] + rows[None, :]).reshape(-1)
+            runs.append((starts, inner))
+        merged: list[list[int]] = []
+        for a, length in sorted((int(s), n) for starts, n in runs for s in starts):
+            if merged and a - merged[-1][1] <= self.max_gap:
+                merged[-1][1] = max(merged[-1][1], a + length)
+            else:
+                merged.append([a, a + length])
+        try:
+            data = self._fetch(self._join(t.file), [(a, b) for a, b in merged])
+        except EOFError as e:
+            raise ValueError(f"{e}: it is truncated; re-download it") from None
+        firsts = [a for a, _ in merged]
+        out = []
+        for box, (starts, inner) in zip(boxes, runs):
+            shape = tuple(b - a for a, b in box)
+            first = bisect.bisect_right(firsts, int(starts[0])) - 1
+            last_end = int(starts[-1]) + inner
+            if last_end <= merged[first][1]:  # the whole box lies in one read: a strided view of it, no copy
+                out.append(np.ndarray(shape, t.dtype, buffer=data[first], offset=int(starts[0]) - firsts[first],
+                                      strides=strides))
+                continue
+            flat = np.empty(len(starts) * inner, np.uint8)
+            for j, s in enumerate(starts):
+                r = bisect.bisect_right(firsts, int(s)) - 1
+                flat[j * inner:(j + 1) * inner] = np.frombuffer(data[r], np.uint8, inner, int(s) - firsts[r])
+            out.append(flat.view(t.dtype).reshape(shape))
+        return out
 
 
 def _set(tree: dict, path: tuple, value):
@@ -239,7 +474,8 @@ def _check(cfg: ModelConfig, st: SafetensorsDir, table: list[Entry]):
 
 
 def vision_tensors_present(path: str | os.PathLike) -> bool | None:
-    """Whether the safetensors of a local HF directory hold any vision tensor (None: no readable weights)."""
+    """Whether the safetensors of an HF directory (local or a URL) hold any vision tensor (None: no readable
+    weights). Reads the files' headers only."""
     try:
         st = SafetensorsDir(os.fspath(path))
     except (OSError, ValueError):
@@ -250,7 +486,7 @@ def vision_tensors_present(path: str | os.PathLike) -> bool | None:
 def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
             shardings: Any | None = None, config_overrides: dict | None = None,
             progress: Callable[[Iterator], Iterator] | None = None, revision: str | None = None,
-            vision: bool | None = None):
+            vision: bool | None = None, mirror: bool = False, weights: str | None = None):
     """Read a Hugging Face DiffusionGemma directory (config.json + safetensors) -> (ModelConfig, params).
 
     vision: whether to read the vision tower (`model.encoder.vision_tower.*`, `model.encoder.embed_vision.*`)
@@ -259,18 +495,26 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
     wrote for a text-only model, loads text-only); True: required; False: text only, the tower left unread.
 
     path: a local directory, a gs:// (or other fsspec) URL, or a Hub repo id[@revision]
-    (`dgemma_jax.io.locations`: remote files are copied into a local cache first); revision: the
-    Hub revision (branch, tag or commit).
+    (`dgemma_jax.io.locations.locate`): from a URL the config and tokenizer files are copied into the
+    local mirror and the weights are read straight from the store, unless mirror=True (the whole
+    directory copied first, so that later starts read the local copy); revision: the Hub revision
+    (branch, tag or commit). weights: the fsspec URL of the *.safetensors when `path` is the local
+    directory of the other files (what `locate` returns).
 
     dtype: parameter dtype ("float32", "bfloat16"; default: float32 for float32 files, else bfloat16).
-    shardings: optional pytree of `jax.sharding.Sharding` matching the params: each tensor is put
-    straight into its shards. Raises ValueError naming missing, unexpected or mis-shaped tensors.
+    shardings: optional pytree of `jax.sharding.Sharding` matching the params: each process reads only the
+    bytes of its own shards (its devices' slices of each tensor, each distinct slice once) and puts them
+    straight into the devices; without, each tensor is read whole. Never more than one tensor's slices are
+    held on the host beyond the parameters themselves. Raises ValueError naming missing, unexpected or
+    mis-shaped tensors.
     """
-    path = resolve(path, revision)
+    if weights is None:
+        path, weights = locate(path, revision, mirror=mirror)
+    path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
     cfg = ModelConfig.from_hf(path)
-    st = SafetensorsDir(path)
+    st = SafetensorsDir(weights or path)
     if vision is None:
         vision = cfg.vision is not None and any(k.startswith(VISION_PREFIXES) for k in st.keys())
     if vision and cfg.vision is None:
@@ -280,8 +524,7 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
     table = name_table(cfg)
     _check(cfg, st, table)
     if dtype is None:
-        first = st.get(table[1].hf)
-        dtype = "float32" if first.dtype == np.float32 else "bfloat16"
+        dtype = "float32" if st.dtype(table[1].hf) == np.float32 else "bfloat16"
     cfg = cfg.replace(param_dtype=dtype, dtype=dtype, **(config_overrides or {}))
     np_dtype = jnp.dtype(dtype)
 
@@ -294,25 +537,47 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
     pending_parts: dict = {}
     items = table if progress is None else progress(table)
     for entry in items:
-        arr = entry.to_ours(st.get(entry.hf)).astype(np_dtype)
-        path_ = entry.ours
+        path_, parts, axis = entry.ours, [entry], None
         group = _grouped(path_)
         if group is not None:  # one part of a stacked leaf (gate/up halves, clip bounds)
             count, axis = group
-            key = path_[:-1]
-            pending_parts.setdefault(key, {})[path_[-1]] = arr
-            if len(pending_parts[key]) < count:
+            path_ = path_[:-1]
+            pending_parts.setdefault(path_, {})[entry.ours[-1]] = entry
+            if len(pending_parts[path_]) < count:
                 continue
-            arr = np.stack([pending_parts[key][j] for j in range(count)], axis=axis)
-            del pending_parts[key]
-            path_ = key
-        sharding = flat_shardings.get(path_)
-        if sharding is not None:
-            value = jax.make_array_from_callback(arr.shape, sharding, lambda idx, a=arr: a[idx])
-        else:
-            value = jnp.asarray(arr)
-        _set(params, path_, value)
+            parts = [pending_parts[path_][j] for j in range(count)]
+            del pending_parts[path_]
+        _set(params, path_, _read_leaf(st, parts, axis, flat_shardings.get(path_), np_dtype))
     return cfg, params
+
+
+def _read_leaf(st: SafetensorsDir, parts: list[Entry], axis: int | None, sharding, dtype):
+    """One parameter (one table entry, or the parts stacked on `axis`): whole, or, with a sharding, the
+    slices of this process's devices (each distinct slice read once) placed into its shards."""
+    one = parts[0].shape
+    shape = one if axis is None else one[:axis] + (len(parts),) + one[axis:]
+
+    def box_of(index) -> tuple[tuple[int, int], ...]:
+        return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+    boxes = [tuple((0, n) for n in shape)] if sharding is None else \
+        sorted({box_of(i) for i in sharding.addressable_devices_indices_map(shape).values()})
+    wanted: dict[str, list] = {}  # HF tensor -> [(its box, finish, leaf box, part)]
+    for box in boxes:
+        for j, (entry, sub) in enumerate([(parts[0], box)] if axis is None else
+                                         [(parts[j], box[:axis] + box[axis + 1:]) for j in range(*box[axis])]):
+            hf_box, finish = entry.part(sub)
+            wanted.setdefault(entry.hf, []).append((hf_box, finish, box, j))
+    got: dict = {}
+    for name, todo in wanted.items():
+        for (_, finish, box, j), x in zip(todo, st.read(name, [t[0] for t in todo])):
+            got[box, j] = finish(x).astype(dtype, copy=False)
+    pieces = {box: got[box, 0] if axis is None else
+              np.stack([got[box, j] for j in range(box[axis][1] - box[axis][0])], axis=axis) for box in boxes}
+    del got
+    if sharding is None:
+        return jnp.asarray(pieces[boxes[0]])
+    return jax.make_array_from_callback(shape, sharding, lambda index: pieces[box_of(index)])
 
 
 # ---------------------------------------------------------------------------- writing

@@ -1,6 +1,6 @@
 """Where a checkpoint lives -> a local directory the loaders read. Every entry point (the `dgemma`
 commands, `DiffusionGemma.from_pretrained`, `load_hf`, `convert`, the trainer's init) goes through
-`resolve`; nothing else knows about URLs or the Hub.
+`resolve` (or `locate`, which leaves the weights in the store); nothing else knows about URLs or the Hub.
 
     resolve("/data/ckpt")                                 # a local directory: returned as it is
     resolve("gs://my-bucket/diffusiongemma")              # any fsspec URL (gs://, s3://, memory://): mirrored
@@ -10,6 +10,11 @@ commands, `DiffusionGemma.from_pretrained`, `load_hf`, `convert`, the trainer's 
 
 Both checkpoint formats (ours: dgemma_model.json + an orbax params/ tree; Hugging Face:
 config.json + *.safetensors + tokenizer files) come from every kind of location.
+
+The model loaders go through `locate`: the *.safetensors weights of a Hugging Face checkpoint at a URL
+stay in the store, and each process reads only the byte ranges of its own shards from there
+(`io.hf.SafetensorsDir`); the other files, and with mirror=True (`--mirror`) the weights too, take
+the path below.
 
 Remote URLs are copied file by file through fsspec (gs:// needs gcsfs: the [gcs] extra, part of [tpu])
 into a local mirror, ``$DGEMMA_CACHE/checkpoints/<protocol>/<path>`` (DGEMMA_CACHE defaults to
@@ -89,7 +94,8 @@ def resolve(location: str | os.PathLike, revision: str | None = None, *, files: 
             check: bool = True, progress: bool = True) -> str:
     """A local directory holding the checkpoint at `location` (see the module docstring).
 
-    files: "all", or "config" (only CONFIG_FILES: enough for `dgemma inspect`).
+    files: "all", "config" (only CONFIG_FILES: enough for `dgemma inspect`) or "no-weights" (all but the
+    *.safetensors files, which `locate` leaves in the store).
     check: the location must hold a checkpoint of either format (one-line ValueError otherwise; a
     remote directory is checked from its listing, before anything is copied). False: any directory
     (a gemma-library orbax tree for `dgemma convert`, a bare params/ tree for the trainer).
@@ -108,6 +114,22 @@ def resolve(location: str | os.PathLike, revision: str | None = None, *, files: 
     return hub_snapshot(repo, rev, files=files, check=check, explicit=loc.startswith("hf://"))
 
 
+def locate(location: str | os.PathLike, revision: str | None = None, *, mirror: bool = False,
+           progress: bool = True) -> tuple[str, str | None]:
+    """(a local directory of the checkpoint's files, the fsspec URL its *.safetensors are read from or None).
+
+    A local directory or a Hub repo: (`resolve`'s directory, None): the weights are beside the config. An
+    fsspec URL of a Hugging Face checkpoint: its weights stay in the store and each process reads the byte
+    ranges of its own shards from there (`io.hf.SafetensorsDir`); the other files (config, tokenizer, the
+    safetensors index) are copied into the local mirror. mirror=True copies the weights too and reads them
+    from the mirror (later starts then skip the store: `resolve`). An orbax checkpoint (ours) is mirrored
+    whole either way."""
+    if kind(location) != "url" or mirror:
+        return resolve(location, revision, progress=progress), None
+    local = resolve(location, revision, files="no-weights", progress=progress)
+    return local, (os.fspath(location) if detect_format(local, need_weights=False) == "hf" else None)
+
+
 # ---------------------------------------------------------------------------- fsspec URLs
 def mirror_path(url: str) -> str:
     """The local mirror of a remote URL: <cache_dir>/checkpoints/<protocol>/<path>."""
@@ -122,7 +144,9 @@ def _stamp(info: dict) -> list:
     return [info.get("size"), str(version) if version is not None else None]
 
 
-def _open_fs(url: str):
+def open_fs(url: str):
+    """(fsspec filesystem, path in it) of a URL; a missing protocol package or an unknown protocol is a
+    one-line CheckpointNotFound."""
     import fsspec  # deferred: ~90 ms to import, and only remote URLs (gs://, s3://, ...) need it
 
     try:
@@ -134,7 +158,8 @@ def _open_fs(url: str):
         raise CheckpointNotFound(f"cannot read {url!r}: {e}") from None
 
 
-def _remote_error(url: str, e: Exception) -> CheckpointNotFound:
+def remote_error(url: str, e: Exception) -> CheckpointNotFound:
+    """A store's failure (auth, network: each store's own exception types) as one line naming the fix."""
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     hint = ("sign in to the store (for gs://: gcloud auth application-default login, or a VM service account "
             "with read access to the bucket)" if isinstance(e, PermissionError) or "401" in first or "403" in first
@@ -177,7 +202,7 @@ def mirror(url: str, files: str = "all", check: bool = True, progress: bool = Tr
 
 
 def _mirror(url: str, files: str, check: bool, progress: bool) -> str:
-    fs, root = _open_fs(url)
+    fs, root = open_fs(url)
     root = root.rstrip("/")
     try:
         if not fs.isdir(root):
@@ -188,7 +213,7 @@ def _mirror(url: str, files: str, check: bool, progress: bool) -> str:
     except (CheckpointNotFound, ValueError):
         raise
     except Exception as e:  # noqa: BLE001 - auth, network: each store's own exception types
-        raise _remote_error(url, e) from None
+        raise remote_error(url, e) from None
     rels = {posixpath.relpath(p.rstrip("/"), root) for p, info in listing.items()
             if info.get("type") != "directory" and not p.endswith("/")}
     if check:
@@ -207,7 +232,8 @@ def _mirror(url: str, files: str, check: bool, progress: bool) -> str:
         if info.get("type") == "directory" or path.endswith("/"):
             continue
         rel = posixpath.relpath(path.rstrip("/"), root)
-        if rel.startswith("..") or (files == "config" and rel not in CONFIG_FILES):
+        if rel.startswith("..") or (files == "config" and rel not in CONFIG_FILES) or \
+                (files == "no-weights" and rel.endswith(".safetensors")):
             continue
         dest = os.path.join(local, *rel.split("/"))
         stamp = _stamp(info)
@@ -227,7 +253,7 @@ def _mirror(url: str, files: str, check: bool, progress: bool) -> str:
         except Exception as e:  # noqa: BLE001
             if os.path.exists(tmp):
                 os.remove(tmp)
-            raise _remote_error(url, e) from None
+            raise remote_error(url, e) from None
         os.replace(tmp, dest)
         manifest[rel] = stamp
         _write_manifest(manifest_file, manifest)

@@ -50,12 +50,14 @@ def config_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
-def load_config(path: str | os.PathLike, need_weights: bool = True) -> ModelConfig:
-    fmt = detect_format(path, need_weights)
+def load_config(path: str | os.PathLike, need_weights: bool = True, weights: str | None = None) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory; weights: the URL of its *.safetensors when they are not in
+    `path` (`locations.locate`)."""
+    fmt = detect_format(path, need_weights and weights is None)
     if fmt == "hf":
         cfg = ModelConfig.from_hf(path)
         # like load_hf: a vision_config whose tower the files do not hold (save_hf's text-only stub) is no tower
-        if cfg.vision is not None and vision_tensors_present(path) is False:
+        if cfg.vision is not None and vision_tensors_present(weights or path) is False:
             cfg = cfg.replace(vision=None)
         return cfg
     return config_from_dict(_read_meta(path)["config"])
@@ -205,11 +207,14 @@ def _check_params_files(path: str, recorded: dict) -> None:
                          "convert it again")
 
 
-def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None):
-    """Any supported checkpoint directory -> (ModelConfig, params, SamplerConfig | None)."""
-    fmt = detect_format(path)
+def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None, weights: str | None = None):
+    """Any supported checkpoint directory -> (ModelConfig, params, SamplerConfig | None); weights: the URL
+    of a Hugging Face checkpoint's *.safetensors when they are not in `path` (`locations.locate`), read
+    from there (with shardings: each process its own shards' bytes)."""
+    fmt = detect_format(path, need_weights=weights is None)
     if fmt == "hf":  # a `Shardings`, or a pytree of shardings matching the parameters
-        cfg, params = load_hf(path, dtype=dtype, shardings=getattr(shardings, "params", shardings))
+        cfg, params = load_hf(path, dtype=dtype, shardings=getattr(shardings, "params", shardings),
+                              weights=weights or os.fspath(path))
         return cfg, params, hf_sampler(path, cfg)
     meta = _read_meta(path)
     cfg = config_from_dict(meta["config"])
@@ -252,7 +257,7 @@ def hf_sampler(path, cfg: ModelConfig):
 def load_model_tokenizer(path: str | os.PathLike):
     """The tokenizer stored with a checkpoint (ours: the file named in the metadata; HF: tokenizer.json/.model)."""
     path = os.fspath(path)
-    if detect_format(path) == "dgemma":
+    if detect_format(path, need_weights=False) == "dgemma":
         name = _read_meta(path).get("tokenizer")
         if not name:  # converted without one: a tokenizer file copied in since then counts
             name = next((n for n in ("tokenizer.json", "tokenizer.model") if os.path.isfile(os.path.join(path, n))),
