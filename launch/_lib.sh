@@ -141,7 +141,7 @@ host_command() {
 # and .err. Each host runs in its own process group; $DGEMMA_SIM_LOGS/host-<i>.pid holds its leader's
 # pid (= the group id). When a host exits non-zero or is killed, the others are stopped (SIGTERM, then
 # SIGKILL after 10 s) and the script exits with that host's status, as a JobSet restarts the whole slice.
-SIM_HOSTS=0 SIM_DEVICES=4
+SIM_HOSTS="" SIM_DEVICES=4
 check_simulate() {
   [[ $SIM_HOSTS =~ ^[1-9][0-9]{0,2}$ ]] || die "--simulate takes a number of hosts (1-999); got '$SIM_HOSTS'"
   [[ $SIM_DEVICES =~ ^[1-9][0-9]{0,3}$ ]] || die "--simulate-devices takes a number of CPU devices per host; got '$SIM_DEVICES'"

@@ -129,7 +129,7 @@ done
 
 # ------------------------------------------------------------------ validation
 SIMULATE=0
-if [[ $SIM_HOSTS != 0 ]]; then
+if [[ -n $SIM_HOSTS ]]; then
   check_simulate
   SIMULATE=1
 fi

@@ -154,7 +154,7 @@ done
 
 # ------------------------------------------------------------------ validation
 SIMULATE=0
-if [[ $SIM_HOSTS != 0 ]]; then
+if [[ -n $SIM_HOSTS ]]; then
   check_simulate
   SIMULATE=1
   ((SETUP_ONLY == 0)) || die "--simulate runs the command on this machine; --setup-only has nothing to do there"
