@@ -103,12 +103,12 @@ def check_pod(stderr: str, logs: Path, hosts: int, devices: int, command: list[s
 # ============================================================================== runs on a simulated pod
 @pytest.mark.slow
 def test_generate_on_a_simulated_pod_gives_the_one_process_tokens(tmp_path):
-    """2 hosts x 4 CPU devices, a data=2,expert=4 mesh over both: host 0 prints the one-process answer,
-    host 1 prints nothing."""
+    """2 hosts x 4 CPU devices, a data=2,expert=4 mesh over both, the prompt piped to the script (host 0's
+    stdin, handed to host 1 through jax.distributed): host 0 prints the one-process answer, host 1 nothing."""
     import dgemma_jax as dg
 
-    cmd = ["dgemma", "generate", "--mesh", "data=2,expert=4", "--prompt", PROMPT]
-    r = launch(TPU_VM, "--simulate", "2", "--simulate-devices", "4", "--", *cmd, logs=tmp_path)
+    cmd = ["dgemma", "generate", "--mesh", "data=2,expert=4"]
+    r = launch(TPU_VM, "--simulate", "2", "--simulate-devices", "4", "--", *cmd, logs=tmp_path, stdin=PROMPT)
     assert r.returncode == 0, r.stderr[-4000:]
     one = dg.DiffusionGemma.from_pretrained(None).generate(PROMPT)  # seed 0, the CLI's default
     assert one == "0122345789"
