@@ -76,6 +76,11 @@ Examples:
   launch/gke_xpk.sh --emit-yaml job.yaml --workload dg-run --tpu-type v5p-8 \
       --git-url https://github.com/me/dgemma_jax --git-ref main -- dgemma generate --prompt hi
   kubectl apply -f job.yaml
+  # 4 servers, one v6e-8 each, behind one Service; then: kubectl apply -f serve.yaml
+  launch/gke_xpk.sh --emit-yaml serve.yaml --workload dg-serve --tpu-type v6e-8 --docker-image IMAGE \
+      --serve --replicas 4 -- --checkpoint gs://my-bucket/diffusiongemma --mesh expert=8
+  # the per-host command on a 2-host pod simulated here (2 processes x 4 CPU devices)
+  launch/gke_xpk.sh --simulate 2 -- dgemma generate --mesh data=2,expert=4 --prompt s9350814272=
 EOF
 }
 
@@ -240,7 +245,7 @@ fi
 
 # ------------------------------------------------------------------ JobSet YAML
 # TPU type -> GKE node labels. v5litepod/v6e sizes count chips; v4/v5p sizes count TensorCores
-# (2 per chip). Hosts have 4 chips (1 for a single-chip slice), as XPK's node pools do.
+# (2 per chip). Hosts have 4 chips (8 for a v5e-8 / v6e-8, 1 for a single-chip slice), as XPK's node pools do.
 family=${TPU%-*} size=${TPU##*-}
 case $family in
   v5litepod) accel_label=tpu-v5-lite-podslice; chips=$size ;;
@@ -277,6 +282,8 @@ for d in "${dims[@]}"; do topo_chips=$((topo_chips * d)); done
 ((topo_chips == chips)) || die "--topology $TOPOLOGY has $topo_chips chips but $TPU has $chips"
 chips_per_host=4
 ((chips > 1)) || chips_per_host=1
+# a v5e-8 / v6e-8 (2x4) is one 8-chip host (ct5lp-hightpu-8t, ct6e-standard-8t); bigger ones are 4-chip hosts
+[[ ($family == v5litepod || $family == v6e) && $chips == 8 ]] && chips_per_host=8
 hosts=$(((chips + chips_per_host - 1) / chips_per_host))
 image=${DOCKER_IMAGE:-$BASE_IMAGE}
 

@@ -246,14 +246,17 @@ def test_gke_serve_replicas_sit_behind_one_service():
     """Scaling a server out on GKE: --replicas N independent single-host slices (no MEGASCALE variables that
     would join them into one program), a readiness probe on /health, one Service selecting them all."""
     yaml = pytest.importorskip("yaml")
-    r = subprocess.run(["bash", str(GKE), "--emit-yaml", "-", "--workload", "dg-serve", "--tpu-type", "v5p-8",
-                        "--docker-image", "img", "--serve", "--replicas", "3", "--", "--mesh", "expert=4"],
+    r = subprocess.run(["bash", str(GKE), "--emit-yaml", "-", "--workload", "dg-serve", "--tpu-type", "v6e-8",
+                        "--docker-image", "img", "--serve", "--replicas", "3", "--", "--mesh", "expert=8"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     jobset, service = yaml.safe_load_all(r.stdout)
     job = jobset["spec"]["replicatedJobs"][0]
     assert job["replicas"] == 3
+    assert job["template"]["spec"]["parallelism"] == 1          # one host per replica, all 8 chips
     container = job["template"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["google.com/tpu"] == 8
+    assert container["args"][0].strip().splitlines()[-1] == "dgemma serve --host 0.0.0.0 --port 8000 --mesh expert=8"
     assert "MEGASCALE" not in r.stdout
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
     assert service["kind"] == "Service"
