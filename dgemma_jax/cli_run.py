@@ -22,7 +22,7 @@ from dgemma_jax.io import convert
 from dgemma_jax.io.bundled import BUNDLED, VISION_NAME
 from dgemma_jax.io.locations import resolve
 from dgemma_jax.model.quant import QUANTIZE_CHOICES, quantization_of, quantize_params, resolve_quantize
-from dgemma_jax.parallel.distributed import is_main_process, main_print
+from dgemma_jax.parallel.distributed import is_main_process, main_print, read_on_main_process
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.profiling import profile
 from dgemma_jax.parallel.shardings import Shardings, fetch
@@ -154,7 +154,7 @@ def _render_step(ev, tok, tty: bool, stream):
 
 def cmd_generate(args) -> int:
     compiles = CompileCounter()
-    prompt = args.prompt if args.prompt is not None else _strip_final_newline(sys.stdin.read())
+    prompt = args.prompt if args.prompt is not None else _strip_final_newline(read_on_main_process(sys.stdin.read))
     if not prompt:
         raise UsageError("empty prompt: pass --prompt TEXT or pipe text on stdin")
     checkpoint = args.checkpoint
@@ -226,7 +226,7 @@ def cmd_chat(args) -> int:
         if interactive:
             sys.stdout.write("you> ")
             sys.stdout.flush()
-        line = sys.stdin.readline()
+        line = read_on_main_process(sys.stdin.readline)  # a multi-host run: host 0's stdin, on every host
         if not line:
             break
         line = line.rstrip("\n")

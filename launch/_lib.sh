@@ -119,3 +119,127 @@ serve_command() {  # serve_command PORT [dgemma serve options...] -> SERVE_CMD a
   shift
   SERVE_CMD=(dgemma serve --host 0.0.0.0 --port "$port" "$@")
 }
+
+# host_command DIR VENV CMD...: the shell string each host runs, in a real launch and in --simulate alike:
+#   cd DIR && . VENV/bin/activate && export KEY=VALUE (one per --env, from ENVS) && COMMAND
+# DIR and VENV go in as they are (a remote '~' expands on the host; quote local paths with q); an empty
+# VENV leaves the activation out.
+host_command() {
+  local dir=$1 venv=$2 kv s
+  shift 2
+  s="cd $dir"
+  [[ -z $venv ]] || s+=" && . $venv/bin/activate"
+  for kv in "${ENVS[@]}"; do s+=" && export ${kv%%=*}=$(q "${kv#*=}")"; done
+  printf '%s && %s' "$s" "$(shell_command "$@")"
+}
+
+# ------------------------------------------------------------------ --simulate HOSTS: a pod on this machine
+# The per-host command runs as HOSTS local processes joined by jax.distributed (gloo collectives on
+# CPU), each with SIM_DEVICES fake CPU devices: host i gets DGEMMA_COORDINATOR=127.0.0.1:PORT,
+# DGEMMA_NUM_PROCESSES=HOSTS and DGEMMA_PROCESS_ID=i, which `dgemma` reads at start. Host 0 has this
+# script's stdin, stdout and stderr; host i > 0 reads /dev/null and writes $DGEMMA_SIM_LOGS/host-<i>.out
+# and .err. Each host runs in its own process group; $DGEMMA_SIM_LOGS/host-<i>.pid holds its leader's
+# pid (= the group id). When a host exits non-zero or is killed, the others are stopped (SIGTERM, then
+# SIGKILL after 10 s) and the script exits with that host's status, as a JobSet restarts the whole slice.
+SIM_HOSTS="" SIM_DEVICES=4
+check_simulate() {
+  [[ $SIM_HOSTS =~ ^[1-9][0-9]{0,2}$ ]] || die "--simulate takes a number of hosts (1-999); got '$SIM_HOSTS'"
+  [[ $SIM_DEVICES =~ ^[1-9][0-9]{0,3}$ ]] || die "--simulate-devices takes a number of CPU devices per host; got '$SIM_DEVICES'"
+}
+
+free_port() {  # a free TCP port on 127.0.0.1 (python3 asks the kernel; without python3, a random one)
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null \
+    || printf '%s' $((20000 + RANDOM % 40000))
+}
+
+SIM_PIDS=() SIM_TTY_PID=""
+sim_signal() {  # sim_signal SIG: signal every host's process group (host 0 on a terminal: it and its children)
+  local pid
+  for pid in "${SIM_PIDS[@]}"; do
+    if [[ $pid == "$SIM_TTY_PID" ]]; then
+      pkill "-$1" -P "$pid" 2>/dev/null || true
+      kill "-$1" "$pid" 2>/dev/null || true
+    else
+      kill "-$1" -- "-$pid" 2>/dev/null || true
+    fi
+  done
+}
+sim_alive() {
+  local pid
+  for pid in "${SIM_PIDS[@]}"; do
+    if kill -0 -- "-$pid" 2>/dev/null || { [[ $pid == "$SIM_TTY_PID" ]] && kill -0 "$pid" 2>/dev/null; }; then
+      return 0
+    fi
+  done
+  return 1
+}
+sim_stop() {  # SIGTERM every host, SIGKILL what is left after 10 s
+  local t
+  sim_signal TERM
+  for ((t = 0; t < 100; t++)); do
+    sim_alive || return 0
+    sleep 0.1
+  done
+  sim_signal KILL
+}
+
+simulate() {  # simulate SHELL_STRING: run the per-host command as SIM_HOSTS local processes
+  local s=$1 logs port i pid st rc=0 left who
+  local -a argv
+  port=$(free_port)
+  if ((DRY_RUN)); then
+    logs=${DGEMMA_SIM_LOGS:-'$DGEMMA_SIM_LOGS'}
+  elif [[ -n ${DGEMMA_SIM_LOGS:-} ]]; then
+    logs=$DGEMMA_SIM_LOGS
+    mkdir -p "$logs"
+  else
+    logs=$(mktemp -d "${TMPDIR:-/tmp}/dgemma-sim.XXXXXX")
+  fi
+  note "simulated pod: $SIM_HOSTS host(s) x $SIM_DEVICES CPU device(s), jax.distributed through 127.0.0.1:$port"
+  note "host 0 has this script's stdin, stdout and stderr; host i > 0 writes $logs/host-<i>.out and .err; pids in $logs/host-<i>.pid"
+  ((DRY_RUN)) || trap 'sim_stop; exit 130' INT
+  ((DRY_RUN)) || trap 'sim_stop; exit 143' TERM
+  set -m  # each host in its own process group, so that stopping it stops everything it started
+  for ((i = 0; i < SIM_HOSTS; i++)); do
+    argv=(env "XLA_FLAGS=--xla_force_host_platform_device_count=$SIM_DEVICES" JAX_PLATFORMS=cpu
+          "DGEMMA_COORDINATOR=127.0.0.1:$port" "DGEMMA_NUM_PROCESSES=$SIM_HOSTS" "DGEMMA_PROCESS_ID=$i"
+          bash -c "$s")
+    if ((DRY_RUN)); then
+      run "${argv[@]}"
+      continue
+    fi
+    printf '+ %s\n' "$(join_quoted "${argv[@]}")" >&2
+    if ((i == 0)) && [[ -t 0 ]]; then
+      set +m  # reading a terminal from a background process group would stop it (SIGTTIN): stay in ours
+      "${argv[@]}" <&0 &
+      SIM_TTY_PID=$!
+      set -m
+    elif ((i == 0)); then
+      "${argv[@]}" <&0 &
+    else
+      : >"$logs/host-$i.out"
+      : >"$logs/host-$i.err"
+      "${argv[@]}" </dev/null >"$logs/host-$i.out" 2>"$logs/host-$i.err" &
+    fi
+    pid=$!
+    SIM_PIDS+=("$pid")
+    printf '%s\n' "$pid" >"$logs/host-$i.pid"
+  done
+  set +m
+  ((DRY_RUN == 0)) || return 0
+  for ((left = SIM_HOSTS; left > 0; left--)); do
+    st=0 pid=""
+    if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501)); then wait -n -p pid || st=$?; else wait -n || st=$?; fi
+    if ((st != 0)); then
+      who="a host"
+      for ((i = 0; i < SIM_HOSTS; i++)); do [[ ${SIM_PIDS[i]} != "$pid" ]] || who="host $i"; done
+      note "$who exited with status $st: stopping the other hosts (their logs are in $logs)"
+      rc=$st
+      sim_stop
+      break
+    fi
+  done
+  wait || true
+  trap - INT TERM
+  return "$rc"
+}

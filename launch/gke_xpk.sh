@@ -51,8 +51,17 @@ Options:
   --git-ref REF          --emit-yaml: branch, tag or commit to check out
   --serve                serve mode: the container runs `dgemma serve --host 0.0.0.0 --port PORT
                          ARGS...` with the words after `--` as the server's options (single-host
-                         slices, one slice); --emit-yaml adds a ClusterIP Service on PORT
+                         slices, one slice per replica); --emit-yaml adds a ClusterIP Service on
+                         PORT and a readiness probe on /health
   --port PORT            serve mode: the server's port (default 8000)
+  --replicas N           serve mode with --emit-yaml: N independent single-host servers (the
+                         JobSet's replicas) behind the one Service, which spreads the connections
+                         over the ready ones (default 1)
+  --simulate HOSTS       no cluster: run the per-host command (COMMAND in this checkout, without
+                         the install step) as HOSTS processes on this machine, joined by
+                         jax.distributed over 127.0.0.1 with --simulate-devices CPU devices each;
+                         see `launch/tpu_vm.sh --help` for the logs, pids and exit status
+  --simulate-devices N   CPU devices per simulated host (default 4)
   --dry-run              print every command, one per line as "+ CMD", and run nothing
   -h, --help             this help
 
@@ -67,13 +76,18 @@ Examples:
   launch/gke_xpk.sh --emit-yaml job.yaml --workload dg-run --tpu-type v5p-8 \
       --git-url https://github.com/me/dgemma_jax --git-ref main -- dgemma generate --prompt hi
   kubectl apply -f job.yaml
+  # 4 servers, one v6e-8 each, behind one Service; then: kubectl apply -f serve.yaml
+  launch/gke_xpk.sh --emit-yaml serve.yaml --workload dg-serve --tpu-type v6e-8 --docker-image IMAGE \
+      --serve --replicas 4 -- --checkpoint gs://my-bucket/diffusiongemma --mesh expert=8
+  # the per-host command on a 2-host pod simulated here (2 processes x 4 CPU devices)
+  launch/gke_xpk.sh --simulate 2 -- dgemma generate --mesh data=2,expert=4 --prompt s9350814272=
 EOF
 }
 
 CLUSTER="" WORKLOAD="" TPU="v5litepod-8" NUM_SLICES=1 ZONE="" PROJECT=""
 DOCKER_IMAGE="" BASE_IMAGE="python:3.11" SCRIPT_DIR=$(cd "$HERE/.." && pwd) SCRIPT_DIR_SET=0
 SKIP_INSTALL=0 PRIORITY="" MAX_RESTARTS="" SPOT=0 WAIT=0 XPK="xpk" EMIT_YAML="" TOPOLOGY=""
-GIT_URL="" GIT_REF="" HAVE_CMD=0 BASE_IMAGE_SET=0 SERVE=0 PORT=8000
+GIT_URL="" GIT_REF="" HAVE_CMD=0 BASE_IMAGE_SET=0 SERVE=0 PORT=8000 REPLICAS=1
 ENVS=() CMD=()
 
 (($# > 0)) || { usage >&2; exit 2; }
@@ -110,21 +124,34 @@ while (($#)); do
     --git-ref) need_value "$arg" $inline "$@"; GIT_REF=$1; shift ;;
     --serve) no_value "$arg" $inline; SERVE=1 ;;
     --port) need_value "$arg" $inline "$@"; PORT=$1; shift ;;
+    --replicas) need_value "$arg" $inline "$@"; REPLICAS=$1; shift ;;
+    --simulate) need_value "$arg" $inline "$@"; SIM_HOSTS=$1; shift ;;
+    --simulate-devices) need_value "$arg" $inline "$@"; SIM_DEVICES=$1; shift ;;
     -*) die "unknown option '$arg'" ;;
     *) die "unexpected argument '$arg'; put the command to run after '--'" ;;
   esac
 done
 
 # ------------------------------------------------------------------ validation
+SIMULATE=0
+if [[ -n $SIM_HOSTS ]]; then
+  check_simulate
+  SIMULATE=1
+fi
+[[ $REPLICAS =~ ^[1-9][0-9]*$ ]] || die "--replicas must be a positive integer; got '$REPLICAS'"
+((REPLICAS == 1 || SERVE)) || die "--replicas applies to --serve; for several slices of one program use --num-slices"
 if ((SERVE)); then
   check_serve "$(normalize_tpu "$TPU")" "$PORT"
-  [[ $NUM_SLICES == 1 ]] || die "--serve runs one server on one slice; drop --num-slices"
+  [[ $NUM_SLICES == 1 ]] \
+    || die "--serve runs one server on one slice (one host); for several servers use --replicas N with --emit-yaml"
+  ((SIMULATE == 0 || SIM_HOSTS == 1)) \
+    || die "--serve runs the server on one host (one host per replica); simulate that with --simulate 1"
   serve_command "$PORT" "${CMD[@]}"
   CMD=("${SERVE_CMD[@]}")
   HAVE_CMD=1
 fi
 ((HAVE_CMD && ${#CMD[@]} > 0)) || die "no command given; put the command to run after '--'"
-[[ -n $EMIT_YAML || -n $CLUSTER ]] || die "--cluster is required (or use --emit-yaml to write a JobSet manifest)"
+((SIMULATE)) || [[ -n $EMIT_YAML || -n $CLUSTER ]] || die "--cluster is required (or use --emit-yaml to write a JobSet manifest)"
 if [[ -n $CLUSTER && ! $CLUSTER =~ ^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$ ]]; then
   die "--cluster '$CLUSTER' is not a valid GKE cluster name"
 fi
@@ -150,6 +177,7 @@ if [[ -n $DOCKER_IMAGE ]]; then
   ((SCRIPT_DIR_SET == 0)) || die "--script-dir only applies with --base-docker-image (XPK copies it into that image)"
 fi
 if [[ -z $EMIT_YAML ]]; then
+  ((REPLICAS == 1)) || die "--replicas needs --emit-yaml (xpk's --num-slices would join the slices into one program)"
   [[ -z $GIT_URL && -z $GIT_REF && -z $TOPOLOGY ]] || die "--git-url, --git-ref and --topology only apply with --emit-yaml"
   if [[ -z $DOCKER_IMAGE ]]; then
     [[ -d $SCRIPT_DIR ]] || die "--script-dir '$SCRIPT_DIR' is not a directory"
@@ -164,6 +192,20 @@ else
 fi
 
 USER_CMD=$(shell_command "${CMD[@]}")
+
+# ------------------------------------------------------------------ --simulate
+# What every container runs after its install step (COMMAND, with the --env variables), in this
+# checkout, as SIM_HOSTS local processes; nothing is submitted or written.
+if ((SIMULATE)); then
+  ((DRY_RUN == 0)) || note "dry run: nothing below is executed"
+  note "simulating $SIM_HOSTS host(s) here instead of a cluster: no xpk, no manifest, no install; this checkout as it is"
+  sim_venv=${VIRTUAL_ENV:-}
+  [[ -z $sim_venv ]] || sim_venv=$(q "$sim_venv")
+  ((SERVE == 0)) || note "serving on host 0: http://localhost:$PORT/v1 while this runs"
+  rc=0
+  simulate "$(host_command "$(q "$SCRIPT_DIR")" "$sim_venv" "${CMD[@]}")" || rc=$?
+  exit "$rc"
+fi
 
 # ------------------------------------------------------------------ xpk
 if [[ -z $EMIT_YAML ]]; then
@@ -203,7 +245,7 @@ fi
 
 # ------------------------------------------------------------------ JobSet YAML
 # TPU type -> GKE node labels. v5litepod/v6e sizes count chips; v4/v5p sizes count TensorCores
-# (2 per chip). Hosts have 4 chips (1 for a single-chip slice), as XPK's node pools do.
+# (2 per chip). Hosts have 4 chips (8 for a v5e-8 / v6e-8, 1 for a single-chip slice), as XPK's node pools do.
 family=${TPU%-*} size=${TPU##*-}
 case $family in
   v5litepod) accel_label=tpu-v5-lite-podslice; chips=$size ;;
@@ -240,6 +282,8 @@ for d in "${dims[@]}"; do topo_chips=$((topo_chips * d)); done
 ((topo_chips == chips)) || die "--topology $TOPOLOGY has $topo_chips chips but $TPU has $chips"
 chips_per_host=4
 ((chips > 1)) || chips_per_host=1
+# a v5e-8 / v6e-8 (2x4) is one 8-chip host (ct5lp-hightpu-8t, ct6e-standard-8t); bigger ones are 4-chip hosts
+[[ ($family == v5litepod || $family == v6e) && $chips == 8 ]] && chips_per_host=8
 hosts=$(((chips + chips_per_host - 1) / chips_per_host))
 image=${DOCKER_IMAGE:-$BASE_IMAGE}
 
@@ -265,6 +309,7 @@ yaml_str() {  # a YAML double-quoted scalar (JSON string rules)
 emit() {
   echo "# JobSet for DiffusionGemma (dgemma_jax), written by launch/gke_xpk.sh --emit-yaml."
   echo "# $NUM_SLICES x $TPU: topology $TOPOLOGY, $hosts host(s) per slice, $chips_per_host chip(s) per host."
+  ((SERVE == 0)) || echo "# Serving: $REPLICAS independent server(s), one slice each, behind the Service $WORKLOAD."
   echo "# Apply with: kubectl apply -f FILE   (needs the JobSet controller on the cluster)"
   echo "apiVersion: jobset.x-k8s.io/v1alpha2"
   echo "kind: JobSet"
@@ -277,7 +322,7 @@ emit() {
   echo "    maxRestarts: ${MAX_RESTARTS:-0}"
   echo "  replicatedJobs:"
   echo "  - name: slice"
-  echo "    replicas: $NUM_SLICES"
+  echo "    replicas: $((NUM_SLICES * REPLICAS))"
   echo "    template:"
   echo "      spec:"
   echo "        parallelism: $hosts"
@@ -308,7 +353,14 @@ emit() {
   echo "              ports:"
   echo "              - containerPort: 8471"
   echo "              - containerPort: 8080"
-  ((SERVE == 0)) || echo "              - containerPort: $PORT"
+  if ((SERVE)); then
+    echo "              - containerPort: $PORT"
+    echo "              readinessProbe:"
+    echo "                httpGet:"
+    echo "                  path: /health"
+    echo "                  port: $PORT"
+    echo "                periodSeconds: 10"
+  fi
   echo "              securityContext:"
   echo "                privileged: true"
   if ((${#ENVS[@]} > 0 || NUM_SLICES > 1)); then
@@ -340,7 +392,8 @@ emit() {
   echo "                  google.com/tpu: $chips_per_host"
   if ((SERVE)); then
     echo "---"
-    echo "# The server's address inside the cluster; from outside: kubectl port-forward svc/$WORKLOAD $PORT:$PORT"
+    echo "# The servers' address inside the cluster (connections go to the ready replicas);"
+    echo "# from outside: kubectl port-forward svc/$WORKLOAD $PORT:$PORT"
     echo "apiVersion: v1"
     echo "kind: Service"
     echo "metadata:"

@@ -59,6 +59,15 @@ Running:
   --port PORT            serve mode: the server's port, also forwarded to localhost (default 8000)
   --env KEY=VALUE        export KEY=VALUE before COMMAND on the workers (repeatable)
   --iap                  reach the workers through IAP (--tunnel-through-iap)
+  --simulate HOSTS       no TPU, no gcloud: run the per-host command (the one `ssh --worker=all` runs)
+                         as HOSTS processes on this machine, this checkout as it is, joined by
+                         jax.distributed over 127.0.0.1 with --simulate-devices CPU devices each.
+                         --name/--zone are optional; the venv is --venv or $VIRTUAL_ENV (or none).
+                         Host 0 has this terminal; host i > 0 writes $DGEMMA_SIM_LOGS/host-<i>.out
+                         and .err (default: a new temporary directory); host-<i>.pid holds each
+                         host's pid (its process group). A host that fails stops the others; the
+                         exit status is 0 only if every host exits 0
+  --simulate-devices N   CPU devices per simulated host (default 4)
   --dry-run              print every command, one per line as "+ CMD", and run nothing
   -h, --help             this help
 
@@ -85,6 +94,9 @@ Examples:
 
   # see what would run
   launch/tpu_vm.sh --dry-run --name dg-v5p --zone us-east5-a --accelerator v5p-8 -- dgemma --help
+
+  # a 2-host pod simulated on this machine (2 processes x 4 CPU devices), no TPU needed
+  launch/tpu_vm.sh --simulate 2 -- dgemma generate --mesh data=2,expert=4 --prompt s9350814272=
 EOF
 }
 
@@ -93,7 +105,7 @@ SPOT=0 QUEUED=0 REUSE=0 DELETE_AFTER=0 WAIT_TIMEOUT=3600 POLL_SECONDS=${DGEMMA_P
 SOURCE_DIR=$(cd "$HERE/.." && pwd) GIT_URL="" GIT_REF="" USE_GIT=0
 # shellcheck disable=SC2088  # '~' is expanded by the workers' shell, not here
 REMOTE_DIR="~/dgemma_jax" VENV="~/dgemma-venv" PYVER="3.11"
-SKIP_COPY=0 SKIP_INSTALL=0 SETUP_ONLY=0 IAP=0 HAVE_CMD=0 SERVE=0 PORT=8000
+SKIP_COPY=0 SKIP_INSTALL=0 SETUP_ONLY=0 IAP=0 HAVE_CMD=0 SERVE=0 PORT=8000 VENV_SET=0
 EXCLUDES=() PIP_EXTRA=() ENVS=() CMD=()
 
 (($# > 0)) || { usage >&2; exit 2; }
@@ -123,7 +135,7 @@ while (($#)); do
     --git-url) need_value "$arg" $inline "$@"; GIT_URL=$1; USE_GIT=1; shift ;;
     --git-ref) need_value "$arg" $inline "$@"; GIT_REF=$1; USE_GIT=1; shift ;;
     --remote-dir) need_value "$arg" $inline "$@"; REMOTE_DIR=$1; shift ;;
-    --venv) need_value "$arg" $inline "$@"; VENV=$1; shift ;;
+    --venv) need_value "$arg" $inline "$@"; VENV=$1; VENV_SET=1; shift ;;
     --python) need_value "$arg" $inline "$@"; PYVER=$1; shift ;;
     --pip) need_value "$arg" $inline "$@"; PIP_EXTRA+=("$1"); shift ;;
     --skip-copy) no_value "$arg" $inline; SKIP_COPY=1 ;;
@@ -133,17 +145,25 @@ while (($#)); do
     --iap) no_value "$arg" $inline; IAP=1 ;;
     --serve) no_value "$arg" $inline; SERVE=1 ;;
     --port) need_value "$arg" $inline "$@"; PORT=$1; shift ;;
+    --simulate) need_value "$arg" $inline "$@"; SIM_HOSTS=$1; shift ;;
+    --simulate-devices) need_value "$arg" $inline "$@"; SIM_DEVICES=$1; shift ;;
     -*) die "unknown option '$arg'" ;;
     *) die "unexpected argument '$arg'; put the command to run after '--'" ;;
   esac
 done
 
 # ------------------------------------------------------------------ validation
-[[ -n $NAME ]] || die "--name is required"
-[[ -n $ZONE ]] || die "--zone is required"
-[[ $NAME =~ ^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$ ]] \
+SIMULATE=0
+if [[ -n $SIM_HOSTS ]]; then
+  check_simulate
+  SIMULATE=1
+  ((SETUP_ONLY == 0)) || die "--simulate runs the command on this machine; --setup-only has nothing to do there"
+fi
+((SIMULATE)) || [[ -n $NAME ]] || die "--name is required"
+((SIMULATE)) || [[ -n $ZONE ]] || die "--zone is required"
+[[ -z $NAME || $NAME =~ ^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$ ]] \
   || die "--name '$NAME' is not a valid TPU name (lowercase letters, digits and '-', starting with a letter, at most 63 characters)"
-[[ $ZONE =~ ^[a-z]+-[a-z]+[0-9]+-[a-z]$ ]] || die "--zone '$ZONE' does not look like a zone (e.g. us-east5-b)"
+[[ -z $ZONE || $ZONE =~ ^[a-z]+-[a-z]+[0-9]+-[a-z]$ ]] || die "--zone '$ZONE' does not look like a zone (e.g. us-east5-b)"
 if [[ -n $PROJECT && ! $PROJECT =~ ^[a-z][-a-z0-9.:]*[a-z0-9]$ ]]; then
   die "--project '$PROJECT' is not a valid project id"
 fi
@@ -173,6 +193,8 @@ fi
 if ((SERVE)); then
   ((SETUP_ONLY == 0)) || die "--serve and --setup-only do not go together"
   check_serve "$ACCEL" "$PORT"
+  ((SIMULATE == 0 || SIM_HOSTS == 1)) \
+    || die "--serve runs the server on one host (one host per replica); simulate that with --simulate 1"
   serve_command "$PORT" "${CMD[@]}"
   CMD=("${SERVE_CMD[@]}")
 elif ((HAVE_CMD == 0 || ${#CMD[@]} == 0)); then
@@ -181,7 +203,7 @@ elif ((SETUP_ONLY)); then
   die "--setup-only runs no command; drop the command after '--' or drop --setup-only"
 fi
 if ((USE_GIT && SKIP_COPY)); then die "--git-url/--git-ref and --skip-copy contradict each other"; fi
-if ((USE_GIT)) && [[ -z $GIT_URL ]]; then
+if ((USE_GIT && !SIMULATE)) && [[ -z $GIT_URL ]]; then
   GIT_URL=$(git -C "$SOURCE_DIR" remote get-url origin 2>/dev/null) \
     || die "--git-ref needs --git-url (this checkout has no 'origin' remote)"
 fi
@@ -282,9 +304,8 @@ $VENV/bin/python -c 'import dgemma_jax, jax; print(\"dgemma_jax\", dgemma_jax.__
 }
 
 run_command() {
-  local s="cd $REMOTE_DIR && . $VENV/bin/activate" kv
-  for kv in "${ENVS[@]}"; do s+=" && export ${kv%%=*}=$(q "${kv#*=}")"; done
-  s+=" && $(shell_command "${CMD[@]}")"
+  local s
+  s=$(host_command "$REMOTE_DIR" "$VENV" "${CMD[@]}")
   if ((SERVE)); then
     note "serving on $NAME: $(shell_command "${CMD[@]}")"
     note "while this runs: http://localhost:$PORT/v1 (forwarded through SSH); Ctrl-C or SIGTERM drains and stops it"
@@ -305,6 +326,19 @@ delete_tpu() {
     run "${TPUVM[@]}" delete "$NAME" "${LOC[@]}" --quiet
   fi
 }
+
+# --simulate: the per-host command of run_command, on this machine, in this checkout.
+if ((SIMULATE)); then
+  ((DRY_RUN == 0)) || note "dry run: nothing below is executed"
+  note "simulating $SIM_HOSTS host(s) here instead of a TPU: no gcloud, no copy, no install; this checkout as it is"
+  sim_venv=${VIRTUAL_ENV:-}
+  ((VENV_SET == 0)) || sim_venv=$VENV
+  [[ -z $sim_venv ]] || sim_venv=$(q "$sim_venv")
+  ((SERVE == 0)) || note "serving on host 0: http://localhost:$PORT/v1 while this runs"
+  rc=0
+  simulate "$(host_command "$(q "$SOURCE_DIR")" "$sim_venv" "${CMD[@]}")" || rc=$?
+  exit "$rc"
+fi
 
 # In a real run, an EXIT trap removes the local tarball and, with --delete-after, deletes the TPU
 # once this script created (or reused) it, whatever fails after that point.

@@ -427,9 +427,9 @@ class TestJobSetYaml:
         return self.yaml.safe_load(r.stdout)
 
     @pytest.mark.parametrize("tpu,label,topology,hosts,chips", [
-        ("v5litepod-8", "tpu-v5-lite-podslice", "2x4", 2, 4),
+        ("v5litepod-8", "tpu-v5-lite-podslice", "2x4", 1, 8),   # one ct5lp-hightpu-8t host
         ("v5e-16", "tpu-v5-lite-podslice", "4x4", 4, 4),
-        ("v6e-8", "tpu-v6e-slice", "2x4", 2, 4),
+        ("v6e-8", "tpu-v6e-slice", "2x4", 1, 8),           # one ct6e-standard-8t host
         ("v6e-1", "tpu-v6e-slice", "1x1", 1, 1),
         ("v5p-8", "tpu-v5p-slice", "2x2x1", 1, 4),
         ("v5p-32", "tpu-v5p-slice", "2x2x4", 4, 4),

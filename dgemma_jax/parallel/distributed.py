@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Callable
 
 import jax
+import numpy as np
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -60,6 +62,21 @@ def _multi_host_tpu() -> bool:
 
 def is_main_process() -> bool:
     return jax.process_index() == 0
+
+
+def read_on_main_process(read: Callable[[], str]) -> str:
+    """`read()` called on process 0 alone, its text returned on every process. Input that only the first host
+    has (`dgemma chat`'s and `dgemma generate`'s stdin: a launcher gives it to host 0) becomes the same on every
+    host, so that all of them run the same programs; the others never touch their stdin. One process: read()."""
+    if jax.process_count() == 1:
+        return read()
+    from jax.experimental import multihost_utils
+
+    data = read().encode() if is_main_process() else b""
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
+    buf = np.zeros(max(64, 1 << max(n - 1, 0).bit_length()), np.uint8)  # padded to a power of two: few programs
+    buf[:len(data)] = np.frombuffer(data, np.uint8)
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))[:n]).decode()
 
 
 def main_print(*args, **kwargs) -> None:
