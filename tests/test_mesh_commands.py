@@ -11,7 +11,6 @@ from jax.sharding import NamedSharding
 
 import dgemma_jax as dg
 from dgemma_jax.pipeline import load_checkpoint
-from tests.helpers.serve import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "s9350814272="
@@ -61,19 +60,6 @@ def test_generate_and_chat_take_a_mesh_and_answer_as_on_one_device():
     bad = _cli("generate", "--prompt", PROMPT, "--mesh", "expert=3")
     _, err = bad.communicate(timeout=300)
     assert bad.returncode == 2 and err.startswith("dgemma: error:") and "expert" in err
-
-
-@pytest.mark.slow
-def test_generate_over_two_processes_prints_the_one_process_answer_once():
-    """Two processes of 4 CPU devices each join through DGEMMA_COORDINATOR (what the launch scripts
-    export on a non-TPU cluster); the mesh spans both; process 0 alone prints, the same answer as one
-    process with 8 devices."""
-    port = free_port()
-    procs = [_cli("generate", "--prompt", PROMPT, "--mesh", "data=2,expert=4", devices=4,
-                  env_extra={"DGEMMA_COORDINATOR": f"127.0.0.1:{port}", "DGEMMA_NUM_PROCESSES": "2",
-                             "DGEMMA_PROCESS_ID": str(i)}) for i in range(2)]
-    outs = [_answer(p) for p in procs]
-    assert outs == [["0122345789"], []]
 
 
 NATIVE_CHATTER = r"""
