@@ -1,5 +1,6 @@
 """`--mesh` / `--rules` on the commands that run the model, weights read straight into their shards, and
-`dgemma generate` as one program over several processes under jax.distributed (gloo on CPU)."""
+native stdout kept out of a multi-process run's answer (the runs over several processes under
+jax.distributed go through the launch scripts' simulation: tests/test_launch_simulation.py)."""
 
 import os
 import subprocess
