@@ -153,7 +153,7 @@ else:
     shardings = None
     if jax.device_count() > 1:  # the weights split over every chip, experts on an `expert` axis
         shardings = Shardings(config, make_mesh(f"expert={jax.device_count()}"), "latency")
-    # auto: the first of none / int8 / int4 whose weights fit 85% of the chips the weights go to
+    # auto: the first of none / int8 / int4 whose weights fit 90% of the chips the weights go to
     devices = shardings.mesh.devices.flat if shardings is not None else jax.devices()[:1]
     quantize = resolve_quantize(config, QUANTIZE, devices)
     print(f"QUANTIZE={QUANTIZE}: {quantize or config.param_dtype} weights, "

@@ -275,8 +275,6 @@ def test_bad_inputs_are_clear_errors(params):
         Engine(CFG, params, SAMPLER, quantize="fp8")
     with pytest.raises(ValueError, match="already quantized"):
         quantize_params(CFG, q, "int4")
-    with pytest.raises(ValueError, match="int8 only"):
-        quantize_params(CFG, params, "int4", embedding=True)
     with pytest.raises(ValueError, match="already quantized"):
         Engine(CFG, q, SAMPLER, quantize="int8")
     with pytest.raises(ValueError, match="do not match tiny-2layer"):

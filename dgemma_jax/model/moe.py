@@ -93,8 +93,10 @@ def _ragged(x, w, sizes, ab=None):
         width = q.shape[1] // blocks
         y = 0.0
         for j in range(blocks):  # int8: one block (its scale has size 1 along I)
-            part = jax.lax.ragged_dot(x[:, j * width:(j + 1) * width], q[:, j * width:(j + 1) * width], sizes,
-                                      preferred_element_type=f32)
+            block = q[:, j * width:(j + 1) * width]
+            # XLA:TPU's grouped matmul takes no int4 operand ("Unsupported element type: S4"): widened to int8
+            block = block.astype(jnp.int8) if block.dtype == jnp.int4 else block
+            part = jax.lax.ragged_dot(x[:, j * width:(j + 1) * width], block, sizes, preferred_element_type=f32)
             y = y + part * scale[:, j, :][group]
     else:
         y = jax.lax.ragged_dot(x, w, sizes)

@@ -94,16 +94,17 @@ def int4_scale_shape(shape: tuple[int, ...], contracted: tuple[int, ...]) -> tup
 def quantize_kernel_int4(w: jax.Array, contracted: tuple[int, ...]) -> dict:
     """A float kernel -> {"int4": q, "scale": s}: symmetric, one scale per group of `int4_group`
     consecutive weights along the last contracted axis (and per index of every other axis):
-    s = max|W| over the group / 7, q = round(W / s) in [-7, 7]; an all-zero group gets s = 1, q = 0."""
+    s = max|W| over the group / 7 stored in bfloat16 (a float32 scale per 64 weights would add 12% to the
+    int4 bytes), q = round(W / s) in [-7, 7] against that stored scale; an all-zero group gets s = 1, q = 0."""
     w32 = jnp.asarray(w, jnp.float32)
     g = contracted[-1]
     n = w32.shape[g]
     size = int4_group(n)
     grouped = w32.reshape(w32.shape[:g] + (n // size, size) + w32.shape[g + 1:])
     amax = jnp.max(jnp.abs(grouped), axis=g + 1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / INT4_QMAX, 1.0)
+    scale = jnp.where(amax > 0, amax / INT4_QMAX, 1.0).astype(jnp.bfloat16).astype(jnp.float32)
     q = jnp.clip(jnp.round(grouped / scale), -INT4_QMAX, INT4_QMAX).reshape(w32.shape).astype(jnp.int4)
-    return {INT4_VALUES: q, QUANT_SCALE: jnp.squeeze(scale, g + 1).astype(jnp.float32)}
+    return {INT4_VALUES: q, QUANT_SCALE: jnp.squeeze(scale, g + 1).astype(jnp.bfloat16)}
 
 
 _quantize_jit = {"int8": jax.jit(quantize_kernel, static_argnums=1),
@@ -111,7 +112,8 @@ _quantize_jit = {"int8": jax.jit(quantize_kernel, static_argnums=1),
 
 
 def quantization_of(params) -> str | None:
-    """"int8" or "int4" when the kernels of `params` are quantized pairs of that kind, else None."""
+    """"int4" when any kernel of `params` is an int4 pair (its embedding may be int8), "int8" when the
+    quantized kernels are int8 pairs, else None."""
     found = set()
 
     def visit(x):
@@ -120,27 +122,30 @@ def quantization_of(params) -> str | None:
         return x
 
     jax.tree.map(visit, params, is_leaf=is_quantized)
-    if len(found) > 1:
-        raise ValueError("these parameters mix int8 and int4 kernels; quantize the float parameters once, in one mode")
-    return found.pop() if found else None
+    return "int4" if "int4" in found else ("int8" if found else None)
 
 
 def embedding_quantized(params) -> bool:
     return isinstance(params, dict) and is_quantized(params.get("embedding"))
 
 
-def quantize_params(config: ModelConfig, params, mode: str = "int8", *, embedding: bool = False):
+def _embedding_default(mode: str, embedding: bool | None) -> bool:
+    """int8 leaves the tied embedding float unless asked; int4, the mode for fitting one chip, makes it
+    int8 (one scale per vocabulary row) unless embedding=False."""
+    return (mode == "int4") if embedding is None else bool(embedding)
+
+
+def quantize_params(config: ModelConfig, params, mode: str = "int8", *, embedding: bool | None = None):
     """Float parameters -> the same tree with every target kernel a quantized pair (module docstring).
 
     mode: "int8" (per-channel) or "int4" (group-wise). embedding: quantize the tied embedding / head
-    too (default False, see benchmarks/results/int8_quality.json; int8 only). Params in, new params
+    too, in int8 (default: False for int8, see benchmarks/results/quant_quality.json; True for int4,
+    whose point is fitting one chip). Params in, new params
     out (nothing is changed in place); arrays stay on the devices / shardings they were on. Raises a
     ValueError for an unknown mode, parameters already quantized, or a tree that is not this config's."""
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; choose one of {', '.join(QUANT_MODES)}")
-    if embedding and mode != "int8":
-        raise ValueError(f"embedding=True quantizes the tied embedding / head in int8 only, not {mode}; "
-                         "leave it float (embedding=False)")
+    embedding = _embedding_default(mode, embedding)
     already = quantization_of(params)
     if already is not None:
         raise ValueError(f"these parameters are already quantized ({already} kernels); quantize the float "
@@ -153,24 +158,28 @@ def quantize_params(config: ModelConfig, params, mode: str = "int8", *, embeddin
                          "quantize the parameters of this config")
 
     def one(path, w):
-        axes = contracted_axes(_path(path), embedding)
-        return w if axes is None else _quantize_jit[mode](w, axes)
+        name = _path(path)
+        axes = contracted_axes(name, embedding)
+        if axes is None:
+            return w
+        return _quantize_jit["int8" if re.search(EMBEDDING[0], name) else mode](w, axes)
 
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def quantized_shapes(config: ModelConfig, mode: str = "int8", *, embedding: bool = False):
+def quantized_shapes(config: ModelConfig, mode: str = "int8", *, embedding: bool | None = None):
     """The tree `quantize_params` returns for this config, as `jax.ShapeDtypeStruct`s (no arrays)."""
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; choose one of {', '.join(QUANT_MODES)}")
+    embedding = _embedding_default(mode, embedding)
 
     def one(path, s):
         axes = contracted_axes(_path(path), embedding)
         if axes is None:
             return s
-        if mode == "int4":
+        if mode == "int4" and not re.search(EMBEDDING[0], _path(path)):
             return {INT4_VALUES: jax.ShapeDtypeStruct(s.shape, jnp.int4),
-                    QUANT_SCALE: jax.ShapeDtypeStruct(int4_scale_shape(s.shape, axes), jnp.float32)}
+                    QUANT_SCALE: jax.ShapeDtypeStruct(int4_scale_shape(s.shape, axes), jnp.bfloat16)}
         scale = tuple(1 if i in axes else n for i, n in enumerate(s.shape))
         return {QUANT_VALUES: jax.ShapeDtypeStruct(s.shape, jnp.int8),
                 QUANT_SCALE: jax.ShapeDtypeStruct(scale, jnp.float32)}
@@ -190,7 +199,7 @@ def param_bytes(params) -> int:
 
 # ---------------------------------------------------------------------------- choosing a mode
 QUANTIZE_CHOICES = ("auto", "none") + QUANT_MODES
-WEIGHT_SHARE = 0.85  # the share of accelerator memory the weights may take (the rest: cache, activations)
+WEIGHT_SHARE = 0.9  # the share of accelerator memory the weights may take (the rest: cache, activations)
 
 
 def weight_bytes(config: ModelConfig, mode: str | None = None) -> int:
