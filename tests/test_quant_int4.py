@@ -53,8 +53,8 @@ def test_one_kernel_has_one_scale_per_group_along_the_contracted_axis():
 def test_the_tree_the_bytes_and_the_error_per_kernel(params=None):
     """Every kernel int8 quantizes is int4 here (router, norms, embedding stay float), the shapes match
     `quantized_shapes`, int4 holds half a byte a weight. Per kernel, the relative RMS error of the
-    dequantized weights: measured max 0.115 for int4 (groups of <= 128 normal weights), 0.0095 for
-    int8 per channel; bounds 0.14 / 0.012."""
+    dequantized weights: measured max 0.112 for int4 (groups of <= 128 normal weights, bf16 scales),
+    0.0065 for int8 per channel; bounds 0.14 / 0.012. Bytes: int4 (its embedding int8) 0.50x int8 here."""
     params = random_params(CFG, 1)
     q4, q8 = quantize_params(CFG, params, "int4"), quantize_params(CFG, params, "int8")
     assert quantization_of(q4) == "int4" and quantization_of(q8) == "int8"
@@ -70,14 +70,16 @@ def test_the_tree_the_bytes_and_the_error_per_kernel(params=None):
         worst4 = max(worst4, float(jnp.sqrt(jnp.mean((fl[k] - f4[k]) ** 2))) / rms)
         worst8 = max(worst8, float(jnp.sqrt(jnp.mean((fl[k] - f8[k]) ** 2))) / rms)
     assert worst4 < 0.14 and worst8 < 0.012, (worst4, worst8)
-    assert param_bytes(q4) < 0.70 * param_bytes(q8)  # float32 embedding and norms dominate this tiny model
+    assert param_bytes(q4) < 0.55 * param_bytes(q8)
 
 
 @pytest.mark.parametrize("dispatch", ["dense", "ragged", "capacity"])
 def test_int4_matmuls_equal_the_float_model_on_the_dequantized_weights(dispatch):
-    """int4 kernels are dequantized right before each matmul (and inside the MoE dispatch, on the
-    experts held there): the passes equal the float model of q * s (measured max |diff| 0 at logit
-    scale 24-30; bound 1e-4)."""
+    """int4 kernels dequantized right before each matmul (projections; the dense and capacity MoE
+    dispatch, on the experts held there) or run as one grouped matmul per block of the contracted axis
+    (ragged dispatch, the TPU path): the passes equal the float model of q * s, with the int8 embedding
+    int4 mode has by default (float32 rounding only: measured max |diff| 9.1e-5 dense / capacity,
+    6.4e-5 ragged at logit scale 24-30; bound 1e-3)."""
     q = quantize_params(CFG, init_params(CFG, 5), "int4")
     tokens, canvas = _inputs(CFG)
     rt = Runtime(moe_dispatch=dispatch)
@@ -89,9 +91,9 @@ def test_int4_matmuls_equal_the_float_model_on_the_dequantized_weights(dispatch)
 @pytest.mark.parametrize("preset,seed", [("tiny-6layer", 1), ("tiny-2layer", 2)])
 def test_int4_agrees_with_float_on_random_configs(preset, seed):
     """Causal-pass logits of int4 vs float32 weights on held-out random models (logit scale 30),
-    beside int8 on the same inputs. Measured: tiny-6layer int4 top-1 1.0, mean KL 6.2e-3, median
-    |diff| 1.57, max 16.6 (int8: KL 1.6e-4, median 0.11, max 7.1); tiny-2layer int4 top-1 1.0, KL
-    2.2e-5, median 0.26, max 3.3. Bounds about 2x over the worse; int4's error must exceed int8's
+    beside int8 on the same inputs. Measured: tiny-6layer int4 top-1 1.0, mean KL 5.6e-3, median
+    |diff| 1.55, max 17.7 (int8: KL 1.6e-4, median 0.11, max 7.1); tiny-2layer int4 top-1 1.0, KL
+    2.0e-5, median 0.27, max 3.1. Bounds about 2x over the worse; int4's error must exceed int8's
     (a mode that silently fell back to int8 or float would fail)."""
     cfg = ModelConfig.preset(preset)
     p = random_params(cfg, seed)
