@@ -148,25 +148,26 @@ def _read_response(s: socket.socket) -> bytes:
 
 
 def _long_request(srv, box):
-    """A generation that runs ~30 s (never confident: 1024 steps per canvas); its outcome goes into box."""
+    """A request that runs ~20 s on one slot (16 choices one after the other, each never confident: 1024
+    steps a canvas, ~1 s); its outcome goes into box."""
     cl = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     try:
-        box["result"] = cl.completions.create(model=MODEL, prompt="s9350814272=", seed=0, max_tokens=200, extra_body={
+        box["result"] = cl.completions.create(model=MODEL, prompt="s9350814272=", seed=0, n=16, extra_body={
             "max_denoising_steps": 1024, "confidence_threshold": 0.0})
     except Exception as e:  # noqa: BLE001 - what the client saw is the result
         box["result"] = e
 
 
-def _wait_busy(srv):
+def _wait_busy(srv, box):
     deadline = time.monotonic() + 60
     while srv.health()["busy_slots"] < 1:
-        assert time.monotonic() < deadline
+        assert time.monotonic() < deadline and "result" not in box, box
         time.sleep(0.05)
 
 
 def test_a_large_prompt_does_not_stall_health_and_sigterm_ignores_a_half_sent_request():
-    """An 8 MB prompt (the body limit raised to let it in) is tokenized off the event loop: /health
-    answers within a second throughout (it stalled 2.7 s before). Then a client that sent half a
+    """A 4 MB prompt (the body limit raised to let it in) is tokenized off the event loop: /health
+    answers within 1.5 s throughout (before, it waited for the whole tokenization: seconds). Then a client that sent half a
     request does not keep SIGTERM from finishing: its request gets 503, the server exits 0."""
     srv = ServerProcess("--slots", "1", "--max-body-bytes", str(32 * 2 ** 20))
     try:
@@ -174,7 +175,7 @@ def test_a_large_prompt_does_not_stall_health_and_sigterm_ignores_a_half_sent_re
 
         def big():
             box["r"] = httpx.post(srv.url + "/v1/completions", timeout=120,
-                                  json={**PROMPT, "prompt": "s" + "1" * 8 * 2 ** 20 + "="})
+                                  json={**PROMPT, "prompt": "s" + "1" * 4 * 2 ** 20 + "="})
 
         t = threading.Thread(target=big)
         t.start()
@@ -186,7 +187,7 @@ def test_a_large_prompt_does_not_stall_health_and_sigterm_ignores_a_half_sent_re
             time.sleep(0.02)
         t.join()
         assert box["r"].status_code == 400 and "exceeds this server's context" in box["r"].text
-        assert worst < 1.0, f"/health took {worst:.2f} s while the large prompt was tokenized"
+        assert worst < 1.5, f"/health took {worst:.2f} s while the large prompt was tokenized"
 
         half = _half_request(srv.port)
         time.sleep(0.3)
@@ -200,7 +201,7 @@ def test_a_large_prompt_does_not_stall_health_and_sigterm_ignores_a_half_sent_re
 
 
 def test_a_second_sigterm_exits_at_once_and_an_oversized_body_gets_413_over_a_socket():
-    srv = ServerProcess("--slots", "1")       # default flags: drain until the generations finish
+    srv = ServerProcess("--slots", "1", "--max-steps", "1024")   # no --drain-seconds: drain until they finish
     try:
         for extra in ({}, {"transfer-encoding": "chunked"}):   # by its content-length, or as it arrives
             body = b'{"prompt": "' + b"1" * (2 ** 20 + 10) + b'"}'
@@ -211,7 +212,7 @@ def test_a_second_sigterm_exits_at_once_and_an_oversized_body_gets_413_over_a_so
         box = {}
         t = threading.Thread(target=_long_request, args=(srv, box))
         t.start()
-        _wait_busy(srv)
+        _wait_busy(srv, box)
         srv.terminate()
         time.sleep(2.0)
         assert srv.proc.poll() is None          # draining: the generation is still running
@@ -224,15 +225,16 @@ def test_a_second_sigterm_exits_at_once_and_an_oversized_body_gets_413_over_a_so
     finally:
         srv.stop()
     assert "a second signal: exiting without waiting for 1 running" in srv.log()
+    assert "Traceback" not in srv.log() and "CancelledError" not in srv.log()
 
 
 def test_drain_seconds_ends_a_running_request_with_503_and_no_traceback():
-    srv = ServerProcess("--slots", "1", "--drain-seconds", "3")
+    srv = ServerProcess("--slots", "1", "--max-steps", "1024", "--drain-seconds", "3")
     try:
         box = {}
         t = threading.Thread(target=_long_request, args=(srv, box))
         t.start()
-        _wait_busy(srv)
+        _wait_busy(srv, box)
         half = _half_request(srv.port)
         time.sleep(0.3)
         t0 = time.monotonic()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import secrets
 import signal
@@ -86,11 +87,20 @@ def _json_kind(value) -> str:
     return f"the number {value!r}"
 
 
+def _deliver(loop, queue: asyncio.Queue, prompt: int, ev: SeqEvent) -> None:
+    """Hand a scheduler event to the request's handler on the event loop (from the worker thread)."""
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, (prompt, ev))
+    except RuntimeError:  # the event loop is closed: the server exited (a second signal), nobody waits for it
+        pass
+
+
 class _Drain:
     """Whether the server drains, and the requests whose body is still arriving (`_BodyGate`)."""
 
     def __init__(self):
         self.draining = False
+        self.forced = False    # a second signal: the app's lifespan ends without waiting for the scheduler
         self.reading: set[asyncio.Future] = set()
 
     def __call__(self) -> None:
@@ -239,7 +249,8 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+        if not app.state.drain.forced:
+            await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
 
     app = FastAPI(title="dgemma_jax", lifespan=lifespan)
     app.state.drain = _Drain()
@@ -392,7 +403,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
             n_tok = budget if budget is not None else scheduler.default_max_tokens(len(ids), default_max_tokens)
             reqs.append(Request(ids, n_tok, sampler, seed, n=body.n, stop=body.stops,
                                 keep_special=chat and tok.has_chat_template, images=images,
-                                on_event=lambda ev, p=p: loop.call_soon_threadsafe(queue.put_nowait, (p, ev))))
+                                on_event=functools.partial(_deliver, loop, queue, p)))
         try:
             scheduler.submit_many(reqs)   # all of the request's sequences or none
         except BaseException as e:
@@ -581,6 +592,9 @@ def serve(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: 
         async def shutdown(self, sockets=None):
             app.state.drain()      # a half-sent request gets 503 and holds nothing up
             await super().shutdown(sockets)
+            if self.force_exit:    # uvicorn leaves the lifespan hanging then (a traceback at exit): end it
+                app.state.drain.forced = True
+                await self.lifespan.shutdown()
 
     app = create_app(scheduler, model_name, **app_kwargs)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
