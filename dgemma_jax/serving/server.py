@@ -49,6 +49,7 @@ DISCONNECT_POLL_S = 0.1
 
 STARTING_RETRY_AFTER_S = 5  # Retry-After of a request that arrives while the programs compile
 QUEUE_RETRY_AFTER_S = 1     # Retry-After of a request that finds the queue full
+DRAIN_BODY_GRACE_S = 1.0    # while draining, how long a request that just began may take to send its body
 MIN_BODY_BYTES = 2 ** 20    # the smallest default body limit
 BODY_BYTES_PER_TOKEN = 64   # the default body limit per token of context (JSON-escaped text, token id lists)
 
@@ -136,7 +137,7 @@ class _BodyGate:
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     def _too_large(self, send, size: str):
-        return self._answer(send, 413, f"the request body is {size}, more than this server's limit of "
+        return self._answer(send, 413, f"the request body ({size}) is more than this server's limit of "
                             f"{self.max_body_bytes} bytes: send a shorter prompt, or start the server with a larger "
                             "--max-body-bytes", "invalid_request_error", "body_too_large", close=True)
 
@@ -157,7 +158,7 @@ class _BodyGate:
                 return await self._answer(send, 503, "the server is shutting down and stopped waiting for this "
                                           "request's body; send it to another server or retry after the restart",
                                           "server_error", "shutting_down", close=True)
-            return await self._too_large(send, "larger")
+            return await self._too_large(send, "sent in chunks")
         if scope["method"] == "POST":
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
             if kind and kind != "application/json" and not kind.endswith("+json"):
@@ -175,14 +176,13 @@ class _BodyGate:
         "large" when it passes the limit (the rest is read and dropped, up to DISCARD_BYTES)."""
         loop = asyncio.get_running_loop()
         stop = loop.create_future()
-        if self.drain.draining:
-            stop.set_result(None)
+        grace = DRAIN_BODY_GRACE_S if self.drain.draining else None   # a request that began as the drain did
         self.drain.reading.add(stop)
         body, size = bytearray(), 0
         try:
             while True:
                 get = asyncio.ensure_future(receive())
-                await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({get, stop}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():
                     get.cancel()
                     return "draining"
