@@ -28,7 +28,7 @@ class ScriptedScheduler:
         self.default_sampler = SamplerConfig(canvas_length=L, max_denoising_steps=16, eos_ids=(1, 106))
         self.engine = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=tok.vocab_size),
                                             sampler=self.default_sampler.replace(max_denoising_steps=64))
-        self.canvas_length, self.context, self.error = L, 4096, None
+        self.canvas_length, self.context, self.error, self.max_queue = L, 4096, None, 256
 
     def default_max_tokens(self, prompt_len, limit):
         return limit
@@ -50,6 +50,9 @@ class ScriptedScheduler:
 
         threading.Thread(target=play).start()
         return req
+
+    def submit_many(self, reqs):
+        return [self.submit(r) for r in reqs]
 
     def status(self):
         return {"slots": 1, "busy_slots": 0, "queued": 0, "worker_alive": True, "stopping": False}

@@ -62,12 +62,13 @@ def cmd_serve(args) -> int:
 
     threading.Thread(target=announce, name="dgemma-announce", daemon=True).start()
     with profile(args.profile):  # --profile DIR: a jax.profiler trace of the serving, written when the server stops
-        serve(scheduler, name, host=args.host, port=args.port, drain_seconds=args.drain_seconds,
-              log_level=args.log_level, default_max_tokens=args.default_max_tokens, allowed_image_dirs=image_dirs,
-              max_soft_tokens=args.max_soft_tokens)
+        drained = serve(scheduler, name, host=args.host, port=args.port, drain_seconds=args.drain_seconds,
+                        log_level=args.log_level, default_max_tokens=args.default_max_tokens,
+                        allowed_image_dirs=image_dirs, max_soft_tokens=args.max_soft_tokens,
+                        max_body_bytes=args.max_body_bytes)
     if scheduler.error is not None and not scheduler.ready.is_set():
         return 1
-    return 0
+    return 0 if drained else 1
 
 
 def add_command(sub, positive) -> None:
@@ -103,7 +104,13 @@ def add_command(sub, positive) -> None:
     s.add_argument("--served-model-name", dest="served_model_name", default=None,
                    help="the model id clients send (default: the checkpoint's name)")
     s.add_argument("--drain-seconds", type=positive(float), dest="drain_seconds", default=None,
-                   help="on SIGTERM, wait at most this long for open requests (default: until they finish)")
+                   help="on SIGTERM, wait at most this long for the generations in flight (default: until they "
+                        "finish; a request whose body is still arriving gets 503 at once; a second SIGTERM exits "
+                        "at once, status 1)")
+    s.add_argument("--max-body-bytes", type=positive(int), dest="max_body_bytes", default=None,
+                   help="the largest request body; larger ones get HTTP 413 (default: 64 bytes per token of "
+                        "--context, at least 1 MiB, plus one 32 MiB image as a data URL for a checkpoint with "
+                        "a vision tower)")
     s.add_argument("--log-level", dest="log_level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--profile", metavar="DIR",

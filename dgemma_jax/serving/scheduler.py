@@ -283,12 +283,21 @@ class Scheduler:
 
     def submit(self, request: Request) -> Request:
         """Queue a request's choices (QueueFull / ShuttingDown when it cannot be taken)."""
-        if request.n < 1:
-            raise ValueError(f"n must be >= 1; got {request.n}")
-        self.check_fits(len(request.prompt_ids), request.max_tokens)
-        request.chunks = self.plan_chunks(request.prompt_ids, request.images)
-        keys = np.asarray(jax.random.key_data(row_keys(int(request.seed), request.n)))
-        n_canvas = -(-request.max_tokens // self.canvas_length)
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: Sequence[Request]) -> list[Request]:
+        """Queue the choices of several requests (one HTTP request's prompts) all at once or none:
+        ValueError when one cannot fit a slot, QueueFull when they do not all fit the queue now,
+        ShuttingDown / Starting when nothing is taken."""
+        choices = []
+        for request in requests:
+            if request.n < 1:
+                raise ValueError(f"n must be >= 1; got {request.n}")
+            self.check_fits(len(request.prompt_ids), request.max_tokens)
+            request.chunks = self.plan_chunks(request.prompt_ids, request.images)
+            keys = np.asarray(jax.random.key_data(row_keys(int(request.seed), request.n)))
+            n_canvas = -(-request.max_tokens // self.canvas_length)
+            choices += [_Choice(request, i, keys[i], n_canvas) for i in range(request.n)]
         if self._started_at is not None and not self.ready.is_set():  # compiling (before start: queued)
             if self.error is not None:
                 raise ShuttingDown(f"the server failed to start ({self.error}); restart it")
@@ -298,14 +307,13 @@ class Scheduler:
                 raise ShuttingDown("the server is shutting down and takes no new requests")
             if self.error is not None:
                 raise ShuttingDown(f"the server's worker failed ({self.error}); restart it")
-            if len(self._queue) + request.n > self.max_queue:
-                raise QueueFull(f"the queue holds {len(self._queue)} waiting sequences (limit {self.max_queue}); "
-                                "retry later")
-            for i in range(request.n):
-                self._queue.append(_Choice(request, i, keys[i], n_canvas))
-            self.stats["requests"] += 1
+            if len(self._queue) + len(choices) > self.max_queue:
+                raise QueueFull(f"the queue holds {len(self._queue)} waiting sequences (limit {self.max_queue}) and "
+                                f"this request adds {len(choices)}; retry later")
+            self._queue.extend(choices)
+            self.stats["requests"] += len(requests)
             self._cond.notify_all()
-        return request
+        return list(requests)
 
     def progress(self) -> str:
         """Start-up progress in words: "1 of 3 programs compiled"."""

@@ -4,8 +4,9 @@ Fields follow OpenAI's `/v1/chat/completions` and `/v1/completions`. The diffusi
 knobs are extra fields (`max_denoising_steps`, `t_max`, `t_min`, `entropy_bound`,
 `confidence_threshold`, `canvas_length`); thinking is `chat_template_kwargs.enable_thinking` (the
 convention of OpenAI-compatible servers). Unknown fields are refused with their name rather than
-ignored, and so is an autoregressive `temperature`/`top_p` other than 1: the diffusion sampler has
-no such knob (its temperature is the linear schedule t_max -> t_min).
+ignored (in a message too), and so is an autoregressive `temperature`/`top_p` other than 1: the
+diffusion sampler has no such knob (its temperature is the linear schedule t_max -> t_min). Types are
+strict: `max_tokens: "8"` or `true`, `seed: "7"`, `stream: "yes"` are refused, not converted.
 """
 
 from __future__ import annotations
@@ -20,17 +21,17 @@ MAX_N = 64
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class ChatTemplateKwargs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     enable_thinking: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -77,10 +78,36 @@ class _Common(BaseModel):
         return self.max_tokens
 
 
+PART_TYPES = ("text", "image_url")
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[dict[str, Any]], None] = None
+    name: str | None = None
+    # an assistant turn's thinking, as clients send it back: dropped before rendering
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _parts(self):
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            kind = part.get("type")
+            if kind is None:
+                raise ValueError(f"content[{j}] has no \"type\": a content part is {{\"type\": \"text\", \"text\": "
+                                 "...} or {\"type\": \"image_url\", \"image_url\": {\"url\": ...}}")
+            if kind == "image":  # the library's form, which may name any file: images/resolve_image_parts says why not
+                continue
+            if kind not in PART_TYPES:
+                raise ValueError(f"content[{j}].type {kind!r} is not a content part this server takes; send "
+                                 f"{' or '.join(map(repr, PART_TYPES))}")
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"content[{j}]: a text part needs a string \"text\"")
+                if set(part) - {"type", "text"}:
+                    raise ValueError(f"content[{j}]: unknown field(s) {sorted(set(part) - {'type', 'text'})} in a "
+                                     "text part: this server does not support them")
+        return self
 
 
 class ChatRequest(_Common):

@@ -5,18 +5,27 @@
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
 Client mistakes get OpenAI-style errors (`{"error": {"message", "type", "code", "param"}}`): a bad
-body or a request that cannot fit is 400, an unknown model 404, a full queue 429, a draining
-server 503. A streamed response sends one SSE chunk per committed canvas and `data: [DONE]`; a
-client that goes away frees its slots at the next canvas boundary.
+body or a request that cannot fit (a slot or the whole queue) is 400, a body over the size limit
+413, an unknown model 404, a full queue 429 with Retry-After, a draining server 503. A streamed
+response sends one SSE chunk per committed canvas and `data: [DONE]`; a client that goes away frees
+its slots at the next canvas boundary.
+
+A request's body is read whole (up to `max_body_bytes`) before the app sees it, and prompts are
+tokenized off the event loop, so one large request does not stall the others or `/health`. On
+SIGTERM the server stops listening, answers 503 to requests whose body is still arriving, and waits
+for the generations in flight (up to `drain_seconds`; requests still running then get a 503 or
+their stream ends); a second SIGTERM/SIGINT exits at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import secrets
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -39,6 +48,17 @@ DISCONNECT_POLL_S = 0.1
 
 
 STARTING_RETRY_AFTER_S = 5  # Retry-After of a request that arrives while the programs compile
+QUEUE_RETRY_AFTER_S = 1     # Retry-After of a request that finds the queue full
+DRAIN_BODY_GRACE_S = 1.0    # while draining, how long a request that just began may take to send its body
+MIN_BODY_BYTES = 2 ** 20    # the smallest default body limit
+BODY_BYTES_PER_TOKEN = 64   # the default body limit per token of context (JSON-escaped text, token id lists)
+
+
+def default_max_body_bytes(context: int, vision: bool = False) -> int:
+    """The default request body limit: 64 bytes per token of a slot's context, at least 1 MiB, plus
+    one image's data URL (`images.MAX_IMAGE_BYTES` in base64) for a checkpoint with a vision tower."""
+    text = max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * int(context))
+    return text + (images_lib.MAX_IMAGE_BYTES * 4 // 3 + 4 if vision else 0)
 
 
 class APIError(Exception):
@@ -55,21 +75,186 @@ def _error(status: int, message: str, kind: str, code: str | None = None, param:
                         status_code=status, headers=headers)
 
 
+def _json_kind(value) -> str:
+    """A JSON value in words for an error message: `the string "8"`, `true`, `an array`."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, str):
+        return f"the string {json.dumps(value[:40])}"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return f"the number {value!r}"
+
+
+def _deliver(loop, queue: asyncio.Queue, prompt: int, ev: SeqEvent) -> None:
+    """Hand a scheduler event to the request's handler on the event loop (from the worker thread)."""
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, (prompt, ev))
+    except RuntimeError:  # the event loop is closed: the server exited (a second signal), nobody waits for it
+        pass
+
+
+class _Drain:
+    """Whether the server drains, and the requests whose body is still arriving (`_BodyGate`)."""
+
+    def __init__(self):
+        self.draining = False
+        self.forced = False    # a second signal: the app's lifespan ends without waiting for the scheduler
+        self.reading: set[asyncio.Future] = set()
+
+    def __call__(self) -> None:
+        """Stop waiting for bodies: every request still sending one gets a 503 (call on the event loop's thread)."""
+        self.draining = True
+        for f in list(self.reading):
+            if not f.done():
+                f.set_result(None)
+
+
+class _BodyGate:
+    """ASGI middleware in front of the app: reads each request's whole body first.
+
+    A body over `max_body_bytes` gets 413 (by its Content-Length before any of it is read, or once
+    it grows past the limit), a POST whose body is empty or not JSON by its content-type a 400, and
+    a body still arriving when the server drains (`drain()`, a `_Drain`) a 503, so a half-sent request never
+    holds up a shutdown. The app then reads the body from memory. A request cancelled while the
+    server drains (the drain time ran out) ends with a 503, or its stream ends, instead of a
+    CancelledError traceback in the log."""
+
+    DISCARD_BYTES = 16 * 2 ** 20   # an oversized body is read and dropped up to this much, so the client sees the 413
+
+    def __init__(self, app, max_body_bytes: int, drain: _Drain):
+        self.app, self.max_body_bytes, self.drain = app, int(max_body_bytes), drain
+
+    @staticmethod
+    async def _answer(send, status: int, message: str, kind: str, code: str | None, close: bool = False):
+        body = json.dumps({"error": {"message": message, "type": kind, "code": code, "param": None}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if close:
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _too_large(self, send, size: str):
+        return self._answer(send, 413, f"the request body ({size}) is more than this server's limit of "
+                            f"{self.max_body_bytes} bytes: send a shorter prompt, or start the server with a larger "
+                            "--max-body-bytes", "invalid_request_error", "body_too_large", close=True)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            if int(declared) <= self.DISCARD_BYTES:
+                await self._read(receive, keep=False)
+            return await self._too_large(send, f"{int(declared)} bytes")
+        body = await self._read(receive, keep=True)
+        if body is None:   # the client left
+            return
+        if isinstance(body, str):
+            if body == "draining":
+                return await self._answer(send, 503, "the server is shutting down and stopped waiting for this "
+                                          "request's body; send it to another server or retry after the restart",
+                                          "server_error", "shutting_down", close=True)
+            return await self._too_large(send, "sent in chunks")
+        if scope["method"] == "POST":
+            kind = headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind and kind != "application/json" and not kind.endswith("+json"):
+                return await self._answer(send, 400, f"the body's content-type is {kind!r}: send the request as JSON "
+                                          "with content-type: application/json", "invalid_request_error",
+                                          "unsupported_content_type")
+            if not body.strip():
+                return await self._answer(send, 400, "the request body is empty: send a JSON object (e.g. "
+                                          "{\"prompt\": \"...\"} or {\"messages\": [...]})", "invalid_request_error",
+                                          "empty_body")
+        await self._run(scope, body, receive, send)
+
+    async def _read(self, receive, keep: bool):
+        """The whole body (bytes); None when the client left; "draining" when the server drains first;
+        "large" when it passes the limit (the rest is read and dropped, up to DISCARD_BYTES)."""
+        loop = asyncio.get_running_loop()
+        stop = loop.create_future()
+        grace = DRAIN_BODY_GRACE_S if self.drain.draining else None   # a request that began as the drain did
+        self.drain.reading.add(stop)
+        body, size = bytearray(), 0
+        try:
+            while True:
+                get = asyncio.ensure_future(receive())
+                await asyncio.wait({get, stop}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    return "draining"
+                message = get.result()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    keep = False
+                    if size > self.DISCARD_BYTES:
+                        return "large"
+                if keep:
+                    body += chunk
+                if not message.get("more_body", False):
+                    return bytes(body) if size <= self.max_body_bytes else "large"
+        finally:
+            self.drain.reading.discard(stop)
+
+    async def _run(self, scope, body: bytes, receive, send):
+        replayed, sent = False, {"started": False, "done": False}
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        async def tracked(message):
+            if message["type"] == "http.response.start":
+                sent["started"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent["done"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, replay, tracked)
+        except asyncio.CancelledError:
+            if not self.drain.draining:
+                raise
+            # the drain time (--drain-seconds) ran out while this request ran: tell its client
+            if not sent["started"]:
+                await self._answer(send, 503, "the server shut down before this request finished (its drain time, "
+                                   "--drain-seconds, ran out); retry it", "server_error", "shutting_down", close=True)
+            elif not sent["done"]:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-               allowed_image_dirs: Sequence[str] = (), max_soft_tokens: int | None = None) -> FastAPI:
+               allowed_image_dirs: Sequence[str] = (), max_soft_tokens: int | None = None,
+               max_body_bytes: int | None = None) -> FastAPI:
     """The ASGI app serving `scheduler` under `model_name`. Its lifespan stops the scheduler (after
     uvicorn has drained the open requests). allowed_image_dirs: directories whose files chat image
     parts may name (default none: data URLs only); max_soft_tokens: each image's soft-token budget
-    (default: the checkpoint's image processor's, `dgemma_jax.io.images.settings_for`)."""
+    (default: the checkpoint's image processor's, `dgemma_jax.io.images.settings_for`);
+    max_body_bytes: the largest request body (default `default_max_body_bytes`), larger ones get 413.
+    `app.state.drain()` makes requests whose body is still arriving answer 503 (`serve` calls it on SIGTERM)."""
     tok, cfg = scheduler.tokenizer, scheduler.engine.config
     created = int(time.time())
+    if max_body_bytes is None:
+        max_body_bytes = default_max_body_bytes(scheduler.context, getattr(cfg, "vision", None) is not None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+        if not app.state.drain.forced:
+            await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
 
     app = FastAPI(title="dgemma_jax", lifespan=lifespan)
+    app.state.drain = _Drain()
+    app.add_middleware(_BodyGate, max_body_bytes=max_body_bytes, drain=app.state.drain)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -81,14 +266,45 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
         first = errs[0] if errs else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         msg = str(first.get("msg", "invalid request body")).removeprefix("Value error, ")
-        if first.get("type") == "json_invalid":
+        kind = first.get("type", "")
+        if kind == "json_invalid":
             where = ""
             msg = f"the body is not valid JSON ({first.get('ctx', {}).get('error', msg)})"
-        elif first.get("type") == "extra_forbidden":
-            msg = f"unknown field {where!r}: this server does not support it"
+        elif kind == "extra_forbidden":
+            msg = f"unknown field {str(first['loc'][-1])!r}: this server does not support it"
+        elif kind == "model_attributes_type" and not where:
+            msg = ("the body must be a JSON object ({\"prompt\": ...} or {\"messages\": [...]}); got "
+                   + _json_kind(first.get("input")))
+        elif kind.endswith("_type") and "input" in first:   # strict types: "8" is not 8, true is not 1
+            msg = f"{msg.rstrip('.')}; got {_json_kind(first['input'])}"
         return _error(400, f"{where}: {msg}" if where else msg, "invalid_request_error", first.get("type"), where or None)
 
     # ------------------------------------------------------------------ helpers
+    def check_prompt_length(n: int, param: str) -> None:
+        """400 at once for a prompt that leaves no room for a canvas (before the other prompts are tokenized)."""
+        l, ctx = scheduler.canvas_length, scheduler.context
+        if n + l > ctx:
+            raise APIError(400, f"the prompt is {n} tokens; with one canvas of {l} it exceeds this server's context "
+                                f"of {ctx} tokens per request: shorten the prompt", param=param)
+
+    def completion_ids(body: CompletionRequest) -> list[list[int]]:
+        """The prompts' ids, each checked against the context as soon as it is tokenized (off the event loop)."""
+        out = []
+        for item in body.prompts():
+            ids = prompt_ids(item)
+            check_prompt_length(len(ids), "prompt")
+            out.append(ids)
+        return out
+
+    def check_size(body, n_prompts: int) -> None:
+        """400 for a request whose sequences could never all wait in the queue (before any work on it)."""
+        total = n_prompts * body.n
+        if total > scheduler.max_queue:
+            raise APIError(400, f"this request asks for {total} sequences ({n_prompts} prompt(s) x n={body.n}), more "
+                                f"than this server's queue holds ({scheduler.max_queue}, dgemma serve --max-queue): "
+                                "send fewer prompts or a smaller n, or split the request", code="too_many_sequences",
+                           param="n")
+
     def prompt_ids(item) -> list[int]:
         if isinstance(item, str):
             if not item:
@@ -111,17 +327,25 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
             raise APIError(400, f"{model_name} is a text-only checkpoint (no vision tower): it cannot take images; "
                                 "drop the image parts", param="messages")
         if not tok.has_chat_template:
-            if with_images:
-                raise APIError(400, f"{model_name} has no chat template, so it has no place for images: send text "
-                                    "only", param="messages")
             users = [m for m in messages if m["role"] == "user"]
             if len(messages) != 1 or len(users) != 1:
                 raise APIError(400, f"{model_name} has no chat template (a character-level model): send exactly one "
-                                    "user message, whose text is the prompt", param="messages")
+                                    "user message, whose text is the prompt (and its images)", param="messages")
             content = users[0].get("content")
             if not isinstance(content, str):
                 content = "".join(p.get("text", "") for p in content or () if p.get("type") == "text")
-            return prompt_ids(content), None
+            if not with_images:
+                return prompt_ids(content), None
+            # as `DiffusionGemma.chat` does without a template: the text, each image at its `<|image|>`
+            # or, without one, before the text (`prompt_with_images`)
+            try:
+                parts = images_lib.resolve_image_parts(messages, allowed_image_dirs)
+                tokens, _, batch = prompt_with_images(cfg, tok, content, chat_images(parts), max_soft_tokens)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
+            except Exception as e:  # noqa: BLE001 - a decoder's own exception: still the client's image
+                raise APIError(400, f"the image could not be read ({type(e).__name__}: {e})", param="messages") from None
+            return [int(t) for t in tokens[0]], batch
         try:
             messages = history_without_thinking(messages)
             if with_images:
@@ -175,18 +399,17 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
             raise APIError(400, str(e), param="max_tokens") from None
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         reqs = []
+        for p, ids in enumerate(prompts):
+            n_tok = budget if budget is not None else scheduler.default_max_tokens(len(ids), default_max_tokens)
+            reqs.append(Request(ids, n_tok, sampler, seed, n=body.n, stop=body.stops,
+                                keep_special=chat and tok.has_chat_template, images=images,
+                                on_event=functools.partial(_deliver, loop, queue, p)))
         try:
-            for p, ids in enumerate(prompts):
-                n_tok = budget if budget is not None else scheduler.default_max_tokens(len(ids), default_max_tokens)
-                req = Request(ids, n_tok, sampler, seed, n=body.n, stop=body.stops,
-                              keep_special=chat and tok.has_chat_template, images=images,
-                              on_event=lambda ev, p=p: loop.call_soon_threadsafe(queue.put_nowait, (p, ev)))
-                reqs.append(scheduler.submit(req))
+            scheduler.submit_many(reqs)   # all of the request's sequences or none
         except BaseException as e:
-            for r in reqs:
-                r.cancelled.set()
             if isinstance(e, QueueFull):
-                raise APIError(429, str(e), "rate_limit_error", "queue_full") from None
+                raise APIError(429, str(e), "rate_limit_error", "queue_full",
+                               headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)}) from None
             if isinstance(e, Starting):
                 raise APIError(503, str(e), "server_error", "starting",
                                headers={"Retry-After": str(STARTING_RETRY_AFTER_S)}) from None
@@ -230,8 +453,11 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
                 p, ev = await queue.get()
                 if ev.finish_reason is not None:
                     finals[p * body.n + ev.index] = ev
-        finally:
+        finally:  # also when this task is cancelled (the drain time ran out): its slots are freed
             watcher.cancel()
+            if len(finals) < n_total:
+                for r in reqs:
+                    r.cancelled.set()
         if any(ev.finish_reason == "error" for ev in finals.values()):
             raise APIError(500, f"the server's worker failed: {scheduler.error}", "server_error")
         choices = []
@@ -303,13 +529,18 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HTTPRequest):
         check_model(body)
+        check_size(body, 1)
         # off the event loop: decoding and resizing an image takes a while
         ids, images = await asyncio.get_running_loop().run_in_executor(None, chat_ids, body)
         return await run(http, body, [ids], chat=True, images=images)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
-        return await run(http, body, [prompt_ids(p) for p in body.prompts()], chat=False)
+        check_model(body)
+        check_size(body, len(body.prompts()))
+        # off the event loop: a long prompt takes a while to tokenize, and /health and the streams wait for none
+        prompts = await asyncio.get_running_loop().run_in_executor(None, completion_ids, body)
+        return await run(http, body, prompts, chat=False)
 
     @app.get("/v1/models")
     async def models():
@@ -334,9 +565,10 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
 
 
 def serve(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          drain_seconds: float | None = None, log_level: str = "info", **app_kwargs: Any) -> None:
-    """Run the app with uvicorn until SIGINT/SIGTERM; open requests finish first (up to
-    `drain_seconds`), then the scheduler stops."""
+          drain_seconds: float | None = None, log_level: str = "info", **app_kwargs: Any) -> bool:
+    """Run the app with uvicorn until SIGINT/SIGTERM; the generations in flight finish first (up to
+    `drain_seconds`), requests whose body is still arriving get 503, then the scheduler stops. A
+    second signal exits at once. Returns False when a second signal cut the drain short."""
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):
@@ -352,7 +584,26 @@ def serve(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: 
                 for s, h in old.items():
                     signal.signal(s, h)
 
+        def handle_exit(self, sig, frame):
+            if self.should_exit:   # a second SIGTERM or SIGINT: stop waiting for anything
+                self.force_exit = True
+            self.should_exit = True
+
+        async def shutdown(self, sockets=None):
+            app.state.drain()      # a half-sent request gets 503 and holds nothing up
+            await super().shutdown(sockets)
+            if self.force_exit:    # uvicorn leaves the lifespan hanging then (a traceback at exit): end it
+                app.state.drain.forced = True
+                await self.lifespan.shutdown()
+
     app = create_app(scheduler, model_name, **app_kwargs)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=drain_seconds)
-    _Server(config).run()
+    server = _Server(config)
+    server.run()
+    if server.force_exit:
+        st = scheduler.status()
+        print(f"dgemma serve: a second signal: exiting without waiting for {st['busy_slots']} running and "
+              f"{st['queued']} queued sequence(s)", file=sys.stderr, flush=True)
+        scheduler.stop(timeout=10)   # the cancelled requests' choices end at their next canvas
+    return not server.force_exit
