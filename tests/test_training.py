@@ -300,9 +300,9 @@ def test_train_cli_on_a_mesh_matches_one_device_and_resumes(tmp_path):
 
 
 def test_only_process_zero_writes_the_run_files(tmp_path, monkeypatch):
-    """Multi-host: every process trains, but only process 0 writes config / metrics / summary / plot /
-    export (a shared run directory is not written by every host at once); checkpoints are orbax's,
-    which coordinates the processes itself."""
+    """Multi-host: every process trains, but only process 0 writes config / metrics / summary / plot
+    (a shared run directory is not written by every host at once); checkpoints and the export are
+    orbax's, which every process joins (each writes the shards it holds; see test_training_pod)."""
     import importlib
 
     train_mod = importlib.import_module("dgemma_jax.training.train")  # the module (the package exports a function)
@@ -315,7 +315,7 @@ def test_only_process_zero_writes_the_run_files(tmp_path, monkeypatch):
                                         {**over, "train.workdir": str(tmp_path / "other")}))
     written = {p.name for p in (tmp_path / "lead").iterdir()}
     assert {"config.json", "metrics.jsonl", "summary.json", "export", "checkpoints"} <= written
-    assert {p.name for p in (tmp_path / "other").iterdir()} == {"checkpoints"}
+    assert {p.name for p in (tmp_path / "other").iterdir()} == {"checkpoints", "export"}
     for a, b in zip(jax.tree.leaves(other["run"].state.params), jax.tree.leaves(lead["run"].state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same training either way
 
