@@ -15,8 +15,11 @@ Work directory (config.train.workdir)::
     data_stats.json     chat data only: conversations, examples, what was dropped or truncated
     summary.json        final numbers
 
-Re-running with the same workdir resumes from the latest checkpoint and continues exactly (the data
-order depends only on (seed, batch index), the rng is in the checkpoint).
+The work directory is a local path or a gs:// URL (handed to orbax unchanged; the other files go
+through etils.epath). Re-running with the same workdir resumes from the latest checkpoint and
+continues exactly (the data order depends only on (seed, batch index), the rng is in the checkpoint).
+Multi-host (a pod: train.mesh over every process's devices): every process runs this same function
+and joins each checkpoint save, restore and the export; process 0 alone writes the other files.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import importlib.util
 import inspect
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -469,6 +473,8 @@ def train(config) -> dict[str, Any]:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), state))
         it.set_state(dstate)
         start = int(state.step)
+        if lead:  # stderr, beside the progress bar: stdout is the summary
+            print(f"resuming from the step-{start} checkpoint in {workdir / 'checkpoints'}", file=sys.stderr, flush=True)
         metrics.truncate(start)
         evals.truncate(start)
     log_every = int(tc.get("log_every", 10))
