@@ -31,9 +31,9 @@ KEYS = ("loss", "diffusion_loss", "ar_loss", "grad_norm", "mean_t", "lr", "canva
 
 
 def _train_cmd(workdir, cache, steps, *extra):
-    return [sys.executable, "-m", "dgemma_jax.cli", "train", "--config", RECIPE,
-            "--set", f"train.workdir={workdir}", "--set", f"train.num_steps={steps}",
-            "--set", "train.checkpoint_every=2", "--set", f"train.compilation_cache_dir={cache}", *extra]
+    cached = ("--set", f"train.compilation_cache_dir={cache}") if cache else ()
+    return [sys.executable, "-m", "dgemma_jax.cli", "train", "--config", RECIPE, "--set", f"train.workdir={workdir}",
+            "--set", f"train.num_steps={steps}", "--set", "train.checkpoint_every=2", *cached, *extra]
 
 
 def _env(**extra):
@@ -140,7 +140,9 @@ def _no_gloo(text):
 
 
 def test_a_pod_saves_loses_a_host_and_resumes_with_the_uninterrupted_losses(tmp_path):
-    steps, cache = 8, tmp_path / "cache"
+    # no persistent compilation cache: a host that reads the step from it while the other still compiles
+    # waits in the step's first collective for minutes on a loaded 2-core machine (once seen to fail there)
+    steps, cache = 6, None
     pod = ("--set", "train.mesh=data=2,fsdp=4", "--set", "train.throttle_s=0.3")
     env = _env()
 
