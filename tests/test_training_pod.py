@@ -140,11 +140,12 @@ def _no_gloo(text):
 
 
 def test_a_pod_saves_loses_a_host_and_resumes_with_the_uninterrupted_losses(tmp_path):
-    # no persistent compilation cache: a host that reads the step from it while the other still compiles
-    # waits in the step's first collective for minutes on a loaded 2-core machine (once seen to fail there)
+    # no persistent compilation cache (neither the recipe's nor the CLI's default one): with it, host 0 read
+    # the train step back from the cache while host 1 compiled it, and host 0 failed in the step's first
+    # collective (seen twice on this loaded 2-core machine); each run here compiles on both hosts alike
     steps, cache = 6, None
     pod = ("--set", "train.mesh=data=2,fsdp=4", "--set", "train.throttle_s=0.3")
-    env = _env()
+    env = _env(JAX_COMPILATION_CACHE_DIR="off")
 
     full = tmp_path / "full"
     run = _launch_pod(_train_cmd(full, cache, steps, *pod), 2, 4, tmp_path / "logs_full", env)
