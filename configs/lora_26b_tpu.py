@@ -7,7 +7,9 @@ canvases of 256. Data: a JSON-lines file of {"prompt": ..., "response": ...} ren
 chat template (prompt text should already contain the template and BOS; set bos_id otherwise).
 
 The train step takes in/out shardings (dgemma_jax.training.step.make_train_step); the driver that
-builds the mesh is the lead's `dgemma train` CLI. Set init.path, data.path, data.tokenizer_path.
+builds the mesh is the lead's `dgemma train` CLI. Set init.path, data.path, data.tokenizer_path. On a
+slice of several hosts set train.workdir to a gs:// URL (one directory every host sees; docs/training.md,
+"training on pods").
 
 Fit, checked with the TPU compiler (benchmarks/results/aot_26b_lora_v5p-8.json): batch 8 x 1280
 tokens on v5p-8 with mesh expert=4 and the "training" rules, remat on, needs 36.3 of 95.7 GB per

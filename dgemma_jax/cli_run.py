@@ -288,7 +288,7 @@ def cmd_train(args) -> int:
             overrides[key] = val
     try:
         config = load_config(args.config, overrides)
-    except (KeyError, AttributeError) as e:
+    except (KeyError, AttributeError, TypeError) as e:  # TypeError: a value of another type than the recipe's
         raise UsageError(f"bad --config/--set: {e}") from None
     with profile(args.profile):  # --profile DIR: a jax.profiler trace of the whole run
         main(config)

@@ -300,9 +300,9 @@ def test_train_cli_on_a_mesh_matches_one_device_and_resumes(tmp_path):
 
 
 def test_only_process_zero_writes_the_run_files(tmp_path, monkeypatch):
-    """Multi-host: every process trains, but only process 0 writes config / metrics / summary / plot /
-    export (a shared run directory is not written by every host at once); checkpoints are orbax's,
-    which coordinates the processes itself."""
+    """Multi-host: every process trains, but only process 0 writes config / metrics / summary / plot
+    (a shared run directory is not written by every host at once); checkpoints and the export are
+    orbax's, which every process joins (each writes the shards it holds; see test_training_pod)."""
     import importlib
 
     train_mod = importlib.import_module("dgemma_jax.training.train")  # the module (the package exports a function)
@@ -315,9 +315,47 @@ def test_only_process_zero_writes_the_run_files(tmp_path, monkeypatch):
                                         {**over, "train.workdir": str(tmp_path / "other")}))
     written = {p.name for p in (tmp_path / "lead").iterdir()}
     assert {"config.json", "metrics.jsonl", "summary.json", "export", "checkpoints"} <= written
-    assert {p.name for p in (tmp_path / "other").iterdir()} == {"checkpoints"}
+    assert {p.name for p in (tmp_path / "other").iterdir()} == {"checkpoints", "export"}
     for a, b in zip(jax.tree.leaves(other["run"].state.params), jax.tree.leaves(lead["run"].state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same training either way
+
+
+def test_checkpoint_every_zero_keeps_only_the_final_checkpoint_and_bad_values_are_one_line_errors(tmp_path):
+    from dgemma_jax.training.train import checkpoint_interval, train
+
+    recipe = os.path.join(ROOT, "configs", "train_tiny.py")
+    over = {"train.num_steps": 3, "train.export": False, "train.final_eval": False}
+    train(load_config(recipe, {**over, "train.checkpoint_every": 0, "train.workdir": str(tmp_path / "run")}))
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["3"]  # no ZeroDivisionError
+    msg = r"train.checkpoint_every must be a whole number of steps >= 0 \(0: only the final checkpoint\), got "
+    with pytest.raises(ValueError, match=msg + "-1"):
+        train(load_config(recipe, {**over, "train.checkpoint_every": -1, "train.workdir": str(tmp_path / "bad")}))
+    assert not (tmp_path / "bad").exists()  # refused before anything was built or written
+    for bad in (1.5, "often", None):  # (a recipe may hold any type; --set keeps the recipe's)
+        with pytest.raises(ValueError, match=msg + repr(bad)):
+            checkpoint_interval({"checkpoint_every": bad})
+    assert checkpoint_interval({"checkpoint_every": 7.0}) == 7 and checkpoint_interval({}) == 500
+
+
+def test_a_workdir_url_orbax_cannot_write_and_a_pod_without_a_mesh_are_refused(tmp_path, monkeypatch):
+    """orbax writes checkpoints to local paths and gs:// only (tests/test_training_pod.py runs gs://):
+    any other URL is an error naming the scheme's fix, not a directory named "memory:" on the local disk;
+    several processes without train.mesh would each train alone."""
+    from dgemma_jax.io.locations import orbax_path
+    from dgemma_jax.training.train import train
+
+    assert orbax_path("gs://bkt/run/") == "gs://bkt/run"
+    assert orbax_path("rel/dir") == os.path.abspath("rel/dir")
+    assert orbax_path("file:///tmp/x") == "/tmp/x"
+    recipe = os.path.join(ROOT, "configs", "train_tiny.py")
+    monkeypatch.chdir(tmp_path)
+    for url in ("memory://run", "s3://bkt/run"):
+        with pytest.raises(ValueError, match=r"train.workdir .*: orbax writes to a local directory or a gs:// URL"):
+            train(load_config(recipe, {"train.workdir": url}))
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"2 processes but no train.mesh.*train.mesh=data="):
+        train(load_config(recipe, {"train.workdir": str(tmp_path / "run")}))
 
 
 def test_warmup_first_update_is_above_zero():

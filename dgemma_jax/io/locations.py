@@ -90,6 +90,21 @@ def kind(location: str | os.PathLike) -> str:
     return "hub" if _REPO_ID.match(base) and ".." not in base and "--" not in base else "local"
 
 
+def orbax_path(location: str | os.PathLike, what: str = "checkpoint directory") -> str:
+    """A directory that orbax writes to (or reads in place) as orbax takes it: a gs:// URL unchanged,
+    a local path made absolute. orbax (tensorstore's gcs driver beside etils.epath) writes gs:// and
+    local paths only: any other URL is a ValueError naming `what`."""
+    loc = os.fspath(location)
+    if loc.startswith("file://"):
+        loc = loc[len("file://"):]
+    if "://" not in loc:
+        return os.path.abspath(loc)
+    if loc.startswith("gs://") and len(loc) > len("gs://"):
+        return loc.rstrip("/")
+    raise ValueError(f"{what} {loc!r}: orbax writes to a local directory or a gs:// URL only; "
+                     "use one of those (gs:// needs gcsfs: the [gcs] extra, part of [tpu])")
+
+
 def resolve(location: str | os.PathLike, revision: str | None = None, *, files: str = "all",
             check: bool = True, progress: bool = True) -> str:
     """A local directory holding the checkpoint at `location` (see the module docstring).

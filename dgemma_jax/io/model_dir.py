@@ -28,6 +28,7 @@ from dgemma_jax.errors import read_json
 from dgemma_jax.io.char_tokenizer import CharTokenizer
 from dgemma_jax.io.formats import FORMAT, META, detect_format  # noqa: F401 (also this module's API)
 from dgemma_jax.io.hf import load_hf, vision_tensors_present
+from dgemma_jax.io.locations import orbax_path
 from dgemma_jax.io.tokenizer import load_tokenizer
 from dgemma_jax.model.api import param_shapes
 from dgemma_jax.model.quant import embedding_quantized, quantization_of, quantized_shapes
@@ -74,15 +75,15 @@ def save_params(path: str | os.PathLike, params: Any) -> None:
     """A parameter tree alone, as an orbax checkpoint (atomic: orbax writes then renames)."""
     import orbax.checkpoint as ocp  # deferred: orbax takes ~0.2 s to import; only saving and loading need it
 
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.abspath(os.fspath(path)), params, force=True)
+    with ocp.StandardCheckpointer() as ckptr:  # multi-host: every process calls this with the same global arrays
+        ckptr.save(orbax_path(path), params, force=True)
 
 
 def load_params(path: str | os.PathLike, abstract_params: Any = None) -> Any:
     """Restore `save_params` output; `abstract_params` fixes shapes, dtypes and shardings."""
     import orbax.checkpoint as ocp  # deferred: orbax takes ~0.2 s to import; only saving and loading need it
 
-    path = os.path.abspath(os.fspath(path))
+    path = orbax_path(path)
     with ocp.StandardCheckpointer() as ckptr:
         if abstract_params is None:
             return _upgrade(ckptr.restore(path))

@@ -5,8 +5,15 @@ One checkpoint = a step directory with two items::
     <dir>/<step>/state   StandardSave of {"step", "params", "opt_state", "rng"}
     <dir>/<step>/data    JsonSave of the iterator state ({"index": next batch}) plus metadata
 
-orbax writes each step into a temporary directory and renames it when complete, so a process killed
-mid-save (even by SIGKILL) leaves only whole checkpoints behind; `latest_step()` ignores the rest.
+`directory` is a local path or a gs:// URL, handed to orbax as it is (`locations.orbax_path`). On a
+local disk orbax writes each step into a temporary directory and renames it when complete; on gs://
+(no atomic rename) it writes the step in place and marks it complete with a commit_success.txt last.
+Either way a process killed mid-save (even by SIGKILL) leaves only whole checkpoints behind:
+`latest_step()` ignores the rest, and the next Checkpointer on the directory removes them.
+
+Multi-host: every process constructs the Checkpointer and calls save/restore with the same global
+arrays (orbax's multi-host protocol: each process writes the shards it holds, in files of its own
+(ocdbt.process_<i>/), process 0 the metadata and the JSON item, with barriers between the phases).
 Restoring needs an abstract target (`jax.eval_shape` of a fresh state, optionally with shardings),
 which fixes the pytree structure of the optimizer state and where the arrays go.
 """
@@ -19,6 +26,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from dgemma_jax.io.locations import orbax_path
 from dgemma_jax.training.step import TrainState
 
 
@@ -30,8 +38,8 @@ class Checkpointer:
     """Thin wrapper around `ocp.CheckpointManager` (synchronous saves by default)."""
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, async_save: bool = False):
-        self.directory = os.path.abspath(os.fspath(directory))
-        opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+        self.directory = orbax_path(directory, "train.workdir's checkpoint directory")
+        opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True,
                                             enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "data"))
 

@@ -1,4 +1,7 @@
-"""PNG figures (matplotlib, Agg backend; skipped with a warning when matplotlib is missing)."""
+"""PNG figures (matplotlib, Agg backend; skipped with a warning when matplotlib is missing).
+
+Paths are local paths or gs:// URLs (a training run's work directory may be either): files are read
+and written through etils.epath, as orbax writes the checkpoints beside them."""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import json
 import os
 import warnings
 from typing import Sequence
+
+from etils import epath
 
 
 def _plt():
@@ -20,19 +25,24 @@ def _plt():
         return None
 
 
-def read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    path = epath.Path(path)
+    if not path.exists():
         return []
     rows = []
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut short by a killed writer
-                continue
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a killed writer
+            continue
     return rows
+
+
+def _save(fig, out_png) -> None:
+    with epath.Path(out_png).open("wb") as f:  # a local path or a gs:// URL
+        fig.savefig(f, format="png", dpi=110)
 
 
 def plot_loss_curve(metrics_path: str, out_png: str, keys: Sequence[str] = ("loss", "diffusion_loss", "ar_loss"),
@@ -62,9 +72,9 @@ def plot_loss_curve(metrics_path: str, out_png: str, keys: Sequence[str] = ("los
     ax.legend(loc="upper right")
     ax.set_title("DiffusionGemma training")
     fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
+    _save(fig, out_png)
     plt.close(fig)
-    return out_png
+    return os.fspath(out_png)
 
 
 def plot_step_sweep(rows: Sequence[dict], out_png: str, title: str = "") -> str | None:
@@ -92,9 +102,9 @@ def plot_step_sweep(rows: Sequence[dict], out_png: str, title: str = "") -> str 
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
+    _save(fig, out_png)
     plt.close(fig)
-    return out_png
+    return os.fspath(out_png)
 
 
 def plot_tokens_per_forward(rows: Sequence[dict], out_png: str, canvas_length: int, title: str = "") -> str | None:
@@ -114,6 +124,6 @@ def plot_tokens_per_forward(rows: Sequence[dict], out_png: str, canvas_length: i
     ax.set_title(title or "tokens per forward pass")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
+    _save(fig, out_png)
     plt.close(fig)
-    return out_png
+    return os.fspath(out_png)

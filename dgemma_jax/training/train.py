@@ -15,8 +15,11 @@ Work directory (config.train.workdir)::
     data_stats.json     chat data only: conversations, examples, what was dropped or truncated
     summary.json        final numbers
 
-Re-running with the same workdir resumes from the latest checkpoint and continues exactly (the data
-order depends only on (seed, batch index), the rng is in the checkpoint).
+The work directory is a local path or a gs:// URL (handed to orbax unchanged; the other files go
+through etils.epath). Re-running with the same workdir resumes from the latest checkpoint and
+continues exactly (the data order depends only on (seed, batch index), the rng is in the checkpoint).
+Multi-host (a pod: train.mesh over every process's devices): every process runs this same function
+and joins each checkpoint save, restore and the export; process 0 alone writes the other files.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import importlib.util
 import inspect
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -34,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from etils import epath
 from jax.experimental import multihost_utils
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
@@ -42,12 +47,11 @@ from dgemma_jax.config import RUNTIME_CHOICES, ModelConfig
 from dgemma_jax.io.bundled import load_bundled
 from dgemma_jax.io.char_tokenizer import CharTokenizer
 from dgemma_jax.io.hf import load_hf
-from dgemma_jax.io.locations import resolve
+from dgemma_jax.io.locations import orbax_path, resolve
 from dgemma_jax.io.model_dir import config_from_dict
 from dgemma_jax.model.api import init_params, param_shapes
 from dgemma_jax.parallel import Shardings, make_mesh
 from dgemma_jax.parallel.distributed import is_main_process
-from dgemma_jax.parallel.shardings import fetch
 from dgemma_jax.runtime import Runtime, split_choices
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.training import data as data_lib
@@ -282,11 +286,47 @@ def _jsonable(x):
     return x
 
 
-def _truncate_jsonl(path: str, max_step: int) -> None:
-    rows = [r for r in read_jsonl(path) if r.get("step", 0) <= max_step]
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+class JsonLines:
+    """A JSON-lines log of the run (metrics.jsonl, eval.jsonl) on process 0: its rows in memory, the
+    file a local path or a gs:// URL. A local file grows a line at a time (readable while the run goes
+    on); an object store cannot append, so there `flush()` rewrites the whole file (the trainer flushes
+    before every checkpoint and at the end: a checkpoint never exists without the rows up to it)."""
+
+    def __init__(self, path: epath.Path, enabled: bool = True):
+        self.path, self.enabled = path, enabled
+        self.local = not _is_url(path)
+        self.rows = read_jsonl(path) if enabled else []
+        self._dirty = False
+
+    def truncate(self, max_step: int) -> None:
+        """Drop the rows after `max_step` (those of a run that went past its last checkpoint)."""
+        if not self.enabled:
+            return
+        self.rows = [r for r in self.rows if r.get("step", 0) <= max_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+
+    def append(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        self.rows.append(row)
+        if self.local:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        else:
+            self._dirty = True
+
+    def flush(self) -> None:
+        if self._dirty:
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+            self._dirty = False
+
+
+def _is_url(path) -> bool:
+    return "://" in os.fspath(path)
+
+
+def _write_json(path: epath.Path, obj) -> None:
+    path.write_text(json.dumps(_jsonable(obj), indent=1))
 
 
 # ---------------------------------------------------------------------------- run
@@ -402,24 +442,29 @@ class Run:
 
 def train(config) -> dict[str, Any]:
     """Run (or resume) a recipe to config.train.num_steps; returns the summary dict."""
+    tc = _d(config.train)
+    # a local directory (made absolute) or a gs:// URL, handed to orbax as it is; the run's other
+    # files go through etils.epath (orbax's own path layer) beside the checkpoints
+    workdir = epath.Path(orbax_path(tc["workdir"], "train.workdir"))
+    ckpt_every = checkpoint_interval(tc)
+    if jax.process_count() > 1 and not tc.get("mesh"):
+        raise ValueError(f"this run has {jax.process_count()} processes but no train.mesh: each would train alone "
+                         f"on its own devices; set train.mesh over all {jax.device_count()} devices "
+                         f"(e.g. train.mesh=data={jax.device_count()})")
     run = Run(config)
-    tc = run.tc
-    workdir = os.path.abspath(tc["workdir"])
-    # multi-host: every process trains (and evaluates) in lockstep; process 0 alone writes the run's
-    # files and shows progress (orbax coordinates the checkpoints across processes itself)
+    # multi-host: every process trains (and evaluates) in lockstep and joins every checkpoint save and
+    # restore (orbax's multi-host protocol); process 0 alone writes the run's other files and prints
     lead = is_main_process()
-    os.makedirs(workdir, exist_ok=True)
     if lead:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(_jsonable(_d(config)), f, indent=1)
+        workdir.mkdir(parents=True, exist_ok=True)
+        _write_json(workdir / "config.json", _d(config))
     data_stats = getattr(run.source, "stats", None)
     if data_stats is not None and lead:  # what chat data dropped or truncated, logged and recorded
-        with open(os.path.join(workdir, "data_stats.json"), "w") as f:
-            json.dump(_jsonable(data_stats), f, indent=1)
+        _write_json(workdir / "data_stats.json", data_stats)
         print(run.source.summary(), flush=True)
-    metrics_path = os.path.join(workdir, "metrics.jsonl")
-    eval_path = os.path.join(workdir, "eval.jsonl")
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=tc.get("max_to_keep", 3))
+    metrics = JsonLines(workdir / "metrics.jsonl", lead)
+    evals = JsonLines(workdir / "eval.jsonl", lead)
+    ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=tc.get("max_to_keep", 3))
     it = data_lib.DataIterator(run.source)
     state = run.state
     start = 0
@@ -428,75 +473,84 @@ def train(config) -> dict[str, Any]:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), state))
         it.set_state(dstate)
         start = int(state.step)
-        if lead:
-            _truncate_jsonl(metrics_path, start)
-            _truncate_jsonl(eval_path, start)
+        if lead:  # stderr, beside the progress bar: stdout is the summary
+            print(f"resuming from the step-{start} checkpoint in {workdir / 'checkpoints'}", file=sys.stderr, flush=True)
+        metrics.truncate(start)
+        evals.truncate(start)
     log_every = int(tc.get("log_every", 10))
-    ckpt_every = int(tc.get("checkpoint_every", 500))
     eval_every = int(tc.get("eval_every", 0))
     time_limit = float(tc.get("time_limit_s", 0) or 0)
     throttle = float(tc.get("throttle_s", 0) or 0)  # sleep per step: lets tests kill a run mid-way
     bar = _progress(tc, start, run.num_steps) if lead else None
     t0 = time.time()
-    train_time = float(_prev_train_time(metrics_path))
+    train_time = float(metrics.rows[-1].get("time_s", 0.0)) if metrics.rows else 0.0
     step = start
     stopped_early = False
-    with open(metrics_path if lead else os.devnull, "a") as mf:
-        while step < run.num_steps:
-            batch = next(it)
-            state, m = run.step_fn(state, run.frozen, batch)
-            step += 1
-            if throttle:
-                jax.block_until_ready(m)
-                time.sleep(throttle)
-            if step % log_every == 0 or step == run.num_steps:
-                m = {k: float(v) for k, v in jax.device_get(m).items()}
-                elapsed = train_time + time.time() - t0
-                mf.write(json.dumps({"step": step, "time_s": round(elapsed, 3), **m}) + "\n")
-                mf.flush()
-                if bar is not None:
-                    bar.set_postfix(loss=f"{m['loss']:.4f}", acc=f"{m['canvas_token_acc']:.3f}")
+    while step < run.num_steps:
+        batch = next(it)
+        state, m = run.step_fn(state, run.frozen, batch)
+        step += 1
+        if throttle:
+            jax.block_until_ready(m)
+            time.sleep(throttle)
+        if step % log_every == 0 or step == run.num_steps:
+            m = {k: float(v) for k, v in jax.device_get(m).items()}
+            elapsed = train_time + time.time() - t0
+            metrics.append({"step": step, "time_s": round(elapsed, 3), **m})
             if bar is not None:
-                bar.update(1)
-            if step % ckpt_every == 0 and step < run.num_steps:
-                ckpt.save(step, state, it.get_state())
-            if eval_every and step % eval_every == 0 and step < run.num_steps:
-                _log_eval(run, state, step, eval_path, bar, lead)
-            if time_limit and _all_agree(train_time + time.time() - t0 > time_limit):
-                stopped_early = True
-                break
+                bar.set_postfix(loss=f"{m['loss']:.4f}", acc=f"{m['canvas_token_acc']:.3f}")
+        if bar is not None:
+            bar.update(1)
+        if ckpt_every and step % ckpt_every == 0 and step < run.num_steps:
+            metrics.flush()
+            evals.flush()
+            ckpt.save(step, state, it.get_state())
+        if eval_every and step % eval_every == 0 and step < run.num_steps:
+            _log_eval(run, state, step, evals, bar, lead)
+        if time_limit and _all_agree(train_time + time.time() - t0 > time_limit):
+            stopped_early = True
+            break
     if bar is not None:
         bar.close()
     train_seconds = train_time + time.time() - t0
+    metrics.flush()
+    evals.flush()
     if step not in ckpt.all_steps():
         ckpt.save(step, state, it.get_state(), force=True)
     ckpt.close()
     summary: dict[str, Any] = {"steps": step, "train_seconds": round(train_seconds, 1),
                                "stopped_by_time_limit": stopped_early}
-    rows = read_jsonl(metrics_path)
-    if rows:
-        summary["final_metrics"] = rows[-1]
+    if metrics.rows:
+        summary["final_metrics"] = metrics.rows[-1]
     if data_stats is not None:
         summary["data_stats"] = data_stats
     if run.ec and tc.get("final_eval", True):
-        summary["eval"] = _log_eval(run, state, step, eval_path, None, lead)
-    if tc.get("export", False):
-        host = jax.tree.map(fetch, run.inference_params(state))  # a collective: every process joins
-        if lead:
-            save_params(os.path.join(workdir, "export"), host)
+        summary["eval"] = _log_eval(run, state, step, evals, None, lead)
+        evals.flush()
+    if tc.get("export", False):  # every process saves the shards it holds (orbax, as the checkpoints)
+        save_params(workdir / "export", run.inference_params(state))
     if lead:
-        summary["loss_curve"] = plot_loss_curve(metrics_path, os.path.join(workdir, "loss_curve.png"),
-                                                eval_path=eval_path)
-        with open(os.path.join(workdir, "summary.json"), "w") as f:
-            json.dump(_jsonable(summary), f, indent=1)
+        summary["loss_curve"] = plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss_curve.png",
+                                                eval_path=workdir / "eval.jsonl")
+        _write_json(workdir / "summary.json", summary)
     run.state = state
     summary["run"] = run
     return summary
 
 
-def _prev_train_time(metrics_path: str) -> float:
-    rows = read_jsonl(metrics_path)
-    return rows[-1].get("time_s", 0.0) if rows else 0.0
+def checkpoint_interval(tc: dict) -> int:
+    """train.checkpoint_every: a checkpoint every N steps; 0: only the final one (at num_steps or when
+    train.time_limit_s stops the run)."""
+    every = tc.get("checkpoint_every", 500)
+    try:
+        n = int(every)
+        whole = not isinstance(every, bool) and n == float(every) and n >= 0
+    except (TypeError, ValueError):
+        whole = False
+    if not whole:
+        raise ValueError(f"train.checkpoint_every must be a whole number of steps >= 0 (0: only the final "
+                         f"checkpoint), got {every!r}")
+    return n
 
 
 def _all_agree(flag: bool) -> bool:
@@ -506,13 +560,11 @@ def _all_agree(flag: bool) -> bool:
     return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
 
 
-def _log_eval(run: Run, state, step: int, eval_path: str, bar, lead: bool = True) -> dict[str, Any]:
+def _log_eval(run: Run, state, step: int, evals: JsonLines, bar, lead: bool = True) -> dict[str, Any]:
     r = run.evaluate(state)
     if not r or not lead:
         return r
-    row = {"step": step, **{k: v for k, v in r.items() if k != "samples"}}
-    with open(eval_path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    evals.append({"step": step, **{k: v for k, v in r.items() if k != "samples"}})
     msg = (f"eval step {step}: exact match {r['accuracy']:.3f} on {r['n']}, steps/canvas "
            f"{r['mean_steps_per_canvas']:.2f}, tokens/forward {r['tokens_per_forward']:.2f}")
     if bar is not None:
@@ -598,6 +650,8 @@ def load_config(path: str, overrides: dict[str, Any] | None = None):
 def main(config) -> dict[str, Any]:
     """CLI entry: train, print the summary (without the Run object), return it."""
     summary = train(config)
+    if not is_main_process():  # multi-host: one summary, from process 0
+        return summary
     printable = {k: v for k, v in summary.items() if k != "run"}
     if "eval" in printable:
         printable["eval"] = {k: v for k, v in printable["eval"].items() if k not in ("samples", "failures")}
