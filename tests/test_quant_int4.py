@@ -37,8 +37,9 @@ def test_one_kernel_has_one_scale_per_group_along_the_contracted_axis():
     assert q["int4"].dtype == jnp.int4 and q["scale"].shape == (2, 3, 4) and float(q["scale"][1, 1, 2]) == 1.0
     values = np.asarray(q["int4"]).astype(np.int32)
     assert values.min() >= -7 and values.max() == 7
-    np.testing.assert_allclose(q["scale"][0], jnp.abs(w[:128]).max(0) / 7, rtol=1e-6)
-    rep = jnp.repeat(q["scale"], 128, axis=0)
+    assert q["scale"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(q["scale"][0], (jnp.abs(w[:128]).max(0) / 7).astype(jnp.bfloat16))
+    rep = jnp.repeat(q["scale"].astype(jnp.float32), 128, axis=0)
     assert float(jnp.max(jnp.abs(w - dequantize(q)) - rep / 2)) <= 1e-6
     x = jax.random.normal(jax.random.key(1), (2, 5, 256), jnp.float32)
     np.testing.assert_allclose(project("btd,dnh->btnh", x, q), jnp.einsum("btd,dnh->btnh", x, dequantize(q)),
