@@ -21,7 +21,7 @@ from dgemma_jax.errors import UsageError
 from dgemma_jax.io import convert
 from dgemma_jax.io.bundled import BUNDLED, VISION_NAME
 from dgemma_jax.io.locations import resolve
-from dgemma_jax.model.quant import QUANTIZE_CHOICES, quantization_of, quantize_params, resolve_quantize
+from dgemma_jax.model.quant import QUANTIZE_CHOICES
 from dgemma_jax.parallel.distributed import is_main_process, main_print, read_on_main_process
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.profiling import profile
@@ -85,36 +85,15 @@ def mesh_flags(s, rules: str = "latency") -> None:
 
 def load_model_for_cli(args, checkpoint=None):
     """(config, params, sampler, tokenizer, shardings) for --checkpoint, read straight into the --mesh's
-    shards and quantized by --quantize (placed like the float kernels)."""
+    shards and quantized by --quantize as each tensor is read (`pipeline.load_checkpoint`)."""
     mesh = make_mesh(args.mesh) if getattr(args, "mesh", None) else None
     rules = getattr(args, "rules", "latency")
     checkpoint = args.checkpoint if checkpoint is None else checkpoint
     cfg, params, sampler, tok = load_for_cli(checkpoint, args.dtype, args.revision, mesh=mesh, rules=rules,
-                                             mirror=getattr(args, "mirror", False))
+                                             mirror=getattr(args, "mirror", False),
+                                             quantize=getattr(args, "quantize", None))
     shardings = Shardings(cfg, mesh, rules) if mesh is not None else None
-    quantized = quantize_for_cli(args, cfg, params, shardings)
-    if quantized is not params and shardings is not None:
-        quantized = shardings.place_params(quantized)
-    return cfg, quantized, sampler, tok, shardings
-
-
-def quantize_for_cli(args, config, params, shardings=None):
-    """--quantize int8|int4|auto|none: the loaded float parameters as quantized kernels
-    (`dgemma_jax.model.quant`; auto picks by the memory of the devices the weights go to)."""
-    mode = getattr(args, "quantize", None)
-    if mode == "auto" and quantization_of(params) is not None:
-        return params
-    devices = shardings.mesh.devices.flat if shardings is not None else None
-    try:
-        mode = resolve_quantize(config, mode, devices)
-    except ValueError as e:
-        raise UsageError(f"--quantize auto: {e}") from None
-    if mode is None:
-        return params
-    if quantization_of(params) is not None:
-        raise UsageError(f"--quantize {mode}: the checkpoint is already quantized ({quantization_of(params)}); "
-                         "drop --quantize")
-    return quantize_params(config, params, mode)
+    return cfg, params, sampler, tok, shardings
 
 
 # ---------------------------------------------------------------------------- generate

@@ -26,14 +26,15 @@ from dgemma_jax.io.bundled import bundled_choice, load_bundled
 from dgemma_jax.io.chat import chat_images, history_without_thinking, render_chat
 from dgemma_jax.io.images import prompt_with_images
 from dgemma_jax.io.locations import locate
-from dgemma_jax.io.model_dir import load_config, load_model, load_model_tokenizer
+from dgemma_jax.io.model_dir import checkpoint_quantization, load_config, load_model, load_model_tokenizer
+from dgemma_jax.model.quant import quantize_params, resolve_quantize
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.shardings import Shardings
 
 
 
 def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: str | None = None, *,
-                    mesh=None, rules: str | tuple = "latency", mirror: bool = False):
+                    mesh=None, rules: str | tuple = "latency", mirror: bool = False, quantize: str | None = None):
     """-> (config, params, sampler | None, tokenizer); None or "bundled": the bundled small model,
     "bundled:NAME" another bundled model (`dgemma_jax.io.bundled`, e.g. the image model VISION_NAME).
 
@@ -43,7 +44,11 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
     read straight into their shards under `rules` (`parallel.Shardings`), never whole on one device;
     None: on the default device. Each process reads only the bytes of its own shards, from a local
     directory or, for a Hugging Face checkpoint at a URL, straight from the store (`locations.locate`);
-    mirror=True copies a URL's weights into the local mirror first (later starts read the copy)."""
+    mirror=True copies a URL's weights into the local mirror first (later starts read the copy).
+    quantize: None / "none", "int8", "int4" or "auto" (`model.quant.resolve_quantize`, by the memory of the
+    devices the weights go to): a float checkpoint's kernels quantized as they are read, one tensor at a
+    time, so the float model is never whole; "auto" leaves a checkpoint saved quantized as it is, an
+    explicit mode refuses it (UsageError)."""
     if isinstance(mesh, str):
         mesh = make_mesh(mesh)
     is_bundled, name = bundled_choice(checkpoint)
@@ -54,17 +59,34 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
             cfg, params, sampler, tok = load_bundled(name)
         except FileNotFoundError as e:
             raise UsageError(str(e)) from None
+        mode = _quantize_mode(cfg, quantize, mesh, None)
+        if mode is not None:
+            params = quantize_params(cfg, params, mode)
         if mesh is not None:  # a small model: read, then placed
             params = Shardings(cfg, mesh, rules).place_params(params)
         return cfg, params, sampler, tok
     checkpoint, weights = locate(checkpoint, revision, mirror=mirror)
-    shardings = Shardings(load_config(checkpoint, weights=weights), mesh, rules) if mesh is not None else None
-    cfg, params, sampler = load_model(checkpoint, dtype=dtype, shardings=shardings, weights=weights)
+    config = load_config(checkpoint, weights=weights)
+    shardings = Shardings(config, mesh, rules) if mesh is not None else None
+    mode = _quantize_mode(config, quantize, mesh, checkpoint_quantization(checkpoint))
+    cfg, params, sampler = load_model(checkpoint, dtype=dtype, shardings=shardings, weights=weights, quantize=mode)
     tokenizer = load_model_tokenizer(checkpoint)
     mismatch = vocab_mismatch(cfg, tokenizer)
     if mismatch:
         warnings.warn(mismatch, DgemmaWarning, stacklevel=2)
     return cfg, params, sampler, tokenizer
+
+
+def _quantize_mode(config, quantize, mesh, saved: str | None) -> str | None:
+    """The mode to quantize a checkpoint in while loading it (None: as saved)."""
+    if saved is not None:
+        if quantize not in (None, "none", "auto"):
+            raise UsageError(f"--quantize {quantize}: the checkpoint is already quantized ({saved}); drop --quantize")
+        return None
+    try:
+        return resolve_quantize(config, quantize, mesh.devices.flat if mesh is not None else None)
+    except ValueError as e:
+        raise UsageError(f"--quantize {quantize}: {e}") from None
 
 
 def vocab_mismatch(config, tokenizer) -> str | None:
@@ -104,11 +126,14 @@ class DiffusionGemma:
             if shardings is not None:
                 raise ValueError("pass mesh (and rules) or shardings, not both")
             mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
+        # quantized while loading, tensor by tensor (with `shardings` built by the caller: by the engine, after)
+        on_load = quantize if shardings is None else None
         cfg, params, saved_sampler, tok = load_checkpoint(checkpoint, dtype, revision, mesh=mesh, rules=rules,
-                                                        mirror=mirror)
+                                                        mirror=mirror, quantize=on_load)
         if mesh is not None:
             shardings = Shardings(cfg, mesh, rules)
-        return cls(cfg, params, tok, sampler or saved_sampler, shardings, runtime, quantize, compilation_cache)
+        return cls(cfg, params, tok, sampler or saved_sampler, shardings, runtime,
+                   quantize if shardings is not None and on_load is None else None, compilation_cache)
 
     @property
     def sampler(self):

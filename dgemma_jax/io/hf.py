@@ -27,6 +27,7 @@ from safetensors.numpy import save_file
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import read_json
 from dgemma_jax.io.locations import kind, locate, open_fs, remote_error
+from dgemma_jax.model.quant import quantize_leaf
 
 DECODER = "model.decoder."
 ENCODER_LAYERS = "model.encoder.language_model.layers."
@@ -486,7 +487,8 @@ def vision_tensors_present(path: str | os.PathLike) -> bool | None:
 def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
             shardings: Any | None = None, config_overrides: dict | None = None,
             progress: Callable[[Iterator], Iterator] | None = None, revision: str | None = None,
-            vision: bool | None = None, mirror: bool = False, weights: str | None = None):
+            vision: bool | None = None, mirror: bool = False, weights: str | None = None,
+            quantize: str | None = None):
     """Read a Hugging Face DiffusionGemma directory (config.json + safetensors) -> (ModelConfig, params).
 
     vision: whether to read the vision tower (`model.encoder.vision_tower.*`, `model.encoder.embed_vision.*`)
@@ -507,6 +509,10 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
     straight into the devices; without, each tensor is read whole. Never more than one tensor's slices are
     held on the host beyond the parameters themselves. Raises ValueError naming missing, unexpected or
     mis-shaped tensors.
+
+    quantize: "int8" or "int4" quantizes each kernel right after it is read (`model.quant.quantize_leaf`),
+    so the float model is never whole, neither on the host nor on the devices: the peak is the quantized
+    parameters plus one float tensor.
     """
     if weights is None:
         path, weights = locate(path, revision, mirror=mirror)
@@ -547,7 +553,10 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
                 continue
             parts = [pending_parts[path_][j] for j in range(count)]
             del pending_parts[path_]
-        _set(params, path_, _read_leaf(st, parts, axis, flat_shardings.get(path_), np_dtype))
+        leaf = _read_leaf(st, parts, axis, flat_shardings.get(path_), np_dtype)
+        if quantize is not None:
+            leaf = quantize_leaf("/".join(map(str, path_)), leaf, quantize, sharding=flat_shardings.get(path_))
+        _set(params, path_, leaf)
     return cfg, params
 
 

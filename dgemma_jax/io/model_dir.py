@@ -31,7 +31,7 @@ from dgemma_jax.io.hf import load_hf, vision_tensors_present
 from dgemma_jax.io.locations import orbax_path
 from dgemma_jax.io.tokenizer import load_tokenizer
 from dgemma_jax.model.api import param_shapes
-from dgemma_jax.model.quant import embedding_quantized, quantization_of, quantized_shapes
+from dgemma_jax.model.quant import embedding_quantized, quantization_of, quantize_params, quantized_shapes
 from dgemma_jax.runtime import split_choices
 from dgemma_jax.sampling.config import SamplerConfig
 
@@ -208,16 +208,29 @@ def _check_params_files(path: str, recorded: dict) -> None:
                          "convert it again")
 
 
-def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None, weights: str | None = None):
+def checkpoint_quantization(path: str | os.PathLike) -> str | None:
+    """The quantization a checkpoint directory was saved with ("int8", "int4"; None: float, or Hugging Face)."""
+    if detect_format(path, need_weights=False) != "dgemma":
+        return None
+    return (_read_meta(path).get("quantization") or {}).get("mode")
+
+
+def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None, weights: str | None = None,
+               quantize: str | None = None):
     """Any supported checkpoint directory -> (ModelConfig, params, SamplerConfig | None); weights: the URL
     of a Hugging Face checkpoint's *.safetensors when they are not in `path` (`locations.locate`), read
-    from there (with shardings: each process its own shards' bytes)."""
+    from there (with shardings: each process its own shards' bytes). quantize: "int8" / "int4" quantizes
+    a float checkpoint's kernels as they are read (Hugging Face: one tensor at a time, `load_hf`; ours:
+    after the restore), placed like the float ones; a checkpoint saved quantized is a ValueError then."""
     fmt = detect_format(path, need_weights=weights is None)
     if fmt == "hf":  # a `Shardings`, or a pytree of shardings matching the parameters
         cfg, params = load_hf(path, dtype=dtype, shardings=getattr(shardings, "params", shardings),
-                              weights=weights or os.fspath(path))
+                              weights=weights or os.fspath(path), quantize=quantize)
         return cfg, params, hf_sampler(path, cfg)
     meta = _read_meta(path)
+    if quantize is not None and meta.get("quantization"):
+        raise ValueError(f"checkpoint {os.fspath(path)!r} is already quantized ({meta['quantization'].get('mode')}); "
+                         "load it without quantize")
     cfg = config_from_dict(meta["config"])
     if isinstance(meta.get("params_files"), dict):
         _check_params_files(os.fspath(path), meta["params_files"])
@@ -242,6 +255,10 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None
         raise ValueError(f"could not restore the parameters of checkpoint {os.fspath(path)!r}: they are damaged or do "
                          f"not match its config ({e})") from None
     sampler = SamplerConfig(**meta["sampler"]) if meta.get("sampler") else None
+    if quantize is not None:
+        params = quantize_params(cfg, params, quantize)
+        if callable(getattr(shardings, "place_params", None)):
+            params = shardings.place_params(params)
     return cfg, params, sampler
 
 

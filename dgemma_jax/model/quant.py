@@ -244,3 +244,33 @@ def resolve_quantize(config: ModelConfig, quantize: str | None, devices=None) ->
     raise ValueError(f"{config.name} needs {gib['none']} GiB of weights in {config.param_dtype}, {gib['int8']} GiB in "
                      f"int8 and {gib['int4']} GiB in int4, but {len(limits)} device(s) leave {room / 2**30:.1f} GiB "
                      "for weights; use more devices (--mesh) or a bigger accelerator")
+
+
+# ---------------------------------------------------------------------------- one tensor at a time
+def quantize_leaf(path: str, w, mode: str, embedding: bool | None = None, sharding=None):
+    """One float parameter at its "/"-joined `path` -> as `quantize_params` would leave it (a quantized
+    pair, or `w` itself when it is not a quantized kernel): what a loader calls per tensor, so the whole
+    float model is never held. With the float leaf's NamedSharding `sharding`, the values are placed like
+    it and the scale along the same mesh axes where they divide its shape (as `Shardings.for_params`)."""
+    embedding = _embedding_default(mode, embedding)
+    axes = contracted_axes(path, embedding)
+    if axes is None:
+        return w
+    pair = _quantize_jit["int8" if re.search(EMBEDDING[0], path) else mode](w, axes)
+    if sharding is None:
+        return pair
+    return {k: jax.device_put(v, _like(sharding, v.shape)) for k, v in pair.items()}
+
+
+def _like(sharding, shape):
+    """`sharding` (a NamedSharding) for an array of `shape` of the same rank: each dimension keeps its mesh
+    axes where their size divides it, else is replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    keep = []
+    for n, axes in zip(shape, spec):
+        names = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+        size = math.prod(sharding.mesh.shape[a] for a in names)
+        keep.append(axes if names and n % size == 0 else None)
+    return NamedSharding(sharding.mesh, PartitionSpec(*keep))
