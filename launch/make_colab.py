@@ -42,12 +42,17 @@ released model) in parallel, over up to 48 steps, then commits it and starts the
 2. **Runtime > Run all.** With the settings as they are it runs the small model bundled with
    dgemma_jax (299k parameters, trained to sort digit strings: `s9350814272=` gives `0122345789`).
 
-Which model fits: the released `diffusiongemma-26B-A4B-it` holds 25 B parameters, about 51 GB in
-bfloat16 and about 26 GB with int8 weights. `QUANTIZE = "auto"` loads it in bfloat16 when that fits
-the runtime's accelerator memory, else in int8 when that fits, else stops with the sizes; one
-v5e-1 (16 GB) or v6e-1 (32 GB) chip holds neither yet (the int8 fit on a v6e-1 has not been
-compiled; an int4 path for a v5e-1 does not exist yet). A v5e-8 / v6e-8 / v5p-8 holds it:
-`launch/tpu_vm.sh` (see `launch/README.md`).
+Which model fits: the released `diffusiongemma-26B-A4B-it` holds 25 B parameters: 50.5 GB of
+weights in bfloat16, 26.1 GB in int8, 13.5 GB in int4 (counted from its shapes). `QUANTIZE = "auto"`
+takes the first of bfloat16, int8 and int4 whose weights fit 90% of the chip's memory, and quantizes
+each tensor as it is read (the bfloat16 model is never whole in memory). What the TPU compiler says of
+one chip (compiled from a CPU machine; projections, not runs; `docs/quantization.md`, "One chip"):
+- **v6e-1 (32 GB), int8:** the denoising step with an 8,192-token cache takes 28.3 GB; projected
+  18 ms a step, about 880 tokens/s at 16 steps a canvas.
+- **v5e-1 (16 GB), int4:** the step fits with a 4,096-token cache (15.3 GB) but not with 8,192
+  (16.2 GB); projected 123 ms a step (the int4 experts are read 7x over), about 130 tokens/s.
+The download needs 51 GB of disk (the bfloat16 safetensors); loading needs host RAM for a few copies
+of the largest tensor (one layer's experts, 1 GB in bfloat16), not for the model. A v5e-8 / v6e-8 / v5p-8 holds the bfloat16 model: `launch/tpu_vm.sh` (see `launch/README.md`).
 """
 
 SETTINGS = """\
