@@ -374,9 +374,12 @@ class Engine:
         rng: an int seed (every row uses that seed's stream), a list of B int seeds (one per prompt),
         one key (every row uses its stream) or [B] keys (`row_keys`: a row's key never depends on
         its index). With `batch_invariant` (default) each row then runs as its own program, so its
-        tokens do not depend on the rest of the batch (the class docstring says what is tested). cache: continue an earlier cache (multi-turn chat: the
-        prompt is then only the new tokens; `out.cache` of a previous call holds everything
-        committed so far, i.e. all but the last canvas, earlier images included). The cache you
+        tokens do not depend on the rest of the batch (the class docstring says what is tested).
+        cache: continue an earlier cache (multi-turn chat: the prompt is then only the new tokens;
+        `out.cache` of a previous call holds everything committed so far, i.e. all but the last
+        canvas, earlier images included; rows run alone get caches of their own lengths, merged
+        padded to the longest). With `batch_invariant` all rows of a cache passed in keep its
+        length. The cache you
         pass stays usable unless `donate_cache=True`, which gives its buffers to the program (no
         copy of the cache; your handle is then deleted). images: the
         prompt's images (`dgemma_jax.io.images.preprocess_images`: pixel values, positions, soft-token

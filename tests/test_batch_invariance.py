@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from dgemma_jax import ModelConfig, init_params
-from dgemma_jax.engine import Engine
 from dgemma_jax.io.char_tokenizer import CharTokenizer
 from dgemma_jax.pipeline import DiffusionGemma
 from dgemma_jax.sampling import SamplerConfig
