@@ -483,7 +483,9 @@ class Engine:
 
     def steps(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
               seed_canvas=None, pinned=None, cache_length: int | None = None, images=None):
-        """Per-step driver: yields a `StepEvent` per denoising step and a `CanvasEvent` per canvas."""
+        """Per-step driver: yields a `StepEvent` per denoising step and a `CanvasEvent` per canvas (same
+        tokens as `generate`). With `batch_invariant` each row runs its own step programs, in lockstep
+        (`gen.merge_row_events`: a row already done shows its last state, a finished row pad)."""
         return self._iter(gen.iter_steps, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned,
                           cache_length, images)
 
