@@ -477,14 +477,13 @@ def jax_batch_scaling(ctx):
     import jax
     import jax.numpy as jnp
 
-    from dgemma_jax.sampling.loop import row_keys
 
     engine, prompt, quick = ctx["engine"], ctx["prompt"], ctx["quick"]
     bs = ctx["res"]["dgemma_jax"].setdefault("batch_scaling", {})
     for b in ctx["res"]["config"]["batches"]:
         log(f"jax: batch scaling, batch {b}, {CANVAS} new tokens")
         tb = jnp.asarray(np.repeat(prompt[None], b, 0), jnp.int32)
-        kb = row_keys(jnp.asarray(0), b)
+        kb = jax.random.split(jax.random.key(0), b)  # distinct streams (row_keys(0, b) repeats one)
         lb = jnp.full((b,), PROMPT_LEN, jnp.int32)
         comp, ct = compiled.compile_timed(engine.fused_program(CANVAS), ctx["params"],
                        prompt_tokens=tb, prompt_lengths=lb, cache=engine.new_cache(b, PROMPT_LEN), keys=kb,

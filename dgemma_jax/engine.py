@@ -25,7 +25,7 @@ from dgemma_jax import compile_cache
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import DgemmaWarning
 from dgemma_jax.model.api import check_tokens, encode_pass
-from dgemma_jax.model.cache import KVCache, init_cache
+from dgemma_jax.model.cache import KVCache, cache_row, init_cache
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.model.layout import check_scannable, is_stacked, stack_layers, unstack_layers
 from dgemma_jax.model.masks import image_runs
@@ -249,6 +249,14 @@ class Engine:
     given); "auto" picks the first of none / int8 / int4 whose weights fit the devices' memory
     (`model.quant.resolve_quantize`; nothing on the CPU); params already quantized are passed as they
     are, without it (or with "auto"). None or "none" (default): run `params` as given.
+    batch_invariant: True (default): `generate`, `stream` and `steps` run each prompt of a batch as its
+    own batch-1 program, whose shapes (prompt width, cache length) come from that prompt alone, with
+    the key of its own seed (`row_keys`): a prompt with its seed gets the same tokens whatever else is
+    in the call (its size, order, the prompt's position; tests/test_batch_invariance.py on XLA:CPU,
+    float32 and int8). The rows run one after another, so a batch costs about the sum of its rows
+    (docs/api.md has the measured cost). False: one program for the whole batch (rows padded to the
+    longest prompt, one MoE dispatch for all tokens): faster for big batches on accelerators, but a
+    row's tokens can change with the rest of the batch (float rounding, then the sampler).
     compilation_cache: True (default) turns jax's persistent compilation cache on
     (`dgemma_jax.compile_cache.enable`: JAX_COMPILATION_CACHE_DIR, else a directory already set in
     jax.config, else ~/.cache/dgemma_jax/xla), a string names the directory, False leaves jax's
@@ -258,7 +266,7 @@ class Engine:
     def __init__(self, config: ModelConfig, params: Any, sampler: SamplerConfig | None = None, *,
                  shardings: Any | None = None, runtime: Runtime | None = None, donate: bool = True,
                  bucket: bool = True, quantize: str | None = None,
-                 compilation_cache: bool | str = True):
+                 compilation_cache: bool | str = True, batch_invariant: bool = True):
         if compilation_cache:
             compile_cache.enable(None if compilation_cache is True else compilation_cache)
         self.config = config
@@ -280,6 +288,7 @@ class Engine:
         self.shardings = shardings
         self.donate = donate
         self.bucket = bool(bucket)
+        self.batch_invariant = bool(batch_invariant)
         self._programs = {}
         self._streaming = None
 
@@ -368,10 +377,15 @@ class Engine:
                  cache: KVCache | None = None, images=None, donate_cache: bool = False) -> gen.GenerateOutput:
         """Generate with the fused program: prompt_tokens [B, P] (right-padded), lengths [B].
 
-        rng: an int seed, one key (split per row) or [B] keys (one stream per row: a row's output
-        then does not depend on its batch). cache: continue an earlier cache (multi-turn chat: the
-        prompt is then only the new tokens; `out.cache` of a previous call holds everything
-        committed so far, i.e. all but the last canvas, earlier images included). The cache you
+        rng: an int seed (every row uses that seed's stream), a list of B int seeds (one per prompt),
+        one key (every row uses its stream) or [B] keys (`row_keys`: a row's key never depends on
+        its index). With `batch_invariant` (default) each row then runs as its own program, so its
+        tokens do not depend on the rest of the batch (the class docstring says what is tested).
+        cache: continue an earlier cache (multi-turn chat: the prompt is then only the new tokens;
+        `out.cache` of a previous call holds everything committed so far, i.e. all but the last
+        canvas, earlier images included; rows run alone get caches of their own lengths, merged
+        padded to the longest). With `batch_invariant` all rows of a cache passed in keep its
+        length. The cache you
         pass stays usable unless `donate_cache=True`, which gives its buffers to the program (no
         copy of the cache; your handle is then deleted). images: the
         prompt's images (`dgemma_jax.io.images.preprocess_images`: pixel values, positions, soft-token
@@ -380,6 +394,14 @@ class Engine:
         """
         max_new_tokens = self.sampler.canvas_length if max_new_tokens is None else max_new_tokens
         cache_given = cache
+        if self.batch_invariant:
+            rows = self._prepare_rows(prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length,
+                                      cache, images)
+            # a row of a caller's batch>1 cache is a copy: donating it costs the caller nothing
+            fn = self.fused_program(max_new_tokens, donate_cache=cache_given is None or donate_cache or len(rows) > 1)
+            return gen.merge_outputs(
+                fn(self.params, prompt_tokens=t, prompt_lengths=n, cache=c, keys=k, seed_canvas=sc, pinned=pin,
+                   images=im) for t, n, k, c, sc, pin, im in rows)
         tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
             prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache, images)
         fn = self.fused_program(max_new_tokens, donate_cache=cache_given is None or donate_cache)
@@ -406,8 +428,53 @@ class Engine:
             images = self._place(*images)
         return tokens, lengths, keys, cache, seed_canvas, pinned, images
 
+    def _prepare_rows(self, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length,
+                      cache=None, images=None):
+        """`_prepare` for each row alone (`batch_invariant`): a list of per-row inputs (tokens [1, W],
+        lengths [1], keys [1], cache [1, S], seed_canvas, pinned, images) whose shapes come from the
+        row alone: W the bucket of its own prompt length, S its own derived cache length (or the
+        `cache_length` / cache the caller gave for all rows), images the row's own."""
+        committed = None if cache is None else np.asarray(cache.lengths)
+        if cache is not None:
+            cache_length = cache.max_length
+        # the whole batch checked first, so errors speak of the call's shapes
+        tokens, lengths, _, seed_canvas, pinned = prepare_inputs(
+            self.config, self.sampler, prompt_tokens, lengths, max_new_tokens, cache_length, seed_canvas, pinned,
+            committed, bucket=False)
+        b = tokens.shape[0]
+        checked = check_images_host(self.config, tokens, lengths, images)
+        keys = row_keys(rng, b)
+        if cache is not None and cache.batch_size != b:
+            raise ValueError(f"cache batch {cache.batch_size} != prompt batch {b}")
+        tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+        first_image = 0
+        rows = []
+        for i in range(b):
+            n = int(lengths[i])
+            pick = (lambda x: None if x is None else x[i:i + 1])  # noqa: E731
+            t, ln, s, sc, pin = prepare_inputs(self.config, self.sampler, tokens[i:i + 1, :n], lengths[i:i + 1],
+                                               max_new_tokens, cache_length, pick(seed_canvas), pick(pinned),
+                                               pick(committed), bucket=self.bucket)
+            pictures = None
+            if checked is not None:
+                count = len(image_runs(tokens[i, :n], self.config.image_token_id))
+                if count:
+                    pictures = self._place(*(jnp.asarray(x[first_image:first_image + count], dtype)
+                                             for x, dtype in zip(checked, (jnp.float32, jnp.int32))))
+                first_image += count
+            row_cache = self.new_cache(1, s) if cache is None else cache if b == 1 else cache_row(cache, i)
+            t, ln, k, sc, pin = self._place(t, ln, keys[i:i + 1], sc, pin)
+            rows.append((t, ln, k, row_cache, sc, pin, pictures))
+        return rows
+
     def _iter(self, which, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, images):
         max_new_tokens = self.sampler.canvas_length if max_new_tokens is None else max_new_tokens
+        if self.batch_invariant:
+            rows = self._prepare_rows(prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length,
+                                      None, images)
+            return gen.merge_row_events(
+                (which(self.programs, self.params, t, n, c, k, max_new_tokens, sc, pin, im)
+                 for t, n, k, c, sc, pin, im in rows), max_new_tokens, self.sampler.canvas_length, self.sampler.pad_id)
         tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
             prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, None, images)
         return which(self.programs, self.params, tokens, lengths, cache, keys, max_new_tokens, seed_canvas, pinned,
@@ -422,7 +489,9 @@ class Engine:
 
     def steps(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
               seed_canvas=None, pinned=None, cache_length: int | None = None, images=None):
-        """Per-step driver: yields a `StepEvent` per denoising step and a `CanvasEvent` per canvas."""
+        """Per-step driver: yields a `StepEvent` per denoising step and a `CanvasEvent` per canvas (same
+        tokens as `generate`). With `batch_invariant` each row runs its own step programs, in lockstep
+        (`gen.merge_row_events`: a row already done shows its last state, a finished row pad)."""
         return self._iter(gen.iter_steps, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned,
                           cache_length, images)
 

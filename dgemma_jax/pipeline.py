@@ -153,9 +153,14 @@ class DiffusionGemma:
             tokens[i, : len(x)] = x
         return tokens, np.array([len(x) for x in ids], np.int32)
 
-    def generate(self, text: str | Sequence[str], max_new_tokens: int | None = None, seed: int = 0,
+    def generate(self, text: str | Sequence[str], max_new_tokens: int | None = None, seed: int | Sequence[int] = 0,
                  images=None, max_soft_tokens: int | None = None, **kw) -> Any:
-        """One prompt -> text, or a list of prompts -> list of texts (one batch, per-row rng).
+        """One prompt -> text, or a list of prompts -> list of texts.
+
+        seed: one int (every prompt uses that seed's stream) or one int per prompt. A prompt with its
+        seed gets the same text alone or in any list, at any position (`Engine`'s batch_invariant:
+        each prompt runs as its own program; tests/test_batch_invariance.py, XLA:CPU) given the same
+        max_new_tokens: the default budget is capped by the longest prompt's room.
 
         max_new_tokens: default DEFAULT_NEW_TOKENS (256), capped to the whole canvases that fit after
         the longest prompt, as on the command line; a capped output that ends without an end of

@@ -11,7 +11,7 @@ import dgemma_jax as dg
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.pipeline import load_checkpoint
 from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.sampling.loop import RowKnobs, denoise_canvas, initial_canvas, row_keys
+from dgemma_jax.sampling.loop import RowKnobs, choice_keys, denoise_canvas, initial_canvas
 from dgemma_jax.serving import text as text_lib
 from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, ShuttingDown
 
@@ -67,7 +67,7 @@ def test_row_knobs_decide_each_row_exactly_as_its_own_sampler_config():
     tokens = np.random.default_rng(2).integers(3, cfg.vocab_size, (n, ctx)).astype(np.int32)
     cache = dg.init_cache(cfg, n, ctx + cfg.canvas_length)
     _, cache = dg.prefill(params, cfg, tokens, None, cache, logits="none")
-    keys = row_keys(7, n)
+    keys = choice_keys(7, n)  # two distinct streams
     canvas = initial_canvas(keys, cfg.canvas_length, cfg.vocab_size)
     run = jax.jit(denoise_canvas, static_argnums=(1, 2))
     knobs = RowKnobs.from_samplers([a, b], base.max_denoising_steps)
@@ -155,7 +155,7 @@ def test_per_request_sampler_settings_and_n_choices(bundled, scheduler):
     assert c.done.wait(120)
     assert sorted(c.final) == [0, 1, 2]
     assert all(ev.steps <= 3 * ev.canvases for ev in c.final.values())
-    keys = np.asarray(jax.random.key_data(row_keys(5, 3)))
+    keys = np.asarray(jax.random.key_data(choice_keys(5, 3)))  # the scheduler's keys of the 3 choices
     assert len({tuple(k) for k in keys}) == 3                     # three streams, not one repeated
 
 

@@ -74,7 +74,8 @@ def test_trace_is_interesting(trace):
 
 def test_engine_generate_replays_reference(trace):
     a, B, C = trace["arrays"], trace["B"], trace["C"]
-    out = trace["engine"].generate(trace["tokens"], trace["lengths"], rng=trace["rng"], max_new_tokens=case.K * C)
+    out = trace["engine"].generate(trace["tokens"], trace["lengths"],
+                                   rng=case.row_keys_of(trace["rng"], B), max_new_tokens=case.K * C)
     hf_tokens = a["sequences"][:, int(a["prompt_width"]):]
     np.testing.assert_array_equal(np.asarray(out.tokens), hf_tokens)
     np.testing.assert_array_equal(np.asarray(out.finished), np.isin(hf_tokens, trace["eos"]).any(-1))
@@ -88,7 +89,8 @@ def test_engine_steps_replay_reference(trace):
     a, B = trace["arrays"], trace["B"]
     live, _ = _expected(a, B)
     N = case.N
-    events = list(trace["engine"].steps(trace["tokens"], trace["lengths"], rng=trace["rng"],
+    events = list(trace["engine"].steps(trace["tokens"], trace["lengths"],
+                                        rng=case.row_keys_of(trace["rng"], len(trace["lengths"])),
                                         max_new_tokens=case.K * trace["C"]))
     steps_seen = {}
     for ev in events:

@@ -123,3 +123,31 @@ def write_tokens(cache_kv: jax.Array, new_kv: jax.Array, starts: jax.Array, num_
 def window_slice(cache_kv: jax.Array, starts: jax.Array, size: int) -> jax.Array:
     """Per-row slice cache_kv[b, starts[b] : starts[b] + size] -> [B, size, K, H]."""
     return jax.vmap(lambda c, s0: jax.lax.dynamic_slice_in_dim(c, s0, size, axis=0))(cache_kv, starts)
+
+
+def cache_row(cache: KVCache, row: int) -> KVCache:
+    """Row `row` of a cache as a batch-1 cache (a copy; either layout)."""
+    take = lambda x: jax.lax.slice_in_dim(x, row, row + 1, axis=x.ndim - 4)  # noqa: E731 (batch axis)
+    return cache.replace(keys=tuple(map(take, cache.keys)), values=tuple(map(take, cache.values)),
+                         lengths=cache.lengths[row:row + 1])
+
+
+def concat_rows(caches) -> KVCache:
+    """Batch caches of the same layout stacked row-wise into one; a shorter cache's slots are padded
+    with zeros up to the longest `max_length` (slots past a row's length are never read)."""
+    caches = list(caches)
+    s = max(c.max_length for c in caches)
+
+    def pad(x):
+        widths = [(0, 0)] * x.ndim
+        widths[x.ndim - 3] = (0, s - x.shape[-3])
+        return jnp.pad(x, widths)
+
+    def cat(xs):
+        return jnp.concatenate([pad(x) for x in xs], axis=xs[0].ndim - 4)
+
+    first = caches[0]
+    n = len(first.keys)
+    return first.replace(keys=tuple(cat([c.keys[i] for c in caches]) for i in range(n)),
+                         values=tuple(cat([c.values[i] for c in caches]) for i in range(n)),
+                         lengths=jnp.concatenate([c.lengths for c in caches]))

@@ -27,7 +27,7 @@ from flax import struct
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import encode_pass, image_features_pass
-from dgemma_jax.model.cache import KVCache
+from dgemma_jax.model.cache import KVCache, concat_rows
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
@@ -262,3 +262,52 @@ def collect(events, batch: int, max_new_tokens: int, canvas_length: int, pad_id:
             steps[:, ev.index] = ev.steps
             finished = ev.finished
     return out[:, :max_new_tokens], steps, finished
+
+
+def merge_outputs(outs) -> GenerateOutput:
+    """The outputs of single-row generations as one batch's (caches padded to the longest, `concat_rows`)."""
+    outs = list(outs)
+    if len(outs) == 1:
+        return outs[0]
+    return GenerateOutput(tokens=jnp.concatenate([o.tokens for o in outs]),
+                          steps=jnp.concatenate([o.steps for o in outs]),
+                          finished=jnp.concatenate([o.finished for o in outs]),
+                          num_canvases=jnp.max(jnp.stack([o.num_canvases for o in outs])),
+                          cache=concat_rows([o.cache for o in outs]))
+
+
+def merge_row_events(rows, max_new_tokens: int, canvas_length: int, pad_id: int) -> Iterator:
+    """The events of B single-row drivers (`iter_canvases` or `iter_steps` over batch-1 inputs) as one
+    batch's, in lockstep. Step event s of canvas c shows every row: a row still denoising its step s,
+    a row whose canvas already ended its last state (done), a row finished in an earlier canvas pad
+    (done). A canvas event holds every row (a finished row: pad, 0 steps, finished)."""
+    rows = list(rows)
+    b = len(rows)
+    finished = np.zeros((b,), bool)
+    pad = np.full((1, canvas_length), pad_id, np.int32)
+    for c in range(num_canvases(max_new_tokens, canvas_length)):
+        owed = min(canvas_length, max_new_tokens - c * canvas_length)
+        live = [i for i in range(b) if not finished[i]]
+        last = {i: StepEvent(c, 0, pad, pad, np.ones((1,), bool)) for i in range(b)}
+        ends: dict[int, CanvasEvent] = {}
+        while len(ends) < len(live):
+            stepped = False
+            for i in live:
+                if i in ends:
+                    continue
+                ev = next(rows[i])
+                if isinstance(ev, CanvasEvent):
+                    ends[i] = ev
+                else:
+                    last[i], stepped = ev, True
+            if stepped:
+                yield StepEvent(c, max(last[i].step for i in live),
+                                np.concatenate([last[i].argmax for i in range(b)]),
+                                np.concatenate([last[i].canvas for i in range(b)]),
+                                np.concatenate([last[i].done for i in range(b)]))
+        tokens = np.concatenate([ends[i].tokens if i in ends else pad[:, :owed] for i in range(b)])
+        steps = np.concatenate([ends[i].steps if i in ends else np.zeros((1,), np.int32) for i in range(b)])
+        finished = np.concatenate([ends[i].finished if i in ends else np.ones((1,), bool) for i in range(b)])
+        yield CanvasEvent(c, tokens, steps, finished)
+        if finished.all():
+            break

@@ -3,7 +3,11 @@
 The loop state carries the canvas, the self-conditioning soft embeddings [B, L, D] (not logits),
 the argmax history, per-row done flags and step counts. The KV cache and the parameters are
 operands: read, never carried, copied or written. Randomness is per row: step `s` of a row uses
-`fold_in(row_key, s)`, so a row's tokens do not depend on the other rows of its batch.
+`fold_in(row_key, s)`, and `row_keys` derives a row's key from its own seed, never from its index,
+so a row's random draws do not depend on the other rows. Its numbers can: a batched step shares
+shapes (batch, prompt width, cache length) and the MoE dispatch with the other rows, and float
+rounding that differs by ~1e-4 in the logits changes sampled tokens. `Engine` (batch_invariant,
+the default) runs each row as its own batch-1 program for that reason (tests/test_batch_invariance.py).
 
 One step (HF / SGLang / vLLM semantics, spec §3.2)::
 
@@ -112,27 +116,63 @@ def _temperature_row(sampler: SamplerConfig, budget: int) -> np.ndarray:
     return row
 
 
-def row_keys(rng, batch: int) -> jax.Array:
-    """[B] per-row keys: split a single key, or pass [B] keys through unchanged.
+def prompt_key(seed) -> jax.Array:
+    """The key stream of one prompt with integer seed `seed` (or a PRNG key): `fold_in(seed_key(seed), 0)`.
 
-    rng: an int seed (any 64-bit value), a PRNG key, [B] keys, or raw uint32 key data (a jax or numpy
-    array, or a list). Anything else is a ValueError that says what is accepted.
+    It never depends on where the prompt stands in a batch. (It equals `split(seed_key(seed), 1)[0]`,
+    the key a batch of one got before per-prompt keys, so single-prompt results are unchanged.)"""
+    key = seed_key(seed) if isinstance(seed, (int, np.integer)) else seed
+    return jax.random.fold_in(key, 0)
+
+
+def choice_keys(seed: int, n: int) -> jax.Array:
+    """[n] keys for `n` independent answers to ONE prompt with seed `seed` (the server's `n` choices):
+    `split(seed_key(seed), n)`. Choice 0 of n=1 is `prompt_key(seed)`."""
+    return jax.random.split(seed_key(seed), n)
+
+
+def row_keys(rng, batch: int) -> jax.Array:
+    """[B] per-row keys, each from its own row's seed and never from the row's index in the batch.
+
+    rng: an int seed (any 64-bit value): every row uses that seed's stream, `prompt_key(seed)` (so a
+    prompt gets the same key alone or in any batch; rows with the same prompt get the same answer);
+    a list/tuple/1-d array of B int seeds: row b uses `prompt_key(seeds[b])`; one PRNG key (or its
+    uint32 data [2]): every row uses `fold_in(key, 0)`; [B] keys (or uint32 key data [B, 2]): passed
+    through unchanged. Anything else is a ValueError that says what is accepted.
     """
     if isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_)):
-        rng = seed_key(rng)
-    elif isinstance(rng, (list, tuple, np.ndarray)) and np.issubdtype(np.asarray(rng).dtype, np.integer):
+        return _broadcast(prompt_key(rng), batch)
+    if isinstance(rng, (list, tuple)) and rng and all(
+            isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_)) for s in rng):
+        rng = np.asarray([int(s) % 2 ** 64 for s in rng], np.uint64)
+    if isinstance(rng, (list, tuple, np.ndarray)) and np.issubdtype(np.asarray(rng).dtype, np.integer):
+        arr = np.asarray(rng)
+        if arr.ndim == 1 and not (arr.dtype == np.uint32 and arr.shape == (2,)):  # one int seed per row
+            if arr.shape != (batch,):
+                raise ValueError(f"rng lists {arr.shape[0]} seeds for {batch} prompts; pass one seed per prompt "
+                                 "or a single int seed")
+            return jnp.stack([prompt_key(int(s)) for s in arr])
         rng = jnp.asarray(rng)
     elif not isinstance(rng, jax.Array):
-        raise ValueError(f"rng must be an integer seed, a jax PRNG key or one key per row; got "
-                         f"{type(rng).__name__} {rng!r}"[:300])
+        raise ValueError(f"rng must be an integer seed, a list of one integer seed per prompt, a jax PRNG key or "
+                         f"one key per row; got {type(rng).__name__} {rng!r}"[:300])
     if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-        rng = jax.random.wrap_key_data(rng) if rng.ndim >= 1 and rng.shape[-1] == 2 and rng.dtype == jnp.uint32 \
-            else jax.random.key(rng)
+        if rng.ndim >= 1 and rng.shape[-1] == 2 and rng.dtype == jnp.uint32:
+            rng = jax.random.wrap_key_data(rng)
+        elif rng.ndim == 0:  # a jax integer (may be traced): jax.random.key's stream of it
+            return _broadcast(prompt_key(jax.random.key(rng)), batch)
+        else:
+            raise ValueError(f"rng as an array must be uint32 key data ([2] or [{batch}, 2]) or one int seed per "
+                             f"prompt ([{batch}]); got {rng.dtype} {tuple(rng.shape)}")
     if rng.ndim == 0:
-        return jax.random.split(rng, batch)
+        return _broadcast(prompt_key(rng), batch)
     if rng.shape != (batch,):
         raise ValueError(f"rng must be one key or one key per row ([{batch}]); got shape {rng.shape}")
     return rng
+
+
+def _broadcast(key: jax.Array, batch: int) -> jax.Array:
+    return jnp.broadcast_to(key, (batch,))
 
 
 def initial_canvas(keys: jax.Array, length: int, vocab_size: int) -> jax.Array:

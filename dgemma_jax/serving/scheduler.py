@@ -12,8 +12,8 @@ in every busy slot (`sampling.slots.slot_round`). A choice (one of a request's `
 `max_tokens`, at a stop string, or when its client is gone; its slot is refilled before the next
 round, without waiting for the others.
 
-Reproducibility: choice i of a request with seed s uses the row key `row_keys(s, n)[i]` (the key
-`Engine.generate(rng=s)` gives row i of a batch of n), its own sampler settings (`RowKnobs`), and
+Reproducibility: choice i of a request with seed s uses the row key `choice_keys(s, n)[i]` (for n=1
+the key `Engine.generate(rng=s)` gives the prompt, `prompt_key(s)`), its own sampler settings (`RowKnobs`), and
 programs whose shapes depend only on (slots, context): on XLA:CPU its tokens were the same whatever
 else ran (tests/test_serving_*.py); not verified on TPU or GPU.
 """
@@ -35,7 +35,7 @@ import numpy as np
 from dgemma_jax.engine import Engine, check_images_host, compiled_memory, new_tokens_that_fit
 from dgemma_jax.io.images import image_runs
 from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.sampling.loop import RowKnobs, row_keys
+from dgemma_jax.sampling.loop import RowKnobs, choice_keys
 from dgemma_jax.serving import text as text_lib
 
 log = logging.getLogger("dgemma_jax.serving")
@@ -295,7 +295,7 @@ class Scheduler:
                 raise ValueError(f"n must be >= 1; got {request.n}")
             self.check_fits(len(request.prompt_ids), request.max_tokens)
             request.chunks = self.plan_chunks(request.prompt_ids, request.images)
-            keys = np.asarray(jax.random.key_data(row_keys(int(request.seed), request.n)))
+            keys = np.asarray(jax.random.key_data(choice_keys(int(request.seed), request.n)))
             n_canvas = -(-request.max_tokens // self.canvas_length)
             choices += [_Choice(request, i, keys[i], n_canvas) for i in range(request.n)]
         if self._started_at is not None and not self.ready.is_set():  # compiling (before start: queued)

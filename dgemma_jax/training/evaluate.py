@@ -6,12 +6,14 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.engine import Engine
 from dgemma_jax.io.images import ImageSettings, preprocess_images, prompt_with_images, settings_for
 from dgemma_jax.sampling.config import SamplerConfig
+from dgemma_jax.sampling.loop import seed_key
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], width: int, pad_id: int = 0):
@@ -39,7 +41,10 @@ def evaluate_exact_match(config: ModelConfig, params: Any, sampler: SamplerConfi
     denoiser passes, mean steps per canvas, tokens per forward pass (HF's metric), a few samples
     (the first `keep`) and a few failures (the first `keep` wrong answers).
     """
-    engine = engine or Engine(config, params, sampler)
+    # one batched program per batch (throughput: the batch-invariant default runs rows one by one) with
+    # the keys split(seed + s, batch_size): the recorded evaluations' keys; results are reproducible for
+    # a given batch_size
+    engine = engine or Engine(config, params, sampler, batch_invariant=False)
     n = len(pairs)
     correct, tpf, steps_per_canvas, passes = [], [], [], []
     samples, failures = [], []
@@ -57,7 +62,8 @@ def evaluate_exact_match(config: ModelConfig, params: Any, sampler: SamplerConfi
                                       image_settings or settings_for(config))
             ids = [prompt_with_images(config, tokenizer, p, batch.select([i]))[0][0] for i, (p, _) in enumerate(chunk)]
         toks, lens = pad_prompts(ids, prompt_width, config.pad_id)
-        out = engine.generate(toks, lens, rng=seed + s, max_new_tokens=max_new_tokens, images=batch)
+        keys = jax.random.split(seed_key(seed + s), batch_size)
+        out = engine.generate(toks, lens, rng=keys, max_new_tokens=max_new_tokens, images=batch)
         gen = np.asarray(out.tokens)[:real]
         st = np.asarray(out.steps)[:real]
         tp = np.asarray(out.tokens_per_forward(sampler.pad_id))[:real]

@@ -67,10 +67,22 @@ def sampler_config(canvas_length: int, eos_id: int):
     return SamplerConfig(canvas_length=canvas_length, eos_ids=(int(eos_id),), pad_id=0, **SAMPLER)
 
 
+def row_keys_of(rng: int, batch: int):
+    """The golden's [B] row keys: `split(seed_key(rng), batch)`, what `row_keys(rng, batch)` gave when the
+    golden was recorded (before a row's key came from its own seed, issue 36). The engine is given these
+    keys explicitly, so the recorded draws stay the draws it makes."""
+    import jax
+
+    from dgemma_jax.sampling.loop import seed_key
+
+    return jax.random.split(seed_key(rng), batch)
+
+
 def all_draws(rng: int, batch: int, canvas_length: int, vocab_size: int) -> list[dict]:
     from tests.reference.draws import canvas_draws
 
-    return [canvas_draws(rng, batch, k, N, canvas_length, vocab_size) for k in range(K)]
+    keys = row_keys_of(rng, batch)
+    return [canvas_draws(keys, batch, k, N, canvas_length, vocab_size) for k in range(K)]
 
 
 def hash_items(checkpoint_path, rng: int, eos_id: int, draws: list[dict]) -> tuple:
