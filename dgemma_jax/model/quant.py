@@ -35,6 +35,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import param_shapes
@@ -265,8 +266,6 @@ def quantize_leaf(path: str, w, mode: str, embedding: bool | None = None, shardi
 def _like(sharding, shape):
     """`sharding` (a NamedSharding) for an array of `shape` of the same rank: each dimension keeps its mesh
     axes where their size divides it, else is replicated."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
     keep = []
     for n, axes in zip(shape, spec):

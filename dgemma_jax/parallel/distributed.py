@@ -70,7 +70,7 @@ def read_on_main_process(read: Callable[[], str]) -> str:
     host, so that all of them run the same programs; the others never touch their stdin. One process: read()."""
     if jax.process_count() == 1:
         return read()
-    from jax.experimental import multihost_utils
+    from jax.experimental import multihost_utils  # deferred: only a multi-process run needs it
 
     data = read().encode() if is_main_process() else b""
     n = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
