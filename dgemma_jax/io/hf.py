@@ -23,6 +23,7 @@ from safetensors.numpy import save_file
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import read_json
+from dgemma_jax.io.finite import check_finite
 from dgemma_jax.io.locations import resolve
 
 DECODER = "model.decoder."
@@ -312,7 +313,17 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
         else:
             value = jnp.asarray(arr)
         _set(params, path_, value)
+    check_finite(params, path, lambda name: _stored_name(st, table, name))
     return cfg, params
+
+
+def _stored_name(st: SafetensorsDir, table: list[Entry], name: str) -> str:
+    """The safetensors name of our parameter `name`; for a leaf stacked from several tensors (gate/up
+    halves, clip bounds) the one holding a non-finite value (read again: only on the error path)."""
+    parts = [e.hf for e in table if "/".join(map(str, e.ours)) == name
+             or (_grouped(e.ours) is not None and "/".join(map(str, e.ours[:-1])) == name)]
+    bad = [hf for hf in parts if not np.isfinite(st.get(hf).astype(np.float32)).all()]
+    return " or ".join(bad or parts or [name])
 
 
 # ---------------------------------------------------------------------------- writing
