@@ -144,6 +144,24 @@ class VisionConfig:
         except (TypeError, ValueError) as e:
             raise ValueError(f"config.json vision_config is invalid: {e}") from None
 
+    def with_processor(self, directory: str | os.PathLike) -> "VisionConfig":
+        """This tower with the image budget (`default_soft_tokens`) of the image processor saved in a
+        checkpoint directory (`processor_config.json` / `preprocessor_config.json`, read by
+        `io.images.ImageSettings.from_dir`; `max_soft_tokens`, 280 when the file leaves it out). Without
+        such a file: unchanged. A processor whose patch or pooling size differs from the tower's is a
+        ValueError (its patches would not fit the tower)."""
+        from dgemma_jax.io.images import _PROCESSOR_FILES, ImageSettings  # deferred: io.images imports this module
+
+        if not any(os.path.isfile(os.path.join(directory, n)) for n in _PROCESSOR_FILES):
+            return self
+        s = ImageSettings.from_dir(directory)
+        if (s.patch_size, s.pooling_kernel_size) != (self.patch_size, self.pooling_kernel_size):
+            raise ValueError(f"the image processor in {os.fspath(directory)!r} uses patch {s.patch_size}, pooling "
+                             f"{s.pooling_kernel_size} but config.json's vision tower patch {self.patch_size}, pooling "
+                             f"{self.pooling_kernel_size}: the files belong to different models; restore the "
+                             "checkpoint's own processor file")
+        return dataclasses.replace(self, default_soft_tokens=s.max_soft_tokens)
+
     def to_hf(self) -> dict[str, Any]:
         """The `Gemma4VisionConfig` kwargs describing this tower."""
         return dict(
@@ -329,8 +347,11 @@ class ModelConfig:
         """Build from a Hugging Face DiffusionGemma `config.json` (path, directory or dict).
 
         Accepts both the released flat keys (`global_head_dim`, `num_global_key_value_heads`) and the
-        `per_layer_config` form that transformers >= 5.23 writes on save.
+        `per_layer_config` form that transformers >= 5.23 writes on save. From a directory (or its
+        config.json), a vision tower's image budget is the directory's image processor's
+        (`VisionConfig.with_processor`), as transformers' processor would make it.
         """
+        directory = None
         if isinstance(source, Mapping):
             cfg = dict(source)
         else:
@@ -340,6 +361,7 @@ class ModelConfig:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"no config.json at {path!r}: pass a Hugging Face model directory")
             cfg = read_json(path)
+            directory = os.path.dirname(path)
         text = cfg.get("text_config", cfg)
         model_type = cfg.get("model_type", text.get("model_type"))
         if model_type not in (None, "diffusion_gemma", "diffusion_gemma_text", "gemma4", "gemma4_text"):
@@ -400,6 +422,8 @@ class ModelConfig:
             )
             if cfg is not text and cfg.get("vision_config") is not None:
                 kw["vision"] = VisionConfig.from_hf(cfg["vision_config"])
+                if directory is not None:
+                    kw["vision"] = kw["vision"].with_processor(directory)
                 for f in ("image_token_id", "boi_token_id", "eoi_token_id"):
                     if cfg.get(f) is not None:
                         kw[f] = int(cfg[f])

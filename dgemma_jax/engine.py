@@ -23,7 +23,7 @@ import numpy as np
 
 from dgemma_jax import compile_cache
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.errors import DgemmaWarning
+from dgemma_jax.errors import DgemmaWarning, NonFiniteLogits
 from dgemma_jax.model.api import check_tokens, encode_pass
 from dgemma_jax.model.cache import KVCache, cache_row, init_cache
 from dgemma_jax.model.layers import dtype_of
@@ -232,6 +232,35 @@ def warn_if_cut_short(config, max_new: int, finished, context: int, cache_length
                   "shorten the prompt", DgemmaWarning, stacklevel=3)
 
 
+NONFINITE_CHOICES = ("warn", "raise", "ignore")
+
+
+def report_nonfinite(flags, action: str = "warn") -> None:
+    """Act on a result's per-row `nonfinite` flags ([B] bool; see `sampling.loop.nonfinite_rows`):
+    "warn" (a DgemmaWarning), "raise" (`NonFiniteLogits`) or "ignore"; nothing when no row met one."""
+    if action not in NONFINITE_CHOICES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_CHOICES}; got {action!r}")
+    if action == "ignore" or isinstance(flags, jax.core.Tracer):  # traced: the flags are the caller's to read
+        return
+    rows = np.flatnonzero(np.asarray(flags))
+    if len(rows) == 0:
+        return
+    msg = (f"the model produced NaN/Inf logits for row(s) {rows.tolist()[:8]}: its weights or activations are not "
+           "finite, so the tokens are not its answer; check the checkpoint (loading names a non-finite tensor) and "
+           "the dtype (float16/bfloat16 overflow)")
+    if action == "raise":
+        raise NonFiniteLogits(msg)
+    warnings.warn(msg, DgemmaWarning, stacklevel=3)
+
+
+def _reporting(events, action: str):
+    """The streaming drivers' events, each `CanvasEvent`'s nonfinite flags reported as they come."""
+    for ev in events:
+        if isinstance(ev, gen.CanvasEvent) and ev.nonfinite is not None:
+            report_nonfinite(ev.nonfinite, action)
+        yield ev
+
+
 class Engine:
     """A model + sampler with compiled programs (built lazily, cached per input shape).
 
@@ -374,7 +403,8 @@ class Engine:
     # ------------------------------------------------------------------ running
     def generate(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
                  seed_canvas=None, pinned=None, cache_length: int | None = None,
-                 cache: KVCache | None = None, images=None, donate_cache: bool = False) -> gen.GenerateOutput:
+                 cache: KVCache | None = None, images=None, donate_cache: bool = False,
+                 nonfinite: str = "warn") -> gen.GenerateOutput:
         """Generate with the fused program: prompt_tokens [B, P] (right-padded), lengths [B].
 
         rng: an int seed (every row uses that seed's stream), a list of B int seeds (one per prompt),
@@ -390,7 +420,9 @@ class Engine:
         copy of the cache; your handle is then deleted). images: the
         prompt's images (`dgemma_jax.io.images.preprocess_images`: pixel values, positions, soft-token
         counts), one run of `config.image_token_id` tokens per image in the prompts, in row-major
-        order (`check_images`). Returns `GenerateOutput`.
+        order (`check_images`). nonfinite: what a row that met NaN/Inf logits (`out.nonfinite`) gives:
+        "warn" (a DgemmaWarning; default), "raise" (`errors.NonFiniteLogits`) or "ignore" (no
+        host sync: the flags stay in the result for the caller). Returns `GenerateOutput`.
         """
         max_new_tokens = self.sampler.canvas_length if max_new_tokens is None else max_new_tokens
         cache_given = cache
@@ -405,8 +437,10 @@ class Engine:
         tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
             prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache, images)
         fn = self.fused_program(max_new_tokens, donate_cache=cache_given is None or donate_cache)
-        return fn(self.params, prompt_tokens=tokens, prompt_lengths=lengths, cache=cache, keys=keys,
-                  seed_canvas=seed_canvas, pinned=pinned, images=images)
+        out = fn(self.params, prompt_tokens=tokens, prompt_lengths=lengths, cache=cache, keys=keys,
+                 seed_canvas=seed_canvas, pinned=pinned, images=images)
+        report_nonfinite(out.nonfinite, nonfinite)
+        return out
 
     def _prepare(self, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache=None,
                  images=None):
@@ -477,8 +511,8 @@ class Engine:
                  for t, n, k, c, sc, pin, im in rows), max_new_tokens, self.sampler.canvas_length, self.sampler.pad_id)
         tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
             prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, None, images)
-        return which(self.programs, self.params, tokens, lengths, cache, keys, max_new_tokens, seed_canvas, pinned,
-                     images)
+        return _reporting(which(self.programs, self.params, tokens, lengths, cache, keys, max_new_tokens, seed_canvas,
+                                pinned, images), "warn")
 
     def stream(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
                seed_canvas=None, pinned=None, cache_length: int | None = None,

@@ -27,6 +27,11 @@ class UsageError(Exception):
     """A problem with the user's input: the `dgemma` command reports it in one line, exit code 2."""
 
 
+class NonFiniteLogits(ValueError):
+    """The model produced NaN/Inf logits (its weights or activations are not finite): the generated
+    tokens are not its answer. `Engine.generate(..., nonfinite="raise")` and `DiffusionGemma` raise it."""
+
+
 class DgemmaWarning(UserWarning):
     """Something the user should know about a result that is not an error (a canvas length the model
     was not trained for, an output cut short by the context, a checkpoint without a tokenizer). The

@@ -166,7 +166,8 @@ class DiffusionGemma:
         the longest prompt, as on the command line; a capped output that ends without an end of
         sequence is a DgemmaWarning. images: for one prompt, an image or a list (paths, bytes, PIL
         images or uint8 arrays; `dgemma_jax.io.images`), placed at the `<|image|>` markers of `text`
-        (or, without markers, before it); max_soft_tokens: the per-image token budget."""
+        (or, without markers, before it); max_soft_tokens: the per-image token budget. A model that
+        produces NaN/Inf logits raises `errors.NonFiniteLogits` (not pad text)."""
         single = isinstance(text, str)
         if images is not None:
             if not single:
@@ -180,7 +181,7 @@ class DiffusionGemma:
         given = max_new_tokens is not None
         if not given:
             max_new_tokens = default_new_tokens(self.config, self.sampler, context, kw.get("cache_length"))
-        out = self.engine.generate(tokens, lengths, rng=seed, max_new_tokens=max_new_tokens, **kw)
+        out = self.engine.generate(tokens, lengths, rng=seed, max_new_tokens=max_new_tokens, nonfinite="raise", **kw)
         if not given:
             warn_if_cut_short(self.config, max_new_tokens, out.finished, context, kw.get("cache_length"))
         texts = [self.tokenizer.decode_generated(row, skip_special=True) for row in np.asarray(out.tokens)]
@@ -215,7 +216,7 @@ class DiffusionGemma:
         if not given:
             max_new_tokens = default_new_tokens(self.config, self.sampler, len(ids))
         out = self.engine.generate(np.array([ids], np.int32), None, rng=seed, max_new_tokens=max_new_tokens,
-                                   images=batch)
+                                   images=batch, nonfinite="raise")
         if not given:
             warn_if_cut_short(self.config, max_new_tokens, out.finished, len(ids))
         gen = [int(t) for t in np.asarray(out.tokens)[0] if int(t) != self.sampler.pad_id]

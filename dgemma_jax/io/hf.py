@@ -26,6 +26,7 @@ from safetensors.numpy import save_file
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import read_json
+from dgemma_jax.io.finite import check_finite
 from dgemma_jax.io.locations import kind, locate, open_fs, remote_error
 from dgemma_jax.model.quant import quantize_leaf
 
@@ -554,9 +555,13 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
             parts = [pending_parts[path_][j] for j in range(count)]
             del pending_parts[path_]
         leaf = _read_leaf(st, parts, axis, flat_shardings.get(path_), np_dtype)
-        if quantize is not None:
-            leaf = quantize_leaf("/".join(map(str, path_)), leaf, quantize, sharding=flat_shardings.get(path_))
+        if quantize is not None:  # checked while still float: the quantized values cannot say which weight
+            name = "/".join(map(str, path_))
+            check_finite({name: leaf}, path, lambda name: _stored_name(st, table, name))
+            leaf = quantize_leaf(name, leaf, quantize, sharding=flat_shardings.get(path_))
         _set(params, path_, leaf)
+    if quantize is None:
+        check_finite(params, path, lambda name: _stored_name(st, table, name))
     return cfg, params
 
 
@@ -587,6 +592,15 @@ def _read_leaf(st: SafetensorsDir, parts: list[Entry], axis: int | None, shardin
     if sharding is None:
         return jnp.asarray(pieces[boxes[0]])
     return jax.make_array_from_callback(shape, sharding, lambda index: pieces[box_of(index)])
+
+
+def _stored_name(st: SafetensorsDir, table: list[Entry], name: str) -> str:
+    """The safetensors name of our parameter `name`; for a leaf stacked from several tensors (gate/up
+    halves, clip bounds) the one holding a non-finite value (read again: only on the error path)."""
+    parts = [e.hf for e in table if "/".join(map(str, e.ours)) == name
+             or (_grouped(e.ours) is not None and "/".join(map(str, e.ours[:-1])) == name)]
+    bad = [hf for hf in parts if not np.isfinite(st.get(hf).astype(np.float32)).all()]
+    return " or ".join(bad or parts or [name])
 
 
 # ---------------------------------------------------------------------------- writing

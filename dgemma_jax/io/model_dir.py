@@ -26,6 +26,7 @@ import numpy as np
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import read_json
 from dgemma_jax.io.char_tokenizer import CharTokenizer
+from dgemma_jax.io.finite import check_finite
 from dgemma_jax.io.formats import FORMAT, META, detect_format  # noqa: F401 (also this module's API)
 from dgemma_jax.io.hf import load_hf, vision_tensors_present
 from dgemma_jax.io.locations import orbax_path
@@ -254,6 +255,7 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None
     except (ValueError, KeyError) as e:
         raise ValueError(f"could not restore the parameters of checkpoint {os.fspath(path)!r}: they are damaged or do "
                          f"not match its config ({e})") from None
+    check_finite(params, os.fspath(path))
     sampler = SamplerConfig(**meta["sampler"]) if meta.get("sampler") else None
     if quantize is not None:
         params = quantize_params(cfg, params, quantize)

@@ -38,13 +38,15 @@ from dgemma_jax.sampling.loop import denoise_canvas, denoise_step, init_state, i
 class GenerateOutput:
     """tokens: [B, max_new_tokens] (EOS-truncated, pad after); steps: [B, C] denoiser passes per
     canvas (0 for canvases a finished row skipped); finished: [B] row emitted an EOS;
-    num_canvases: [] canvases actually run; cache: the final KV cache."""
+    num_canvases: [] canvases actually run; cache: the final KV cache; nonfinite: [B] the row met
+    non-finite logits (NaN/Inf weights or activations: its tokens are not the model's answer)."""
 
     tokens: jax.Array
     steps: jax.Array
     finished: jax.Array
     num_canvases: jax.Array
     cache: KVCache
+    nonfinite: jax.Array
 
     def tokens_per_forward(self, pad_id: int = 0) -> np.ndarray:
         """Non-pad generated tokens / denoiser passes while unfinished, per row (HF's metric)."""
@@ -119,13 +121,13 @@ def canvas_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCa
 
     keys: [B] per-row keys (canvas c uses `fold_in(key, c)`); index / last: the canvas index and
     whether it is the final one (either may be traced); finished: [B] rows already done (frozen).
-    Returns (cache, tokens [B, L], steps [B], finished_after [B])."""
+    Returns (cache, tokens [B, L], steps [B], finished_after [B], nonfinite [B])."""
     k = canvas_keys(keys, index)
     start, pin = canvas_start(config, sampler, k, index, seed_canvas, pinned)
     state = denoise_canvas(params, config, sampler, cache, k, canvas=start, pinned=pin, done=finished,
                            runtime=runtime)
     toks, finished_after, cache = canvas_end(params, config, sampler, cache, state.argmax, finished, last, runtime)
-    return cache, toks, state.steps, finished_after
+    return cache, toks, state.steps, finished_after, state.nonfinite
 
 
 def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_tokens, prompt_lengths,
@@ -145,20 +147,20 @@ def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_t
     finished = jnp.zeros((b,), bool)
 
     def body(carry):
-        c, cache, out, steps, finished = carry
-        cache, toks, n_steps, finished = canvas_step(params, config, sampler, cache, keys, c, c + 1 >= n_canvas,
-                                                     finished, seed_canvas, pinned, runtime)
+        c, cache, out, steps, finished, bad = carry
+        cache, toks, n_steps, finished, bad_c = canvas_step(params, config, sampler, cache, keys, c,
+                                                            c + 1 >= n_canvas, finished, seed_canvas, pinned, runtime)
         out = jax.lax.dynamic_update_slice_in_dim(out, toks, c * l, axis=1)
         steps = jax.lax.dynamic_update_slice_in_dim(steps, n_steps[:, None], c, axis=1)
-        return c + 1, cache, out, steps, finished
+        return c + 1, cache, out, steps, finished, bad | bad_c
 
     def cond(carry):
-        c, _, _, _, finished = carry
+        c, _, _, _, finished, _ = carry
         return (c < n_canvas) & ~jnp.all(finished)
 
-    c, cache, out, steps, finished = jax.lax.while_loop(
-        cond, body, (jnp.zeros((), jnp.int32), cache, out, steps, finished))
-    return GenerateOutput(out[:, :max_new_tokens], steps, finished, c, cache)
+    c, cache, out, steps, finished, bad = jax.lax.while_loop(
+        cond, body, (jnp.zeros((), jnp.int32), cache, out, steps, finished, jnp.zeros((b,), bool)))
+    return GenerateOutput(out[:, :max_new_tokens], steps, finished, c, cache, bad)
 
 
 def start_state(config: ModelConfig, sampler: SamplerConfig, keys: jax.Array, index, finished: jax.Array,
@@ -187,6 +189,7 @@ class CanvasEvent:
     tokens: np.ndarray       # [B, L] EOS-truncated (the last canvas: only the tokens still owed)
     steps: np.ndarray        # [B]
     finished: np.ndarray     # [B]
+    nonfinite: np.ndarray | None = None  # [B] the row met non-finite logits in this canvas
 
 
 @dataclasses.dataclass
@@ -219,13 +222,14 @@ def _iterate(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_n
                 yield StepEvent(c, int(state.step), np.asarray(state.argmax), np.asarray(state.canvas),
                                 np.asarray(state.done))
             toks, finished_after, cache = programs.canvas_end(params, cache, state.argmax, finished, last)
-            steps = state.steps
+            steps, bad = state.steps, state.nonfinite
         else:
-            cache, toks, steps, finished_after = programs.canvas_step(params, cache, keys, index, last, finished,
-                                                                      seed_canvas, pinned)
+            cache, toks, steps, finished_after, bad = programs.canvas_step(params, cache, keys, index, last,
+                                                                           finished, seed_canvas, pinned)
         # the last canvas's event carries only the tokens still owed (max_new_tokens in all, as generate)
         owed = max_new_tokens - c * l
-        yield CanvasEvent(c, np.asarray(toks)[:, :owed], np.asarray(steps), np.asarray(finished_after))
+        yield CanvasEvent(c, np.asarray(toks)[:, :owed], np.asarray(steps), np.asarray(finished_after),
+                          np.asarray(bad))
         finished = finished_after
         if bool(jnp.all(finished)):
             break

@@ -49,6 +49,7 @@ class LoopState:
     argmax: jax.Array      # [B, L] int32 latest argmax canvas (the output)
     done: jax.Array        # [B] bool
     steps: jax.Array       # [B] int32 denoiser passes made while the row was unfinished
+    nonfinite: jax.Array   # [B] bool: the row met non-finite logits (`nonfinite_rows`) at some step
 
 
 @struct.dataclass
@@ -197,7 +198,18 @@ def init_state(config: ModelConfig, sampler: SamplerConfig, canvas: jax.Array,
         argmax=canvas.astype(jnp.int32),
         done=jnp.zeros((b,), bool) if done is None else done,
         steps=jnp.zeros((b,), jnp.int32),
+        nonfinite=jnp.zeros((b,), bool),
     )
+
+
+def nonfinite_rows(h: jax.Array, soft: jax.Array) -> jax.Array:
+    """[B] bool: the rows whose logits this step were not all finite, from the step's hidden state
+    h [B, L, D] and its soft embedding [B, L, D] (no [B, L, V] pass). A non-finite logit comes from a
+    non-finite h (then the row's logits are NaN) or a non-finite embedding row (then softmax @ E is
+    NaN: the sanitized logit's zero weight times NaN), short of float32 overflow of h . E; the sampler
+    maps NaN logits to impossible tokens (`ops.sanitize_logits`), so without this flag a poisoned
+    model answers pad silently."""
+    return ~(jnp.isfinite(h).all((1, 2)) & jnp.isfinite(soft).all((1, 2)))
 
 
 def _where_rows(mask, new, old):
@@ -248,6 +260,7 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
         argmax=_where_rows(active, argmax, state.argmax),
         done=state.done | stop | last,
         steps=state.steps + active.astype(jnp.int32),
+        nonfinite=state.nonfinite | (active & nonfinite_rows(h, soft)),
     )
 
 

@@ -31,12 +31,14 @@ from dgemma_jax.sampling.loop import RowKnobs, denoise_canvas, initial_canvas
 class RoundOutput:
     """One canvas per slot. tokens: [N, L] EOS-truncated (pad for inactive slots); steps: [N]
     denoiser passes; eos: [N] the canvas held an EOS (active slots only); cache: the cache with
-    the canvases committed where the request goes on."""
+    the canvases committed where the request goes on; nonfinite: [N] the slot met non-finite logits
+    (`loop.nonfinite_rows`: its tokens are not the model's answer)."""
 
     tokens: jax.Array
     steps: jax.Array
     eos: jax.Array
     cache: KVCache
+    nonfinite: jax.Array
 
 
 def prefill_slot(params, config: ModelConfig, cache: KVCache, slot: jax.Array, tokens: jax.Array,
@@ -74,4 +76,4 @@ def slot_round(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCac
     go_on = active & ~eos & ~last
     cache = jax.lax.cond(jnp.any(go_on), lambda c: commit(params, config, c, toks, go_on, runtime),
                          lambda c: c, cache)
-    return RoundOutput(toks, state.steps, eos, cache)
+    return RoundOutput(toks, state.steps, eos, cache, state.nonfinite & active)

@@ -438,6 +438,11 @@ class Scheduler:
                                    canvas_index=canvas_index, active=active, last=last, knobs=knobs)
         self._cache = out.cache
         tokens, steps, eos = np.asarray(out.tokens), np.asarray(out.steps), np.asarray(out.eos)
+        nonfinite = np.asarray(out.nonfinite)
+        if nonfinite.any():
+            self.stats["nonfinite_canvases"] += int(nonfinite.sum())
+            log.warning("%d slot(s) met non-finite logits this round: the model's weights or activations hold "
+                        "NaN/Inf, so those answers are not the model's (check the checkpoint)", int(nonfinite.sum()))
         self.stats["rounds"] += 1
         self.stats["slot_canvases"] += int(active.sum())
         for s, c in enumerate(busy):
