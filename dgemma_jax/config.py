@@ -42,6 +42,22 @@ def layer_pattern(num_layers: int, period: int = 6) -> tuple[str, ...]:
     return tuple(types)
 
 
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def read_processor_config(path: str | os.PathLike) -> tuple[dict, str] | None:
+    """(the image processor's settings, the file) saved with a checkpoint: `processor_config.json` (its
+    "image_processor" entry) or `preprocessor_config.json` in the folder `path` (or that file itself);
+    None when there is neither."""
+    path = os.fspath(path)
+    files = [path] if os.path.isfile(path) else [os.path.join(path, n) for n in PROCESSOR_FILES]
+    for f in files:
+        if os.path.isfile(f):
+            data = read_json(f)
+            return (data["image_processor"] if isinstance(data.get("image_processor"), dict) else data), f
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
     """Shapes and numerics of the Gemma 4 vision tower (`gemma4_vision`) and its projection into the text.
@@ -147,20 +163,21 @@ class VisionConfig:
     def with_processor(self, directory: str | os.PathLike) -> "VisionConfig":
         """This tower with the image budget (`default_soft_tokens`) of the image processor saved in a
         checkpoint directory (`processor_config.json` / `preprocessor_config.json`, read by
-        `io.images.ImageSettings.from_dir`; `max_soft_tokens`, 280 when the file leaves it out). Without
+        `read_processor_config`, as `io.images.ImageSettings.from_dir` reads it; `max_soft_tokens`, 280
+        when the file leaves it out; the budget's value is checked where images are made). Without
         such a file: unchanged. A processor whose patch or pooling size differs from the tower's is a
         ValueError (its patches would not fit the tower)."""
-        from dgemma_jax.io.images import _PROCESSOR_FILES, ImageSettings  # deferred: io.images imports this module
-
-        if not any(os.path.isfile(os.path.join(directory, n)) for n in _PROCESSOR_FILES):
+        found = read_processor_config(directory)
+        if found is None:
             return self
-        s = ImageSettings.from_dir(directory)
-        if (s.patch_size, s.pooling_kernel_size) != (self.patch_size, self.pooling_kernel_size):
-            raise ValueError(f"the image processor in {os.fspath(directory)!r} uses patch {s.patch_size}, pooling "
-                             f"{s.pooling_kernel_size} but config.json's vision tower patch {self.patch_size}, pooling "
+        proc, _ = found
+        patch, pooling = proc.get("patch_size", 16), proc.get("pooling_kernel_size", 3)
+        if (patch, pooling) != (self.patch_size, self.pooling_kernel_size):
+            raise ValueError(f"the image processor in {os.fspath(directory)!r} uses patch {patch}, pooling "
+                             f"{pooling} but config.json's vision tower patch {self.patch_size}, pooling "
                              f"{self.pooling_kernel_size}: the files belong to different models; restore the "
                              "checkpoint's own processor file")
-        return dataclasses.replace(self, default_soft_tokens=s.max_soft_tokens)
+        return dataclasses.replace(self, default_soft_tokens=proc.get("max_soft_tokens", 280))
 
     def to_hf(self) -> dict[str, Any]:
         """The `Gemma4VisionConfig` kwargs describing this tower."""

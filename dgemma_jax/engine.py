@@ -431,9 +431,11 @@ class Engine:
                                       cache, images)
             # a row of a caller's batch>1 cache is a copy: donating it costs the caller nothing
             fn = self.fused_program(max_new_tokens, donate_cache=cache_given is None or donate_cache or len(rows) > 1)
-            return gen.merge_outputs(
+            out = gen.merge_outputs(
                 fn(self.params, prompt_tokens=t, prompt_lengths=n, cache=c, keys=k, seed_canvas=sc, pinned=pin,
                    images=im) for t, n, k, c, sc, pin, im in rows)
+            report_nonfinite(out.nonfinite, nonfinite)
+            return out
         tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
             prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache, images)
         fn = self.fused_program(max_new_tokens, donate_cache=cache_given is None or donate_cache)
@@ -506,9 +508,10 @@ class Engine:
         if self.batch_invariant:
             rows = self._prepare_rows(prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length,
                                       None, images)
-            return gen.merge_row_events(
+            return _reporting(gen.merge_row_events(
                 (which(self.programs, self.params, t, n, c, k, max_new_tokens, sc, pin, im)
-                 for t, n, k, c, sc, pin, im in rows), max_new_tokens, self.sampler.canvas_length, self.sampler.pad_id)
+                 for t, n, k, c, sc, pin, im in rows), max_new_tokens, self.sampler.canvas_length, self.sampler.pad_id),
+                "warn")
         tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
             prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, None, images)
         return _reporting(which(self.programs, self.params, tokens, lengths, cache, keys, max_new_tokens, seed_canvas,

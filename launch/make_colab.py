@@ -52,7 +52,8 @@ one chip (compiled from a CPU machine; projections, not runs; `docs/quantization
 - **v5e-1 (16 GB), int4:** the step fits with a 4,096-token cache (15.3 GB) but not with 8,192
   (16.2 GB); projected 123 ms a step (the int4 experts are read 7x over), about 130 tokens/s.
 The download needs 51 GB of disk (the bfloat16 safetensors); loading needs host RAM for a few copies
-of the largest tensor (one layer's experts, 1 GB in bfloat16), not for the model. A v5e-8 / v6e-8 / v5p-8 holds the bfloat16 model: `launch/tpu_vm.sh` (see `launch/README.md`).
+of the largest tensor (one layer's experts, 1 GB in bfloat16), not for the model. A v5e-8 / v6e-8 /
+v5p-8 holds the bfloat16 model: `launch/tpu_vm.sh` (see `launch/README.md`).
 """
 
 SETTINGS = """\

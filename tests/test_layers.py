@@ -250,6 +250,7 @@ OTHER_JITS = {
     ("dgemma_jax.model.api", "_soft_embed"),
     ("dgemma_jax.model.api", "_image_features"),  # the vision tower's output for a caller
     ("dgemma_jax.model.quant", "<module>"),        # quantizing one kernel
+    ("dgemma_jax.io.finite", "_all_finite"),       # the load-time all-finite check (no model code)
     ("dgemma_jax.parallel.shardings", "init_cache"),   # allocating a sharded cache / parameters
     ("dgemma_jax.parallel.shardings", "init_params"),
 }

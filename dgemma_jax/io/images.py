@@ -42,8 +42,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dgemma_jax.config import SOFT_TOKEN_BUDGETS
-from dgemma_jax.errors import read_json
+from dgemma_jax.config import SOFT_TOKEN_BUDGETS, read_processor_config
 from dgemma_jax.model.masks import image_runs
 
 __all__ = [
@@ -57,7 +56,6 @@ __all__ = [
 IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN = "<|image|>", "<|image>", "<image|>"
 IMAGE_TOKEN_ID, BOI_TOKEN_ID, EOI_TOKEN_ID = 258880, 255999, 258882
 
-_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 _CONVERTED_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr")
 
 
@@ -84,14 +82,8 @@ class ImageSettings:
         entry) or `preprocessor_config.json`, in the folder `path` (or that file); the defaults when the
         checkpoint has neither. A processor this module does not reproduce (no resize, another resampling
         filter or scale, a normalisation, no RGB conversion) is a ValueError."""
-        path = os.fspath(path)
-        files = [path] if os.path.isfile(path) else [os.path.join(path, n) for n in _PROCESSOR_FILES]
-        for f in files:
-            if os.path.isfile(f):
-                data = read_json(f)
-                cfg = data.get("image_processor", data) if isinstance(data.get("image_processor"), dict) else data
-                return cls._from_processor_dict(cfg, f)
-        return cls()
+        found = read_processor_config(path)
+        return cls() if found is None else cls._from_processor_dict(*found)
 
     @classmethod
     def _from_processor_dict(cls, cfg: dict, where: str) -> "ImageSettings":

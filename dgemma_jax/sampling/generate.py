@@ -277,7 +277,8 @@ def merge_outputs(outs) -> GenerateOutput:
                           steps=jnp.concatenate([o.steps for o in outs]),
                           finished=jnp.concatenate([o.finished for o in outs]),
                           num_canvases=jnp.max(jnp.stack([o.num_canvases for o in outs])),
-                          cache=concat_rows([o.cache for o in outs]))
+                          cache=concat_rows([o.cache for o in outs]),
+                          nonfinite=jnp.concatenate([o.nonfinite for o in outs]))
 
 
 def merge_row_events(rows, max_new_tokens: int, canvas_length: int, pad_id: int) -> Iterator:
@@ -312,6 +313,8 @@ def merge_row_events(rows, max_new_tokens: int, canvas_length: int, pad_id: int)
         tokens = np.concatenate([ends[i].tokens if i in ends else pad[:, :owed] for i in range(b)])
         steps = np.concatenate([ends[i].steps if i in ends else np.zeros((1,), np.int32) for i in range(b)])
         finished = np.concatenate([ends[i].finished if i in ends else np.ones((1,), bool) for i in range(b)])
-        yield CanvasEvent(c, tokens, steps, finished)
+        bad = np.concatenate([np.asarray(ends[i].nonfinite) if i in ends and ends[i].nonfinite is not None
+                              else np.zeros((1,), bool) for i in range(b)])
+        yield CanvasEvent(c, tokens, steps, finished, bad)
         if finished.all():
             break
