@@ -1,7 +1,7 @@
 """Weight-only int8 (`dgemma_jax.model.quant`): the int8 kernels, their matmuls, agreement with the
 float model, sharding, checkpoints and the errors.
 
-Bounds come from measurements (benchmarks/int8_quality.py, benchmarks/results/int8_quality.json, or
+Bounds come from measurements (benchmarks/quant_quality.py, benchmarks/results/quant_quality.json, or
 the test's own inputs); each test's docstring gives the measured value and its bound."""
 
 import json
@@ -293,7 +293,7 @@ def test_bad_inputs_are_clear_errors(params):
 
 def test_bundled_model_int8_agrees_with_float():
     """The bundled (trained) model: int8 vs float logits of the causal and denoising passes and the
-    generated tokens on held-out problems of every kind. Measured (int8_quality.json): denoise top-1
+    generated tokens on held-out problems of every kind. Measured (quant_quality.json): denoise top-1
     1.0, mean KL <= 2e-6 (causal pass: top-1 0.9989, KL 1.2e-4); generated tokens identical."""
     from dgemma_jax.training import bundled
     from dgemma_jax.training.evaluate import pad_prompts

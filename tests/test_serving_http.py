@@ -231,7 +231,7 @@ def test_sigterm_drains_open_requests_then_exits_cleanly():
 
 def test_an_int8_server_sorts_digits_and_reports_less_memory(server):
     """`dgemma serve --quantize int8`: the bundled model's kernels quantized on load still sort digits
-    (its held-out accuracy with int8 weights: benchmarks/results/int8_quality.json)."""
+    (its held-out accuracy with int8 weights: benchmarks/results/quant_quality.json)."""
     srv = ServerProcess("--slots", "2", "--quantize", "int8")
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -19,7 +19,7 @@ Activations stay in the config's dtype, logits in float32. The router, the norms
 stay float (a few KB; the router's top-k choice is the most sensitive op of the block).
 
 The tied embedding / head [V, D] stays float by default (`embedding=False`): measured in
-benchmarks/results/int8_quality.json, quantizing it too (one scale per vocabulary row) adds logit
+benchmarks/results/quant_quality.json, quantizing it too (one scale per vocabulary row) adds logit
 error for ~V*D bytes, a small share of a MoE's bytes (3% of the 26B). `embedding=True` quantizes it.
 
 Quantized parameters keep the float kernel's logical axes (the scale's size-1 axes are replicated),
