@@ -221,26 +221,34 @@ def test_quantized_checkpoint_round_trip(params, tmp_path):
                                       np.asarray(q["blocks_0"]["moe"]["down"]["int8"]))
 
 
-def test_cli_convert_and_generate_int8(tmp_path, capsys):
-    """`dgemma convert --quantize int8` writes an int8 checkpoint that loads as int8 and equals
-    quantizing on load; `dgemma generate --quantize int8` on the float checkpoint (and
-    `DiffusionGemma.from_pretrained(quantize="int8")`) gives the text of the int8 checkpoint; a second
-    --quantize on it is a one-line error."""
+def hf_checkpoint(tmp_path):
+    """(config, directory): a tiny-2layer Hugging Face checkpoint (`save_hf`) with a word-level tokenizer
+    ("w3" ... ) and a 4-step generation config."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
     from dgemma_jax import init_params, save_hf
-    from dgemma_jax.cli import main
-    from dgemma_jax.io.hf import load_hf
-    from dgemma_jax.io.model_dir import load_model
 
     cfg = ModelConfig.preset("tiny-2layer")
     hf = tmp_path / "hf"
     save_hf(init_params(cfg, 3), cfg, hf, generation_config={"max_denoising_steps": 4, "eos_token_id": [1],
                                                              "pad_token_id": 0})
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2} | {f"w{i}": i for i in range(3, cfg.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(hf / "tokenizer.json"))
+    return cfg, hf
+
+
+def test_cli_convert_and_generate_int8(tmp_path, capsys):
+    """`dgemma convert --quantize int8` writes an int8 checkpoint that loads as int8 and equals
+    quantizing on load; `dgemma generate --quantize int8` on the float checkpoint (and
+    `DiffusionGemma.from_pretrained(quantize="int8")`) gives the text of the int8 checkpoint; a second
+    --quantize on it is a one-line error."""
+    from dgemma_jax.cli import main
+    from dgemma_jax.io.hf import load_hf
+    from dgemma_jax.io.model_dir import load_model
+
+    cfg, hf = hf_checkpoint(tmp_path)
     assert main(["convert", str(hf), str(tmp_path / "q"), "--quantize", "int8", "--quiet"]) == 0
     assert "an int8 dgemma_jax checkpoint" in capsys.readouterr().out
     _, back, _ = load_model(tmp_path / "q")

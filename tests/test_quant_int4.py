@@ -21,7 +21,7 @@ from dgemma_jax.model.quant import (dequantize_params, int4_group, param_bytes, 
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import SamplerConfig
 from tests.reference.random_params import random_params
-from tests.test_quant import _flat, _inputs, _passes
+from tests.test_quant import _flat, _inputs, _passes, hf_checkpoint
 
 CFG = ModelConfig.preset("tiny-6layer")
 SAMPLER = SamplerConfig(canvas_length=16, max_denoising_steps=4, eos_ids=(1,))
@@ -184,19 +184,10 @@ def test_cli_generate_and_convert_int4(tmp_path, capsys):
     """`dgemma convert --quantize int4` writes an int4 checkpoint; generate from it equals `dgemma
     generate --quantize int4` on the float one and `DiffusionGemma.from_pretrained(quantize="int4")`;
     `--quantize auto` on the CPU runs the float model; a bad value is a usage error."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from dgemma_jax import DiffusionGemma, save_hf
+    from dgemma_jax import DiffusionGemma
     from dgemma_jax.cli import main
 
-    cfg = ModelConfig.preset("tiny-2layer")
-    hf = tmp_path / "hf"
-    save_hf(init_params(cfg, 3), cfg, hf, generation_config={"max_denoising_steps": 4, "eos_token_id": [1],
-                                                             "pad_token_id": 0})
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2} | {f"w{i}": i for i in range(3, cfg.vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(hf / "tokenizer.json"))
+    _, hf = hf_checkpoint(tmp_path)
     assert main(["convert", str(hf), str(tmp_path / "q4"), "--quantize", "int4", "--quiet"]) == 0
     assert "an int4 dgemma_jax checkpoint" in capsys.readouterr().out
     meta = json.loads((tmp_path / "q4" / "dgemma_model.json").read_text())
