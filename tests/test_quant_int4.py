@@ -4,6 +4,7 @@ matmuls, agreement with float, sharding, checkpoints, choosing a mode by memory,
 Bounds come from measurements on the test's own inputs; each docstring gives the value and its bound."""
 
 import json
+import os
 import types
 
 import jax
@@ -209,3 +210,47 @@ def test_cli_generate_and_convert_int4(tmp_path, capsys):
     assert quantization_of(DiffusionGemma.from_pretrained(str(hf), quantize="auto").params) is None  # CPU
     with pytest.raises(SystemExit):
         main(gen + ["--checkpoint", str(hf), "--quantize", "int2"])
+
+
+def test_qwix_int4_kernels_read_as_they_are(tmp_path):
+    """The other side's own quantized arrays (tests/golden/qwix_int4.npz, made by qwix 0.1.8's
+    `qwix.quantize(w, jnp.int4, tiled_axes=...)`): qwix lays out int4 kernels as this project does
+    (values shaped like the kernel, bf16 scales with the contracted axis counted in tiles), so a qwix pair
+    is an int4 kernel here. Our dequantization equals qwix's own exactly (in bf16, where qwix computes it);
+    `project` and the ragged expert matmul on it equal the float matmul on values x scales (numpy, float32);
+    saved and restored through our
+    checkpoint format it comes back identical. Our own quantizer differs from qwix's by its convention
+    (absmax / 7 over [-7, 7] against qwix's absmax / 7.5 over [-8, 7]), checked here too, so the test
+    would notice either side changing."""
+    from dgemma_jax.model import moe
+
+    data = np.load(os.path.join(os.path.dirname(__file__), "golden", "qwix_int4.npz"))
+    assert str(data["qwix_version"]) == "0.1.8"
+    pairs = {}
+    for name in ("q", "moe_down"):
+        pair = {"int4": jnp.asarray(data[f"{name}/values"], jnp.int4),
+                "scale": jnp.asarray(data[f"{name}/scale"], jnp.bfloat16)}
+        # qwix dequantizes in the scale's dtype (bf16): ours, rounded to bf16, is the same array
+        np.testing.assert_array_equal(np.asarray(dequantize(pair, jnp.bfloat16)).astype(np.float32),
+                                      data[f"{name}/dequantized"])
+        values = np.asarray(data[f"{name}/values"]).astype(int)
+        assert values.min() == -8 and values.max() <= 7  # qwix uses int4's -8; ours never does
+        ours = quantize_kernel_int4(jnp.asarray(data[f"{name}/w"]), (int(data[f"{name}/axis"]),))
+        assert ours["scale"].shape == pair["scale"].shape and np.asarray(ours["int4"]).astype(int).min() >= -7
+        pairs[name] = pair
+    x = jax.random.normal(jax.random.key(0), (3, 5, 256), jnp.float32)
+    exact = {n: data[f"{n}/values"].astype(np.float32) * np.repeat(data[f"{n}/scale"], t, axis=a)
+             for n, t, a in (("q", 128, 0), ("moe_down", 64, 1))}
+    np.testing.assert_allclose(project("btd,dnh->btnh", x, pairs["q"]), jnp.einsum("btd,dnh->btnh", x, exact["q"]),
+                               atol=1e-5)
+    h = jax.random.normal(jax.random.key(1), (6, 704), jnp.float32)
+    sizes = jnp.asarray([4, 2], jnp.int32)
+    np.testing.assert_allclose(moe._ragged(h, pairs["moe_down"], sizes),
+                               jax.lax.ragged_dot(h, jnp.asarray(exact["moe_down"]), sizes), atol=1e-4)
+    from dgemma_jax.io.model_dir import load_params, save_params
+
+    save_params(str(tmp_path / "p"), {"k": pairs["moe_down"]})
+    back = load_params(str(tmp_path / "p"), {"k": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                                               pairs["moe_down"])})
+    assert back["k"]["int4"].dtype == jnp.int4
+    np.testing.assert_array_equal(np.asarray(dequantize(back["k"])), exact["moe_down"])
