@@ -29,6 +29,7 @@ so `parallel.Shardings.for_params` places them on any mesh; checkpoints store th
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -203,8 +204,10 @@ QUANTIZE_CHOICES = ("auto", "none") + QUANT_MODES
 WEIGHT_SHARE = 0.9  # the share of accelerator memory the weights may take (the rest: cache, activations)
 
 
+@functools.lru_cache(maxsize=64)
 def weight_bytes(config: ModelConfig, mode: str | None = None) -> int:
-    """Bytes of this config's parameters in its param dtype (mode None) or quantized (from shapes, no arrays)."""
+    """Bytes of this config's parameters in its param dtype (mode None) or quantized (from shapes, no arrays;
+    remembered per config and mode: tracing the 26B's shapes takes seconds)."""
     tree = param_shapes(config) if mode is None else quantized_shapes(config, mode)
     return int(sum(math.prod(x.shape) * itemsize(x.dtype) for x in jax.tree.leaves(tree)))
 
