@@ -29,7 +29,7 @@ from dgemma_jax.model.cache import KVCache, cache_row, init_cache
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.model.layout import check_scannable, is_stacked, stack_layers, unstack_layers
 from dgemma_jax.model.masks import image_runs
-from dgemma_jax.model.quant import quantization_of, quantize_params, resolve_quantize
+from dgemma_jax.model.quant import mode_for, quantization_of, quantize_params
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import generate as gen
 from dgemma_jax.sampling import slots as slots_lib
@@ -299,10 +299,8 @@ class Engine:
         if compilation_cache:
             compile_cache.enable(None if compilation_cache is True else compilation_cache)
         self.config = config
-        if quantize == "auto" and quantization_of(params) is not None:
-            quantize = None  # already quantized: nothing to choose
         devices = shardings.mesh.devices.flat if shardings is not None else None
-        quantize = resolve_quantize(config, quantize, devices)
+        quantize = mode_for(config, quantize, quantization_of(params), devices)
         if quantize is not None:
             params = quantize_params(config, params, quantize)
             if shardings is not None:

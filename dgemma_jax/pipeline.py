@@ -27,7 +27,7 @@ from dgemma_jax.io.chat import chat_images, history_without_thinking, render_cha
 from dgemma_jax.io.images import prompt_with_images
 from dgemma_jax.io.locations import locate
 from dgemma_jax.io.model_dir import checkpoint_quantization, load_config, load_model, load_model_tokenizer
-from dgemma_jax.model.quant import quantize_params, resolve_quantize
+from dgemma_jax.model.quant import mode_for, quantize_params
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.shardings import Shardings
 
@@ -78,13 +78,9 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
 
 
 def _quantize_mode(config, quantize, mesh, saved: str | None) -> str | None:
-    """The mode to quantize a checkpoint in while loading it (None: as saved)."""
-    if saved is not None:
-        if quantize not in (None, "none", "auto"):
-            raise UsageError(f"--quantize {quantize}: the checkpoint is already quantized ({saved}); drop --quantize")
-        return None
+    """`model.quant.mode_for` for a checkpoint being loaded, its errors as one-line usage errors."""
     try:
-        return resolve_quantize(config, quantize, mesh.devices.flat if mesh is not None else None)
+        return mode_for(config, quantize, saved, mesh.devices.flat if mesh is not None else None)
     except ValueError as e:
         raise UsageError(f"--quantize {quantize}: {e}") from None
 

@@ -558,7 +558,7 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
         if quantize is not None:  # checked while still float: the quantized values cannot say which weight
             name = "/".join(map(str, path_))
             check_finite({name: leaf}, path, lambda name: _stored_name(st, table, name))
-            leaf = quantize_leaf(name, leaf, quantize, sharding=flat_shardings.get(path_))
+            leaf = quantize_leaf(name, leaf, quantize)
         _set(params, path_, leaf)
     if quantize is None:
         check_finite(params, path, lambda name: _stored_name(st, table, name))

@@ -227,6 +227,8 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None
     if fmt == "hf":  # a `Shardings`, or a pytree of shardings matching the parameters
         cfg, params = load_hf(path, dtype=dtype, shardings=getattr(shardings, "params", shardings),
                               weights=weights or os.fspath(path), quantize=quantize)
+        if quantize is not None and callable(getattr(shardings, "place_params", None)):
+            params = shardings.place_params(params)  # the pairs laid out as `Shardings.for_params` says
         return cfg, params, hf_sampler(path, cfg)
     meta = _read_meta(path)
     if quantize is not None and meta.get("quantization"):

@@ -36,7 +36,6 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import param_shapes
@@ -224,6 +223,18 @@ def device_bytes(devices) -> list[int | None]:
     return out
 
 
+def mode_for(config: ModelConfig, quantize: str | None, saved: str | None, devices=None) -> str | None:
+    """The mode to quantize parameters in, given what they already are (`saved`: "int8", "int4" or None
+    for float): quantized parameters are kept as they are under None / "none" / "auto", and an explicit
+    mode for them is a ValueError; float ones go through `resolve_quantize`."""
+    if saved is not None:
+        if quantize not in (None, "none", "auto"):
+            raise ValueError(f"quantize={quantize!r}: the parameters are already quantized ({saved}); "
+                             "pass them without quantize")
+        return None
+    return resolve_quantize(config, quantize, devices)
+
+
 def resolve_quantize(config: ModelConfig, quantize: str | None, devices=None) -> str | None:
     """A `quantize` argument as a mode: None / "none" -> None (the param dtype), "int8" / "int4" as
     given, "auto" -> the first of none, int8, int4 whose weights fit `WEIGHT_SHARE` of the memory of
@@ -251,28 +262,13 @@ def resolve_quantize(config: ModelConfig, quantize: str | None, devices=None) ->
 
 
 # ---------------------------------------------------------------------------- one tensor at a time
-def quantize_leaf(path: str, w, mode: str, embedding: bool | None = None, sharding=None):
+def quantize_leaf(path: str, w, mode: str, embedding: bool | None = None):
     """One float parameter at its "/"-joined `path` -> as `quantize_params` would leave it (a quantized
     pair, or `w` itself when it is not a quantized kernel): what a loader calls per tensor, so the whole
-    float model is never held. With the float leaf's NamedSharding `sharding`, the values are placed like
-    it and the scale along the same mesh axes where they divide its shape (as `Shardings.for_params`)."""
+    float model is never held. The pair stays on the devices of `w` (`Shardings.place_params` lays it out
+    afterwards)."""
     embedding = _embedding_default(mode, embedding)
     axes = contracted_axes(path, embedding)
     if axes is None:
         return w
-    pair = _quantize_jit["int8" if re.search(EMBEDDING[0], path) else mode](w, axes)
-    if sharding is None:
-        return pair
-    return {k: jax.device_put(v, _like(sharding, v.shape)) for k, v in pair.items()}
-
-
-def _like(sharding, shape):
-    """`sharding` (a NamedSharding) for an array of `shape` of the same rank: each dimension keeps its mesh
-    axes where their size divides it, else is replicated."""
-    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-    keep = []
-    for n, axes in zip(shape, spec):
-        names = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-        size = math.prod(sharding.mesh.shape[a] for a in names)
-        keep.append(axes if names and n % size == 0 else None)
-    return NamedSharding(sharding.mesh, PartitionSpec(*keep))
+    return _quantize_jit["int8" if re.search(EMBEDDING[0], path) else mode](w, axes)
