@@ -254,3 +254,27 @@ def test_qwix_int4_kernels_read_as_they_are(tmp_path):
                                                                pairs["moe_down"])})
     assert back["k"]["int4"].dtype == jnp.int4
     np.testing.assert_array_equal(np.asarray(dequantize(back["k"])), exact["moe_down"])
+
+
+def test_a_quantizing_load_on_a_mesh_equals_quantizing_after_and_is_placed_like_quantize_params(tmp_path):
+    """`load_checkpoint(..., mesh=, quantize="int4")` (each tensor quantized as it is read, then laid out by
+    `Shardings.place_params`) gives exactly the int4 parameters of quantizing the float load, and every
+    leaf sits where `Shardings.for_params` puts it."""
+    from dgemma_jax.parallel import Shardings, make_mesh
+    from dgemma_jax.pipeline import load_checkpoint
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    cfg, hf = hf_checkpoint(tmp_path)
+    mesh = make_mesh("expert=2,tensor=4")
+    _, streamed, _, _ = load_checkpoint(str(hf), mesh=mesh, quantize="int4")
+    _, plain, _, _ = load_checkpoint(str(hf))
+    want = quantize_params(cfg, plain, "int4")
+    placement = _flat(Shardings(cfg, mesh, "latency").for_params(want))
+    got = _flat(streamed)
+    assert got.keys() == _flat(want).keys() and quantization_of(streamed) == "int4"
+    for k, x in _flat(want).items():
+        assert got[k].dtype == x.dtype, k
+        np.testing.assert_array_equal(np.asarray(got[k]).astype(np.float32), np.asarray(x).astype(np.float32),
+                                      err_msg=k)
+        assert got[k].sharding.is_equivalent_to(placement[k], x.ndim), k
