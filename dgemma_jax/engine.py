@@ -353,19 +353,29 @@ class Engine:
         return self._program(("commit",), functools.partial(gen.commit, config=self.config, runtime=self.runtime))
 
     def slot_programs(self):
-        """(prefill_slot, slot_round) jitted for this engine: the continuous-batching programs of
-        `dgemma_jax.sampling.slots` (the server's), cache donated unless `donate=False`.
+        """(prefill_slot, slot_tick) jitted for this engine: the continuous-batching programs of
+        `dgemma_jax.sampling.slots` (the server's), cache and slot state donated unless `donate=False`.
 
-        prefill_slot(params, cache=, slot=, tokens= [1, W], length= [1], fresh=, images=None) -> cache (one
-        prompt chunk; images: (pixel_values, position_ids) of the images wholly inside it)
-        slot_round(params, cache=, keys=, canvas_index=, active=, last=, knobs=) -> RoundOutput (keywords)
+        prefill_slot(params, cache=, slot=, tokens= [1, W], length= [1], start=, images=None) -> cache (one
+        prompt chunk at position `start`; images: (pixel_values, position_ids) of the images wholly inside it)
+        slot_tick(params, cache=, state=, keys=, canvas_index=, begin=, active=, last=, keep=, knobs=)
+        -> TickOutput (keywords; `new_slots` gives the first state)
         """
         rt = self.runtime
         pre = self._program(("prefill_slot",), functools.partial(slots_lib.prefill_slot, config=self.config,
                                                                 runtime=rt))
-        rnd = self._program(("slot_round",), functools.partial(slots_lib.slot_round, config=self.config,
-                                                              sampler=self.sampler, runtime=rt))
-        return pre, rnd
+        tick = self._program(("slot_tick",), functools.partial(slots_lib.slot_tick, config=self.config,
+                                                              sampler=self.sampler, runtime=rt),
+                             donate=("cache", "state"))
+        return pre, tick
+
+    def new_slots(self, slots: int) -> "slots_lib.SlotState":
+        """`slots` idle slots: the first state `slot_tick` takes (host arrays, each its own buffer, so
+        the tick can take them donated; replicated on the engine's mesh)."""
+        state = slots_lib.idle_slots(self.config, self.sampler, slots)
+        loop = jax.tree.map(lambda x: self._place(np.array(x))[0], state.loop)
+        keys = jax.random.wrap_key_data(self._place(np.array(jax.random.key_data(state.keys)))[0])
+        return slots_lib.SlotState(loop, keys)
 
     @property
     def programs(self) -> "StreamPrograms":

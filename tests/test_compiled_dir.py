@@ -103,18 +103,18 @@ def test_compile_save_writes_the_same_cache_keys_in_two_processes(tmp_path):
     pytest.importorskip("libtpu")
     manifests = []
     for d in ("one", "two"):
-        r = _dgemma("compile", "--preset", "tiny-2layer", "--topology", "v5e-8", "--programs", "slot_round,prefill_slot",
+        r = _dgemma("compile", "--preset", "tiny-2layer", "--topology", "v5e-8", "--programs", "slot_tick,prefill_slot",
                     "--batch", "2", "--context", "256", "--prompt", "32", "--save", str(tmp_path / d),
                     "--out", str(tmp_path / f"{d}.json"))
         assert r.returncode == 0, r.stderr[-2000:]
-        assert "saved slot_round: 1 executable(s)" in r.stderr
+        assert "saved slot_tick: 1 executable(s)" in r.stderr
         manifests.append(json.loads((tmp_path / d / "manifest.json").read_text()))
         report = json.loads((tmp_path / f"{d}.json").read_text())
-        assert report["programs"]["slot_round"]["saved"]["cache_keys"]
+        assert report["programs"]["slot_tick"]["saved"]["cache_keys"]
     one, two = manifests
     assert one["identity"] == two["identity"] and one["identity"]["device_kind"].startswith("TPU")
     assert one["identity"]["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 8}
-    for name in ("slot_round", "prefill_slot"):
+    for name in ("slot_tick", "prefill_slot"):
         a, b = one["programs"][name], two["programs"][name]
         assert a["cache_keys"] == b["cache_keys"] and len(a["cache_keys"]) == 1
         assert a["cache_keys"][0].startswith(f"jit_{name}-")

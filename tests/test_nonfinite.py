@@ -116,18 +116,20 @@ def test_a_clean_model_raises_no_flag(params):
     np.testing.assert_array_equal(toks, np.asarray(out.tokens))
 
 
-def test_the_server_round_flags_the_poisoned_slots(params):
+def test_the_server_tick_flags_the_poisoned_slots(params):
     bad = _poison(params, ("blocks_0", "attn", "q"))
-    cache = Engine(CFG, bad, SAMPLER, compilation_cache=False).new_cache(2, 32)
+    engine = Engine(CFG, bad, SAMPLER, compilation_cache=False)
+    cache, state = engine.new_cache(2, 32), engine.new_slots(2)
     knobs = RowKnobs.from_samplers([SAMPLER, SAMPLER], SAMPLER.max_denoising_steps)
 
     @jax.jit
-    def round_(p, cache, keys):
+    def tick(p, cache, state, keys):
         cache = slots_lib.prefill_slot(p, CFG, cache, jnp.int32(0), jnp.asarray(PROMPTS[0][:1]), jnp.asarray([4]),
-                                       jnp.bool_(True))
-        return slots_lib.slot_round(p, CFG, SAMPLER, cache, keys, jnp.zeros((2,), jnp.int32),
-                                    jnp.array([True, False]), jnp.array([False, False]), knobs)
-    out = round_(bad, cache, row_keys(0, 2))
+                                       jnp.int32(0))
+        on, off = jnp.array([True, False]), jnp.array([False, False])
+        return slots_lib.slot_tick(p, CFG, SAMPLER, cache, state, keys, jnp.zeros((2,), jnp.int32), on, on, off,
+                                   off, knobs)
+    out = tick(bad, cache, state, row_keys(0, 2))
     assert np.asarray(out.nonfinite).tolist() == [True, False]  # an idle slot is not flagged
 
 

@@ -39,7 +39,7 @@ def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     h = server.health()
     assert h["status"] == "ok" and h["slots"] == 8 and h["busy_slots"] == 0 and h["context"] == 256
-    assert h["memory"]["slot_round"]["argument_size_in_bytes"] > 0   # compiled at startup, memory reported
+    assert h["memory"]["slot_tick"]["argument_size_in_bytes"] > 0   # compiled at startup, memory reported
 
 
 def test_completions_sort_digits_and_count_usage(client):
@@ -238,8 +238,8 @@ def test_an_int8_server_sorts_digits_and_reports_less_memory(server):
         for i, p in enumerate(PROMPTS[:4]):
             r = c.completions.create(model=MODEL, prompt=p, seed=i, max_tokens=32)
             assert r.choices[0].text == _sorted(p), (p, r.choices[0].text)
-        float_args = server.health()["memory"]["slot_round"]["argument_size_in_bytes"]
-        int8_args = srv.health()["memory"]["slot_round"]["argument_size_in_bytes"]
+        float_args = server.health()["memory"]["slot_tick"]["argument_size_in_bytes"]
+        int8_args = srv.health()["memory"]["slot_tick"]["argument_size_in_bytes"]
         assert int8_args < float_args  # fewer slots and one byte per kernel weight
     finally:
         srv.stop()

@@ -13,7 +13,8 @@ from dgemma_jax.pipeline import load_checkpoint
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, choice_keys, denoise_canvas, initial_canvas
 from dgemma_jax.serving import text as text_lib
-from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, ShuttingDown
+from dgemma_jax.serving.scheduler import (QueueFull, Request, Scheduler, ShuttingDown, _Choice, common_prefix,
+                                          content_keys)
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +141,13 @@ def test_finished_slots_are_refilled_before_a_long_request_ends(bundled):
         assert long.done.wait(120) and all(s.done.wait(120) for s in shorts)
     finally:
         sch.stop()
-    end_long = long.final[0].round
+    end_long = long.final[0].tick
     assert long.final[0].canvases == 3 and long.final[0].text == "1122334455667788"
-    admitted = sorted(s.final[0].admitted_round for s in shorts)
-    assert admitted == [0, 1, 2], admitted          # one short request per round through the second slot
+    admitted = [s.final[0].admitted_tick for s in shorts]
+    finished = [s.final[0].tick for s in shorts]
+    # one short request after another through the second slot, each admitted right after the one
+    # before it ended (not when the long one's canvas ends) ...
+    assert all(finished[i] < admitted[i + 1] <= finished[i] + 1 for i in range(2)), (admitted, finished)
     assert admitted[-1] < end_long                   # ... while the long one was still running
     assert all(s.final[0].finish_reason == "length" and s.final[0].canvases == 1 for s in shorts)
 
@@ -166,7 +170,7 @@ def test_stop_strings_cut_the_text(bundled, scheduler):
     assert c.final[0].text == "01223" and c.final[0].finish_reason == "stop"
 
 
-def test_a_cancelled_request_frees_its_slot_at_the_next_canvas(bundled, scheduler):
+def test_a_cancelled_request_frees_its_slot_at_the_next_tick(bundled, scheduler):
     cfg, params, sampler, tok = bundled
     c, req = _submit(scheduler, tok, sampler, "s8877665544332211=", seed=2)
     req.cancelled.set()
@@ -203,18 +207,47 @@ def test_stop_string_helpers():
     assert text_lib.delta("ab", "abcd") == "cd" and text_lib.delta("ab", "ax") == ""
 
 
+def _prefill_into(sch, slot, ids, start=0):
+    """Every prefill chunk of `ids` from `start` on into row `slot`, as the worker runs them."""
+    req = Request(ids, 8, sch.default_sampler, 0, on_event=lambda ev: None)
+    req.content = content_keys(ids, None)
+    choice = _Choice(req, 0, np.zeros(2, np.uint32), 1, slot=slot, chunks=sch.plan_chunks(ids, start=start))
+    n = len(choice.chunks)
+    while choice.chunks:
+        sch._prefill_chunk(choice)
+    return n
+
+
 def test_a_long_prompt_goes_into_its_slot_in_chunks_equal_to_one_prefill(bundled):
     cfg, params, sampler, tok = bundled
     sch = Scheduler.for_model(cfg, params, tok, sampler, slots=3, context=64, prefill_chunk=8)
     assert sch.prefill_widths == (8, 8)
     sch._cache = sch.engine.new_cache(3, 64)
     ids = np.asarray(tok.encode("s8877665544332211=", add_bos=True), np.int32)    # 19 tokens: chunks of 8, 8, 3
-    sch._prefill_row(1, ids)
+    assert _prefill_into(sch, 1, ids) == 3
     _, ref = dg.prefill(params, cfg, ids[None], None, dg.init_cache(cfg, 1, 64), logits="none")
     assert np.asarray(sch._cache.lengths).tolist() == [0, 19, 0]
     for got, want in zip(sch._cache.keys + sch._cache.values, ref.keys + ref.values):
         np.testing.assert_allclose(np.asarray(got)[1, :19], np.asarray(want)[0, :19], atol=2e-5)
         assert not np.asarray(got)[[0, 2]].any()          # the other rows untouched
+
+
+def test_a_prompt_continued_from_a_rows_prefix_equals_its_own_prefill(bundled):
+    """Prefix reuse below the scheduler: a row holding prompt A, then prompt B (sharing A's first 11
+    tokens) written from position 11 on, holds B's cache as a prefill of B alone would."""
+    cfg, params, sampler, tok = bundled
+    sch = Scheduler.for_model(cfg, params, tok, sampler, slots=2, context=64, prefill_chunk=8)
+    sch._cache = sch.engine.new_cache(2, 64)
+    a = np.asarray(tok.encode("s8877665544332211=", add_bos=True), np.int32)
+    b = np.asarray(tok.encode("s8877665543=", add_bos=True), np.int32)
+    shared = common_prefix(content_keys(a, None), content_keys(b, None))
+    assert shared == 11
+    _prefill_into(sch, 0, a)
+    assert _prefill_into(sch, 0, b, start=shared) == 1 and sch._rows[0].tolist() == b.tolist()
+    _, ref = dg.prefill(params, cfg, b[None], None, dg.init_cache(cfg, 1, 64), logits="none")
+    assert int(np.asarray(sch._cache.lengths)[0]) == len(b)
+    for got, want in zip(sch._cache.keys + sch._cache.values, ref.keys + ref.values):
+        np.testing.assert_allclose(np.asarray(got)[0, :len(b)], np.asarray(want)[0, :len(b)], atol=2e-5)
 
 
 def test_slots_sharded_over_a_mesh(bundled):

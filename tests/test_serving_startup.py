@@ -47,14 +47,14 @@ def test_health_says_starting_and_requests_get_retry_after_until_the_programs_ar
     sch.start(wait=False)
     client = TestClient(create_app(sch, "m"))
     deadline = time.monotonic() + 60
-    while sch.programs["slot_round"]["state"] != "compiling" and time.monotonic() < deadline:
+    while sch.programs["slot_tick"]["state"] != "compiling" and time.monotonic() < deadline:
         time.sleep(0.02)
     r = client.get("/health")
     assert r.status_code == 503
     body = r.json()
     assert body["status"] == "starting" and body["ready"] is False
-    assert set(body["programs"]) == {"slot_round"} | {f"prefill_slot_{w}" for w in sch.prefill_widths}
-    assert body["programs"]["slot_round"]["state"] == "compiling"
+    assert set(body["programs"]) == {"slot_tick"} | {f"prefill_slot_{w}" for w in sch.prefill_widths}
+    assert body["programs"]["slot_tick"]["state"] == "compiling"
     r = client.post("/v1/completions", json=PROMPT)
     assert r.status_code == 503 and r.headers["retry-after"] == str(STARTING_RETRY_AFTER_S)
     assert r.json()["error"]["code"] == "starting" and "compiling" in r.json()["error"]["message"]

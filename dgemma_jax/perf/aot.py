@@ -45,6 +45,7 @@ from dgemma_jax.perf.hbm_traffic import hbm_traffic
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, init_state, row_keys
+from dgemma_jax.sampling.slots import idle_slots
 from dgemma_jax.training import lora as lora_lib
 from dgemma_jax.training.objective import ObjectiveConfig
 from dgemma_jax.training.optim import make_optimizer
@@ -162,11 +163,12 @@ def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context:
     vec = lambda dtype, *shape: jax.ShapeDtypeStruct((batch,) + shape, dtype, sharding=rep)  # noqa: E731
     knobs = RowKnobs(vec(jnp.float32, sampler.max_denoising_steps), vec(jnp.int32), vec(jnp.float32),
                      vec(jnp.float32))
-    slot = dict(canvas_index=vec(jnp.int32), last=active, knobs=knobs,
+    slots_state = rep_tree(jax.eval_shape(lambda: idle_slots(config, sampler, batch)))
+    slot = dict(canvas_index=vec(jnp.int32), last=active, knobs=knobs, state=slots_state,
                 slot=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
                 tokens=jax.ShapeDtypeStruct((1, prompt), jnp.int32, sharding=rep),
                 length=jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep),
-                fresh=jax.ShapeDtypeStruct((), jnp.bool_, sharding=rep))
+                start=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep))
     pictures = None
     if images:
         v, per = config.vision, ImageSettings().max_patches
@@ -191,17 +193,18 @@ class KernelFlops:
 def engine_programs(engine: Engine, max_new_tokens: int) -> dict:
     """The engine's own jitted programs by report name, each with a function mapping
     `program_inputs` to its (positional, keyword) arguments."""
-    prefill_slot, slot_round = engine.slot_programs()
+    prefill_slot, slot_tick = engine.slot_programs()
     streaming = engine.programs
     return {
-        "slot_round": (slot_round,
-                       lambda a: ((a["params"],), dict(cache=a["cache"], keys=a["keys"], active=a["active"],
-                                                       canvas_index=a["slot"]["canvas_index"],
-                                                       last=a["slot"]["last"], knobs=a["slot"]["knobs"]))),
+        "slot_tick": (slot_tick,
+                      lambda a: ((a["params"],), dict(cache=a["cache"], state=a["slot"]["state"], keys=a["keys"],
+                                                      canvas_index=a["slot"]["canvas_index"], begin=a["active"],
+                                                      active=a["active"], last=a["slot"]["last"],
+                                                      keep=a["slot"]["last"], knobs=a["slot"]["knobs"]))),
         "prefill_slot": (prefill_slot,
                          lambda a: ((a["params"],), dict(cache=a["cache"], slot=a["slot"]["slot"],
                                                          tokens=a["slot"]["tokens"], length=a["slot"]["length"],
-                                                         fresh=a["slot"]["fresh"]))),
+                                                         start=a["slot"]["start"]))),
         "prefill": (streaming.prefill_prompt,
                     lambda a: ((a["params"],), dict(tokens=a["tokens"], lengths=a["lengths"], cache=a["cache"]))),
         "prefill_images": (streaming.prefill_prompt,

@@ -42,7 +42,7 @@ from dgemma_jax.sampling.fused import head_step
 
 @struct.dataclass
 class LoopState:
-    step: jax.Array        # [] int32, 0-based index of the next step
+    step: jax.Array        # [] int32, 0-based index of the next step ([B]: each row's own, `slots.slot_tick`)
     canvas: jax.Array      # [B, L] int32, the next step's input canvas
     soft: jax.Array        # [B, L, D] self-conditioning soft embeddings (zero before step 0)
     history: jax.Array     # [B, S, L] int32 previous argmax canvases (-1 = none)
@@ -182,9 +182,11 @@ def initial_canvas(keys: jax.Array, length: int, vocab_size: int) -> jax.Array:
 
 
 def denoise_step_keys(keys: jax.Array, step) -> jax.Array:
-    """[B, 2] keys of denoising step `step` from a canvas's row keys [B]: [:, 0] draws the samples
-    (the head's uniforms or Gumbel noise), [:, 1] the renoise tokens."""
-    return jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, step)))(keys)
+    """[B, 2] keys of denoising step `step` (one for every row, or [B]: each row's own) from a
+    canvas's row keys [B]: [:, 0] draws the samples (the head's uniforms or Gumbel noise), [:, 1] the
+    renoise tokens."""
+    step = jnp.broadcast_to(jnp.asarray(step, jnp.int32), keys.shape[:1])
+    return jax.vmap(lambda k, s: jax.random.split(jax.random.fold_in(k, s)))(keys, step)
 
 
 def init_state(config: ModelConfig, sampler: SamplerConfig, canvas: jax.Array,
@@ -230,8 +232,8 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
     if knobs is None:
         temp, bound, last = ops.temperature(sampler, state.step), sampler.entropy_bound, None
     else:
-        column = jnp.minimum(state.step, knobs.temperatures.shape[1] - 1)
-        temp = knobs.temperatures[:, column][:, None, None]
+        column = jnp.broadcast_to(jnp.minimum(state.step, knobs.temperatures.shape[1] - 1), keys.shape[:1])
+        temp = jnp.take_along_axis(knobs.temperatures, column[:, None], axis=1)[:, :, None]
         bound, last = knobs.entropy_bound[:, None], state.step + 1 >= knobs.max_steps
     with jax.named_scope("head_sampler_pass"):  # a scope name for profiles (benchmarks/step_profile.py)
         stats, soft = head_step(h, params["embedding"], config.final_logit_softcap,

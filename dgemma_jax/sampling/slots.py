@@ -1,14 +1,17 @@
-"""Generation over a fixed set of slots, one request per slot (continuous batching).
+"""Generation over a fixed set of slots, one request per slot, advanced one pass at a time.
 
-A server holds N slots: one KV-cache row each. A request enters a free slot with `prefill_slot`
-(a batch-1 causal pass into that row; the other rows are not read or written). Then `slot_round`
-denoises one canvas for every active slot together and commits it, so the slots advance canvas by
-canvas, each at its own canvas index, with its own key stream and sampler settings (`RowKnobs`).
-Between rounds the host retires finished requests and prefills waiting ones into their slots.
+A server holds N slots: one KV-cache row and one canvas in flight each (`SlotState`). A request
+enters a free slot with `prefill_slot`, one prompt chunk per call (a batch-1 causal pass into that
+row; the other rows are not read or written). Then every `slot_tick` advances each busy slot by one
+denoising step of its own canvas, at its own step: a slot whose canvas settles has it committed in
+the same tick (when the request goes on) and starts its next canvas on the next tick, so no slot waits
+for another slot's canvas (step-level continuous batching). Between ticks the host retires finished
+requests and feeds prompt chunks to the slots being admitted.
 
-A slot's canvas c uses the key `fold_in(row_key, c)` and commits exactly as `generate_fused` does
-(EOS truncation, no commit after the request's last canvas), so a request runs the same algorithm
-as `Engine.generate` with that row key. Every shape is fixed by (N, cache length); on XLA:CPU a row's
+A slot's canvas c uses the key `fold_in(row_key, c)` and step s of it `fold_in(that, s)`, and commits
+exactly as `generate_fused` does (EOS truncation, no commit after the request's last canvas unless
+the host asks to keep it for prefix reuse), so a request runs the same algorithm as
+`Engine.generate` with that row key. Every shape is fixed by (N, cache length); on XLA:CPU a row's
 logits were then bit-identical whatever the other slots held (tests/test_serving_slots.py), so a
 request's tokens do not depend on them there.
 """
@@ -24,56 +27,94 @@ from dgemma_jax.model.cache import KVCache
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.generate import commit, finish_canvas, prefill_prompt
-from dgemma_jax.sampling.loop import RowKnobs, denoise_canvas, initial_canvas
+from dgemma_jax.sampling.loop import LoopState, RowKnobs, denoise_step, init_state, initial_canvas
 
 
 @struct.dataclass
-class RoundOutput:
-    """One canvas per slot. tokens: [N, L] EOS-truncated (pad for inactive slots); steps: [N]
-    denoiser passes; eos: [N] the canvas held an EOS (active slots only); cache: the cache with
-    the canvases committed where the request goes on; nonfinite: [N] the slot met non-finite logits
-    (`loop.nonfinite_rows`: its tokens are not the model's answer)."""
+class SlotState:
+    """Every slot's canvas in flight: the denoising loop's state with a step counter per row
+    (`loop.step` [N]) and the canvas's row keys [N]. An idle slot is a done row: frozen."""
 
-    tokens: jax.Array
-    steps: jax.Array
-    eos: jax.Array
+    loop: LoopState
+    keys: jax.Array
+
+
+@struct.dataclass
+class TickOutput:
+    """One tick. state / cache: the slots after it; settled: [N] the slot's canvas ended this tick;
+    tokens: [N, L] the settled canvases, EOS-truncated (meaningless elsewhere); eos: [N] a settled
+    canvas held an EOS; steps: [N] denoising passes of the slot's current canvas so far; argmax:
+    [N, L] each slot's canvas as it stands (previews); nonfinite: [N] the slot's canvas met
+    non-finite logits (`loop.nonfinite_rows`: its tokens are not the model's answer)."""
+
+    state: SlotState
     cache: KVCache
+    settled: jax.Array
+    tokens: jax.Array
+    eos: jax.Array
+    steps: jax.Array
+    argmax: jax.Array
     nonfinite: jax.Array
 
 
-def prefill_slot(params, config: ModelConfig, cache: KVCache, slot: jax.Array, tokens: jax.Array,
-                 length: jax.Array, fresh: jax.Array, runtime: Runtime | None = None, images=None) -> KVCache:
-    """Write a prompt chunk into row `slot`: tokens [1, W] (right-padded), length [1] valid tokens.
+def idle_slots(config: ModelConfig, sampler: SamplerConfig, slots: int) -> SlotState:
+    """N idle slots (every row done)."""
+    loop = init_state(config, sampler, jnp.zeros((slots, sampler.canvas_length), jnp.int32),
+                      jnp.ones((slots,), bool))
+    keys = jax.random.wrap_key_data(jnp.zeros((slots, 2), jnp.uint32))
+    return SlotState(loop.replace(step=jnp.zeros((slots,), jnp.int32)), keys)
 
-    fresh: the chunk starts a new request (the row's committed length is reset to 0 first; what the
-    row held before stays behind its new length, where nothing reads it); otherwise the chunk is
-    appended causally after what the row holds, so a long prompt goes in as several chunks of one
-    compiled width. images: None, or (pixel_values, position_ids) of the images wholly inside this
-    chunk (`prefill_prompt`): an image's tokens must all be in one chunk, since it attends to itself
-    bidirectionally."""
+
+def prefill_slot(params, config: ModelConfig, cache: KVCache, slot: jax.Array, tokens: jax.Array,
+                 length: jax.Array, start: jax.Array, runtime: Runtime | None = None, images=None) -> KVCache:
+    """Write a prompt chunk into row `slot` at position `start`: tokens [1, W] (right-padded), length
+    [1] valid tokens.
+
+    The row's committed length is set to `start` first: 0 for a request's first chunk, the end of the
+    previous chunk for the next ones, or the length of a prefix the row already holds (prefix reuse:
+    the row's first `start` positions stay as they are and are attended to). What the row held beyond
+    `start` stays behind its new length, where nothing reads it. images: None, or (pixel_values,
+    position_ids) of the images wholly inside this chunk (`prefill_prompt`): an image's tokens must all
+    be in one chunk, since it attends to itself bidirectionally."""
     row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), cache)
-    row = row.replace(lengths=jnp.where(fresh, jnp.zeros_like(row.lengths), row.lengths))
+    row = row.replace(lengths=jnp.broadcast_to(jnp.asarray(start, row.lengths.dtype), row.lengths.shape))
     row = prefill_prompt(params, config, tokens, length, row, runtime, images=images)
     return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, axis=0), cache, row)
 
 
-def slot_round(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, keys: jax.Array,
-               canvas_index: jax.Array, active: jax.Array, last: jax.Array, knobs: RowKnobs,
-               runtime: Runtime | None = None) -> RoundOutput:
-    """Denoise one canvas in every active slot and commit those that go on.
+def _where_rows(mask, new, old):
+    return jnp.where(mask.reshape(mask.shape + (1,) * (new.ndim - 1)), new, old)
 
-    keys: [N] the requests' row keys; canvas_index: [N] int32 each slot's canvas number; active: [N]
-    slots running a canvas this round (the others are frozen and write nothing); last: [N] this is
-    the request's last canvas (not committed). `sampler` gives the canvas length, EOS ids, stability
-    threshold and the loop's step bound; `knobs` each slot's own schedule and thresholds.
+
+def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, state: SlotState,
+              keys: jax.Array, canvas_index: jax.Array, begin: jax.Array, active: jax.Array, last: jax.Array,
+              keep: jax.Array, knobs: RowKnobs, runtime: Runtime | None = None) -> TickOutput:
+    """One denoising step in every busy slot; the canvases that settle are committed where their
+    request goes on.
+
+    keys: [N] the requests' row keys; canvas_index: [N] int32 each slot's canvas number; begin: [N]
+    the slot starts canvas `canvas_index` this tick (from its key's noise); active: [N] slots with a
+    request (the others, and a slot whose request is gone, are frozen and write nothing); last: [N]
+    this is the request's last canvas (not committed, unless `keep`); keep: [N] commit the settled
+    canvas even so (the host keeps the answer in the row for prefix reuse). `sampler` gives the canvas
+    length, EOS ids and stability threshold; `knobs` each slot's own schedule, step budget and
+    thresholds (`knobs.temperatures` is as wide as the longest budget).
     """
-    k = jax.vmap(jax.random.fold_in)(keys, canvas_index)
-    start = initial_canvas(k, sampler.canvas_length, config.vocab_size)
-    state = denoise_canvas(params, config, sampler, cache, k, canvas=start, done=~active, knobs=knobs,
-                           runtime=runtime)
-    toks, ended = finish_canvas(sampler, state.argmax, ~active)
-    eos = ended & active
-    go_on = active & ~eos & ~last
+    k = jnp.where(begin, jax.vmap(jax.random.fold_in)(keys, canvas_index), state.keys)
+    fresh = init_state(config, sampler, initial_canvas(k, sampler.canvas_length, config.vocab_size),
+                       jnp.zeros_like(begin))
+    fresh = fresh.replace(step=jnp.zeros_like(canvas_index))
+    loop = jax.tree.map(lambda a, b: _where_rows(begin, a, b), fresh, state.loop)
+    live = active & ~loop.done
+    loop = loop.replace(done=~live)
+    new = denoise_step(params, config, sampler, cache, cache.lengths, k, loop, knobs=knobs, runtime=runtime)
+    new = new.replace(step=jnp.where(live, new.step, loop.step))
+    settled = live & new.done
+    toks, ended = finish_canvas(sampler, new.argmax, ~settled)
+    eos = ended & settled
+    go_on = settled & ((~eos & ~last) | keep)
     cache = jax.lax.cond(jnp.any(go_on), lambda c: commit(params, config, c, toks, go_on, runtime),
                          lambda c: c, cache)
-    return RoundOutput(toks, state.steps, eos, cache, state.nonfinite & active)
+    # an inactive slot stays done (frozen) after the tick; a live one is done once it settled
+    new = new.replace(done=new.done | ~active)
+    return TickOutput(SlotState(new, k), cache, settled, toks, eos, new.steps, new.argmax, new.nonfinite & live)

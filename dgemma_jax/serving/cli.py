@@ -53,11 +53,11 @@ def cmd_serve(args) -> int:
                       file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's shutdown; the exit status says it failed
                 return
-        need = scheduler.memory.get("slot_round", {}).get("total_bytes", 0)
+        need = scheduler.memory.get("slot_tick", {}).get("total_bytes", 0)
         print(f"dgemma serve: {name} ready: {args.slots} slot(s), context {context} tokens per slot, canvas "
               f"{sampler.canvas_length}, up to {scheduler.engine.sampler.max_denoising_steps} steps per canvas; "
               f"ready {scheduler.stats['startup_compile_ms'] / 1e3:.1f} s after the start of compilation "
-              f"({compiles.summary()}); the denoise round needs {need / 2 ** 20:.1f} MiB (parameters, cache "
+              f"({compiles.summary()}); the denoise tick needs {need / 2 ** 20:.1f} MiB (parameters, cache "
               "and temporaries, XLA's memory analysis)", file=sys.stderr, flush=True)
 
     threading.Thread(target=announce, name="dgemma-announce", daemon=True).start()

@@ -1,21 +1,30 @@
-"""Continuous batching at canvas granularity: a queue, N slots and one worker thread.
+"""Continuous batching at step granularity: a queue, N slots and one worker thread.
 
     scheduler = Scheduler(engine, tokenizer, slots=8, context=4096)
     scheduler.start()                        # compiles the slot programs, reports their memory
     req = scheduler.submit(Request(prompt_ids, n=1, max_tokens=64, sampler=..., seed=0, stop=(), ...))
-    ... req.events (a callback) receives a `SeqEvent` per committed canvas and per choice ...
+    ... req.on_event (a callback) receives a `SeqEvent` per committed canvas, per choice's end, and
+        with `provisional=True` one per denoising step (the canvas as it stands) ...
     scheduler.stop()                         # drains: every submitted request still finishes
 
-The worker loops over rounds. Before each round it retires what finished and fills the free slots
-from the queue (a batch-1 prefill into the slot's cache row); the round then denoises one canvas
-in every busy slot (`sampling.slots.slot_round`). A choice (one of a request's `n`) ends at EOS, at
-`max_tokens`, at a stop string, or when its client is gone; its slot is refilled before the next
-round, without waiting for the others.
+The worker loops over ticks (`sampling.slots.slot_tick`). Each tick advances every busy slot by one
+pass of its own: a slot being admitted gets its next prompt chunk (a batch-1 prefill into its cache
+row; at most one chunk per slot per tick, so a long prompt never stalls the others), every other busy
+slot one denoising step of its own canvas, and a canvas that settles is committed in that tick and
+its slot starts the next one on the next tick. No slot waits for another slot's canvas. A choice
+(one of a request's `n`) ends at EOS, at `max_tokens`, at a stop string, or when its client is gone
+(its slot is free for the next tick).
+
+Prefix reuse: with `prefix_reuse` (default) a slot keeps what its cache row holds after its request
+ends (the prompt, every committed canvas, and the last canvas committed too), and a new prompt goes
+into the free slot whose row shares the longest beginning with it (images count by their pixels),
+prefilling only the rest; the least recently used slot is overwritten when none shares any. The
+reused tokens are `SeqEvent.cached_tokens` (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
 
 Reproducibility: choice i of a request with seed s uses the row key `choice_keys(s, n)[i]` (for n=1
 the key `Engine.generate(rng=s)` gives the prompt, `prompt_key(s)`), its own sampler settings (`RowKnobs`), and
 programs whose shapes depend only on (slots, context): on XLA:CPU its tokens were the same whatever
-else ran (tests/test_serving_*.py); not verified on TPU or GPU.
+else ran and with or without a reused prefix (tests/test_serving_*.py); not verified on TPU or GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -58,24 +68,27 @@ class Starting(Exception):
 
 @dataclasses.dataclass
 class SeqEvent:
-    """What one choice produced in one round (all text as decoded so far, cut at a stop string)."""
+    """What one choice produced in one tick (all text as decoded so far, cut at a stop string)."""
 
     index: int                      # choice index within its request
-    text: str                       # the whole output text so far (stop strings cut)
+    text: str                       # the whole committed output text so far (stop strings cut)
     token_count: int                # non-pad tokens generated so far
-    steps: int                      # denoiser passes so far
+    steps: int                      # denoiser passes so far (finished canvases)
     canvases: int                   # canvases run so far
     finish_reason: str | None       # None while running; "stop", "length" or "cancelled" at the end
     token_ids: tuple = ()           # the generated ids so far (EOS included, pad after it dropped)
-    admitted_round: int = -1        # the scheduler round before which this choice got its slot
-    round: int = -1                 # the round that produced this event
+    admitted_tick: int = -1         # the tick before which this choice got its slot
+    tick: int = -1                  # the tick that produced this event
+    cached_tokens: int = 0          # prompt tokens its slot already held (prefix reuse): not prefilled
+    provisional: str | None = None  # a preview event: the current canvas's text as it stands (not committed)
 
 
 @dataclasses.dataclass
 class Request:
     """A validated request: prompt ids, n choices, the token budget and its sampler settings.
 
-    on_event(SeqEvent) is called from the worker thread (hand it to your event loop thread-safely)."""
+    on_event(SeqEvent) is called from the worker thread (hand it to your event loop thread-safely).
+    provisional: also send a preview event after every denoising step of the choice's canvas."""
 
     prompt_ids: Sequence[int]
     max_tokens: int
@@ -86,7 +99,8 @@ class Request:
     stop: Sequence[str] = ()
     keep_special: bool = False      # decode with special tokens (chat: the thought channel's markers)
     images: Any = None              # the prompt's images (`dgemma_jax.io.images.ImageBatch`), in prompt order
-    chunks: Any = dataclasses.field(default=None, init=False, repr=False)   # set by `Scheduler.submit`
+    provisional: bool = False
+    content: Any = dataclasses.field(default=None, init=False, repr=False)  # set by `Scheduler.submit`
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     submitted: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -98,23 +112,51 @@ class _Choice:
     key: np.ndarray                 # uint32 key data of its row key
     n_canvases: int
     tokens: list = dataclasses.field(default_factory=list)
-    steps: int = 0
-    canvas: int = 0
+    steps: int = 0                  # denoiser passes of its finished canvases
+    canvas: int = 0                 # canvases finished
     slot: int = -1
-    admitted_round: int = -1
+    admitted_tick: int = -1
+    chunks: list = dataclasses.field(default_factory=list)   # prompt chunks still to prefill
+    begin: bool = False             # its slot starts canvas `canvas` on the next tick
+    cached: int = 0                 # prompt tokens reused from the slot's row
+
+
+def content_keys(ids: np.ndarray, image_token_id: int | None, images=None) -> np.ndarray:
+    """The identity of a prompt's tokens for prefix matching: int64 ids, each image's run of image
+    tokens replaced by a key of its pixels (two different images give different keys)."""
+    keys = np.asarray(ids, np.int64).copy()
+    if images is None or image_token_id is None:
+        return keys
+    for i, (b, e) in enumerate(image_runs(np.asarray(ids), image_token_id)):
+        h = hashlib.blake2b(np.ascontiguousarray(images.pixel_values[i]).tobytes(), digest_size=7)
+        h.update(np.ascontiguousarray(images.position_ids[i]).tobytes())
+        keys[b:e] = -1 - int.from_bytes(h.digest(), "little")
+    return keys
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """The length of the longest common beginning of two 1-d arrays."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
 
 
 class Scheduler:
     """N slots of one engine's model, fed from a bounded queue by a worker thread."""
 
     def __init__(self, engine: Engine, tokenizer: Any, *, slots: int = 8, context: int | None = None,
-                 max_queue: int = 256, default_sampler: SamplerConfig | None = None, prefill_chunk: int = 512):
+                 max_queue: int = 256, default_sampler: SamplerConfig | None = None, prefill_chunk: int = 512,
+                 prefix_reuse: bool = True):
         """engine: its sampler gives the canvas length, EOS ids and stability threshold of every
         request, and its `max_denoising_steps` the most steps a request may ask for.
         default_sampler: a request's settings when it names none (default: the engine's).
         prefill_chunk: prompts go into their slot in chunks of this many tokens (a short prompt or
         tail in one of `SMALL_PREFILL` tokens): two prefill programs serve every prompt length, both
-        compiled at startup, so no request ever waits for a compile that would stall every slot."""
+        compiled at startup, so no request ever waits for a compile that would stall every slot.
+        prefix_reuse: a prompt that begins with what a free slot's cache row holds prefills only the
+        rest (module docstring)."""
         cfg, smp = engine.config, engine.sampler
         self.default_sampler = default_sampler or smp
         shared = ("canvas_length", "eos_ids", "pad_id", "stability_threshold")
@@ -132,11 +174,16 @@ class Scheduler:
         self.max_queue = int(max_queue)
         big = min(int(prefill_chunk), self.context)
         self.prefill_widths = (min(SMALL_PREFILL, big), big)   # (short prompts and tails, whole chunks)
-        self._prefill, self._round = engine.slot_programs()
+        self.prefix_reuse = bool(prefix_reuse)
+        self._prefill, self._tick_program = engine.slot_programs()
         self._compiled_prefill: dict[Any, Any] = {}
-        self._compiled_round = None
+        self._compiled_tick = None
         self._cache = None
+        self._slots_state = None
         self._busy: list[_Choice | None] = [None] * self.slots
+        # prefix reuse: what each row holds (`content_keys` of its committed tokens) and its last use
+        self._rows: list[np.ndarray] = [np.zeros((0,), np.int64) for _ in range(self.slots)]
+        self._row_used = [0] * self.slots
         self._queue: collections.deque[_Choice] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -178,8 +225,9 @@ class Scheduler:
                              f"do not fit this server's context of {self.context} tokens per request; "
                              f"ask for at most {most} tokens or shorten the prompt")
 
-    def plan_chunks(self, prompt_ids: Sequence[int], images=None) -> list[tuple[int, int, int, Any]]:
-        """The prompt's prefill chunks: [(start, end, width, images wholly inside or None)], each at most the big
+    def plan_chunks(self, prompt_ids: Sequence[int], images=None, start: int = 0) -> list[tuple[int, int, int, Any]]:
+        """The prompt's prefill chunks from position `start` on (what comes before is in the slot's row
+        already): [(start, end, width, images wholly inside or None)], each at most the big
         prefill width, none cutting an image (its `<|image>` ... `<image|>` block): a chunk that would
         cut one ends before the image's begin marker, and the image starts the next chunk. ValueError
         (HTTP 400) when the images do not match the prompt's image tokens, or an image is longer than
@@ -195,7 +243,7 @@ class Scheduler:
                                  f"more than this server's prefill chunk of {big} tokens; an image must go into "
                                  f"the cache in one chunk: restart the server with --prefill-chunk {e - b} or more, "
                                  "or send a smaller image budget")
-        chunks, start = [], 0
+        chunks = []
         while start < len(ids):
             rest = len(ids) - start
             width = small if rest <= small else big
@@ -228,12 +276,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, wait: bool = True) -> None:
-        """Allocate the slots' cache, compile the round and the prefill widths (side by side: XLA
+        """Allocate the slots' cache, compile the tick and the prefill widths (side by side: XLA
         compiles them in parallel threads), then start the worker. wait=False returns at once and does
         all that in a thread: until `ready` is set, `status()` reports each program's progress and
         `submit` raises `Starting`; a failed compile sets `error`."""
         self._started_at = time.perf_counter()
-        self.programs = {"slot_round": {"state": "pending"}}
+        self.programs = {"slot_tick": {"state": "pending"}}
         self.programs.update({f"prefill_slot_{w}": {"state": "pending"} for w in sorted(set(self.prefill_widths))})
         if wait:
             self._start_up()
@@ -245,18 +293,19 @@ class Scheduler:
     def _start_up(self) -> None:
         try:
             self._cache = self.engine.new_cache(self.slots, self.context)
-            jobs = {"slot_round": self._compile_round}
+            self._slots_state = self.engine.new_slots(self.slots)
+            jobs = {"slot_tick": self._compile_tick}
             jobs.update({f"prefill_slot_{w}": functools.partial(self._prefill_for, w)
                          for w in sorted(set(self.prefill_widths))})
             with concurrent.futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="dgemma-compile") as pool:
                 done = {name: pool.submit(self._timed, name, job) for name, job in jobs.items()}
-            round_program = done["slot_round"].result()
+            tick_program = done["slot_tick"].result()
             for future in done.values():
                 future.result()
         except BaseException as e:  # noqa: BLE001 - reported through status(), /health and start(wait=True)
             self.error = e
             return
-        self._compiled_round = round_program
+        self._compiled_tick = tick_program
         self.stats["startup_compile_ms"] = int(1e3 * (time.perf_counter() - self._started_at))
         self._thread = threading.Thread(target=self._run, name="dgemma-scheduler", daemon=True)
         self._thread.start()
@@ -294,7 +343,9 @@ class Scheduler:
             if request.n < 1:
                 raise ValueError(f"n must be >= 1; got {request.n}")
             self.check_fits(len(request.prompt_ids), request.max_tokens)
-            request.chunks = self.plan_chunks(request.prompt_ids, request.images)
+            self.plan_chunks(request.prompt_ids, request.images)   # its checks (the plan depends on the slot)
+            request.content = content_keys(np.asarray(request.prompt_ids), self.engine.config.image_token_id,
+                                           request.images)
             keys = np.asarray(jax.random.key_data(choice_keys(int(request.seed), request.n)))
             n_canvas = -(-request.max_tokens // self.canvas_length)
             choices += [_Choice(request, i, keys[i], n_canvas) for i in range(request.n)]
@@ -332,37 +383,45 @@ class Scheduler:
                     "stats": dict(self.stats)}
 
     # ------------------------------------------------------------------ programs
-    def _args_round(self):
+    def _tick_args(self, busy=None, begin=None, active=None):
         n = self.slots
-        knobs = RowKnobs.from_samplers([self.default_sampler] * n, self.engine.sampler.max_denoising_steps)
-        keys = jax.random.wrap_key_data(np.zeros((n, 2), np.uint32))
-        return dict(cache=self._cache, keys=keys, canvas_index=np.zeros(n, np.int32), active=np.zeros(n, bool),
-                    last=np.zeros(n, bool), knobs=knobs)
+        busy = busy if busy is not None else [None] * n
+        samplers = [c.request.sampler if c else self.default_sampler for c in busy]
+        knobs = RowKnobs.from_samplers(samplers, self.engine.sampler.max_denoising_steps)
+        keys = np.zeros((n, 2), np.uint32)
+        canvas_index, last, keep = np.zeros(n, np.int32), np.zeros(n, bool), np.zeros(n, bool)
+        l = self.canvas_length
+        for s, c in enumerate(busy):
+            if c is not None:
+                keys[s], canvas_index[s] = c.key, c.canvas
+                last[s] = c.canvas + 1 >= c.n_canvases
+                # the last canvas goes into the row too when prefix reuse is on and it fits
+                keep[s] = self.prefix_reuse and len(self._rows[s]) + l <= self.context
+        return dict(cache=self._cache, state=self._slots_state, keys=jax.random.wrap_key_data(keys),
+                    canvas_index=canvas_index, begin=np.zeros(n, bool) if begin is None else begin,
+                    active=np.zeros(n, bool) if active is None else active, last=last, keep=keep, knobs=knobs)
 
-    def _compile_round(self):
-        compiled = self._round.lower(self.engine.params, **self._args_round()).compile()
-        self.memory["slot_round"] = compiled_memory(compiled)
+    def _compile_tick(self):
+        compiled = self._tick_program.lower(self.engine.params, **self._tick_args()).compile()
+        self.memory["slot_tick"] = compiled_memory(compiled)
         return compiled
 
     def _prefill_for(self, width: int, images=None):
         """The compiled prefill of a chunk of `width` tokens; with images (pixel_values, position_ids)
         a program per (width, images shape), compiled on first use."""
+        kw = dict(cache=self._cache, slot=np.int32(0), tokens=np.zeros((1, width), np.int32),
+                  length=np.ones((1,), np.int32), start=np.int32(0))
         if images is not None:
             key = (width, tuple(images[0].shape), tuple(images[1].shape))
             if key not in self._compiled_prefill:
-                compiled = self._prefill.lower(self.engine.params, cache=self._cache, slot=np.int32(0),
-                                               tokens=np.zeros((1, width), np.int32),
-                                               length=np.ones((1,), np.int32), fresh=np.bool_(True),
-                                               images=images).compile()
+                compiled = self._prefill.lower(self.engine.params, images=images, **kw).compile()
                 n = images[0].shape[0]
                 self.memory[f"prefill_slot_{width}_images_{n}x{images[0].shape[1]}"] = compiled_memory(compiled)
                 self._compiled_prefill[key] = compiled
                 self.stats["image_prefill_compiles"] += 1
             return self._compiled_prefill[key]
         if width not in self._compiled_prefill:
-            compiled = self._prefill.lower(self.engine.params, cache=self._cache, slot=np.int32(0),
-                                           tokens=np.zeros((1, width), np.int32),
-                                           length=np.ones((1,), np.int32), fresh=np.bool_(True)).compile()
+            compiled = self._prefill.lower(self.engine.params, **kw).compile()
             self.memory[f"prefill_slot_{width}"] = compiled_memory(compiled)
             self._compiled_prefill[width] = compiled
         return self._compiled_prefill[width]
@@ -378,7 +437,7 @@ class Scheduler:
                         return
                 self._admit()
                 if any(self._busy):
-                    self._one_round()
+                    self._tick()
         except BaseException as e:  # noqa: BLE001 - reported to every waiting client, then re-raised
             log.exception("the scheduler's worker failed")
             self.error = e
@@ -386,9 +445,13 @@ class Scheduler:
             raise
 
     def _admit(self) -> None:
-        for slot in range(self.slots):
-            if self._busy[slot] is not None:
-                continue
+        """Give each free slot a waiting choice: the slot whose row shares the longest beginning with
+        the choice's prompt (prefix reuse), else the least recently used one. Its prompt chunks then
+        go in one per tick."""
+        while True:
+            free = [s for s in range(self.slots) if self._busy[s] is None]
+            if not free:
+                return
             with self._cond:
                 choice = self._queue.popleft() if self._queue else None
             while choice is not None and choice.request.cancelled.is_set():
@@ -399,76 +462,132 @@ class Scheduler:
             if choice is None:
                 return
             req = choice.request
-            self._prefill_row(slot, np.asarray(req.prompt_ids, np.int32), req.images, req.chunks)
-            choice.slot, choice.admitted_round = slot, self.stats["rounds"]
+            ids = np.asarray(req.prompt_ids, np.int32)
+            slot, reuse = free[0], 0
+            if self.prefix_reuse:
+                slot = max(free, key=lambda s: (self._reusable(s, req, ids), -self._row_used[s]))
+                if self._reusable(slot, req, ids) < SMALL_PREFILL:   # not worth another row's prefix
+                    slot = min(free, key=lambda s: self._row_used[s])
+                reuse = self._reusable(slot, req, ids)
+            choice.chunks = self.plan_chunks(ids, req.images, start=reuse)
+            choice.cached, choice.slot, choice.admitted_tick = reuse, slot, self.stats["ticks"]
+            self._rows[slot] = self._rows[slot][:reuse]
+            self._row_used[slot] = self.stats["ticks"] + 1
+            self.stats["prefix_tokens_reused"] += reuse
             with self._cond:
                 self._busy[slot] = choice
             self.stats["prefills"] += 1
 
-    def _prefill_row(self, slot: int, ids: np.ndarray, images=None, chunks=None) -> None:
-        """The prompt into row `slot`, in chunks of the compiled prefill widths (`plan_chunks`), each
-        chunk with the images wholly inside it."""
-        if chunks is None:
-            chunks = self.plan_chunks(ids, images)
-        for start, end, width, imgs in chunks:
-            n = end - start
-            tokens = np.full((1, width), self.engine.config.pad_id, np.int32)
-            tokens[0, :n] = ids[start:end]
-            kw = dict(cache=self._cache, slot=np.int32(slot), tokens=tokens, length=np.asarray([n], np.int32),
-                      fresh=np.bool_(start == 0))
-            if imgs is None:
-                self._cache = self._prefill_for(width)(self.engine.params, **kw)
-            else:
-                pixels = self.engine._place(np.asarray(imgs.pixel_values, np.float32),
-                                            np.asarray(imgs.position_ids, np.int32))
-                self._cache = self._prefill_for(width, pixels)(self.engine.params, images=tuple(pixels), **kw)
+    def _reusable(self, slot: int, req: Request, ids: np.ndarray) -> int:
+        """How many of the prompt's first tokens slot `slot`'s row holds already: the common beginning of
+        the two, at least one prompt token left to prefill, never ending inside an image's block."""
+        m = min(common_prefix(self._rows[slot], req.content), len(ids) - 1)
+        if req.images is not None:
+            for b, e in self._image_blocks(ids):
+                if b < m < e:
+                    m = b
+        return max(m, 0)
 
-    def _one_round(self) -> None:
+    def _prefill_chunk(self, c: _Choice) -> None:
+        """One of the choice's prompt chunks into its slot's row."""
+        start, end, width, imgs = c.chunks.pop(0)
+        ids = np.asarray(c.request.prompt_ids, np.int32)
+        n = end - start
+        tokens = np.full((1, width), self.engine.config.pad_id, np.int32)
+        tokens[0, :n] = ids[start:end]
+        kw = dict(cache=self._cache, slot=np.int32(c.slot), tokens=tokens, length=np.asarray([n], np.int32),
+                  start=np.int32(start))
+        if imgs is None:
+            self._cache = self._prefill_for(width)(self.engine.params, **kw)
+        else:
+            pixels = self.engine._place(np.asarray(imgs.pixel_values, np.float32),
+                                        np.asarray(imgs.position_ids, np.int32))
+            self._cache = self._prefill_for(width, pixels)(self.engine.params, images=tuple(pixels), **kw)
+        self._rows[c.slot] = np.concatenate([self._rows[c.slot][:start], c.request.content[start:end]])
+        self.stats["prefill_chunks"] += 1
+        if not c.chunks:
+            c.begin = True
+
+    def _tick(self) -> None:
+        """One tick: cancelled choices leave, admitted ones get a prompt chunk, every other busy slot a
+        denoising step (and a commit where its canvas settles)."""
         n, l = self.slots, self.canvas_length
+        for s, c in enumerate(self._busy):
+            if c is not None and c.request.cancelled.is_set():
+                self._emit(c, "cancelled")
+                self._free(s, "cancelled")
+        for c in self._busy:
+            if c is not None and c.chunks:
+                self._prefill_chunk(c)
         busy = list(self._busy)
-        samplers = [c.request.sampler if c else self.default_sampler for c in busy]
-        knobs = RowKnobs.from_samplers(samplers, self.engine.sampler.max_denoising_steps)
-        keys = np.zeros((n, 2), np.uint32)
-        canvas_index, active, last = np.zeros(n, np.int32), np.zeros(n, bool), np.zeros(n, bool)
-        for s, c in enumerate(busy):
-            if c is not None:
-                keys[s], canvas_index[s], active[s] = c.key, c.canvas, True
-                last[s] = c.canvas + 1 >= c.n_canvases
-        out = self._compiled_round(self.engine.params, cache=self._cache, keys=jax.random.wrap_key_data(keys),
-                                   canvas_index=canvas_index, active=active, last=last, knobs=knobs)
-        self._cache = out.cache
-        tokens, steps, eos = np.asarray(out.tokens), np.asarray(out.steps), np.asarray(out.eos)
-        nonfinite = np.asarray(out.nonfinite)
-        if nonfinite.any():
-            self.stats["nonfinite_canvases"] += int(nonfinite.sum())
-            log.warning("%d slot(s) met non-finite logits this round: the model's weights or activations hold "
-                        "NaN/Inf, so those answers are not the model's (check the checkpoint)", int(nonfinite.sum()))
-        self.stats["rounds"] += 1
-        self.stats["slot_canvases"] += int(active.sum())
-        for s, c in enumerate(busy):
-            if c is None:
-                continue
-            owed = c.request.max_tokens - c.canvas * l
-            c.tokens.extend(int(t) for t in tokens[s, :owed])
-            c.steps += int(steps[s])
-            c.canvas += 1
-            reason = "stop" if eos[s] else ("length" if c.canvas >= c.n_canvases else None)
-            if reason is None and c.request.cancelled.is_set():
-                reason = "cancelled"
-            reason = self._emit(c, reason)
-            if reason is not None:
-                with self._cond:
-                    self._busy[s] = None
-                    self.stats["finished_" + reason] += 1
+        active = np.array([c is not None and not c.chunks for c in busy], bool)
+        if active.any():
+            begin = np.array([bool(c is not None and c.begin) for c in busy], bool)
+            args = self._tick_args(busy, begin, active)
+            out = self._compiled_tick(self.engine.params, **args)
+            self._cache, self._slots_state = out.cache, out.state
+            settled, tokens, eos = np.asarray(out.settled), np.asarray(out.tokens), np.asarray(out.eos)
+            steps, nonfinite = np.asarray(out.steps), np.asarray(out.nonfinite)
+            self.stats["slot_steps"] += int(active.sum())
+            argmax = np.asarray(out.argmax) if any(c is not None and c.request.provisional and active[s]
+                                                   for s, c in enumerate(busy)) else None
+            for s, c in enumerate(busy):
+                if not active[s]:
+                    continue
+                c.begin = False
+                if argmax is not None and c.request.provisional:   # every step's preview, the settling one too
+                    self._emit(c, None, preview=argmax[s], preview_steps=int(steps[s]))
+                if not settled[s]:
+                    continue
+                self._settle(s, c, tokens[s], int(steps[s]), bool(eos[s]), bool(nonfinite[s]), bool(args["keep"][s]))
+        self.stats["ticks"] += 1
 
-    def _emit(self, c: _Choice, reason: str | None) -> str | None:
+    def _settle(self, s: int, c: _Choice, tokens: np.ndarray, steps: int, eos: bool, nonfinite: bool,
+                keep: bool) -> None:
+        """A slot's canvas ended this tick: its tokens join the answer; the request goes on (its next
+        canvas starts on the next tick) or ends."""
+        l = self.canvas_length
+        if nonfinite:
+            self.stats["nonfinite_canvases"] += 1
+            log.warning("slot %d met non-finite logits: the model's weights or activations hold NaN/Inf, so this "
+                        "answer is not the model's (check the checkpoint)", s)
+        last = c.canvas + 1 >= c.n_canvases
+        if (not eos and not last) or keep:   # what slot_tick committed into the row
+            self._rows[s] = np.concatenate([self._rows[s], tokens.astype(np.int64)])
+        owed = c.request.max_tokens - c.canvas * l
+        c.tokens.extend(int(t) for t in tokens[:owed])
+        c.steps += steps
+        c.canvas += 1
+        self.stats["slot_canvases"] += 1
+        reason = "stop" if eos else ("length" if c.canvas >= c.n_canvases else None)
+        if reason is None and c.request.cancelled.is_set():
+            reason = "cancelled"
+        reason = self._emit(c, reason)
+        if reason is None:
+            c.begin = True
+        else:
+            self._free(s, reason)
+
+    def _free(self, s: int, reason: str) -> None:
+        with self._cond:
+            self._busy[s] = None
+            self.stats["finished_" + reason] += 1
+        self._row_used[s] = self.stats["ticks"] + 1
+
+    def _emit(self, c: _Choice, reason: str | None, preview=None, preview_steps: int = 0) -> str | None:
         pad = self.engine.sampler.pad_id
         ids = tuple(t for t in c.tokens if t != pad)
-        text, hit = text_lib.cut_at_stop(self.tokenizer.decode_generated(ids, skip_special=not c.request.keep_special),
-                                         c.request.stop)
+        decode = functools.partial(self.tokenizer.decode_generated, skip_special=not c.request.keep_special)
+        text, hit = text_lib.cut_at_stop(decode(ids), c.request.stop)
         if hit and reason != "cancelled":
             reason = "stop"
-        ev = SeqEvent(c.index, text, len(ids), c.steps, c.canvas, reason, ids, c.admitted_round, self.stats["rounds"])
+        provisional = None
+        if preview is not None and not hit:
+            canvas = text_lib.truncate_at(preview, self.engine.sampler.eos_ids)
+            full = decode(ids + tuple(int(t) for t in canvas if t != pad))
+            provisional = text_lib.delta(decode(ids), full)
+        ev = SeqEvent(c.index, text, len(ids), c.steps + preview_steps, c.canvas, reason, ids, c.admitted_tick,
+                      self.stats["ticks"], c.cached, provisional)
         try:
             c.request.on_event(ev)
         except Exception:  # noqa: BLE001 - a broken listener must not stop the other slots
@@ -486,4 +605,3 @@ class Scheduler:
                 c.request.on_event(SeqEvent(c.index, "", 0, c.steps, c.canvas, "error"))
             except Exception:  # noqa: BLE001
                 pass
-

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from dgemma_jax.io.chat import strip_thinking
 
-__all__ = ["cut_at_stop", "stream_safe", "split_reasoning", "delta"]
+__all__ = ["cut_at_stop", "stream_safe", "split_reasoning", "delta", "truncate_at"]
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
@@ -38,3 +38,13 @@ def delta(sent: str, now: str) -> str:
     """What to send after `sent` to reach `now`; "" when `now` does not extend it (a trimmed or
     re-split field is finalised by the last event, not streamed backwards)."""
     return now[len(sent):] if now.startswith(sent) else ""
+
+
+def truncate_at(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
+    """`tokens` up to and including the first EOS id (all of them when there is none)."""
+    out = []
+    for t in tokens:
+        out.append(int(t))
+        if int(t) in eos_ids:
+            break
+    return out
