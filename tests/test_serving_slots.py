@@ -163,6 +163,32 @@ def test_per_request_sampler_settings_and_n_choices(bundled, scheduler):
     assert len({tuple(k) for k in keys}) == 3                     # three streams, not one repeated
 
 
+def test_a_follow_up_prompt_reuses_its_slots_prompt_and_answer(bundled, scheduler):
+    """Prefix reuse: a prompt that begins with an earlier request's prompt and answer (EOS included, as a
+    chat template renders a finished turn) prefills only what follows, and gets the same tokens and
+    steps as with reuse turned off."""
+    cfg, params, sampler, tok = bundled
+    first, _ = _submit(scheduler, tok, sampler, "s9350814272=", seed=11)
+    assert first.done.wait(120)
+    p1, answer = tok.encode("s9350814272=", add_bos=True), list(first.final[0].token_ids)
+    assert answer[-1] in sampler.eos_ids
+    follow = p1 + answer + tok.encode("s31415926535=")
+    runs = []
+    for sch in (scheduler, Scheduler.for_model(cfg, params, tok, sampler, slots=4, max_steps=32,
+                                               prefix_reuse=False)):
+        if sch is not scheduler:
+            sch.start()
+        c = _Collect(1)
+        sch.submit(Request(follow, 16, sampler, 4, on_event=c))
+        assert c.done.wait(120)
+        runs.append(c.final[0])
+        if sch is not scheduler:
+            sch.stop()
+    reused, plain = runs
+    assert reused.cached_tokens >= len(p1) + len(answer) and plain.cached_tokens == 0
+    assert reused.token_ids == plain.token_ids and reused.steps == plain.steps
+
+
 def test_stop_strings_cut_the_text(bundled, scheduler):
     cfg, params, sampler, tok = bundled
     c, _ = _submit(scheduler, tok, sampler, "s9350814272=", seed=11, stop=("45", "zz"))

@@ -30,15 +30,15 @@ def _held_scheduler(bundled, fail=False):
     cfg, params, sampler, tok = bundled
     sch = Scheduler.for_model(cfg, params, tok, sampler, slots=2, context=64)
     gate = threading.Event()
-    compile_round = sch._compile_round
+    compile_tick = sch._compile_tick
 
     def held():
         gate.wait(120)
         if fail:
-            raise RuntimeError("out of memory compiling the round (a test)")
-        return compile_round()
+            raise RuntimeError("out of memory compiling the tick (a test)")
+        return compile_tick()
 
-    sch._compile_round = held
+    sch._compile_tick = held
     return sch, gate
 
 

@@ -38,7 +38,7 @@ def cmd_serve(args) -> int:
     context = min(args.context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
     scheduler = Scheduler.for_model(cfg, params, tok, sampler, max_steps=args.max_steps, shardings=shardings,
                                     slots=args.slots, context=context, max_queue=args.max_queue,
-                                    prefill_chunk=args.prefill_chunk)
+                                    prefill_chunk=args.prefill_chunk, prefix_reuse=args.prefix_reuse)
     name = args.served_model_name or cfg.name
     compiles = CompileCounter()
     scheduler.start(wait=False)
@@ -94,6 +94,10 @@ def add_command(sub, positive) -> None:
                    help="a request's max_tokens when it sends none (capped to what fits)")
     s.add_argument("--prefill-chunk", type=positive(int), default=512, dest="prefill_chunk",
                    help="prompts are prefilled in chunks of this many tokens (two compiled widths serve every length)")
+    s.add_argument("--no-prefix-reuse", action="store_false", dest="prefix_reuse",
+                   help="prefill every prompt whole (default: a prompt that begins with what a free slot holds, "
+                        "such as a chat's earlier turns, prefills only the rest, and each slot keeps its last "
+                        "answer in its cache for that)")
     s.add_argument("--allowed-image-dir", action="append", dest="allowed_image_dirs", default=None, metavar="DIR",
                    help="chat image parts may name local files (file:///... or an absolute path) under DIR "
                         "(repeatable; default none: images come as data URLs only)")

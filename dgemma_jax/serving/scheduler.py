@@ -18,7 +18,8 @@ its slot starts the next one on the next tick. No slot waits for another slot's 
 Prefix reuse: with `prefix_reuse` (default) a slot keeps what its cache row holds after its request
 ends (the prompt, every committed canvas, and the last canvas committed too), and a new prompt goes
 into the free slot whose row shares the longest beginning with it (images count by their pixels),
-prefilling only the rest; the least recently used slot is overwritten when none shares any. The
+prefilling only the rest; the least recently used slot is overwritten when none shares more than a
+short beginning (under `SMALL_PREFILL` tokens and half its row). The
 reused tokens are `SeqEvent.cached_tokens` (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
 
 Reproducibility: choice i of a request with seed s uses the row key `choice_keys(s, n)[i]` (for n=1
@@ -184,6 +185,7 @@ class Scheduler:
         # prefix reuse: what each row holds (`content_keys` of its committed tokens) and its last use
         self._rows: list[np.ndarray] = [np.zeros((0,), np.int64) for _ in range(self.slots)]
         self._row_used = [0] * self.slots
+        self._knobs = None
         self._queue: collections.deque[_Choice] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -386,8 +388,10 @@ class Scheduler:
     def _tick_args(self, busy=None, begin=None, active=None):
         n = self.slots
         busy = busy if busy is not None else [None] * n
-        samplers = [c.request.sampler if c else self.default_sampler for c in busy]
-        knobs = RowKnobs.from_samplers(samplers, self.engine.sampler.max_denoising_steps)
+        samplers = tuple(c.request.sampler if c else self.default_sampler for c in busy)
+        if self._knobs is None or self._knobs[0] != samplers:   # rebuilt (and sent) only when the slots change
+            self._knobs = (samplers, RowKnobs.from_samplers(samplers, self.engine.sampler.max_denoising_steps))
+        knobs = self._knobs[1]
         keys = np.zeros((n, 2), np.uint32)
         canvas_index, last, keep = np.zeros(n, np.int32), np.zeros(n, bool), np.zeros(n, bool)
         l = self.canvas_length
@@ -466,7 +470,10 @@ class Scheduler:
             slot, reuse = free[0], 0
             if self.prefix_reuse:
                 slot = max(free, key=lambda s: (self._reusable(s, req, ids), -self._row_used[s]))
-                if self._reusable(slot, req, ids) < SMALL_PREFILL:   # not worth another row's prefix
+                shared = self._reusable(slot, req, ids)
+                # a short shared beginning (a BOS, a chat header) of a long row is not worth that row:
+                # the least recently used slot is overwritten instead
+                if shared < SMALL_PREFILL and 2 * shared < len(self._rows[slot]):
                     slot = min(free, key=lambda s: self._row_used[s])
                 reuse = self._reusable(slot, req, ids)
             choice.chunks = self.plan_chunks(ids, req.images, start=reuse)

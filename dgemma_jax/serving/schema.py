@@ -23,6 +23,9 @@ MAX_N = 64
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    # an extension: after every denoising step, the current canvas's text as it stands in
+    # `delta.provisional` (chat) or `provisional` (completions); `content` / `text` stay committed only
+    include_provisional: bool = False
 
 
 class ChatTemplateKwargs(BaseModel):

@@ -401,7 +401,8 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
         reqs = []
         for p, ids in enumerate(prompts):
             n_tok = budget if budget is not None else scheduler.default_max_tokens(len(ids), default_max_tokens)
-            reqs.append(Request(ids, n_tok, sampler, seed, n=body.n, stop=body.stops,
+            previews = bool(body.stream and body.stream_options and body.stream_options.include_provisional)
+            reqs.append(Request(ids, n_tok, sampler, seed, n=body.n, stop=body.stops, provisional=previews,
                                 keep_special=chat and tok.has_chat_template, images=images,
                                 on_event=functools.partial(_deliver, loop, queue, p)))
         try:
@@ -420,13 +421,23 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
             raise
         return reqs
 
-    def usage(prompts, finals: dict) -> dict:
+    def usage(prompts, finals: dict, n: int) -> dict:
         completion = sum(ev.token_count for ev in finals.values())
         steps = sum(ev.steps for ev in finals.values())
         prompt = sum(len(p) for p in prompts)
+        # a prompt's tokens found in its slot's cache (prefix reuse), the least over its n choices
+        per_prompt: dict[int, int] = {}
+        for i, ev in finals.items():
+            p = i // n
+            per_prompt[p] = min(per_prompt.get(p, ev.cached_tokens), ev.cached_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(per_prompt.values())},
                 "denoising_steps": steps, "canvases": sum(ev.canvases for ev in finals.values()),
-                "tokens_per_forward": round(completion / steps, 4) if steps else 0.0}
+                "tokens_per_forward": round(completion / steps, 4) if steps else 0.0,
+                # scheduler ticks from a choice's admission to its end (the most over the choices)
+                "ticks": max((ev.tick - ev.admitted_tick + 1 for ev in finals.values()), default=0),
+                "tick_range": [min((ev.admitted_tick for ev in finals.values()), default=0),
+                               max((ev.tick for ev in finals.values()), default=0)]}
 
     async def watch_disconnect(http: HTTPRequest, reqs: list[Request]):
         while True:
@@ -472,7 +483,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
             else:
                 choices.append({"index": i, "text": ev.text, "finish_reason": ev.finish_reason, "logprobs": None})
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": stamp,
-                "model": model_name, "choices": choices, "usage": usage(prompts, finals)}
+                "model": model_name, "choices": choices, "usage": usage(prompts, finals, body.n)}
 
     async def stream(http, body, prompts, reqs, queue, rid, stamp, n_total, chat):
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -498,6 +509,13 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
                     return
                 text = ev.text if done else text_lib.stream_safe(ev.text, body.stops)
                 prev = sent.setdefault(i, ["", ""])
+                if ev.provisional is not None:   # a preview of the canvas in flight: nothing committed
+                    if chat:
+                        yield chunk([{"index": i, "delta": {"provisional": ev.provisional}, "finish_reason": None}])
+                    else:
+                        yield chunk([{"index": i, "text": "", "provisional": ev.provisional, "finish_reason": None,
+                                      "logprobs": None}])
+                    continue
                 if chat:
                     reasoning, content = text_lib.split_reasoning(text, body.thinking)
                     delta = {}
@@ -517,7 +535,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
                 if done or piece.get("delta") or piece.get("text"):
                     yield chunk([piece])
             if body.stream_options and body.stream_options.include_usage:
-                yield chunk([], usage=usage(prompts, finals))
+                yield chunk([], usage=usage(prompts, finals, body.n))
             yield "data: [DONE]\n\n"
         finally:  # the client went away (the response task is cancelled) or the stream ended
             watcher.cancel()

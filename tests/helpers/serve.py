@@ -21,14 +21,18 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m dgemma_jax.cli serve ...` on a free loopback port; waits for /health."""
 
-    def __init__(self, *args: str, startup_s: float = 300.0, env: dict | None = None):
+    def __init__(self, *args: str, startup_s: float = 300.0, env: dict | None = None, cwd: str | None = None):
+        """cwd: run the server from that checkout (another revision's worktree); default this one."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "dgemma_jax.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                *args]
         self.log_path = f"/tmp/dgemma_serve_{self.port}.log"
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        env = {**os.environ, **(env or {})}
+        if cwd is not None:   # that checkout's package first (python -m puts the cwd first on sys.path)
+            env["PYTHONPATH"] = os.pathsep.join([cwd] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
