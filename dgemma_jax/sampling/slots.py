@@ -1,19 +1,20 @@
-"""Generation over a fixed set of slots, one request per slot, advanced one pass at a time.
+"""Generation over a fixed set of slots, one request per slot, advanced one step at a time.
 
 A server holds N slots: one KV-cache row and one canvas in flight each (`SlotState`). A request
 enters a free slot with `prefill_slot`, one prompt chunk per call (a batch-1 causal pass into that
-row; the other rows are not read or written). Then every `slot_tick` advances each busy slot by one
-denoising step of its own canvas, at its own step: a slot whose canvas settles has it committed in
-the same tick (when the request goes on) and starts its next canvas on the next tick, so no slot waits
-for another slot's canvas (step-level continuous batching). Between ticks the host retires finished
-requests and feeds prompt chunks to the slots being admitted.
+row; the other rows are not read or written). Each tick of `slot_tick` advances every busy slot by
+one denoising step of its own canvas, at its own step count; it runs ticks until a slot's canvas
+settles (or a tick budget is spent) and returns. The host then commits the settled canvases with
+`commit_slots` (a causal pass over those K rows only, not all N) and starts their next canvases on
+the next tick, retires finished requests and feeds prompt chunks to the slots being admitted. No
+slot waits for another slot's canvas (step-level continuous batching).
 
-A slot's canvas c uses the key `fold_in(row_key, c)` and step s of it `fold_in(that, s)`, and commits
-exactly as `generate_fused` does (EOS truncation, no commit after the request's last canvas unless
-the host asks to keep it for prefix reuse), so a request runs the same algorithm as
-`Engine.generate` with that row key. Every shape is fixed by (N, cache length); on XLA:CPU a row's
-logits were then bit-identical whatever the other slots held (tests/test_serving_slots.py), so a
-request's tokens do not depend on them there.
+A slot's canvas c uses the key `fold_in(row_key, c)` and step s of it `fold_in(that, s)`, and is
+committed exactly as `generate_fused` commits (EOS truncation, no commit after the request's last
+canvas unless the host keeps it for prefix reuse), so a request runs the same algorithm as
+`Engine.generate` with that row key. Every shape is fixed by (N, K, cache length); on XLA:CPU a
+row's logits were then bit-identical whatever the other slots held (tests/test_serving_slots.py),
+so a request's tokens do not depend on them there.
 """
 
 from __future__ import annotations
@@ -41,20 +42,27 @@ class SlotState:
 
 @struct.dataclass
 class TickOutput:
-    """One tick. state / cache: the slots after it; settled: [N] the slot's canvas ended this tick;
-    tokens: [N, L] the settled canvases, EOS-truncated (meaningless elsewhere); eos: [N] a settled
-    canvas held an EOS; steps: [N] denoising passes of the slot's current canvas so far; argmax:
-    [N, L] each slot's canvas as it stands (previews); nonfinite: [N] the slot's canvas met
-    non-finite logits (`loop.nonfinite_rows`: its tokens are not the model's answer)."""
+    """What `slot_tick` did. state: the slots after it; ticks: [] the ticks it ran; settled: [N] the
+    slot's canvas ended (at the last of those ticks); tokens: [N, L] the settled canvases,
+    EOS-truncated (meaningless elsewhere); eos: [N] a settled canvas held an EOS; steps: [N]
+    denoising passes of the slot's current canvas so far; argmax: [N, L] each slot's canvas as it
+    stands (previews); nonfinite: [N] the slot's canvas met non-finite logits
+    (`loop.nonfinite_rows`: its tokens are not the model's answer)."""
 
     state: SlotState
-    cache: KVCache
+    ticks: jax.Array
     settled: jax.Array
     tokens: jax.Array
     eos: jax.Array
     steps: jax.Array
     argmax: jax.Array
     nonfinite: jax.Array
+
+
+def commit_rows(slots: int) -> int:
+    """How many slots one `commit_slots` call commits (K): one in 8 (at 16 steps a canvas, N slots
+    settle N/16 canvases a tick on average), at least one."""
+    return max(1, slots // 8)
 
 
 def idle_slots(config: ModelConfig, sampler: SamplerConfig, slots: int) -> SlotState:
@@ -87,18 +95,16 @@ def _where_rows(mask, new, old):
 
 
 def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, state: SlotState,
-              keys: jax.Array, canvas_index: jax.Array, begin: jax.Array, active: jax.Array, last: jax.Array,
-              keep: jax.Array, knobs: RowKnobs, runtime: Runtime | None = None) -> TickOutput:
-    """One denoising step in every busy slot; the canvases that settle are committed where their
-    request goes on.
+              keys: jax.Array, canvas_index: jax.Array, begin: jax.Array, active: jax.Array, knobs: RowKnobs,
+              max_ticks: jax.Array, runtime: Runtime | None = None) -> TickOutput:
+    """Up to `max_ticks` ticks, each one denoising step in every busy slot; returns after the tick in
+    which a slot's canvas settles (the host commits it, `commit_slots`, and may start another).
 
     keys: [N] the requests' row keys; canvas_index: [N] int32 each slot's canvas number; begin: [N]
-    the slot starts canvas `canvas_index` this tick (from its key's noise); active: [N] slots with a
-    request (the others, and a slot whose request is gone, are frozen and write nothing); last: [N]
-    this is the request's last canvas (not committed, unless `keep`); keep: [N] commit the settled
-    canvas even so (the host keeps the answer in the row for prefix reuse). `sampler` gives the canvas
-    length, EOS ids and stability threshold; `knobs` each slot's own schedule, step budget and
-    thresholds (`knobs.temperatures` is as wide as the longest budget).
+    the slot starts canvas `canvas_index` now (from its key's noise); active: [N] slots with a
+    request (the others, and a slot whose request is gone, are frozen). The cache is read, never
+    written. `sampler` gives the canvas length, EOS ids and stability threshold; `knobs` each slot's
+    own schedule, step budget and thresholds (`knobs.temperatures` is as wide as the longest budget).
     """
     k = jnp.where(begin, jax.vmap(jax.random.fold_in)(keys, canvas_index), state.keys)
     fresh = init_state(config, sampler, initial_canvas(k, sampler.canvas_length, config.vocab_size),
@@ -107,14 +113,29 @@ def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCach
     loop = jax.tree.map(lambda a, b: _where_rows(begin, a, b), fresh, state.loop)
     live = active & ~loop.done
     loop = loop.replace(done=~live)
-    new = denoise_step(params, config, sampler, cache, cache.lengths, k, loop, knobs=knobs, runtime=runtime)
-    new = new.replace(step=jnp.where(live, new.step, loop.step))
+
+    def tick(carry):
+        t, lp = carry
+        new = denoise_step(params, config, sampler, cache, cache.lengths, k, lp, knobs=knobs, runtime=runtime)
+        return t + 1, new.replace(step=jnp.where(lp.done, lp.step, new.step))   # a frozen row keeps its step
+
+    def going(carry):
+        t, lp = carry
+        return (t < max_ticks) & ~jnp.any(live & lp.done) & jnp.any(~lp.done)
+
+    ticks, new = jax.lax.while_loop(going, tick, (jnp.zeros((), jnp.int32), loop))
     settled = live & new.done
     toks, ended = finish_canvas(sampler, new.argmax, ~settled)
-    eos = ended & settled
-    go_on = settled & ((~eos & ~last) | keep)
-    cache = jax.lax.cond(jnp.any(go_on), lambda c: commit(params, config, c, toks, go_on, runtime),
-                         lambda c: c, cache)
-    # an inactive slot stays done (frozen) after the tick; a live one is done once it settled
-    new = new.replace(done=new.done | ~active)
-    return TickOutput(SlotState(new, k), cache, settled, toks, eos, new.steps, new.argmax, new.nonfinite & live)
+    new = new.replace(done=new.done | ~active)   # an inactive slot stays frozen
+    return TickOutput(SlotState(new, k), ticks, settled, toks, ended & settled, new.steps, new.argmax,
+                      new.nonfinite & live)
+
+
+def commit_slots(params, config: ModelConfig, cache: KVCache, rows: jax.Array, tokens: jax.Array,
+                 active: jax.Array, runtime: Runtime | None = None) -> KVCache:
+    """Commit settled canvases into their slots' rows: rows [K] distinct slot numbers, tokens [K, L]
+    their canvases, active [K] which of them to write (the others are rewritten unchanged). A causal
+    pass over K rows only, whatever the number of slots."""
+    sub = jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache)
+    sub = commit(params, config, sub, tokens, active, runtime)
+    return jax.tree.map(lambda x, r: x.at[rows].set(r), cache, sub)
