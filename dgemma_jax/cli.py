@@ -112,8 +112,8 @@ def cmd_compile(args) -> int:
     if args.topology not in aot.TOPOLOGIES:
         raise UsageError(f"unknown --topology {args.topology!r}; choose one of {', '.join(aot.TOPOLOGIES)}")
     programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
-    known = ("prefill", "denoise_step", "commit", "generate", "lora_step", "slot_tick", "commit_slots",
-             "prefill_slot", "prefill_images")
+    known = ("prefill", "denoise_step", "commit", "generate", "lora_step", "slot_tick", "prefill_slot",
+             "prefill_images")
     bad = [p for p in programs if p not in known]
     if bad:
         raise UsageError(f"unknown program(s) {bad}; choose from {', '.join(known)}")
@@ -248,8 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--programs", default="prefill,denoise_step,commit,generate",
                    help="comma list of prefill, denoise_step, commit, generate, lora_step (a LoRA training "
                         "step on a batch of --batch rows of --prompt + canvases up to --context; use --rules training), "
-                        "slot_tick, commit_slots, prefill_slot (the server's programs: --batch slots, one --prompt per "
-                        "prefill)")
+                        "slot_tick, prefill_slot (the server's programs: --batch slots, one --prompt per prefill)")
     s.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     s.add_argument("--moe-dispatch", choices=["auto", "ragged", "capacity", "dense"], default="auto",
                    help="MoE dispatch the programs are compiled with (auto: ragged on TPU)")

@@ -353,22 +353,20 @@ class Engine:
         return self._program(("commit",), functools.partial(gen.commit, config=self.config, runtime=self.runtime))
 
     def slot_programs(self):
-        """(prefill_slot, slot_tick, commit_slots) jitted for this engine: the continuous-batching
-        programs of `dgemma_jax.sampling.slots` (the server's), cache and slot state donated unless
-        `donate=False`.
+        """(prefill_slot, slot_tick) jitted for this engine: the continuous-batching programs of
+        `dgemma_jax.sampling.slots` (the server's), cache and slot state donated unless `donate=False`.
 
         prefill_slot(params, cache=, slot=, tokens= [1, W], length= [1], start=, images=None) -> cache (one
         prompt chunk at position `start`; images: (pixel_values, position_ids) of the images wholly inside it)
-        slot_tick(params, cache=, state=, keys=, canvas_index=, begin=, active=, knobs=, max_ticks=)
-        -> TickOutput (keywords; `new_slots` gives the first state)
-        commit_slots(params, cache=, rows= [K], tokens= [K, L], active= [K]) -> cache
+        slot_tick(params, cache=, state=, keys=, canvas_index=, begin=, active=, last=, keep=, knobs=,
+        max_ticks=) -> TickOutput (keywords; `new_slots` gives the first state)
         """
         rt, cfg = self.runtime, self.config
         pre = self._program(("prefill_slot",), functools.partial(slots_lib.prefill_slot, config=cfg, runtime=rt))
         tick = self._program(("slot_tick",), functools.partial(slots_lib.slot_tick, config=cfg,
-                                                              sampler=self.sampler, runtime=rt), donate=("state",))
-        com = self._program(("commit_slots",), functools.partial(slots_lib.commit_slots, config=cfg, runtime=rt))
-        return pre, tick, com
+                                                              sampler=self.sampler, runtime=rt),
+                             donate=("cache", "state"))
+        return pre, tick
 
     def new_slots(self, slots: int) -> "slots_lib.SlotState":
         """`slots` idle slots: the first state `slot_tick` takes (host arrays, each its own buffer, so

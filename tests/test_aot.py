@@ -200,12 +200,12 @@ def test_hbm_traffic_reads_loops_and_branches_like_cost_analysis():
 def test_the_servers_slot_programs_compile_for_v6e_8(tmp_path):
     out = tmp_path / "r.json"
     r = _run("--preset", "tiny-6layer", "--topology", "v6e-8", "--mesh", "expert=4,tensor=2", "--context", "64",
-             "--prompt", "16", "--batch", "4", "--programs", "denoise_step,commit,slot_tick,commit_slots,prefill_slot",
+             "--prompt", "16", "--batch", "4", "--programs", "denoise_step,commit,slot_tick,prefill_slot",
              "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads(out.read_text())
     assert rep["fits"] and rep["batch"] == 4
-    for name in ("slot_tick", "commit_slots", "prefill_slot"):
+    for name in ("slot_tick", "prefill_slot"):
         p = rep["programs"][name]
         assert p["fits"] and p["flops"] > 0 and 0 < p["total_bytes"] < rep["hbm_limit_bytes"]
     # one step refines a canvas in each of the 4 slots

@@ -127,8 +127,9 @@ def test_the_server_tick_flags_the_poisoned_slots(params):
         cache = slots_lib.prefill_slot(p, CFG, cache, jnp.int32(0), jnp.asarray(PROMPTS[0][:1]), jnp.asarray([4]),
                                        jnp.int32(0))
         on = jnp.array([True, False])
-        return slots_lib.slot_tick(p, CFG, SAMPLER, cache, state, keys, jnp.zeros((2,), jnp.int32), on, on, knobs,
-                                   jnp.int32(1))
+        off = jnp.array([False, False])
+        return slots_lib.slot_tick(p, CFG, SAMPLER, cache, state, keys, jnp.zeros((2,), jnp.int32), on, on, off,
+                                   off, knobs, jnp.int32(1))
     out = tick(bad, cache, state, row_keys(0, 2))
     assert np.asarray(out.nonfinite).tolist() == [True, False]  # an idle slot is not flagged
 

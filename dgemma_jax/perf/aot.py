@@ -45,7 +45,7 @@ from dgemma_jax.perf.hbm_traffic import hbm_traffic
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, init_state, row_keys
-from dgemma_jax.sampling.slots import commit_rows, idle_slots
+from dgemma_jax.sampling.slots import idle_slots
 from dgemma_jax.training import lora as lora_lib
 from dgemma_jax.training.objective import ObjectiveConfig
 from dgemma_jax.training.optim import make_optimizer
@@ -169,11 +169,7 @@ def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context:
                 tokens=jax.ShapeDtypeStruct((1, prompt), jnp.int32, sharding=rep),
                 length=jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep),
                 start=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
-                max_ticks=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
-                # commit_slots: the settled canvases of `commit_rows(batch)` slots
-                rows=jax.ShapeDtypeStruct((commit_rows(batch),), jnp.int32, sharding=rep),
-                canvases=jax.ShapeDtypeStruct((commit_rows(batch), sampler.canvas_length), jnp.int32, sharding=rep),
-                committing=jax.ShapeDtypeStruct((commit_rows(batch),), jnp.bool_, sharding=rep))
+                max_ticks=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep))
     pictures = None
     if images:
         v, per = config.vision, ImageSettings().max_patches
@@ -198,17 +194,15 @@ class KernelFlops:
 def engine_programs(engine: Engine, max_new_tokens: int) -> dict:
     """The engine's own jitted programs by report name, each with a function mapping
     `program_inputs` to its (positional, keyword) arguments."""
-    prefill_slot, slot_tick, commit_slots = engine.slot_programs()
+    prefill_slot, slot_tick = engine.slot_programs()
     streaming = engine.programs
     return {
         "slot_tick": (slot_tick,
                       lambda a: ((a["params"],), dict(cache=a["cache"], state=a["slot"]["state"], keys=a["keys"],
                                                       canvas_index=a["slot"]["canvas_index"], begin=a["active"],
-                                                      active=a["active"], knobs=a["slot"]["knobs"],
+                                                      active=a["active"], last=a["slot"]["last"],
+                                                      keep=a["slot"]["last"], knobs=a["slot"]["knobs"],
                                                       max_ticks=a["slot"]["max_ticks"]))),
-        "commit_slots": (commit_slots,
-                         lambda a: ((a["params"],), dict(cache=a["cache"], rows=a["slot"]["rows"],
-                                                         tokens=a["slot"]["canvases"], active=a["slot"]["committing"]))),
         "prefill_slot": (prefill_slot,
                          lambda a: ((a["params"],), dict(cache=a["cache"], slot=a["slot"]["slot"],
                                                          tokens=a["slot"]["tokens"], length=a["slot"]["length"],
@@ -370,8 +364,9 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         if progress is not None:
             progress(name, index, len(programs), time.perf_counter() - t0, entry)
     step = report["programs"].get("denoise_step", {})
-    if "flops" in step:
-        _add_efficiency(step, cfg, sh, topo, batch, context, args["params"])
+    for name in ("denoise_step", "slot_tick"):   # one denoising step over `batch` rows each (a tick: per loop trip)
+        if "flops" in report["programs"].get(name, {}):
+            _add_efficiency(report["programs"][name], cfg, sh, topo, batch, context, args["params"])
     commit = report["programs"].get("commit", {})
     if "projected_seconds" in step:
         per_canvas = steps_per_canvas * step["projected_seconds"] + commit.get("projected_seconds", 0.0)

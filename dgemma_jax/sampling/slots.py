@@ -3,11 +3,11 @@
 A server holds N slots: one KV-cache row and one canvas in flight each (`SlotState`). A request
 enters a free slot with `prefill_slot`, one prompt chunk per call (a batch-1 causal pass into that
 row; the other rows are not read or written). Each tick of `slot_tick` advances every busy slot by
-one denoising step of its own canvas, at its own step count; it runs ticks until a slot's canvas
-settles (or a tick budget is spent) and returns. The host then commits the settled canvases with
-`commit_slots` (a causal pass over those K rows only, not all N) and starts their next canvases on
-the next tick, retires finished requests and feeds prompt chunks to the slots being admitted. No
-slot waits for another slot's canvas (step-level continuous batching).
+one denoising step of its own canvas, at its own step count; a call runs ticks until a slot's canvas
+settles (or a tick budget is spent), commits the settled canvases whose request goes on with a causal
+pass over K = `commit_rows(N)` of those rows at a time (not over all N), and returns. The host starts
+their next canvases on the next tick, retires finished requests and feeds prompt chunks to the
+slots being admitted. No slot waits for another slot's canvas (step-level continuous batching).
 
 A slot's canvas c uses the key `fold_in(row_key, c)` and step s of it `fold_in(that, s)`, and is
 committed exactly as `generate_fused` commits (EOS truncation, no commit after the request's last
@@ -42,7 +42,7 @@ class SlotState:
 
 @struct.dataclass
 class TickOutput:
-    """What `slot_tick` did. state: the slots after it; ticks: [] the ticks it ran; settled: [N] the
+    """What `slot_tick` did. state / cache: the slots after it; ticks: [] the ticks it ran; settled: [N] the
     slot's canvas ended (at the last of those ticks); tokens: [N, L] the settled canvases,
     EOS-truncated (meaningless elsewhere); eos: [N] a settled canvas held an EOS; steps: [N]
     denoising passes of the slot's current canvas so far; argmax: [N, L] each slot's canvas as it
@@ -50,6 +50,7 @@ class TickOutput:
     (`loop.nonfinite_rows`: its tokens are not the model's answer)."""
 
     state: SlotState
+    cache: KVCache
     ticks: jax.Array
     settled: jax.Array
     tokens: jax.Array
@@ -60,8 +61,8 @@ class TickOutput:
 
 
 def commit_rows(slots: int) -> int:
-    """How many slots one `commit_slots` call commits (K): one in 8 (at 16 steps a canvas, N slots
-    settle N/16 canvases a tick on average), at least one."""
+    """How many settled canvases one commit pass writes (K): one in 8 slots, at least one (at 16 steps
+    a canvas, N busy slots settle N/16 canvases a tick on average; more in one tick take more passes)."""
     return max(1, slots // 8)
 
 
@@ -95,16 +96,20 @@ def _where_rows(mask, new, old):
 
 
 def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, state: SlotState,
-              keys: jax.Array, canvas_index: jax.Array, begin: jax.Array, active: jax.Array, knobs: RowKnobs,
-              max_ticks: jax.Array, runtime: Runtime | None = None) -> TickOutput:
-    """Up to `max_ticks` ticks, each one denoising step in every busy slot; returns after the tick in
-    which a slot's canvas settles (the host commits it, `commit_slots`, and may start another).
+              keys: jax.Array, canvas_index: jax.Array, begin: jax.Array, active: jax.Array, last: jax.Array,
+              keep: jax.Array, knobs: RowKnobs, max_ticks: jax.Array, runtime: Runtime | None = None) -> TickOutput:
+    """Up to `max_ticks` ticks, each one denoising step in every busy slot, ending with the tick in
+    which a slot's canvas settles; then the settled canvases whose request goes on are committed,
+    `commit_rows(N)` rows a causal pass (`commit_slots`), and the call returns (the host starts
+    their next canvases on the next tick).
 
     keys: [N] the requests' row keys; canvas_index: [N] int32 each slot's canvas number; begin: [N]
     the slot starts canvas `canvas_index` now (from its key's noise); active: [N] slots with a
-    request (the others, and a slot whose request is gone, are frozen). The cache is read, never
-    written. `sampler` gives the canvas length, EOS ids and stability threshold; `knobs` each slot's
-    own schedule, step budget and thresholds (`knobs.temperatures` is as wide as the longest budget).
+    request (the others, and a slot whose request is gone, are frozen and write nothing); last: [N]
+    the canvas is its request's last (not committed, unless `keep`); keep: [N] commit it even so (the
+    host keeps the answer in the row for prefix reuse). `sampler` gives the canvas length, EOS ids
+    and stability threshold; `knobs` each slot's own schedule, step budget and thresholds
+    (`knobs.temperatures` is as wide as the longest budget).
     """
     k = jnp.where(begin, jax.vmap(jax.random.fold_in)(keys, canvas_index), state.keys)
     fresh = init_state(config, sampler, initial_canvas(k, sampler.canvas_length, config.vocab_size),
@@ -126,9 +131,29 @@ def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCach
     ticks, new = jax.lax.while_loop(going, tick, (jnp.zeros((), jnp.int32), loop))
     settled = live & new.done
     toks, ended = finish_canvas(sampler, new.argmax, ~settled)
+    eos = ended & settled
+    cache = _commit_settled(params, config, cache, toks, settled & ((~eos & ~last) | keep), runtime)
     new = new.replace(done=new.done | ~active)   # an inactive slot stays frozen
-    return TickOutput(SlotState(new, k), ticks, settled, toks, ended & settled, new.steps, new.argmax,
+    return TickOutput(SlotState(new, k), cache, ticks, settled, toks, eos, new.steps, new.argmax,
                       new.nonfinite & live)
+
+
+def _commit_settled(params, config: ModelConfig, cache: KVCache, tokens: jax.Array, go_on: jax.Array,
+                    runtime: Runtime | None) -> KVCache:
+    """Commit the `go_on` rows' canvases, K = `commit_rows(N)` rows a pass (none when no row goes on)."""
+    n = go_on.shape[0]
+    kk = commit_rows(n)
+    order = jnp.argsort(~go_on, stable=True).astype(jnp.int32)   # the rows to commit first
+    count = jnp.sum(go_on)
+
+    def one(carry):
+        i, c = carry
+        begin = jnp.minimum(i * kk, n - kk)          # a K-slice of distinct rows (the last one may overlap)
+        at = begin + jnp.arange(kk)
+        rows = jax.lax.dynamic_slice_in_dim(order, begin, kk)
+        return i + 1, commit_slots(params, config, c, rows, tokens[rows], (at >= i * kk) & (at < count), runtime)
+
+    return jax.lax.while_loop(lambda carry: carry[0] * kk < count, one, (jnp.zeros((), jnp.int32), cache))[1]
 
 
 def commit_slots(params, config: ModelConfig, cache: KVCache, rows: jax.Array, tokens: jax.Array,

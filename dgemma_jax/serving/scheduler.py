@@ -46,7 +46,6 @@ import numpy as np
 from dgemma_jax.engine import Engine, check_images_host, compiled_memory, new_tokens_that_fit
 from dgemma_jax.io.images import image_runs
 from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.sampling import slots as slots_lib
 from dgemma_jax.sampling.loop import RowKnobs, choice_keys
 from dgemma_jax.serving import text as text_lib
 
@@ -150,7 +149,7 @@ class Scheduler:
 
     def __init__(self, engine: Engine, tokenizer: Any, *, slots: int = 8, context: int | None = None,
                  max_queue: int = 256, default_sampler: SamplerConfig | None = None, prefill_chunk: int = 512,
-                 prefix_reuse: bool = True, commit_rows: int | None = None, ticks_per_call: int = 8):
+                 prefix_reuse: bool = True, ticks_per_call: int = 8):
         """engine: its sampler gives the canvas length, EOS ids and stability threshold of every
         request, and its `max_denoising_steps` the most steps a request may ask for.
         default_sampler: a request's settings when it names none (default: the engine's).
@@ -159,7 +158,6 @@ class Scheduler:
         compiled at startup, so no request ever waits for a compile that would stall every slot.
         prefix_reuse: a prompt that begins with what a free slot's cache row holds prefills only the
         rest (module docstring).
-        commit_rows: the settled canvases one commit call writes (K; default `slots.commit_rows`).
         ticks_per_call: the most ticks one call of the tick program runs while every slot is busy
         decoding (it returns when a canvas settles; otherwise a call runs one tick, so a new request
         is admitted at the next tick). A cancelled request leaves at the end of the call."""
@@ -181,11 +179,10 @@ class Scheduler:
         big = min(int(prefill_chunk), self.context)
         self.prefill_widths = (min(SMALL_PREFILL, big), big)   # (short prompts and tails, whole chunks)
         self.prefix_reuse = bool(prefix_reuse)
-        self._prefill, self._tick_program, self._commit_program = engine.slot_programs()
-        self.commit_rows = min(self.slots, int(commit_rows or slots_lib.commit_rows(self.slots)))
+        self._prefill, self._tick_program = engine.slot_programs()
         self.ticks_per_call = int(ticks_per_call)
         self._compiled_prefill: dict[Any, Any] = {}
-        self._compiled_tick = self._compiled_commit = None
+        self._compiled_tick = None
         self._cache = None
         self._slots_state = None
         self._busy: list[_Choice | None] = [None] * self.slots
@@ -290,7 +287,7 @@ class Scheduler:
         all that in a thread: until `ready` is set, `status()` reports each program's progress and
         `submit` raises `Starting`; a failed compile sets `error`."""
         self._started_at = time.perf_counter()
-        self.programs = {"slot_tick": {"state": "pending"}, "commit_slots": {"state": "pending"}}
+        self.programs = {"slot_tick": {"state": "pending"}}
         self.programs.update({f"prefill_slot_{w}": {"state": "pending"} for w in sorted(set(self.prefill_widths))})
         if wait:
             self._start_up()
@@ -303,18 +300,18 @@ class Scheduler:
         try:
             self._cache = self.engine.new_cache(self.slots, self.context)
             self._slots_state = self.engine.new_slots(self.slots)
-            jobs = {"slot_tick": self._compile_tick, "commit_slots": self._compile_commit}
+            jobs = {"slot_tick": self._compile_tick}
             jobs.update({f"prefill_slot_{w}": functools.partial(self._prefill_for, w)
                          for w in sorted(set(self.prefill_widths))})
             with concurrent.futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="dgemma-compile") as pool:
                 done = {name: pool.submit(self._timed, name, job) for name, job in jobs.items()}
-            tick_program, commit_program = done["slot_tick"].result(), done["commit_slots"].result()
+            tick_program = done["slot_tick"].result()
             for future in done.values():
                 future.result()
         except BaseException as e:  # noqa: BLE001 - reported through status(), /health and start(wait=True)
             self.error = e
             return
-        self._compiled_tick, self._compiled_commit = tick_program, commit_program
+        self._compiled_tick = tick_program
         self.stats["startup_compile_ms"] = int(1e3 * (time.perf_counter() - self._started_at))
         self._thread = threading.Thread(target=self._run, name="dgemma-scheduler", daemon=True)
         self._thread.start()
@@ -393,40 +390,30 @@ class Scheduler:
 
     # ------------------------------------------------------------------ programs
     def _tick_args(self, busy=None, begin=None, active=None, max_ticks: int = 1):
-        n = self.slots
+        n, l = self.slots, self.canvas_length
         busy = busy if busy is not None else [None] * n
         samplers = tuple(c.request.sampler if c else self.default_sampler for c in busy)
         if self._knobs is None or self._knobs[0] != samplers:   # rebuilt (and sent) only when the slots change
             self._knobs = (samplers, RowKnobs.from_samplers(samplers, self.engine.sampler.max_denoising_steps))
         keys = np.zeros((n, 2), np.uint32)
-        canvas_index = np.zeros(n, np.int32)
+        canvas_index, last, keep = np.zeros(n, np.int32), np.zeros(n, bool), np.zeros(n, bool)
         for s, c in enumerate(busy):
             if c is not None:
                 keys[s], canvas_index[s] = c.key, c.canvas
+                last[s] = c.canvas + 1 >= c.n_canvases
+                keep[s] = self._keeps(s)
         return dict(cache=self._cache, state=self._slots_state, keys=jax.random.wrap_key_data(keys),
                     canvas_index=canvas_index, begin=np.zeros(n, bool) if begin is None else begin,
-                    active=np.zeros(n, bool) if active is None else active, knobs=self._knobs[1],
-                    max_ticks=np.int32(max_ticks))
+                    active=np.zeros(n, bool) if active is None else active, last=last, keep=keep,
+                    knobs=self._knobs[1], max_ticks=np.int32(max_ticks))
 
-    def _commit_args(self, rows=(), tokens=()):
-        """K distinct rows: the settled ones first, the others filled with unused slots (written back unchanged)."""
-        k, l = self.commit_rows, self.canvas_length
-        rows = list(rows)
-        fill = [s for s in range(self.slots) if s not in rows][:k - len(rows)]
-        canvases = np.zeros((k, l), np.int32)
-        for i, t in enumerate(tokens):
-            canvases[i] = t
-        active = np.arange(k) < len(rows)
-        return dict(cache=self._cache, rows=np.asarray(rows + fill, np.int32), tokens=canvases, active=active)
+    def _keeps(self, s: int) -> bool:
+        """Slot s's last canvas goes into its row too (prefix reuse keeps the answer), when it fits."""
+        return self.prefix_reuse and len(self._rows[s]) + self.canvas_length <= self.context
 
     def _compile_tick(self):
         compiled = self._tick_program.lower(self.engine.params, **self._tick_args()).compile()
         self.memory["slot_tick"] = compiled_memory(compiled)
-        return compiled
-
-    def _compile_commit(self):
-        compiled = self._commit_program.lower(self.engine.params, **self._commit_args()).compile()
-        self.memory["commit_slots"] = compiled_memory(compiled)
         return compiled
 
     def _prefill_for(self, width: int, images=None):
@@ -536,9 +523,9 @@ class Scheduler:
 
     def _tick(self) -> None:
         """Cancelled choices leave; admitted ones get a prompt chunk; then the tick program runs every
-        other busy slot one denoising step a tick until a canvas settles (one tick when a prompt goes
-        in, a choice waits for a slot or previews are asked for); the settled canvases that go into
-        the cache are committed, K rows a call."""
+        other busy slot one denoising step a tick until a canvas settles (one tick a call unless every
+        slot is busy decoding and nobody asked for previews) and commits the settled canvases that
+        go into the cache."""
         for s, c in enumerate(self._busy):
             if c is not None and c.request.cancelled.is_set():
                 self._emit(c, "cancelled")
@@ -558,43 +545,39 @@ class Scheduler:
         # before a canvas settles, and the call returns when one does
         one = prefilled or previews or not active.all()
         begin = np.array([bool(c is not None and c.begin) for c in busy], bool)
-        out = self._compiled_tick(self.engine.params, **self._tick_args(busy, begin, active,
-                                                                        1 if one else self.ticks_per_call))
-        self._slots_state = out.state
-        ticks, settled, tokens, eos = int(out.ticks), np.asarray(out.settled), np.asarray(out.tokens), np.asarray(out.eos)
-        steps, nonfinite = np.asarray(out.steps), np.asarray(out.nonfinite)
+        args = self._tick_args(busy, begin, active, 1 if one else self.ticks_per_call)
+        out = self._compiled_tick(self.engine.params, **args)
+        self._cache, self._slots_state = out.cache, out.state
+        ticks, settled, tokens, eos, steps, nonfinite, argmax = jax.device_get(
+            (out.ticks, out.settled, out.tokens, out.eos, out.steps, out.nonfinite,
+             out.argmax if previews else out.ticks))
+        ticks = int(ticks)
         self.stats["slot_steps"] += int(active.sum()) * ticks
         self.stats["tick_calls"] += 1
         self.stats["ticks"] += ticks - 1     # the last tick is counted below, after its events
-        argmax = np.asarray(out.argmax) if previews else None
-        commits: list[tuple[int, np.ndarray]] = []
         for s, c in enumerate(busy):
             if not active[s]:
                 continue
             c.begin = False
-            if argmax is not None and c.request.provisional:   # every step's preview, the settling one too
+            if previews and c.request.provisional:   # every step's preview, the settling one too
                 self._emit(c, None, preview=argmax[s], preview_steps=int(steps[s]))
-            if settled[s] and self._settle(s, c, tokens[s], int(steps[s]), bool(eos[s]), bool(nonfinite[s])):
-                commits.append((s, tokens[s]))
-        for i in range(0, len(commits), self.commit_rows):
-            group = commits[i:i + self.commit_rows]
-            self._cache = self._compiled_commit(self.engine.params, **self._commit_args(
-                [s for s, _ in group], [t for _, t in group]))
-            self.stats["commit_calls"] += 1
-            for s, t in group:
-                self._rows[s] = np.concatenate([self._rows[s], t.astype(np.int64)])
+            if settled[s]:
+                self._settle(s, c, tokens[s], int(steps[s]), bool(eos[s]), bool(nonfinite[s]),
+                             bool(args["last"][s]), bool(args["keep"][s]))
         self.stats["ticks"] += 1
 
-    def _settle(self, s: int, c: _Choice, tokens: np.ndarray, steps: int, eos: bool, nonfinite: bool) -> bool:
+    def _settle(self, s: int, c: _Choice, tokens: np.ndarray, steps: int, eos: bool, nonfinite: bool,
+                last: bool, keep: bool) -> None:
         """A slot's canvas ended this tick: its tokens join the answer; the request goes on (its next
-        canvas starts on the next tick) or ends. Returns whether the canvas goes into the slot's row:
-        it does when the request goes on, and its last canvas too when prefix reuse keeps the
-        answer (and it fits)."""
+        canvas starts on the next tick) or ends."""
         l = self.canvas_length
         if nonfinite:
             self.stats["nonfinite_canvases"] += 1
             log.warning("slot %d met non-finite logits: the model's weights or activations hold NaN/Inf, so this "
                         "answer is not the model's (check the checkpoint)", s)
+        if (not eos and not last) or keep:   # what slot_tick committed into the row
+            self._rows[s] = np.concatenate([self._rows[s], tokens.astype(np.int64)])
+            self.stats["commits"] += 1
         owed = c.request.max_tokens - c.canvas * l
         c.tokens.extend(int(t) for t in tokens[:owed])
         c.steps += steps
@@ -606,9 +589,8 @@ class Scheduler:
         reason = self._emit(c, reason)
         if reason is None:
             c.begin = True
-            return True
-        self._free(s, reason)
-        return reason != "cancelled" and self.prefix_reuse and len(self._rows[s]) + l <= self.context
+        else:
+            self._free(s, reason)
 
     def _free(self, s: int, reason: str) -> None:
         with self._cond:

@@ -1,0 +1,98 @@
+"""The step-level server's throughput on a TPU slice, projected from its compiled programs.
+
+    python benchmarks/serve_projection.py --topology v6e-8 --out benchmarks/results/serve_projection_v6e-8.json
+
+For each slot count N it compiles the 26B's `slot_tick` (one denoising step of every slot per loop
+trip) and `commit_slots` (K = max(1, N // 8) settled canvases committed in one causal pass) for the
+topology, with the TPU compiler (`dgemma_jax.perf.aot.compile_report`, no TPU needed), and writes one
+row per (N, steps per canvas S):
+
+- step_ms: the tick's projected time without its collectives (max of HBM traffic / bandwidth and
+  FLOPs / peak, from the compiled HLO); floor_ms: its roofline floor (the bytes and FLOPs a step
+  must move and do, perf/roofline.py); ici_ms: the tick's collectives under the project's ICI model
+  (ring algorithms over one port's bandwidth, a fixed latency per ring hop; perf/collectives.py).
+- commit_ms / commit_ici_ms: the same for one commit call.
+- tokens_per_s_total = N * L / (S * (step_ms + ici_ms) + C * (commit_ms + commit_ici_ms)), C = ceil(N / K)
+  commit calls per S ticks (each of the N slots settles one canvas every S ticks); `..._overlapped`
+  with every collective hidden under the HBM-bound work.
+- gb_per_chip: the larger program's memory per chip (XLA's memory analysis); fits: under the chip's HBM.
+
+Projections from the TPU compiler's output, not measurements on a TPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dgemma_jax.perf import aot  # noqa: E402
+from dgemma_jax.perf.report import write  # noqa: E402
+from dgemma_jax.sampling.slots import commit_rows  # noqa: E402
+
+
+def rows_for(report: dict, steps: int, canvas: int) -> dict:
+    n = report["batch"]
+    tick, com = report["programs"]["slot_tick"], report["programs"]["commit_slots"]
+    k = commit_rows(n)
+    calls = math.ceil(n / k)
+    step, ici = tick["projected_seconds"], tick.get("ici_seconds", 0.0)
+    c, c_ici = com["projected_seconds"], com.get("ici_seconds", 0.0)
+    per = steps * (step + ici) + calls * (c + c_ici)
+    per_overlapped = steps * tick.get("projected_seconds_ici_overlapped", step) + calls * com.get(
+        "projected_seconds_ici_overlapped", c)
+    return {"slots": n, "steps_per_canvas": steps, "step_ms": round(1e3 * step, 3),
+            "floor_ms": round(1e3 * tick["roofline_floor_seconds"], 3), "ici_ms": round(1e3 * ici, 3),
+            "commit_rows": k, "commit_ms": round(1e3 * c, 3), "commit_ici_ms": round(1e3 * c_ici, 3),
+            "tokens_per_s_total": round(n * canvas / per, 1),
+            "tokens_per_s_total_overlapped": round(n * canvas / per_overlapped, 1),
+            "gb_per_chip": round(max(tick["total_bytes"], com["total_bytes"]) / 1e9, 2),
+            "fits": bool(tick["fits"] and com["fits"]),
+            "step_over_floor": round(step / tick["roofline_floor_seconds"], 2),
+            "hbm_gb_by_op": {k2: round(v / 1e9, 2) for k2, v in sorted(tick["hbm_bytes_by_op"].items(),
+                                                                       key=lambda kv: -kv[1])[:8]}}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--topology", required=True)
+    ap.add_argument("--preset", default="diffusiongemma-26b-a4b")
+    ap.add_argument("--mesh", default=None, help="default: every chip on the experts (dgemma compile's default)")
+    ap.add_argument("--rules", default="latency")
+    ap.add_argument("--slots", default="1,8,32,64")
+    ap.add_argument("--steps", default="16,32")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    rows, reports = [], {}
+    for n in [int(x) for x in args.slots.split(",")]:
+        t0 = time.time()
+        rep = aot.compile_report(args.preset, args.topology, mesh=args.mesh, rules=args.rules, batch=n,
+                                 context=args.context, prompt=args.prompt, programs=("slot_tick", "commit_slots"))
+        print(f"{n} slots: compiled in {time.time() - t0:.0f} s", flush=True)
+        progs = rep["programs"]
+        reports[str(n)] = {k: {f: v for f, v in p.items() if f not in ("collectives",)} for k, p in progs.items()}
+        if not all("projected_seconds" in p for p in progs.values()):   # did not fit: the compiler's message
+            rows.append({"slots": n, "fits": False, "error": {k: p.get("error") for k, p in progs.items()}})
+            continue
+        for s in [int(x) for x in args.steps.split(",")]:
+            rows.append(rows_for(rep, s, 256))
+            print(rows[-1], flush=True)
+    for r in rows:
+        r.update(topology=args.topology, mesh=rep["mesh"], rules=args.rules, context=args.context)
+    write(rows, args.out)
+    details = os.path.splitext(args.out)[0] + "_programs.json"
+    write({"label": "projection from the TPU compiler's output (slot_tick and commit_slots of the step-level "
+                    "engine, the 26B's bf16 shapes), not a measurement on a TPU",
+           "command": "python benchmarks/serve_projection.py " + " ".join(argv or sys.argv[1:]),
+           "ici": rep["ici"], "programs": reports}, details)
+    print("wrote", details)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
