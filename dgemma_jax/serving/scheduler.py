@@ -149,7 +149,7 @@ class Scheduler:
 
     def __init__(self, engine: Engine, tokenizer: Any, *, slots: int = 8, context: int | None = None,
                  max_queue: int = 256, default_sampler: SamplerConfig | None = None, prefill_chunk: int = 512,
-                 prefix_reuse: bool = True, ticks_per_call: int = 8):
+                 prefix_reuse: bool = True, ticks_per_call: int = 16):
         """engine: its sampler gives the canvas length, EOS ids and stability threshold of every
         request, and its `max_denoising_steps` the most steps a request may ask for.
         default_sampler: a request's settings when it names none (default: the engine's).
