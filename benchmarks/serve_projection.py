@@ -29,31 +29,60 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dgemma_jax.perf import aot  # noqa: E402
+from dgemma_jax.config import ModelConfig  # noqa: E402
+from dgemma_jax.perf import aot, roofline  # noqa: E402
+from dgemma_jax.perf import collectives as coll  # noqa: E402
 from dgemma_jax.perf.report import write  # noqa: E402
-from dgemma_jax.sampling.slots import commit_rows  # noqa: E402
+from dgemma_jax.sampling.slots import COMMIT_SCOPE, commit_rows  # noqa: E402
+
+
+def split(report: dict) -> dict:
+    """The tick program's work split into its denoising step and its commit pass (the ops under
+    `slots.COMMIT_SCOPE`): HBM bytes and collectives by their source scope; FLOPs in the ratio of
+    the two passes' useful FLOPs (a step of N rows; a commit of K rows, its trunk only: no head)."""
+    cfg = ModelConfig.preset(report["preset"])
+    topo = aot.topology(report["topology"])
+    n, tick = report["batch"], report["programs"]["slot_tick"]
+    k = commit_rows(n)
+    step_f = roofline.denoise_step_flops(cfg, n, report["context"])
+    commit_f = roofline.denoise_step_flops_by_part(cfg, k, report["context"])["trunk"]   # a commit has no head
+    flops = {"step": tick["flops"] * step_f / (step_f + commit_f), "commit": tick["flops"] * commit_f / (step_f + commit_f)}
+    in_commit = lambda scope: COMMIT_SCOPE in scope  # noqa: E731
+    commit_bytes = sum(v for s, v in tick["hbm_bytes_by_scope"].items() if in_commit(s))
+    hbm = {"step": tick["hbm_bytes"] - commit_bytes, "commit": commit_bytes}
+    out = {}
+    for part in ("step", "commit"):
+        items = [c for c in tick["collectives"] if in_commit(c.get("scope", "")) == (part == "commit")]
+        ici = coll.ici_seconds(items, topo.ring_bytes_per_s, report["ici"]["hop_latency_s"])["seconds"] \
+            if topo.ring_bytes_per_s else 0.0
+        out[part] = {"seconds": max(flops[part] / topo.bf16_flops, hbm[part] / topo.hbm_bw), "ici_seconds": ici,
+                     "hbm_bytes": hbm[part], "flops": flops[part]}
+    return out
 
 
 def rows_for(report: dict, steps: int, canvas: int) -> dict:
     n = report["batch"]
-    tick, com = report["programs"]["slot_tick"], report["programs"]["commit_slots"]
+    tick = report["programs"]["slot_tick"]
+    parts = split(report)
     k = commit_rows(n)
     calls = math.ceil(n / k)
-    step, ici = tick["projected_seconds"], tick.get("ici_seconds", 0.0)
-    c, c_ici = com["projected_seconds"], com.get("ici_seconds", 0.0)
+    step, ici = parts["step"]["seconds"], parts["step"]["ici_seconds"]
+    c, c_ici = parts["commit"]["seconds"], parts["commit"]["ici_seconds"]
     per = steps * (step + ici) + calls * (c + c_ici)
-    per_overlapped = steps * tick.get("projected_seconds_ici_overlapped", step) + calls * com.get(
-        "projected_seconds_ici_overlapped", c)
+    per_overlapped = steps * max(step, ici) + calls * max(c, c_ici)
+    floor = tick["roofline_floor_seconds"]
     return {"slots": n, "steps_per_canvas": steps, "step_ms": round(1e3 * step, 3),
-            "floor_ms": round(1e3 * tick["roofline_floor_seconds"], 3), "ici_ms": round(1e3 * ici, 3),
+            "floor_ms": round(1e3 * floor, 3), "ici_ms": round(1e3 * ici, 3),
             "commit_rows": k, "commit_ms": round(1e3 * c, 3), "commit_ici_ms": round(1e3 * c_ici, 3),
             "tokens_per_s_total": round(n * canvas / per, 1),
             "tokens_per_s_total_overlapped": round(n * canvas / per_overlapped, 1),
-            "gb_per_chip": round(max(tick["total_bytes"], com["total_bytes"]) / 1e9, 2),
-            "fits": bool(tick["fits"] and com["fits"]),
-            "step_over_floor": round(step / tick["roofline_floor_seconds"], 2),
+            "gb_per_chip": round(tick["total_bytes"] / 1e9, 2), "fits": bool(tick["fits"]),
+            "step_over_floor": round(step / floor, 2),
+            "step_hbm_gb": round(parts["step"]["hbm_bytes"] / 1e9, 2),
+            "required_gb": round(tick["required_bytes"] / 1e9, 2),
             "hbm_gb_by_op": {k2: round(v / 1e9, 2) for k2, v in sorted(tick["hbm_bytes_by_op"].items(),
-                                                                       key=lambda kv: -kv[1])[:8]}}
+                                                                       key=lambda kv: -kv[1])[:8]},
+            "hbm_gb_by_scope": {k2: round(v / 1e9, 2) for k2, v in list(tick["hbm_bytes_by_scope"].items())[:10]}}
 
 
 def main(argv=None):
@@ -72,7 +101,7 @@ def main(argv=None):
     for n in [int(x) for x in args.slots.split(",")]:
         t0 = time.time()
         rep = aot.compile_report(args.preset, args.topology, mesh=args.mesh, rules=args.rules, batch=n,
-                                 context=args.context, prompt=args.prompt, programs=("slot_tick", "commit_slots"))
+                                 context=args.context, prompt=args.prompt, programs=("slot_tick",))
         print(f"{n} slots: compiled in {time.time() - t0:.0f} s", flush=True)
         progs = rep["programs"]
         reports[str(n)] = {k: {f: v for f, v in p.items() if f not in ("collectives",)} for k, p in progs.items()}

@@ -354,6 +354,7 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         traffic = hbm_traffic(compiled.as_text())
         entry["hbm_bytes"] = traffic["total"]
         entry["hbm_bytes_by_op"] = {k: v for k, v in traffic["by_op"].items() if v >= 1e6}
+        entry["hbm_bytes_by_scope"] = {k: v for k, v in traffic["by_scope"].items() if v >= 1e6}
         # bandwidth is spent on HBM traffic; cost_analysis also counts on-chip (VMEM) reads
         entry["projected_seconds"] = max(entry["flops"] / topo.bf16_flops, entry["hbm_bytes"] / topo.hbm_bw)
         entry["projected_seconds_cost_analysis_bytes"] = max(entry["flops"] / topo.bf16_flops,

@@ -31,6 +31,9 @@ from dgemma_jax.sampling.generate import commit, finish_canvas, prefill_prompt
 from dgemma_jax.sampling.loop import LoopState, RowKnobs, denoise_step, init_state, initial_canvas
 
 
+COMMIT_SCOPE = "slot_commit"
+
+
 @struct.dataclass
 class SlotState:
     """Every slot's canvas in flight: the denoising loop's state with a step counter per row
@@ -132,7 +135,8 @@ def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCach
     settled = live & new.done
     toks, ended = finish_canvas(sampler, new.argmax, ~settled)
     eos = ended & settled
-    cache = _commit_settled(params, config, cache, toks, settled & ((~eos & ~last) | keep), runtime)
+    with jax.named_scope(COMMIT_SCOPE):   # a scope name for the projections (benchmarks/serve_projection.py)
+        cache = _commit_settled(params, config, cache, toks, settled & ((~eos & ~last) | keep), runtime)
     new = new.replace(done=new.done | ~active)   # an inactive slot stays frozen
     return TickOutput(SlotState(new, k), cache, ticks, settled, toks, eos, new.steps, new.argmax,
                       new.nonfinite & live)

@@ -605,6 +605,7 @@ def serve(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: 
         def handle_exit(self, sig, frame):
             if self.should_exit:   # a second SIGTERM or SIGINT: stop waiting for anything
                 self.force_exit = True
+                self.left_behind = scheduler.status()   # what it cuts short (freed at once after this)
             self.should_exit = True
 
         async def shutdown(self, sockets=None):
@@ -620,7 +621,7 @@ def serve(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: 
     server = _Server(config)
     server.run()
     if server.force_exit:
-        st = scheduler.status()
+        st = getattr(server, "left_behind", None) or scheduler.status()
         print(f"dgemma serve: a second signal: exiting without waiting for {st['busy_slots']} running and "
               f"{st['queued']} queued sequence(s)", file=sys.stderr, flush=True)
         scheduler.stop(timeout=10)   # the cancelled requests' choices end at their next canvas
