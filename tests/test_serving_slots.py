@@ -56,6 +56,40 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_at_a_fixed_shape(dispatch
     np.testing.assert_array_equal(moved[2], base[0])
 
 
+@pytest.mark.parametrize("layers", ["unrolled", "scan"])
+def test_committing_k_slots_equals_a_commit_over_every_row_and_leaves_the_rest(layers):
+    """`commit_slots` writes K chosen rows as a commit over the whole batch would (same positions,
+    same values), and nothing else; in both cache layouts."""
+    from dgemma_jax.model.layout import stack_cache, stack_layers
+    from dgemma_jax.sampling.generate import commit
+    from dgemma_jax.sampling.slots import commit_slots
+
+    cfg = _config("tiny-6layer")
+    params = dg.init_params(cfg, 3)
+    n, ctx, l = 4, 12, cfg.canvas_length
+    rng = np.random.default_rng(1)
+    prompts = rng.integers(3, cfg.vocab_size, (n, ctx)).astype(np.int32)
+    lengths = np.array([12, 7, 10, 5], np.int32)
+    cache = dg.init_cache(cfg, n, ctx + 2 * l)
+    _, cache = dg.prefill(params, cfg, prompts, lengths, cache, logits="none")
+    canvases = rng.integers(3, cfg.vocab_size, (n, l)).astype(np.int32)
+    want = commit(params, cfg, cache, canvases, np.array([False, True, False, True]))
+    run_params, got = params, cache
+    if layers == "scan":
+        run_params, got = stack_layers(params, cfg), stack_cache(cache, cfg)
+    rt = dg.Runtime(layers=layers)
+    got = jax.jit(commit_slots, static_argnums=1, static_argnames="runtime")(
+        run_params, cfg, got, np.array([3, 1], np.int32), canvases[[3, 1]], np.array([True, True]), runtime=rt)
+    if layers == "scan":
+        from dgemma_jax.model.layout import unstack_cache
+        got = unstack_cache(got, cfg)
+    assert np.asarray(got.lengths).tolist() == [12, 7 + l, 10, 5 + l]
+    for g, w, before in zip(got.keys + got.values, want.keys + want.values, cache.keys + cache.values):
+        g, w, before = np.asarray(g), np.asarray(w), np.asarray(before)
+        np.testing.assert_allclose(g[[1, 3]], w[[1, 3]], atol=2e-5)
+        np.testing.assert_array_equal(g[[0, 2]], before[[0, 2]])
+
+
 # ------------------------------------------------------------------ per-row knobs
 def test_row_knobs_decide_each_row_exactly_as_its_own_sampler_config():
     cfg = _config("tiny-2layer")

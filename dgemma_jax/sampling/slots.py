@@ -163,8 +163,27 @@ def _commit_settled(params, config: ModelConfig, cache: KVCache, tokens: jax.Arr
 def commit_slots(params, config: ModelConfig, cache: KVCache, rows: jax.Array, tokens: jax.Array,
                  active: jax.Array, runtime: Runtime | None = None) -> KVCache:
     """Commit settled canvases into their slots' rows: rows [K] distinct slot numbers, tokens [K, L]
-    their canvases, active [K] which of them to write (the others are rewritten unchanged). A causal
-    pass over K rows only, whatever the number of slots."""
-    sub = jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache)
+    their canvases, active [K] which of them to write. A causal pass over those K rows only, whatever
+    the number of slots; only the L new positions of each row are written back (in place)."""
+    sub = jax.tree.map(lambda x: jnp.take(x, rows, axis=_batch_axis(x)), cache)
+    starts = sub.lengths
     sub = commit(params, config, sub, tokens, active, runtime)
-    return jax.tree.map(lambda x, r: x.at[rows].set(r), cache, sub)
+    width = tokens.shape[1]
+
+    def write_back(x, part):
+        if x.ndim == 1:                                   # lengths
+            return x.at[rows].set(part)
+        b = _batch_axis(x)
+        for k in range(rows.shape[0]):                    # K static: one in-place update of L positions a row
+            piece = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_slice_in_dim(part, k, 1, b), starts[k], width, b + 1)
+            at = [jnp.zeros((), jnp.int32)] * x.ndim
+            at[b], at[b + 1] = rows[k], starts[k]
+            x = jax.lax.dynamic_update_slice(x, piece, at)
+        return x
+
+    return jax.tree.map(write_back, cache, sub)
+
+
+def _batch_axis(x) -> int:
+    """The batch axis of a cache leaf: lengths [B]; keys / values [B, S, K, H] or, stacked, [G, B, S, K, H]."""
+    return 0 if x.ndim == 1 else x.ndim - 4
