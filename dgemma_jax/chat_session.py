@@ -32,6 +32,8 @@ import numpy as np
 from dgemma_jax.engine import default_new_tokens, warn_if_cut_short
 from dgemma_jax.io.chat import chat_images, history_without_thinking, render_chat, strip_thinking
 from dgemma_jax.io.images import ImageBatch, image_runs, preprocess_images, prompt_with_images, settings_for
+from dgemma_jax.model.cache import KVCache
+from dgemma_jax.sampling.generate import CanvasEvent, collect
 
 
 @dataclasses.dataclass
@@ -121,8 +123,12 @@ class ChatSession:
                 keep = a - 1  # back to the image's begin marker
         return keep, batch.select([i for i, (a, _) in enumerate(runs) if a >= keep])
 
-    def send(self, text: str, images=()) -> ChatTurn:
-        """One user turn (`images`: paths, bytes, PIL images or arrays shown before the text)."""
+    def send(self, text: str, images=(), on_step=None) -> ChatTurn:
+        """One user turn (`images`: paths, bytes, PIL images or arrays shown before the text).
+
+        on_step: called with each denoising step's `StepEvent` and each finished canvas's
+        `CanvasEvent` as they come; the turn then runs on the step-by-step driver (`Engine.steps`,
+        the same tokens and cache as the fused program)."""
         engine, sampler = self.engine, self.engine.sampler
         images = list(images) if isinstance(images, (list, tuple)) else [images]
         content = text if not images else [{"type": "image", "image": im} for im in images] + [
@@ -147,28 +153,45 @@ class ChatSession:
         max_new = (default_new_tokens(engine.config, sampler, len(ids), self.cache_length)
                    if self.max_new_tokens is None else self.max_new_tokens)
         rng = (self.seed + self.turns) % 2 ** 64
+        kw = dict(rng=rng, max_new_tokens=max_new, cache=cache,
+                  cache_length=None if cache is not None else self.cache_length, images=batch)
         try:
-            out = engine.generate(np.array([new], np.int32), None, rng=rng, max_new_tokens=max_new, cache=cache,
-                                  cache_length=None if cache is not None else self.cache_length, images=batch,
-                                  donate_cache=True)
+            if on_step is None:
+                out = engine.generate(np.array([new], np.int32), None, donate_cache=True, **kw)
+                tokens, steps, finished = np.asarray(out.tokens)[0], np.asarray(out.steps)[0], np.asarray(out.finished)
+                out_cache = out.cache
+            else:
+                tokens, steps, finished, out_cache = self._steps(new, on_step, kw)
         except ValueError:
             self.messages.pop()
             del self._preprocessed[seen:]
             raise
-        tokens = np.asarray(out.tokens)[0]
         gen = [int(t) for t in tokens if int(t) != sampler.pad_id]
         if self.templated:
             thought, answer = split_reply(self.tokenizer, gen)
         else:
             thought, answer = "", self.tokenizer.decode_generated(gen, skip_special=True)
         if self.max_new_tokens is None:
-            warn_if_cut_short(engine.config, max_new, np.asarray(out.finished), len(ids), self.cache_length)
+            warn_if_cut_short(engine.config, max_new, finished, len(ids), self.cache_length)
         self.messages.append({"role": "assistant", "content": answer})
-        self.cache = out.cache
+        self.cache = out_cache
         committed = int(np.asarray(self.cache.lengths)[0])
         self.cached_ids = (ids + [int(t) for t in tokens])[:committed]  # the prompt, then the committed canvases
         self.turns += 1
-        steps = np.asarray(out.steps)[0]
         return ChatTurn(answer=answer, thought=thought, reused=keep, prefilled=len(new),
                         steps=steps[steps > 0].tolist(), prompt_ids=ids, tokens=tokens, max_new_tokens=max_new,
                         rng=rng, cache_length=self.cache_length if cache is None else cache.max_length)
+
+    def _steps(self, new: list[int], on_step, kw):
+        """`send`'s generation on the step-by-step driver, each event passed to `on_step`: (tokens,
+        steps per canvas, finished, the cache after it), as from the fused program's output."""
+        sampler, events, cache = self.engine.sampler, [], None
+        for ev in self.engine.steps(np.array([new], np.int32), None, final_cache=True, **kw):
+            if isinstance(ev, KVCache):
+                cache = ev
+                continue
+            on_step(ev)
+            if isinstance(ev, CanvasEvent):
+                events.append(ev)
+        tokens, steps, finished = collect(events, 1, kw["max_new_tokens"], sampler.canvas_length, sampler.pad_id)
+        return tokens[0], steps[0], finished, cache

@@ -131,6 +131,19 @@ def _render_step(ev, tok, tty: bool, stream):
     stream.flush()
 
 
+def _step_printer(tok, plain: bool, stream):
+    """--show-steps: a callback drawing each `StepEvent` on `stream` (live, in colour, on a terminal
+    unless `plain`; else one line per step) and ending a canvas's line at its `CanvasEvent`."""
+    tty = stream.isatty() and not plain
+
+    def show(ev):
+        if not isinstance(ev, CanvasEvent):
+            _render_step(ev, tok, tty, stream)
+        elif tty:
+            stream.write("\n")
+    return show
+
+
 def cmd_generate(args) -> int:
     compiles = CompileCounter()
     prompt = args.prompt if args.prompt is not None else _strip_final_newline(read_on_main_process(sys.stdin.read))
@@ -162,15 +175,11 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     with profile(args.profile):  # --profile DIR: a jax.profiler trace of the generation
         if args.show_steps:
-            tty = sys.stdout.isatty() and not args.plain
-            events = []
+            show, events = _step_printer(tok, args.plain, sys.stdout), []
             for ev in engine.steps(tokens, None, **kw):
+                show(ev)
                 if isinstance(ev, CanvasEvent):
                     events.append(ev)
-                    if tty:
-                        sys.stdout.write("\n")
-                else:
-                    _render_step(ev, tok, tty, sys.stdout)
             out_tokens, steps, finished = collect(events, 1, max_new, sampler.canvas_length, sampler.pad_id)
         else:
             out = engine.generate(tokens, None, **kw)
@@ -200,6 +209,10 @@ def cmd_chat(args) -> int:
                           context=args.context, max_new_tokens=args.max_new_tokens, seed=args.seed,
                           max_soft_tokens=args.max_soft_tokens)
     interactive = sys.stdin.isatty()
+    on_step = None
+    if args.show_steps:  # on stderr, so that stdout keeps one answer line per turn (a piped chat's transcript);
+        # every host runs the step driver (the same programs), the first one draws
+        on_step = _step_printer(tok, args.plain, sys.stderr) if is_main_process() else (lambda ev: None)
     pending = []  # images from `/image PATH` lines, sent with the next message
     while True:
         if interactive:
@@ -224,7 +237,7 @@ def cmd_chat(args) -> int:
             print(f"[image {path} goes with your next message]", file=sys.stderr, flush=True)
             continue
         try:
-            turn = session.send(line, images=pending)
+            turn = session.send(line, images=pending, on_step=on_step)
         except ValueError as e:  # e.g. an image for a text-only checkpoint: the turn is dropped, the chat goes on
             print(f"dgemma: error: {e}", file=sys.stderr, flush=True)
             pending = []
@@ -387,6 +400,9 @@ def add_commands(sub, positive):
     s.add_argument("--max-soft-tokens", type=int, choices=SOFT_TOKEN_BUDGETS, dest="max_soft_tokens", default=None,
                    help="tokens per /image (default: the checkpoint's, 280 for the released model)")
     s.add_argument("--quiet", action="store_true", help="no per-turn stats")
+    s.add_argument("--show-steps", action="store_true",
+                   help="draw each answer's canvas converging step by step, on stderr (stdout keeps the answers)")
+    s.add_argument("--plain", action="store_true", help="with --show-steps: one line per step, no colours")
     mesh_flags(s)
     sampler_flags(s)
     s.set_defaults(fn=cmd_chat)

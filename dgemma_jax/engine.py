@@ -510,17 +510,18 @@ class Engine:
             rows.append((t, ln, k, row_cache, sc, pin, pictures))
         return rows
 
-    def _iter(self, which, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, images):
+    def _iter(self, which, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, images,
+              cache=None, final_cache=False):
         max_new_tokens = self.sampler.canvas_length if max_new_tokens is None else max_new_tokens
         if self.batch_invariant:
             rows = self._prepare_rows(prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length,
-                                      None, images)
+                                      cache, images)
             return _reporting(gen.merge_row_events(
                 (which(self.programs, self.params, t, n, c, k, max_new_tokens, sc, pin, im)
-                 for t, n, k, c, sc, pin, im in rows), max_new_tokens, self.sampler.canvas_length, self.sampler.pad_id),
-                "warn")
+                 for t, n, k, c, sc, pin, im in rows), max_new_tokens, self.sampler.canvas_length, self.sampler.pad_id,
+                final_cache), "warn")
         tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
-            prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, None, images)
+            prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache, images)
         return _reporting(which(self.programs, self.params, tokens, lengths, cache, keys, max_new_tokens, seed_canvas,
                                 pinned, images), "warn")
 
@@ -532,12 +533,17 @@ class Engine:
                           cache_length, images)
 
     def steps(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
-              seed_canvas=None, pinned=None, cache_length: int | None = None, images=None):
+              seed_canvas=None, pinned=None, cache_length: int | None = None, images=None,
+              cache: KVCache | None = None, final_cache: bool = False):
         """Per-step driver: yields a `StepEvent` per denoising step and a `CanvasEvent` per canvas (same
         tokens as `generate`). With `batch_invariant` each row runs its own step programs, in lockstep
-        (`gen.merge_row_events`: a row already done shows its last state, a finished row pad)."""
-        return self._iter(gen.iter_steps, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned,
-                          cache_length, images)
+        (`gen.merge_row_events`: a row already done shows its last state, a finished row pad).
+        cache: continue an earlier cache, as `generate`'s (given to the programs, as with
+        `generate(..., donate_cache=True)`, unless the engine's `donate=False`). final_cache: the last
+        item yielded is then the `KVCache` holding everything committed (`generate`'s `out.cache`;
+        multi-turn chat carries it on)."""
+        return self._iter(functools.partial(gen.iter_steps, final_cache=final_cache), prompt_tokens, lengths, rng,
+                          max_new_tokens, seed_canvas, pinned, cache_length, images, cache, final_cache)
 
 
 # jits shared by engines: (program key, config, sampler, runtime, donated) -> jitted function

@@ -434,3 +434,61 @@ def test_chat_replies_lose_their_thinking_with_a_gemma_like_tokenizer(chat_check
     monkeypatch.setattr(dg.engine, "generate", lambda *a, **k: SimpleNamespace(
         tokens=tokens, finished=np.array([True]), steps=np.array([[1]])))
     assert dg.chat([{"role": "user", "content": "w5"}], max_new_tokens=32, enable_thinking=True) == "w30 w31"
+
+
+# ------------------------------------------------------------------ chat --show-steps (issue 32, item 4)
+def _turns(stderr):
+    """[(step lines, the turn's stats line)] of a `dgemma chat --show-steps` stderr, turn by turn."""
+    turns, steps = [], []
+    for ln in stderr.splitlines():
+        if ln.startswith("[canvas "):
+            steps.append(ln)
+        elif ln.startswith("[turn "):
+            turns.append((steps, ln.split(";")[0]))
+            steps = []
+    return turns
+
+
+def test_chat_show_steps_draws_each_turn_on_stderr_with_the_same_answers_and_cache_reuse():
+    # the bundled model, two turns sharing a prefix: the second reuses the first's cache
+    chat = ("chat", "--seed", "3", "--max-new-tokens", "16")
+    stdin = "s31415926535=\ns31415926000=\n"
+    shown, fused = dgemma(*chat, "--show-steps", "--plain", stdin=stdin), dgemma(*chat, stdin=stdin)
+    assert shown.returncode == 0 and fused.returncode == 0, (shown.stderr[-2000:], fused.stderr[-2000:])
+    assert shown.stdout == fused.stdout  # the answers only: the steps go to stderr
+    assert shown.stdout.splitlines() == ["11233455569", "00011234569"]
+    turns = _turns(shown.stderr)
+    assert [stats for _, stats in turns] == [s.split(";")[0] for s in fused.stderr.splitlines() if s.startswith("[turn")]
+    assert "reused 0 cached" in turns[0][1] and "reused 10 cached" in turns[1][1], turns
+    for lines, stats in turns:  # one line per denoising step of each canvas
+        per_canvas = [int(n) for n in stats.split("steps [")[1].rstrip("]").split(",")]
+        assert [sum(ln.startswith(f"[canvas {c} step") for ln in lines) for c in range(len(per_canvas))] == per_canvas
+        assert all("settled" in ln for ln in lines)
+    assert "\x1b[" not in shown.stderr
+
+
+def test_chat_session_steps_give_the_fused_turns_and_cache_without_batch_invariance():
+    # ChatSession.send(on_step=...) runs Engine.steps(cache=..., final_cache=True); the per-row
+    # path is the CLI test's, this is the batched one (Engine(batch_invariant=False))
+    import jax
+
+    from dgemma_jax.chat_session import ChatSession
+    from dgemma_jax.engine import Engine
+    from dgemma_jax.pipeline import load_checkpoint
+    from dgemma_jax.sampling.generate import CanvasEvent, StepEvent
+
+    cfg, params, sampler, tok = load_checkpoint(None)
+    engine = Engine(cfg, params, sampler, batch_invariant=False)
+    sessions = [ChatSession(engine, tok, context=256, max_new_tokens=16, seed=3) for _ in range(2)]
+    for text in ("s31415926535=", "s31415926000="):
+        events = []
+        shown, fused = sessions[0].send(text, on_step=events.append), sessions[1].send(text)
+        np.testing.assert_array_equal(shown.tokens, fused.tokens)
+        assert (shown.answer, shown.reused, shown.prefilled, shown.steps) == (
+            fused.answer, fused.reused, fused.prefilled, fused.steps)
+        assert sum(isinstance(e, StepEvent) for e in events) == sum(fused.steps)
+        assert [e.index for e in events if isinstance(e, CanvasEvent)] == list(range(len(fused.steps)))
+        assert sessions[0].cached_ids == sessions[1].cached_ids
+        for a, b in zip(*(jax.tree.leaves(s.cache) for s in sessions)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert shown.reused == 10 and shown.answer == "00011234569"

@@ -246,11 +246,13 @@ def iter_canvases(programs, params, prompt_tokens, prompt_lengths, cache, keys, 
 
 
 def iter_steps(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens,
-               seed_canvas=None, pinned=None, images=None) -> Iterator[StepEvent | CanvasEvent]:
-    """Yield every denoising step (a `StepEvent`) and every finished canvas (a `CanvasEvent`)."""
+               seed_canvas=None, pinned=None, images=None,
+               final_cache: bool = False) -> Iterator[StepEvent | CanvasEvent | KVCache]:
+    """Yield every denoising step (a `StepEvent`) and every finished canvas (a `CanvasEvent`);
+    final_cache: then the `KVCache` holding everything committed (`generate_fused`'s `cache`)."""
     for ev in _iterate(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens, seed_canvas,
                        pinned, per_step=True, images=images):
-        if not isinstance(ev, KVCache):
+        if final_cache or not isinstance(ev, KVCache):
             yield ev
 
 
@@ -281,11 +283,14 @@ def merge_outputs(outs) -> GenerateOutput:
                           nonfinite=jnp.concatenate([o.nonfinite for o in outs]))
 
 
-def merge_row_events(rows, max_new_tokens: int, canvas_length: int, pad_id: int) -> Iterator:
+def merge_row_events(rows, max_new_tokens: int, canvas_length: int, pad_id: int,
+                     final_cache: bool = False) -> Iterator:
     """The events of B single-row drivers (`iter_canvases` or `iter_steps` over batch-1 inputs) as one
     batch's, in lockstep. Step event s of canvas c shows every row: a row still denoising its step s,
     a row whose canvas already ended its last state (done), a row finished in an earlier canvas pad
-    (done). A canvas event holds every row (a finished row: pad, 0 steps, finished)."""
+    (done). A canvas event holds every row (a finished row: pad, 0 steps, finished). final_cache
+    (the rows' drivers end with their caches, `iter_steps(final_cache=True)`): then the rows'
+    caches as one (`concat_rows`, as `merge_outputs`)."""
     rows = list(rows)
     b = len(rows)
     finished = np.zeros((b,), bool)
@@ -318,3 +323,6 @@ def merge_row_events(rows, max_new_tokens: int, canvas_length: int, pad_id: int)
         yield CanvasEvent(c, tokens, steps, finished, bad)
         if finished.all():
             break
+    if final_cache:  # every row's driver has yielded its last canvas: its cache comes next
+        caches = [next(r) for r in rows]
+        yield caches[0] if b == 1 else concat_rows(caches)
