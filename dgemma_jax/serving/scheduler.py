@@ -390,7 +390,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ programs
     def _tick_args(self, busy=None, begin=None, active=None, max_ticks: int = 1):
-        n, l = self.slots, self.canvas_length
+        n = self.slots
         busy = busy if busy is not None else [None] * n
         samplers = tuple(c.request.sampler if c else self.default_sampler for c in busy)
         if self._knobs is None or self._knobs[0] != samplers:   # rebuilt (and sent) only when the slots change
