@@ -165,7 +165,7 @@ def commit_slots(params, config: ModelConfig, cache: KVCache, rows: jax.Array, t
     """Commit settled canvases into their slots' rows: rows [K] distinct slot numbers, tokens [K, L]
     their canvases, active [K] which of them to write. A causal pass over those K rows only, whatever
     the number of slots; only the L new positions of each row are written back (in place)."""
-    sub = jax.tree.map(lambda x: jnp.take(x, rows, axis=_batch_axis(x)), cache)
+    sub = jax.tree.map(lambda x: _rows_of(x, rows), cache)
     starts = sub.lengths
     sub = commit(params, config, sub, tokens, active, runtime)
     width = tokens.shape[1]
@@ -182,6 +182,12 @@ def commit_slots(params, config: ModelConfig, cache: KVCache, rows: jax.Array, t
         return x
 
     return jax.tree.map(write_back, cache, sub)
+
+
+def _rows_of(x, rows):
+    """The K rows `rows` of a cache leaf, one dynamic slice each (reads those rows only)."""
+    b = _batch_axis(x)
+    return jnp.concatenate([jax.lax.dynamic_slice_in_dim(x, rows[k], 1, b) for k in range(rows.shape[0])], axis=b)
 
 
 def _batch_axis(x) -> int:
