@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers.serve import ServerProcess
+from tests.helpers.serve import ServerProcess, module_server
 
 MODEL = "dgemma-tiny-digits"
 
@@ -23,16 +23,12 @@ PROMPTS = ["s9350814272=", "s31415926535=", "s8877665544332211=", "s705182936=",
            "s2718281828459=", "s90807060504=", "s123456789="]
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--slots", "8", "--max-queue", "40", "--max-steps", "1024")
-    yield srv
-    srv.stop()
+server = module_server("--slots", "8", "--max-queue", "40", "--max-steps", "1024")
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return server.client(timeout=120)
 
 
 def test_models_and_health(server, client):

@@ -5,10 +5,9 @@ previews, through the official `openai` client against a real server with the bu
 import concurrent.futures as cf
 import time
 
-import openai
 import pytest
 
-from tests.helpers.serve import ServerProcess
+from tests.helpers.serve import module_server
 
 MODEL = "dgemma-tiny-digits"
 SLOW = dict(max_denoising_steps=48, confidence_threshold=0.0)   # never confident: every canvas runs 48 steps
@@ -18,16 +17,12 @@ def _sorted(prompt: str) -> str:
     return "".join(sorted(prompt[1:-1]))
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--slots", "4", "--max-steps", "64", "--prefill-chunk", "16")
-    yield srv
-    srv.stop()
+server = module_server("--slots", "4", "--max-steps", "64", "--prefill-chunk", "16")
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return server.client(timeout=300)
 
 
 def _complete(client, prompt, seed, max_tokens=16, **extra):
@@ -109,11 +104,7 @@ def test_previews_come_every_step_and_the_committed_text_is_unchanged(client):
     assert sum(c.choices[0].model_extra.get("provisional") is not None for c in streamed) >= 2
 
 
-@pytest.fixture(scope="module")
-def plain_server():
-    srv = ServerProcess("--slots", "2", "--max-steps", "64", "--no-prefix-reuse")
-    yield srv
-    srv.stop()
+plain_server = module_server("--slots", "2", "--max-steps", "64", "--no-prefix-reuse")
 
 
 def test_a_second_turn_reuses_the_first_from_the_cache(client, plain_server):
@@ -122,7 +113,7 @@ def test_a_second_turn_reuses_the_first_from_the_cache(client, plain_server):
     model has no chat template, so the turns go as completions: its vocabulary cannot spell the EOS
     that ended the answer, so the match stops one token short of prompt + completion tokens (with the
     EOS in the prompt it covers all of them: tests/test_serving_slots.py)."""
-    plain = openai.OpenAI(base_url=plain_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    plain = plain_server.client(timeout=300)
     first = _complete(client, "s9350814272=", seed=3)
     answer = first.choices[0].text
     assert answer == _sorted("s9350814272=")

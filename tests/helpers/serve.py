@@ -50,6 +50,12 @@ class ServerProcess:
         with open(self.log_path) as f:
             return f.read()[-4000:]
 
+    def client(self, timeout: float = 120):
+        """The official `openai` client for this server (no retries)."""
+        import openai  # deferred: only the tests that talk to the server need it
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=5).json()
 
@@ -66,3 +72,16 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def module_server(*args: str):
+    """A module-scoped pytest fixture: a `ServerProcess` with `args`, stopped after the module."""
+    import pytest  # deferred: benchmarks import this module without pytest
+
+    @pytest.fixture(scope="module")
+    def server():
+        srv = ServerProcess(*args)
+        yield srv
+        srv.stop()
+
+    return server
