@@ -11,16 +11,18 @@ The worker loops over ticks (`sampling.slots.slot_tick`). Each tick advances eve
 pass of its own: a slot being admitted gets its next prompt chunk (a batch-1 prefill into its cache
 row; at most one chunk per slot per tick, so a long prompt never stalls the others), every other busy
 slot one denoising step of its own canvas, and a canvas that settles is committed in that tick and
-its slot starts the next one on the next tick. No slot waits for another slot's canvas. A choice
+its slot starts the next one on the next tick. No slot waits for another slot's canvas. While every
+slot is busy decoding (nothing can be admitted) one call of the tick program runs up to
+`ticks_per_call` ticks and returns when a canvas settles; otherwise a call is one tick. A choice
 (one of a request's `n`) ends at EOS, at `max_tokens`, at a stop string, or when its client is gone
-(its slot is free for the next tick).
+(its slot is free after the current call).
 
 Prefix reuse: with `prefix_reuse` (default) a slot keeps what its cache row holds after its request
 ends (the prompt, every committed canvas, and the last canvas committed too), and a new prompt goes
 into the free slot whose row shares the longest beginning with it (images count by their pixels),
 prefilling only the rest; the least recently used slot is overwritten when none shares more than a
-short beginning (under `SMALL_PREFILL` tokens and half its row). The
-reused tokens are `SeqEvent.cached_tokens` (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
+short beginning (under `SMALL_PREFILL` tokens and half its row). The reused tokens are
+`SeqEvent.cached_tokens` (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
 
 Reproducibility: choice i of a request with seed s uses the row key `choice_keys(s, n)[i]` (for n=1
 the key `Engine.generate(rng=s)` gives the prompt, `prompt_key(s)`), its own sampler settings (`RowKnobs`), and
