@@ -56,6 +56,25 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_at_a_fixed_shape(dispatch
     np.testing.assert_array_equal(moved[2], base[0])
 
 
+def test_a_prompt_chunk_goes_into_its_row_in_either_cache_layout():
+    """`prefill_slot` writes row `slot` of a stacked (scanned) cache as of an unrolled one."""
+    from dgemma_jax.model.layout import stack_cache, stack_layers, unstack_cache
+    from dgemma_jax.sampling.slots import prefill_slot
+
+    cfg = _config("tiny-6layer")
+    params = dg.init_params(cfg, 4)
+    tokens = np.random.default_rng(5).integers(3, cfg.vocab_size, (1, 8)).astype(np.int32)
+    cache = dg.init_cache(cfg, 3, 32)
+    args = (np.int32(1), tokens, np.array([6], np.int32), np.int32(0))
+    run = jax.jit(prefill_slot, static_argnums=1, static_argnames="runtime")
+    want = run(params, cfg, cache, *args)
+    got = unstack_cache(run(stack_layers(params, cfg), cfg, stack_cache(cache, cfg), *args,
+                            runtime=dg.Runtime(layers="scan")), cfg)
+    assert np.asarray(got.lengths).tolist() == np.asarray(want.lengths).tolist() == [0, 6, 0]
+    for g, w in zip(got.keys + got.values, want.keys + want.values):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5)
+
+
 @pytest.mark.parametrize("layers", ["unrolled", "scan"])
 def test_committing_k_slots_equals_a_commit_over_every_row_and_leaves_the_rest(layers):
     """`commit_slots` writes K chosen rows as a commit over the whole batch would (same positions,
@@ -236,6 +255,21 @@ def test_a_cancelled_request_frees_its_slot_at_the_next_tick(bundled, scheduler)
     req.cancelled.set()
     assert c.done.wait(120)
     assert c.final[0].finish_reason == "cancelled" and c.final[0].canvases <= 1
+    # cancelled in the middle of a canvas that would run 32 steps: it leaves at the very next tick
+    slow = sampler.replace(max_denoising_steps=32, confidence_threshold=0.0)
+    c, seen = _Collect(1), {}
+
+    def listen(ev):
+        c(ev)
+        if ev.provisional is not None and ev.steps == 3:
+            seen["tick"] = ev.tick
+            mid.cancelled.set()
+    mid = Request(tok.encode("s31415926535=", add_bos=True), 32, slow, 3, on_event=listen, provisional=True)
+    scheduler.submit(mid)
+    assert c.done.wait(120)
+    final = c.final[0]
+    assert final.finish_reason == "cancelled" and final.tick == seen["tick"] + 1
+    assert max(ev.steps for ev in c.events if ev.provisional is not None) == 3   # no step after the cancel
     ok, _ = _submit(scheduler, tok, sampler, "s705182936=", seed=0)
     assert ok.done.wait(120) and ok.final[0].text == "012356789"
     assert scheduler.status()["busy_slots"] == 0

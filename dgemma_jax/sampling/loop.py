@@ -214,7 +214,8 @@ def nonfinite_rows(h: jax.Array, soft: jax.Array) -> jax.Array:
     return ~(jnp.isfinite(h).all((1, 2)) & jnp.isfinite(soft).all((1, 2)))
 
 
-def _where_rows(mask, new, old):
+def where_rows(mask, new, old):
+    """`new` where the row's `mask` [B] is set, else `old` (any trailing shape)."""
     return jnp.where(mask.reshape(mask.shape + (1,) * (new.ndim - 1)), new, old)
 
 
@@ -256,10 +257,10 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
     last = state.step + 1 >= sampler.max_denoising_steps if last is None else last
     return LoopState(
         step=state.step + 1,
-        canvas=_where_rows(active, canvas, state.canvas),
-        soft=_where_rows(active, soft, state.soft),
-        history=_where_rows(active, ops.push_history(state.history, argmax), state.history),
-        argmax=_where_rows(active, argmax, state.argmax),
+        canvas=where_rows(active, canvas, state.canvas),
+        soft=where_rows(active, soft, state.soft),
+        history=where_rows(active, ops.push_history(state.history, argmax), state.history),
+        argmax=where_rows(active, argmax, state.argmax),
         done=state.done | stop | last,
         steps=state.steps + active.astype(jnp.int32),
         nonfinite=state.nonfinite | (active & nonfinite_rows(h, soft)),

@@ -28,7 +28,7 @@ from dgemma_jax.model.cache import KVCache
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.generate import commit, finish_canvas, prefill_prompt
-from dgemma_jax.sampling.loop import LoopState, RowKnobs, denoise_step, init_state, initial_canvas
+from dgemma_jax.sampling.loop import LoopState, RowKnobs, denoise_step, init_state, initial_canvas, where_rows
 
 
 COMMIT_SCOPE = "slot_commit"
@@ -88,14 +88,10 @@ def prefill_slot(params, config: ModelConfig, cache: KVCache, slot: jax.Array, t
     `start` stays behind its new length, where nothing reads it. images: None, or (pixel_values,
     position_ids) of the images wholly inside this chunk (`prefill_prompt`): an image's tokens must all
     be in one chunk, since it attends to itself bidirectionally."""
-    row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), cache)
+    row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, _batch_axis(x)), cache)
     row = row.replace(lengths=jnp.broadcast_to(jnp.asarray(start, row.lengths.dtype), row.lengths.shape))
     row = prefill_prompt(params, config, tokens, length, row, runtime, images=images)
-    return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, axis=0), cache, row)
-
-
-def _where_rows(mask, new, old):
-    return jnp.where(mask.reshape(mask.shape + (1,) * (new.ndim - 1)), new, old)
+    return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, _batch_axis(x)), cache, row)
 
 
 def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, state: SlotState,
@@ -118,7 +114,7 @@ def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCach
     fresh = init_state(config, sampler, initial_canvas(k, sampler.canvas_length, config.vocab_size),
                        jnp.zeros_like(begin))
     fresh = fresh.replace(step=jnp.zeros_like(canvas_index))
-    loop = jax.tree.map(lambda a, b: _where_rows(begin, a, b), fresh, state.loop)
+    loop = jax.tree.map(lambda a, b: where_rows(begin, a, b), fresh, state.loop)
     live = active & ~loop.done
     loop = loop.replace(done=~live)
 

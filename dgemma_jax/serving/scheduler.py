@@ -477,13 +477,14 @@ class Scheduler:
             ids = np.asarray(req.prompt_ids, np.int32)
             slot, reuse = free[0], 0
             if self.prefix_reuse:
-                slot = max(free, key=lambda s: (self._reusable(s, req, ids), -self._row_used[s]))
-                shared = self._reusable(slot, req, ids)
+                blocks = self._image_blocks(ids) if req.images is not None else []
+                shared = {s: self._reusable(s, req.content, len(ids), blocks) for s in free}
+                slot = max(free, key=lambda s: (shared[s], -self._row_used[s]))
                 # a short shared beginning (a BOS, a chat header) of a long row is not worth that row:
                 # the least recently used slot is overwritten instead
-                if shared < SMALL_PREFILL and 2 * shared < len(self._rows[slot]):
+                if shared[slot] < SMALL_PREFILL and 2 * shared[slot] < len(self._rows[slot]):
                     slot = min(free, key=lambda s: self._row_used[s])
-                reuse = self._reusable(slot, req, ids)
+                reuse = shared[slot]
             choice.chunks = self.plan_chunks(ids, req.images, start=reuse)
             choice.cached, choice.slot, choice.admitted_tick = reuse, slot, self.stats["ticks"]
             self._rows[slot] = self._rows[slot][:reuse]
@@ -493,14 +494,14 @@ class Scheduler:
                 self._busy[slot] = choice
             self.stats["prefills"] += 1
 
-    def _reusable(self, slot: int, req: Request, ids: np.ndarray) -> int:
-        """How many of the prompt's first tokens slot `slot`'s row holds already: the common beginning of
-        the two, at least one prompt token left to prefill, never ending inside an image's block."""
-        m = min(common_prefix(self._rows[slot], req.content), len(ids) - 1)
-        if req.images is not None:
-            for b, e in self._image_blocks(ids):
-                if b < m < e:
-                    m = b
+    def _reusable(self, slot: int, content: np.ndarray, length: int, blocks) -> int:
+        """How many of a prompt's first tokens slot `slot`'s row holds already: the common beginning of
+        the row and the prompt's `content_keys`, at least one of its `length` tokens left to prefill,
+        never ending inside one of its image `blocks`."""
+        m = min(common_prefix(self._rows[slot], content), length - 1)
+        for b, e in blocks:
+            if b < m < e:
+                m = b
         return max(m, 0)
 
     def _prefill_chunk(self, c: _Choice) -> None:
@@ -550,10 +551,10 @@ class Scheduler:
         args = self._tick_args(busy, begin, active, 1 if one else self.ticks_per_call)
         out = self._compiled_tick(self.engine.params, **args)
         self._cache, self._slots_state = out.cache, out.state
-        ticks, settled, tokens, eos, steps, nonfinite, argmax = jax.device_get(
-            (out.ticks, out.settled, out.tokens, out.eos, out.steps, out.nonfinite,
-             out.argmax if previews else out.ticks))
-        ticks = int(ticks)
+        fetched = (out.ticks, out.settled, out.tokens, out.eos, out.steps, out.nonfinite)
+        fetched += (out.argmax,) if previews else ()
+        ticks, settled, tokens, eos, steps, nonfinite, *argmax = jax.device_get(fetched)   # one transfer
+        ticks, argmax = int(ticks), (argmax[0] if previews else None)
         self.stats["slot_steps"] += int(active.sum()) * ticks
         self.stats["tick_calls"] += 1
         self.stats["ticks"] += ticks - 1     # the last tick is counted below, after its events
