@@ -130,6 +130,10 @@ def cmd_compile(args) -> int:
         options[key.strip()] = value.strip()
     progress = _compile_progress
     devices = None
+    if not args.save:
+        # a TPU program compiled here cannot be read back without a TPU client: the persistent cache
+        # would store it, and a later compile of the same program would warn and compile it again
+        compile_cache.enable("off")
     if args.save:
         devices = aot.tpu_devices(args.topology)
         cfg = ModelConfig.preset(args.preset)

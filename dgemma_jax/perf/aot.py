@@ -322,7 +322,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
                                         runtime=observed)
             kw = {}
         else:
-            engine = Engine(cfg, args["params"], sampler, shardings=sh, runtime=observed)
+            engine = Engine(cfg, args["params"], sampler, shardings=sh, runtime=observed,
+                            compilation_cache=False)   # the caller decides (dgemma compile: off, or --save DIR)
             fn, make_args = engine_programs(engine, max_new_tokens)[name]
             pos, kw = make_args(args)
         entry: dict[str, Any] = {}
