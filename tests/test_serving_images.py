@@ -125,6 +125,35 @@ def test_scheduler_equals_the_engine_and_a_cut_chunk_equals_one_chunk(loaded):
     assert got[80] == got[512] == want
 
 
+def test_prefix_reuse_takes_an_image_from_the_cache_only_when_it_is_the_same_image(loaded):
+    """A slot's row holding an image prompt: the same prompt again reuses it all (but its last token);
+    a prompt with another image of the same size (the same token ids) reuses only the text before the
+    image's block. Either way the tokens equal a scheduler that prefills everything."""
+    cfg, params, sampler, tok = loaded
+
+    def msgs(seed):
+        return [{"role": "user", "content": [{"type": "text", "text": "x" * 30},
+                                             {"type": "image", "image": _png(40, 40, seed=seed)},
+                                             {"type": "text", "text": "what is it?"}]}]
+    same, same_batch = _prompt(loaded, msgs(0))
+    other, other_batch = _prompt(loaded, msgs(1))
+    assert same == other                             # only the pixels tell the two prompts apart
+    begin = same.index(113)                          # the image's begin marker
+    runs = {}
+    for reuse in (True, False):
+        sch = Scheduler.for_model(cfg, params, tok, sampler, slots=1, context=256, prefix_reuse=reuse)
+        sch.start()
+        try:
+            runs[reuse] = [_run(sch, same, same_batch, 5, sampler), _run(sch, same, same_batch, 6, sampler),
+                           _run(sch, other, other_batch, 7, sampler)]
+        finally:
+            sch.stop()
+    first, again, changed = runs[True]
+    assert again.cached_tokens == len(same) - 1 and changed.cached_tokens == begin
+    assert all(ev.cached_tokens == 0 for ev in runs[False])
+    assert [ev.token_ids for ev in runs[True]] == [ev.token_ids for ev in runs[False]]
+
+
 # ------------------------------------------------------------------ the image parts
 def test_image_url_parts_resolve_with_clear_errors(tmp_path):
     raw = _png(8, 8)
