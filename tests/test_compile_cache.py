@@ -100,4 +100,9 @@ def test_a_second_start_reads_the_first_starts_programs_with_no_setting(tmp_path
     assert any(e.startswith("jit_generate_fused") for e in entries), entries
     where, hits2, compiled2 = _generate(env)
     assert hits2 >= 1 and compiled2 < compiled  # the fused generate (and others) came from the cache
-    assert sorted(os.listdir(tmp_path / "xla")) == entries  # same keys: nothing new written
+    # every program the first start wrote is read back, none written again. jax writes only programs
+    # that took over a second to compile, so a small one near that line (the finite check) may be
+    # written by one start and not the other: extra entries are allowed, a missing or unread one is not
+    after = sorted(os.listdir(tmp_path / "xla"))
+    assert set(entries) <= set(after), (entries, after)
+    assert hits2 >= len(entries), (hits2, entries)
