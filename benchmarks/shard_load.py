@@ -190,9 +190,51 @@ def worker(url: str, mesh_spec: str, dtype: str, out: str) -> None:
 
 
 # ---------------------------------------------------------------------------- the run
+def share_bounds(path: str) -> dict:
+    """What a process may read beyond its shards' share and the safetensors headers: "small" (config,
+    tokenizer and index, copied locally, the index read once more by the loader) and "covering" (the
+    [out, in] matrices split along their inner axis: o_proj, the dense and self-conditioning down_proj,
+    whose slice is one run per row, under REMOTE_GAP apart, so one covering range is read instead)."""
+    import numpy as np
+
+    from dgemma_jax.io.hf import SafetensorsDir
+
+    small = sum(os.path.getsize(os.path.join(path, f))
+                for f in ("config.json", "tokenizer.json", "model.safetensors.index.json"))
+    small += os.path.getsize(os.path.join(path, "model.safetensors.index.json"))
+    st = SafetensorsDir(path)
+    covering = sum(int(np.prod(st.shape(k))) * 2 for k in st.keys()
+                   if k.endswith(("o_proj.weight", "mlp.down_proj.weight", "self_conditioning.down_proj.weight")))
+    return {"small": small, "covering": covering}
+
+
+def check_pieces(path: str, out: str, processes: int) -> None:
+    """Every slice the processes wrote (`worker`'s shards{i}.npz) equals that slice of a one-process load
+    of `path`, and together they cover every parameter (AssertionError otherwise)."""
+    import jax
+    import numpy as np
+
+    from dgemma_jax.pipeline import load_checkpoint
+
+    want = load_checkpoint(path, dtype="float32")[1]
+    flat = {"/".join(str(getattr(k, "key", k)) for k in kp): np.asarray(x)
+            for kp, x in jax.tree_util.tree_flatten_with_path(want)[0]}
+    covered = {name: np.zeros(x.shape, bool) for name, x in flat.items()}
+    for i in range(processes):
+        with np.load(os.path.join(out, f"shards{i}.npz")) as pieces:
+            for key in pieces.files:
+                name, box = key.split("|")
+                index = tuple(slice(a, b) for a, b in json.loads(box))
+                np.testing.assert_array_equal(pieces[key], flat[name][index], err_msg=key)
+                covered[name][index] = True
+    missing = [name for name, c in covered.items() if not c.all()]
+    assert not missing, f"no process holds all of {missing[:5]}"
+
+
 def run(path: str, out: str, processes: int = 2, devices: int = 4, dtype: str = "float32",
-        timeout: float = 300) -> list[dict]:
-    """Load the checkpoint at `path` through countfile:// in `processes` processes -> their numbers."""
+        timeout: float = 300, url: str | None = None, env_for=None) -> list[dict]:
+    """Load the checkpoint at `path` in `processes` processes -> their numbers. url: where they load it
+    from (default: countfile://PATH, which counts their bytes); env_for(i): more environment for process i."""
     import socket
 
     with socket.socket() as s:
@@ -203,10 +245,11 @@ def run(path: str, out: str, processes: int = 2, devices: int = 4, dtype: str = 
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                DGEMMA_COORDINATOR=f"127.0.0.1:{port}", DGEMMA_NUM_PROCESSES=str(processes))
     env.setdefault("DGEMMA_CACHE", os.path.join(out, "cache"))
-    url = "countfile://" + os.path.abspath(path)
+    url = url or "countfile://" + os.path.abspath(path)
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", url, "--mesh",
                                f"expert={processes * devices}", "--dtype", dtype, "--out", out],
-                              env=dict(env, DGEMMA_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
+                              env=dict(env, DGEMMA_PROCESS_ID=str(i), **(env_for(i) if env_for else {})),
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=ROOT) for i in range(processes)]
     for p in procs:
         o, e = p.communicate(timeout=timeout)

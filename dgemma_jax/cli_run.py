@@ -90,7 +90,7 @@ def load_model_for_cli(args, checkpoint=None):
     rules = getattr(args, "rules", "latency")
     checkpoint = args.checkpoint if checkpoint is None else checkpoint
     cfg, params, sampler, tok = load_for_cli(checkpoint, args.dtype, args.revision, mesh=mesh, rules=rules,
-                                             mirror=getattr(args, "mirror", False),
+                                             mirror=getattr(args, "mirror", None),
                                              quantize=getattr(args, "quantize", None))
     shardings = Shardings(cfg, mesh, rules) if mesh is not None else None
     return cfg, params, sampler, tok, shardings
@@ -347,10 +347,11 @@ def checkpoint_flags(s, weights: bool = True):
     s.add_argument("--revision", default=None,
                    help="the Hub revision of --checkpoint: a branch, tag or commit (default: main)")
     if weights:
-        s.add_argument("--mirror", action="store_true",
-                       help="copy a gs:// (fsspec) --checkpoint's weights into the local mirror and read them from "
-                            "there, so that later starts skip the store (default: each process reads only its shards' "
-                            "bytes straight from the store)")
+        s.add_argument("--mirror", action=argparse.BooleanOptionalAction, default=None,
+                       help="copy --checkpoint's weights locally (gs://: into the local mirror; a Hub repo: into the "
+                            "Hugging Face cache) and read them from there, so that later starts skip the store. "
+                            "--no-mirror: each process reads only its shards' bytes straight from the store or the "
+                            "Hub. Default: --no-mirror, except that a Hub repo loaded by one process is downloaded")
 
 
 def add_commands(sub, positive):

@@ -34,7 +34,7 @@ from dgemma_jax.parallel.shardings import Shardings
 
 
 def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: str | None = None, *,
-                    mesh=None, rules: str | tuple = "latency", mirror: bool = False, quantize: str | None = None):
+                    mesh=None, rules: str | tuple = "latency", mirror: bool | None = None, quantize: str | None = None):
     """-> (config, params, sampler | None, tokenizer); None or "bundled": the bundled small model,
     "bundled:NAME" another bundled model (`dgemma_jax.io.bundled`, e.g. the image model VISION_NAME).
 
@@ -44,7 +44,9 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
     read straight into their shards under `rules` (`parallel.Shardings`), never whole on one device;
     None: on the default device. Each process reads only the bytes of its own shards, from a local
     directory or, for a Hugging Face checkpoint at a URL, straight from the store (`locations.locate`);
-    mirror=True copies a URL's weights into the local mirror first (later starts read the copy).
+    mirror=True copies a URL's weights into the local mirror first (later starts read the copy). A Hub
+    repo is downloaded into the Hugging Face cache by a single process (mirror=None), and read in
+    ranges by each process of several (or mirror=False).
     quantize: None / "none", "int8", "int4" or "auto" (`model.quant.resolve_quantize`, by the memory of the
     devices the weights go to): a float checkpoint's kernels quantized as they are read, one tensor at a
     time, so the float model is never whole; "auto" leaves a checkpoint saved quantized as it is, an
@@ -108,7 +110,7 @@ class DiffusionGemma:
     def from_pretrained(cls, checkpoint: str | None = None, dtype: str | None = None, sampler=None,
                         shardings=None, revision: str | None = None, runtime=None,
                         quantize: str | None = None, compilation_cache: bool | str = True, mesh=None,
-                        rules: str | tuple = "latency", mirror: bool = False) -> "DiffusionGemma":
+                        rules: str | tuple = "latency", mirror: bool | None = None) -> "DiffusionGemma":
         """checkpoint: a local directory, gs:// (any fsspec URL) or a Hub repo id[@revision]; None: bundled.
         runtime: how the engine's programs run (`dgemma_jax.Runtime`; default: this backend).
         quantize: "int8" / "int4" quantizes the weights on load, "auto" picks none / int8 / int4 by the
@@ -116,8 +118,10 @@ class DiffusionGemma:
         compilation_cache: jax's persistent compilation cache, as `Engine` takes it (default on).
         mesh: a `jax.sharding.Mesh` or a spec ("expert=8"): the weights are read straight into their shards
         under `rules` and every program runs on the mesh (or pass `shardings` built yourself).
-        mirror: copy a gs:// (fsspec) checkpoint's weights into the local mirror and read them from there
-        (later starts skip the store); default: each process reads its shards' bytes straight from the store."""
+        mirror: True: copy a gs:// (fsspec) checkpoint's weights into the local mirror (a Hub repo's into
+        the Hugging Face cache) and read them from there, so that later starts skip the store; False: each
+        process reads its shards' bytes straight from the store or the Hub; None (default): False, but a
+        Hub repo read by a single process is downloaded (`locations.locate`)."""
         if mesh is not None:
             if shardings is not None:
                 raise ValueError("pass mesh (and rules) or shardings, not both")

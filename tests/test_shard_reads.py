@@ -6,7 +6,6 @@ through it (benchmarks/shard_load.py), so the bytes are counted, not assumed. On
 change a URL was copied whole into the local mirror and every tensor was read whole by every process.
 """
 
-import json
 import os
 import sys
 
@@ -129,7 +128,8 @@ def test_the_mirror_is_an_option_for_repeated_starts(tmp_path, counting):
     from dgemma_jax.cli_run import load_model_for_cli
 
     p = build_parser()
-    assert p.parse_args(["generate"]).mirror is False and p.parse_args(["serve", "--mirror"]).mirror is True
+    assert p.parse_args(["generate"]).mirror is None and p.parse_args(["serve", "--mirror"]).mirror is True
+    assert p.parse_args(["serve", "--no-mirror"]).mirror is False
     assert not hasattr(p.parse_args(["inspect"]), "mirror")  # inspect reads no weights
     os.remove(os.path.join(mirror, next(iter(first))))  # the command line's --mirror copies again
     args = p.parse_args(["chat", "--checkpoint", url, "--mirror", "--dtype", "float32"])
@@ -153,30 +153,16 @@ def test_two_processes_each_read_their_own_shards_from_the_store(tmp_path):
     ckpt = tmp_path / "ckpt"
     shard_load.write_checkpoint(str(ckpt), shard_load.SMALL)
     sizes = shard_load.file_bytes(str(ckpt))
-    small = sum(os.path.getsize(ckpt / f) for f in ("config.json", "tokenizer.json", "model.safetensors.index.json"))
-    small += os.path.getsize(ckpt / "model.safetensors.index.json")
-    st = SafetensorsDir(str(ckpt))
-    covering = sum(int(np.prod(st.shape(k))) * 2 for k in st.keys()
-                   if k.endswith(("o_proj.weight", "mlp.down_proj.weight", "self_conditioning.down_proj.weight")))
+    bounds = shard_load.share_bounds(str(ckpt))
     results = shard_load.run(str(ckpt), str(tmp_path / "out"), processes=2, devices=4, dtype="float32")
 
     for r in results:
         print(f"process {r['process']}: read {r['bytes_read']} bytes, its shards {r['share']}, the checkpoint "
               f"{sizes['weights'] + sizes['headers']}; peak RSS {r['peak_rss_mb']} MB ({r['rss_before_mb']} MB "
               f"before the load), {r['load_s']} s")
-        assert r["share"] + sizes["headers"] <= r["bytes_read"] <= r["share"] + sizes["headers"] + small + covering
+        assert (r["share"] + sizes["headers"] <= r["bytes_read"]
+                <= r["share"] + sizes["headers"] + bounds["small"] + bounds["covering"])
         assert r["bytes_read"] < 0.65 * (sizes["weights"] + sizes["headers"])  # not the whole checkpoint
         assert r["peak_rss_mb"] >= r["rss_before_mb"] > 0  # VmHWM and VmRSS from /proc, reported above
 
-    want = load_checkpoint(str(ckpt), dtype="float32")[1]
-    flat = {"/".join(str(getattr(k, "key", k)) for k in kp): np.asarray(x)
-            for kp, x in jax.tree_util.tree_flatten_with_path(want)[0]}
-    covered = {name: np.zeros(x.shape, bool) for name, x in flat.items()}
-    for i in range(2):
-        with np.load(tmp_path / "out" / f"shards{i}.npz") as pieces:
-            for key in pieces.files:
-                name, box = key.split("|")
-                index = tuple(slice(a, b) for a, b in json.loads(box))
-                np.testing.assert_array_equal(pieces[key], flat[name][index], err_msg=key)
-                covered[name][index] = True
-    assert all(c.all() for c in covered.values())  # the two processes together hold every parameter
+    shard_load.check_pieces(str(ckpt), str(tmp_path / "out"), processes=2)

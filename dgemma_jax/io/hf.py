@@ -264,6 +264,11 @@ class Tensor:
         return tuple(reversed(out))
 
 
+def _protocols(fs) -> tuple[str, ...]:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)
+
+
 class SafetensorsDir:
     """The tensors of a directory of *.safetensors files (sharded index or not), local or at an fsspec
     URL (gs://, memory://, ...). Each file's header (8-byte length + JSON) is parsed here; tensors are
@@ -354,7 +359,7 @@ class SafetensorsDir:
         for k in range(0, len(pieces), READ_BATCH):
             batch = pieces[k:k + READ_BATCH]
             try:
-                got = self.fs.cat_ranges([full] * len(batch), [s for _, s, _ in batch], [e for *_, e in batch])
+                got = self._cat_ranges(full, batch)
             except Exception as e:  # noqa: BLE001 - auth, network: each store's own exception types
                 raise remote_error(self.path, e) from None
             for (i, s, e), data in zip(batch, got):
@@ -364,6 +369,20 @@ class SafetensorsDir:
                     raise EOFError(f"{self._show(full)!r} ends before byte {e}")
                 out[i][s - ranges[i][0]:e - ranges[i][0]] = data
         return out
+
+    def _cat_ranges(self, full: str, batch: list[tuple[int, int, int]]) -> list:
+        """The bytes of each (_, start, end) of one file, requested together. An async store (gcsfs, s3fs)
+        does that itself; the Hub's `hf://` filesystem reads one range at a time through a read-ahead
+        buffer (megabytes more than asked), so its ranges go out as exact HTTP range requests from
+        threads."""
+        starts, ends = [s for _, s, _ in batch], [e for *_, e in batch]
+        if "hf" not in _protocols(self.fs):
+            return self.fs.cat_ranges([full] * len(batch), starts, ends)
+        from concurrent.futures import ThreadPoolExecutor  # deferred: only Hub reads use threads
+
+        with ThreadPoolExecutor(len(batch)) as pool:
+            return list(pool.map(lambda se: self.fs.cat_file(full, se[0], se[1], cache_type="none"),
+                                 zip(starts, ends)))
 
     def _header(self, fn: str) -> dict[str, Tensor]:
         full = self._join(fn)
@@ -488,7 +507,7 @@ def vision_tensors_present(path: str | os.PathLike) -> bool | None:
 def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
             shardings: Any | None = None, config_overrides: dict | None = None,
             progress: Callable[[Iterator], Iterator] | None = None, revision: str | None = None,
-            vision: bool | None = None, mirror: bool = False, weights: str | None = None,
+            vision: bool | None = None, mirror: bool | None = None, weights: str | None = None,
             quantize: str | None = None):
     """Read a Hugging Face DiffusionGemma directory (config.json + safetensors) -> (ModelConfig, params).
 

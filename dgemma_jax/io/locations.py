@@ -25,8 +25,9 @@ so the second run starts without a copy. Each file is written to a temporary nam
 complete: an interrupted copy is never taken for a whole file.
 
 Hub repos are downloaded into the Hugging Face cache (HF_HOME / HF_HUB_CACHE, ~/.cache/huggingface)
-with only the files a checkpoint needs; offline (HF_HUB_OFFLINE=1, or no network) a repo already in
-the cache is used as it is. Failures are one-line errors that name the fix.
+with only the files a checkpoint needs; a run of several processes (a pod) downloads all but the
+weights, which each process reads in ranges from the Hub (`locate`). Offline (HF_HUB_OFFLINE=1, or
+no network) a repo already in the cache is used as it is. Failures are one-line errors that name the fix.
 """
 
 from __future__ import annotations
@@ -129,18 +130,35 @@ def resolve(location: str | os.PathLike, revision: str | None = None, *, files: 
     return hub_snapshot(repo, rev, files=files, check=check, explicit=loc.startswith("hf://"))
 
 
-def locate(location: str | os.PathLike, revision: str | None = None, *, mirror: bool = False,
+def locate(location: str | os.PathLike, revision: str | None = None, *, mirror: bool | None = None,
            progress: bool = True) -> tuple[str, str | None]:
     """(a local directory of the checkpoint's files, the fsspec URL its *.safetensors are read from or None).
 
-    A local directory or a Hub repo: (`resolve`'s directory, None): the weights are beside the config. An
-    fsspec URL of a Hugging Face checkpoint: its weights stay in the store and each process reads the byte
-    ranges of its own shards from there (`io.hf.SafetensorsDir`); the other files (config, tokenizer, the
-    safetensors index) are copied into the local mirror. mirror=True copies the weights too and reads them
-    from the mirror (later starts then skip the store: `resolve`). An orbax checkpoint (ours) is mirrored
-    whole either way."""
-    if kind(location) != "url" or mirror:
+    Where the weights are read from (`io.hf.SafetensorsDir` reads only the byte ranges of each process's
+    own shards from a URL):
+    - a local directory: in place;
+    - an fsspec URL (gs://, ...): straight from the store; mirror=True copies them into the local
+      mirror first (later starts then skip the store);
+    - a Hub repo: mirror=None (default) downloads them into the Hugging Face cache when this is the only
+      process (it reads every byte anyway, and later starts read the cache), and reads each process's
+      shards straight from the Hub (`hf://REPO@COMMIT`) when there are several (a pod: no host copies
+      the whole model); mirror=True / False force the download / the direct reads.
+    The other files (config, tokenizer, the safetensors index) are copied locally either way. A Hub
+    revision is pinned to its commit first, so that every process reads the same one. An orbax
+    checkpoint (ours) is copied whole."""
+    k = kind(location)
+    if k == "local" or mirror:
         return resolve(location, revision, progress=progress), None
+    if k == "hub":
+        import jax  # deferred: only a Hub repo asks how many processes read it
+
+        if mirror is None and jax.process_count() == 1 or _hub_offline():
+            return resolve(location, revision, progress=progress), None
+        loc = os.fspath(location)
+        repo, rev = split_revision(loc.removeprefix("hf://"), revision)
+        commit = hub_commit(repo, rev, explicit=loc.startswith("hf://"))
+        local = hub_snapshot(repo, commit, files="no-weights", explicit=loc.startswith("hf://"))
+        return local, (f"hf://{repo}@{commit}" if detect_format(local, need_weights=False) == "hf" else None)
     local = resolve(location, revision, files="no-weights", progress=progress)
     return local, (os.fspath(location) if detect_format(local, need_weights=False) == "hf" else None)
 
@@ -310,23 +328,25 @@ def _write_manifest(path: str, manifest: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- the Hugging Face Hub
-def hub_snapshot(repo: str, revision: str | None = None, files: str = "all", check: bool = True,
-                 explicit: bool = False) -> str:
-    """snapshot_download of a Hub repo (only a checkpoint's files) -> its directory in the HF cache."""
-    try:
-        from huggingface_hub import errors, snapshot_download  # deferred: ~0.2 s to import; only Hub repo ids need it
-    except ImportError as e:  # pragma: no cover - a dependency of dgemma_jax
-        raise CheckpointNotFound(f"reading the Hub repo {repo!r} needs huggingface_hub ({e}): "
-                                 "pip install huggingface_hub") from None
+def _hub_offline() -> bool:
+    from huggingface_hub import constants  # deferred: ~0.2 s to import; only Hub repo ids need it
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _hub_what(repo: str, revision: str | None, explicit: bool) -> str:
     at = f"{repo}@{revision}" if revision else repo
-    what = f"the Hugging Face Hub repo {at!r}" if explicit else \
+    return f"the Hugging Face Hub repo {at!r}" if explicit else \
         f"{at!r} (no local directory of that name, so read as a Hugging Face Hub repo id)"
-    if files == "config":
-        which = {"allow_patterns": list(CONFIG_FILES)}
-    else:
-        which = {"allow_patterns": HUB_PATTERNS} if check else {"ignore_patterns": HUB_IGNORED}
+
+
+@contextlib.contextmanager
+def _hub_errors(what: str, revision: str | None):
+    """huggingface_hub's failures as one-line CheckpointNotFound errors naming the fix."""
+    from huggingface_hub import errors  # deferred: ~0.2 s to import; only Hub repo ids need it
+
     try:
-        path = snapshot_download(repo, revision=revision, **which)
+        yield
     except errors.LocalEntryNotFoundError:
         raise CheckpointNotFound(
             f"{what} is not in the Hugging Face cache and the Hub cannot be reached (offline or HF_HUB_OFFLINE=1): "
@@ -348,9 +368,40 @@ def hub_snapshot(repo: str, revision: str | None = None, files: str = "all", che
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointNotFound(f"could not download {what} ({type(e).__name__}: {first}); check the repo id "
                                  "and the network, or pass a local checkpoint directory") from None
+
+
+def hub_commit(repo: str, revision: str | None = None, explicit: bool = False) -> str:
+    """The commit a Hub revision (branch, tag, commit; None: main) points at now."""
+    try:
+        from huggingface_hub import HfApi  # deferred: ~0.2 s to import; only Hub repo ids need it
+    except ImportError as e:  # pragma: no cover - a dependency of dgemma_jax
+        raise CheckpointNotFound(f"reading the Hub repo {repo!r} needs huggingface_hub ({e}): "
+                                 "pip install huggingface_hub") from None
+    with _hub_errors(_hub_what(repo, revision, explicit), revision):
+        return HfApi().repo_info(repo, revision=revision).sha
+
+
+def hub_snapshot(repo: str, revision: str | None = None, files: str = "all", check: bool = True,
+                 explicit: bool = False) -> str:
+    """snapshot_download of a Hub repo (only a checkpoint's files; files="no-weights": all but the
+    *.safetensors) -> its directory in the HF cache."""
+    try:
+        from huggingface_hub import snapshot_download  # deferred: ~0.2 s to import; only Hub repo ids need it
+    except ImportError as e:  # pragma: no cover - a dependency of dgemma_jax
+        raise CheckpointNotFound(f"reading the Hub repo {repo!r} needs huggingface_hub ({e}): "
+                                 "pip install huggingface_hub") from None
+    what = _hub_what(repo, revision, explicit)
+    if files == "config":
+        which = {"allow_patterns": list(CONFIG_FILES)}
+    elif files == "no-weights":
+        which = {"allow_patterns": [p for p in HUB_PATTERNS if p != "*.safetensors"]}
+    else:
+        which = {"allow_patterns": HUB_PATTERNS} if check else {"ignore_patterns": HUB_IGNORED}
+    with _hub_errors(what, revision):
+        path = snapshot_download(repo, revision=revision, **which)
     if check:
         try:
-            if detect_format(path, need_weights=files != "config") == "hf":
+            if detect_format(path, need_weights=files == "all") == "hf":
                 ModelConfig.from_hf(path)  # a config.json of another model type is named here
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"{what} is not a DiffusionGemma checkpoint dgemma_jax can read: "
