@@ -363,3 +363,32 @@ def test_slots_sharded_over_a_mesh(bundled):
         sch.stop()
     assert [c.final[0].text for c in got] == ["".join(sorted(p[1:-1])) for p in prompts]
     assert len(sch._cache.keys[0].sharding.device_set) == 4
+
+
+def test_a_server_with_the_layers_scanned_gives_the_same_answers(bundled, scheduler):
+    """`dgemma serve --layers scan` (Runtime(layers="scan")): the slot programs on the stacked layers and
+    cache give the unrolled server's tokens and steps, for requests sharing ticks and a follow-up that
+    reuses a slot's prefix."""
+    from dgemma_jax.cli import build_parser
+    from dgemma_jax.cli_run import runtime_for
+
+    cfg, params, sampler, tok = bundled
+    args = build_parser().parse_args(["serve", "--layers", "scan"])
+    assert runtime_for(args).layer_layout == "scan" and runtime_for(build_parser().parse_args(["serve"])) is None
+    scanned = Scheduler.for_model(cfg, params, tok, sampler, slots=4, max_steps=32, max_queue=16,
+                                  runtime=runtime_for(args))
+    assert scanned.engine.runtime.layer_layout == "scan"
+    scanned.start()
+    try:
+        prompts = ["s9350814272=", "s8877665544332211=", "s31415926535=", "s9350814272=0122345789s4213="]
+        got = []
+        for sch in (scheduler, scanned):
+            runs = [_submit(sch, tok, sampler, p, seed=40 + i)[0] for i, p in enumerate(prompts[:3])]
+            assert all(c.done.wait(120) for c in runs)
+            follow, _ = _submit(sch, tok, sampler, prompts[3], seed=50)
+            assert follow.done.wait(120)
+            got.append([(c.final[0].token_ids, c.final[0].steps) for c in runs + [follow]])
+        assert got[0] == got[1]
+        assert got[1][0][0] and tok.decode(got[1][0][0]) == "0122345789"
+    finally:
+        scanned.stop()

@@ -8,7 +8,8 @@ import sys
 import threading
 
 from dgemma_jax.compile_cache import CompileCounter
-from dgemma_jax.cli_run import PROFILE_HELP, checkpoint_flags, compiled_flag, load_model_for_cli, mesh_flags, use_compiled
+from dgemma_jax.cli_run import (PROFILE_HELP, checkpoint_flags, compiled_flag, load_model_for_cli, mesh_flags,
+                                runtime_for, use_compiled)
 from dgemma_jax.model.quant import QUANTIZE_CHOICES
 from dgemma_jax.parallel.profiling import profile
 from dgemma_jax.sampling.config import SamplerConfig
@@ -37,6 +38,7 @@ def cmd_serve(args) -> int:
     use_compiled(args, cfg, shardings)
     context = min(args.context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
     scheduler = Scheduler.for_model(cfg, params, tok, sampler, max_steps=args.max_steps, shardings=shardings,
+                                    runtime=runtime_for(args, shardings),
                                     slots=args.slots, context=context, max_queue=args.max_queue,
                                     prefill_chunk=args.prefill_chunk, prefix_reuse=args.prefix_reuse)
     name = args.served_model_name or cfg.name
