@@ -166,3 +166,52 @@ def test_two_processes_each_read_their_own_shards_from_the_store(tmp_path):
         assert r["peak_rss_mb"] >= r["rss_before_mb"] > 0  # VmHWM and VmRSS from /proc, reported above
 
     shard_load.check_pieces(str(ckpt), str(tmp_path / "out"), processes=2)
+
+
+def test_our_format_at_gs_is_restored_in_place_not_copied(tmp_path):
+    """A checkpoint in our format at gs:// (a local GCS that gcsfs and tensorstore both talk to): orbax
+    restores its params/ straight from the bucket, on one device and sharded over expert=2, and the
+    answer equals the local checkpoint's; only the small files land in the mirror. --mirror copies the
+    params too. A params file cut short in the bucket is named before orbax reads anything."""
+    import subprocess
+
+    from tests.helpers.fake_gcs import fake_gcs
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cache = tmp_path / "cache"
+    with fake_gcs("bkt") as env:
+        env = dict(os.environ, **env, PYTHONPATH=root, JAX_PLATFORMS="cpu", DGEMMA_CACHE=str(cache),
+                   XLA_FLAGS="--xla_force_host_platform_device_count=2")
+        from dgemma_jax.training.bundled import asset_path
+
+        put = ("import gcsfs, sys; gcsfs.GCSFileSystem(use_listings_cache=False).put(sys.argv[1], 'bkt/tiny', "
+               "recursive=True)")
+        subprocess.run([sys.executable, "-c", put, asset_path()], env=env, check=True, timeout=120)
+
+        def generate(checkpoint, *extra):
+            r = subprocess.run([sys.executable, "-m", "dgemma_jax.cli", "generate", "--prompt", "s9350814272=",
+                                "--checkpoint", checkpoint, *extra], env=env, capture_output=True, text=True,
+                               timeout=300, cwd=root)
+            assert r.returncode == 0, r.stderr[-3000:]
+            return r
+
+        local = generate(asset_path()).stdout
+        assert local.strip() == "0122345789"
+        mirror = cache / "checkpoints" / "gs" / "bkt" / "tiny"
+        for extra in ((), ("--mesh", "expert=2")):
+            assert generate("gs://bkt/tiny", *extra).stdout == local
+            assert (mirror / "dgemma_model.json").is_file() and not (mirror / "params").exists()
+        assert generate("gs://bkt/tiny", "--mirror").stdout == local
+        assert (mirror / "params").is_dir()
+
+        cut = ("import gcsfs, sys; fs = gcsfs.GCSFileSystem(use_listings_cache=False); "
+               "f = max((p for p in fs.find('bkt/tiny/params') if fs.size(p) > 8), key=fs.size); "
+               "fs.pipe(f, fs.cat(f)[:8]); print(f)")
+        damaged = subprocess.run([sys.executable, "-c", cut], env=env, check=True, timeout=120,
+                                 capture_output=True, text=True).stdout.strip()
+        r = subprocess.run([sys.executable, "-m", "dgemma_jax.cli", "generate", "--prompt", "s9350814272=",
+                            "--checkpoint", "gs://bkt/tiny"], env=env, capture_output=True, text=True,
+                           timeout=300, cwd=root)
+        rel = damaged.removeprefix("bkt/tiny/")
+        assert r.returncode != 0 and f"{rel} is 8 bytes, saved as" in r.stderr, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr

@@ -144,8 +144,9 @@ def locate(location: str | os.PathLike, revision: str | None = None, *, mirror: 
       shards straight from the Hub (`hf://REPO@COMMIT`) when there are several (a pod: no host copies
       the whole model); mirror=True / False force the download / the direct reads.
     The other files (config, tokenizer, the safetensors index) are copied locally either way. A Hub
-    revision is pinned to its commit first, so that every process reads the same one. An orbax
-    checkpoint (ours) is copied whole."""
+    revision is pinned to its commit first, so that every process reads the same one. A checkpoint in
+    our format at gs:// is restored by orbax straight from the bucket (the returned URL: the directory
+    holding its params/), each process its own shards; at another URL it is copied whole."""
     k = kind(location)
     if k == "local" or mirror:
         return resolve(location, revision, progress=progress), None
@@ -160,7 +161,15 @@ def locate(location: str | os.PathLike, revision: str | None = None, *, mirror: 
         local = hub_snapshot(repo, commit, files="no-weights", explicit=loc.startswith("hf://"))
         return local, (f"hf://{repo}@{commit}" if detect_format(local, need_weights=False) == "hf" else None)
     local = resolve(location, revision, files="no-weights", progress=progress)
-    return local, (os.fspath(location) if detect_format(local, need_weights=False) == "hf" else None)
+    fmt = detect_format(local, need_weights=False)
+    if fmt == "hf" or (fmt == "dgemma" and orbax_reads(os.fspath(location))):
+        return local, os.fspath(location)
+    return resolve(location, revision, progress=progress), None  # ours elsewhere: its params/ copied too
+
+
+def orbax_reads(url: str) -> bool:
+    """Whether orbax restores a checkpoint straight from this URL (tensorstore's gcs driver: gs:// only)."""
+    return url.startswith("gs://")
 
 
 # ---------------------------------------------------------------------------- fsspec URLs
@@ -260,13 +269,16 @@ def _mirror(url: str, files: str, check: bool, progress: bool) -> str:
             manifest = json.load(f)
     except (OSError, ValueError):
         manifest = {}
+    # our format at a URL orbax reads: its params/ tree is restored from there, each process its shards
+    restored_in_place = META in rels and orbax_reads(url)
     todo = []
     for path, info in sorted(listing.items()):
         if info.get("type") == "directory" or path.endswith("/"):
             continue
         rel = posixpath.relpath(path.rstrip("/"), root)
         if rel.startswith("..") or (files == "config" and rel not in CONFIG_FILES) or \
-                (files == "no-weights" and rel.endswith(".safetensors")):
+                (files == "no-weights" and (rel.endswith(".safetensors") or (restored_in_place and
+                                                                             rel.startswith("params/")))):
             continue
         dest = os.path.join(local, *rel.split("/"))
         stamp = _stamp(info)

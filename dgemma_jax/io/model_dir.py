@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import posixpath
 import shutil
 from typing import Any
 
@@ -29,7 +30,7 @@ from dgemma_jax.io.char_tokenizer import CharTokenizer
 from dgemma_jax.io.finite import check_finite
 from dgemma_jax.io.formats import FORMAT, META, detect_format  # noqa: F401 (also this module's API)
 from dgemma_jax.io.hf import load_hf, vision_tensors_present
-from dgemma_jax.io.locations import orbax_path
+from dgemma_jax.io.locations import open_fs, orbax_path, remote_error
 from dgemma_jax.io.tokenizer import load_tokenizer
 from dgemma_jax.model.api import param_shapes
 from dgemma_jax.model.quant import embedding_quantized, quantization_of, quantize_params, quantized_shapes
@@ -191,14 +192,13 @@ def params_files(params_dir: str) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def _check_params_files(path: str, recorded: dict) -> None:
-    """Compare the parameter files with the sizes recorded at save time: a missing, emptied or cut
-    file is named here instead of surfacing as a storage-library error mid-restore."""
-    params_dir = os.path.join(path, "params")
+def _check_params_files(path: str, params_dir: str, recorded: dict) -> None:
+    """Compare the parameter files (local, or at a URL) with the sizes recorded at save time: a missing,
+    emptied or cut file is named here instead of surfacing as a storage-library error mid-restore."""
+    sizes = _file_sizes(params_dir)
     bad = []
     for rel, size in recorded.items():
-        full = os.path.join(params_dir, rel)
-        now = os.path.getsize(full) if os.path.isfile(full) else None
+        now = sizes.get(rel)
         if now is None:
             bad.append(f"params/{rel} is missing")
         elif now != size:
@@ -207,6 +207,21 @@ def _check_params_files(path: str, recorded: dict) -> None:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
         raise ValueError(f"checkpoint {path!r} is damaged: {'; '.join(bad[:3])}{more}; restore it from a copy or "
                          "convert it again")
+
+
+def _file_sizes(directory: str) -> dict[str, int]:
+    """{path relative to `directory`: bytes} of every file under it, a local path or a URL."""
+    if "://" not in directory:
+        return {os.path.relpath(os.path.join(d, f), directory).replace(os.sep, "/"): os.path.getsize(os.path.join(d, f))
+                for d, _, fs in os.walk(directory) for f in fs}
+    fs, root = open_fs(directory)
+    root = root.rstrip("/")
+    try:
+        listing = fs.find(root, detail=True)
+    except Exception as e:  # noqa: BLE001 - auth, network: each store's own exception types
+        raise remote_error(directory, e) from None
+    return {posixpath.relpath(p, root): int(info.get("size") or 0) for p, info in listing.items()
+            if info.get("type") != "directory"}
 
 
 def checkpoint_quantization(path: str | os.PathLike) -> str | None:
@@ -219,8 +234,9 @@ def checkpoint_quantization(path: str | os.PathLike) -> str | None:
 def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None, weights: str | None = None,
                quantize: str | None = None):
     """Any supported checkpoint directory -> (ModelConfig, params, SamplerConfig | None); weights: the URL
-    of a Hugging Face checkpoint's *.safetensors when they are not in `path` (`locations.locate`), read
-    from there (with shardings: each process its own shards' bytes). quantize: "int8" / "int4" quantizes
+    of the checkpoint's weights when they are not in `path` (`locations.locate`), read from there (with
+    shardings: each process its own shards): a Hugging Face checkpoint's *.safetensors, or the gs://
+    directory holding our format's params/ tree (orbax restores it in place). quantize: "int8" / "int4" quantizes
     a float checkpoint's kernels as they are read (Hugging Face: one tensor at a time, `load_hf`; ours:
     after the restore), placed like the float ones; a checkpoint saved quantized is a ValueError then."""
     fmt = detect_format(path, need_weights=weights is None)
@@ -235,8 +251,9 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None
         raise ValueError(f"checkpoint {os.fspath(path)!r} is already quantized ({meta['quantization'].get('mode')}); "
                          "load it without quantize")
     cfg = config_from_dict(meta["config"])
+    params_dir = posixpath.join(weights.rstrip("/"), "params") if weights else os.path.join(os.fspath(path), "params")
     if isinstance(meta.get("params_files"), dict):
-        _check_params_files(os.fspath(path), meta["params_files"])
+        _check_params_files(weights or os.fspath(path), params_dir, meta["params_files"])
     if dtype:
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
     quant = meta.get("quantization")
@@ -251,7 +268,7 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None
         tree = shardings.for_params(abstract) if quant else getattr(shardings, "params", shardings)
         abstract = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=n), abstract, tree)
     try:
-        params = load_params(os.path.join(os.fspath(path), "params"), abstract)
+        params = load_params(params_dir, abstract)
     except ParamsMismatch:
         raise
     except (ValueError, KeyError) as e:
