@@ -153,7 +153,9 @@ def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | 
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
 
-    def block(lo, length):
+    def add_block(acc, lo, length):
+        """acc [N, D] float32 plus the weighted outputs of sorted pairs [lo, lo + length), scattered
+        into their tokens' rows in place (only those rows are read and written)."""
         idx = jax.lax.dynamic_slice_in_dim(order, lo, length)
         token = idx // k
         in_block = jnp.clip(jnp.minimum(ends, lo + length) - jnp.maximum(starts, lo), 0, length).astype(jnp.int32)
@@ -162,10 +164,11 @@ def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | 
         live = (lo + jnp.arange(length)) < total  # rows past the groups are not defined outputs
         wgt = jax.lax.dynamic_slice_in_dim(w_sorted, lo, length)
         y = jnp.where(live[:, None], y * wgt[:, None].astype(y.dtype), 0)
-        return jnp.zeros((n, d), jnp.float32).at[token].add(y.astype(jnp.float32))
+        return acc.at[token].add(y.astype(jnp.float32))
 
+    acc = jnp.zeros((n, d), jnp.float32)
     if rows is None or rows >= n * k:
-        return block(0, n * k).astype(z.dtype)
+        return add_block(acc, 0, n * k).astype(z.dtype)
     nblocks = -(-n * k // rows)
     pad = nblocks * rows - n * k
     if pad:  # padded slots are never live (they sit past `total`)
@@ -174,10 +177,10 @@ def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | 
 
     def body(acc, i):
         lo = i * rows
-        part = jax.lax.cond(lo < total, lambda: block(lo, rows), lambda: jnp.zeros((n, d), jnp.float32))
-        return acc + part, None
+        # a block past the last valid pair leaves the sum as it is (no [N, D] temporary per block)
+        return jax.lax.cond(lo < total, lambda a: add_block(a, lo, rows), lambda a: a, acc), None
 
-    out, _ = jax.lax.scan(body, jnp.zeros((n, d), jnp.float32), jnp.arange(nblocks, dtype=jnp.int32))
+    out, _ = jax.lax.scan(body, acc, jnp.arange(nblocks, dtype=jnp.int32))
     return out.astype(z.dtype)
 
 
