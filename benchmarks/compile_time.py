@@ -12,6 +12,10 @@ and after each compile: compile times on a shared machine depend on them.
     python benchmarks/compile_time.py --topologies v6e-8 --layers scan,unrolled
     python benchmarks/compile_time.py --topologies v6e-8 --layers unrolled --num-layers 1,2,6,12
 
+--batch, --quantize and --tag measure another entry point's programs under its own key, e.g. the
+server's (`--programs slot_tick,prefill_slot --batch 8 --tag serve8`) or the one-chip notebook's
+(`--topologies v6e-1 --quantize int8 --context 8192 --programs generate --tag int8`).
+
 --num-layers compiles the preset cut to its first N layers (same widths, experts, cache and mesh;
 run key "TOPOLOGY/LAYOUT/NL"): how compile time grows with the layers a program holds, so the
 floor of a scanned program (one 6-layer group per call site) can be read off a 6-layer one.
@@ -46,6 +50,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--num-layers", default=None,
                     help="comma list: compile the preset cut to its first N layers (default: all of them)")
+    ap.add_argument("--batch", type=int, default=1, help="rows (the server's programs: slots)")
+    ap.add_argument("--quantize", choices=["int8", "int4"], default=None)
+    ap.add_argument("--tag", default="",
+                    help="suffix of the run keys (TOPOLOGY/LAYOUT/TAG): what the entry point is, e.g. serve8")
     ap.add_argument("--out", default="benchmarks/results/compile_time.json")
     args = ap.parse_args(argv)
     res = {"machine": machine_info(), "preset": args.preset, "context": args.context, "prompt": args.prompt,
@@ -60,17 +68,20 @@ def main(argv=None) -> int:
     counts = [None] if not args.num_layers else [int(n) for n in args.num_layers.split(",")]
     for topo, layers, n in ((t, ly, n) for t in args.topologies.split(",") for ly in args.layers.split(",")
                             for n in counts):
-        key = f"{topo}/{layers}" + (f"/{n}L" if n else "")
+        key = f"{topo}/{layers}" + (f"/{n}L" if n else "") + (f"/{args.tag}" if args.tag else "")
         before = _load()
         t0 = time.perf_counter()
         rep = compile_report(_cut(args.preset, n), topo, context=args.context, prompt=args.prompt,
-                             programs=tuple(args.programs.split(",")), layers=layers)
-        run = {"layers": rep["layers"], "num_layers": n or ModelConfig.preset(args.preset).num_layers,
+                             programs=tuple(args.programs.split(",")), layers=layers, batch=args.batch,
+                             quantize=args.quantize)
+        run = {"layers": rep["layers"], "batch": args.batch, "quantize": args.quantize, "context": args.context,
+               "prompt": args.prompt, "num_layers": n or ModelConfig.preset(args.preset).num_layers,
                "mesh": rep["mesh"], "wall_seconds": round(time.perf_counter() - t0, 1),
                "load_before": before, "load_after": _load(), "programs": {}}
         for name, p in rep["programs"].items():
             run["programs"][name] = {k: p.get(k) for k in ("compile_seconds", "hbm_bytes", "bytes_accessed",
-                                                           "flops", "total_bytes", "fits", "hbm_bytes_by_op")}
+                                                           "flops", "total_bytes", "fits", "hbm_bytes_by_op",
+                                                           "hbm_bytes_by_scope", "projected_seconds")}
         res["runs"][key] = run
         print(key, json.dumps(run["programs"]), file=sys.stderr, flush=True)
         _compare(res)
@@ -93,10 +104,10 @@ def _compare(res: dict) -> None:
     """scan / unrolled ratios per topology where both layouts were measured."""
     cmp = {}
     for key, run in res["runs"].items():
-        if key.count("/") != 1:  # a cut preset (--num-layers)
+        topo, layers, *rest = key.split("/")
+        if rest and rest[0].endswith("L") and rest[0][:-1].isdigit():  # a cut preset (--num-layers)
             continue
-        topo, layers = key.split("/")
-        other = res["runs"].get(f"{topo}/unrolled")
+        other = res["runs"].get("/".join([topo, "unrolled", *rest]))
         if layers != "scan" or other is None:
             continue
         c = {}
@@ -105,7 +116,7 @@ def _compare(res: dict) -> None:
             if q and p.get("compile_seconds") and q.get("compile_seconds"):
                 c[name] = {"compile_seconds_scan": p["compile_seconds"], "compile_seconds_unrolled": q["compile_seconds"],
                            "hbm_bytes_scan_over_unrolled": p["hbm_bytes"] / q["hbm_bytes"]}
-        cmp[topo] = c
+        cmp["/".join([topo, *rest])] = c
     res["scan_vs_unrolled"] = cmp
 
 

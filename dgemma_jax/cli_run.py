@@ -28,7 +28,7 @@ from dgemma_jax.parallel.profiling import profile
 from dgemma_jax.parallel.shardings import Shardings, fetch
 from dgemma_jax.io.images import SOFT_TOKEN_BUDGETS, load_image, prompt_with_images
 from dgemma_jax.pipeline import load_checkpoint as load_for_cli
-from dgemma_jax.runtime import LAYER_LAYOUTS, Runtime
+from dgemma_jax.runtime import LAYER_LAYOUTS, Runtime, layers_for_entry
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.generate import CanvasEvent, collect
 from dgemma_jax.sampling.loop import SEED_RANGE
@@ -84,16 +84,18 @@ def mesh_flags(s, rules: str = "latency") -> None:
                    help=f"how logical axes map to mesh axes: latency, serving, training or a rules file (default {rules})")
     s.add_argument("--layers", choices=LAYER_LAYOUTS, default="auto",
                    help="how the compiled programs lay out the layers: unrolled, or scan (the repeated layer group "
-                        "compiled once: on TPU about 0.6x the compile time and 1.02-1.25x the HBM traffic per call, "
-                        "docs/tpu.md); auto (default): unrolled, as measured best for every command there")
+                        "compiled once: on TPU about half the compile time, 1.02-1.25x the HBM traffic per call); "
+                        "auto (default): on TPU scan for generate and chat, unrolled for serve; unrolled elsewhere "
+                        "(docs/tpu.md)")
 
 
-def runtime_for(args, shardings=None):
-    """The Runtime --layers asks for (None: the engine's default)."""
+def runtime_for(args, platform: str | None = None) -> Runtime:
+    """The Runtime of a command's engine: --layers, "auto" resolved for this command on `platform`
+    (default: this process's backend) by `runtime.layers_for_entry`."""
     layers = getattr(args, "layers", "auto")
     if layers == "auto":
-        return None
-    return shardings.runtime(layers=layers) if shardings is not None else Runtime(layers=layers)
+        layers = layers_for_entry(args.command, platform or jax.default_backend())
+    return Runtime(layers=layers)
 
 
 def load_model_for_cli(args, checkpoint=None):
@@ -181,7 +183,7 @@ def cmd_generate(args) -> int:
         tokens = np.array([ids], np.int32)
     if args.max_prompt and len(ids) > args.max_prompt:
         raise UsageError(f"the prompt is {len(ids)} tokens, longer than --max-prompt {args.max_prompt}")
-    engine = Engine(cfg, params, sampler, shardings=shardings, runtime=runtime_for(args, shardings))
+    engine = Engine(cfg, params, sampler, shardings=shardings, runtime=runtime_for(args))
     seed, pinned = _seed_canvas(args, tok, sampler, 1)
     max_new = default_new_tokens(cfg, sampler, len(ids)) if args.max_new_tokens is None else args.max_new_tokens
     kw = dict(rng=args.seed, max_new_tokens=max_new, seed_canvas=seed, pinned=pinned, images=images)
@@ -218,7 +220,7 @@ def cmd_chat(args) -> int:
     compiles = CompileCounter()
     cfg, params, sampler, tok, shardings = load_model_for_cli(args)
     sampler = sampler_from_args(args, cfg, sampler)
-    engine = Engine(cfg, params, sampler, shardings=shardings, runtime=runtime_for(args, shardings))
+    engine = Engine(cfg, params, sampler, shardings=shardings, runtime=runtime_for(args))
     session = ChatSession(engine, tok, system=args.system, thinking=args.thinking,
                           context=args.context, max_new_tokens=args.max_new_tokens, seed=args.seed,
                           max_soft_tokens=args.max_soft_tokens)
@@ -347,7 +349,7 @@ def use_compiled(args, config, shardings=None) -> None:
     devices = list(shardings.mesh.devices.flat) if shardings is not None else jax.devices()[:1]
     ident = compile_cache.identity(config, devices, mesh=dict(shardings.mesh.shape) if shardings is not None else None,
                                    rules=getattr(args, "rules", None), quantize=getattr(args, "quantize", None),
-                                   layers="scan" if getattr(args, "layers", "auto") == "scan" else "unrolled")
+                                   layers=runtime_for(args).layer_layout)
     compile_cache.use_compiled_dir(args.compiled, ident)
 
 

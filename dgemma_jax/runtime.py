@@ -29,11 +29,23 @@ ATTN_KERNELS = ("auto", "xla", "splash")
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 LAYER_LAYOUTS = ("auto", "unrolled", "scan")
 # what Runtime(layers="auto") runs per platform. XLA:CPU runs the unrolled step faster
-# (benchmarks/results/scan_layers.json); on TPU the scan compiles one layer group instead of 30, but
-# its step slices every stacked weight into a copy per group (the expert kernels enter shard_map /
-# grouped-matmul custom calls that need whole buffers): 2.6x the unrolled step's HBM traffic on
-# v6e-8 (benchmarks/results/compile_time.json), so TPU stays unrolled until that copy is gone
+# (benchmarks/results/scan_layers.json); on TPU the scan compiles in about half the time but each call
+# moves 1.02-1.25x the unrolled program's HBM bytes (benchmarks/results/compile_time.json): a program
+# that runs for long (the library's, a server's) stays unrolled
 LAYER_DEFAULTS = {"cpu": "unrolled", "gpu": "unrolled", "cuda": "unrolled", "rocm": "unrolled", "tpu": "unrolled"}
+# what each entry point runs on TPU when left to "auto" (docs/tpu.md, "Which layout each entry point
+# runs"): the scan where the compile time it saves at a cold start outweighs its per-call cost over
+# the life of the persistent compilation cache (a one-shot command; a Colab session, whose cache goes
+# with it), unrolled where the programs run for hours (a server; training; the library's default)
+ENTRY_LAYERS = {"generate": "scan", "chat": "scan", "notebook": "scan", "serve": "unrolled"}
+
+
+def layers_for_entry(entry: str, platform: str) -> str:
+    """The layer layout entry point `entry` ("generate", "chat", "serve", "notebook", ...) runs on
+    `platform` when the user leaves it to "auto": `ENTRY_LAYERS` on TPU, the platform's default elsewhere."""
+    if platform == "tpu":
+        return ENTRY_LAYERS.get(entry, LAYER_DEFAULTS["tpu"])
+    return LAYER_DEFAULTS.get(platform, "unrolled")
 
 
 class DenseBeside(NamedTuple):

@@ -650,14 +650,16 @@ class TestColabNotebook:
         compile(make_colab.strip_magics("if True:\n    !pip install x\n%time y = 1\n"), "<t>", "exec")
 
     @pytest.mark.slow
-    @pytest.mark.parametrize("prompt,seed", [(None, 0), ("s31415926535=", 3)])
-    def test_notebook_answers_as_the_library_does(self, tmp_path, prompt, seed):
+    @pytest.mark.parametrize("prompt,seed,layers", [(None, 0, None), ("s31415926535=", 3, "scan")])
+    def test_notebook_answers_as_the_library_does(self, tmp_path, prompt, seed, layers):
         """Execute every code cell (bundled model, CPU) the way a kernel would; its answer is the
-        library's for the same prompt and seed, and the step-by-step cell agrees with it."""
+        library's for the same prompt and seed, and the step-by-step cell agrees with it. LAYERS: auto
+        (unrolled off TPU) and scan (the TPU's default) give the library's (unrolled) answer."""
         import dgemma_jax
         env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg", PYTHONPATH=str(ROOT))
         env.pop("XLA_FLAGS", None)
         sets = ["--set", f"SEED={seed}"] + (["--set", f"PROMPT={prompt!r}"] if prompt else [])
+        sets += ["--set", f"LAYERS={layers!r}"] if layers else []
         r = subprocess.run([sys.executable, str(MAKE_COLAB), "--run", *sets],
                            capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -672,6 +674,7 @@ class TestColabNotebook:
             assert expected == "".join(sorted(prompt[1:-1]))  # the bundled model sorts these digits
         assert "the step-by-step driver gives the same answer as model.generate: True" in r.stdout
         assert "canvas 0:" in r.stdout
+        assert f"layers ({layers or 'unrolled'})" in r.stdout
 
 
 # =============================================================================== serve mode

@@ -271,3 +271,29 @@ def test_scan_runs_the_grouped_matmul_on_per_group_kernels_on_an_expert_mesh(nam
                                                                         runtime=eng.runtime))(eng.params, cache))
     np.testing.assert_array_equal(out["scan"], out["unrolled"], err_msg=name)
     np.testing.assert_allclose(logits["scan"], logits["unrolled"], rtol=1e-5, atol=1e-3, err_msg=name)
+
+
+def test_each_entry_point_resolves_auto_to_its_measured_layout():
+    """--layers auto: on TPU the scan for generate, chat and the notebook (a cold start's compile time
+    outweighs its per-call cost), unrolled for serve; unrolled on every other platform; an explicit
+    --layers wins everywhere. The notebook takes its choice from the same table."""
+    import json
+    import os
+
+    from dgemma_jax.cli import build_parser
+    from dgemma_jax.cli_run import runtime_for
+    from dgemma_jax.runtime import layers_for_entry
+
+    p = build_parser()
+    want = {"generate": "scan", "chat": "scan", "serve": "unrolled"}
+    for command, wanted in want.items():
+        args = p.parse_args([command])
+        assert runtime_for(args, platform="tpu").layer_layout == wanted
+        assert runtime_for(args, platform="cpu").layer_layout == "unrolled"
+        assert runtime_for(p.parse_args([command, "--layers", "unrolled"]), platform="tpu").layer_layout == "unrolled"
+        assert runtime_for(p.parse_args([command, "--layers", "scan"]), platform="cpu").layer_layout == "scan"
+    assert layers_for_entry("notebook", "tpu") == "scan" and layers_for_entry("notebook", "gpu") == "unrolled"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "launch", "colab_tpu.ipynb")) as f:
+        cells = "".join("".join(c["source"]) for c in json.load(f)["cells"] if c["cell_type"] == "code")
+    assert 'layers_for_entry("notebook", jax.default_backend())' in cells

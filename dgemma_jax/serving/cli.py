@@ -38,7 +38,7 @@ def cmd_serve(args) -> int:
     use_compiled(args, cfg, shardings)
     context = min(args.context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
     scheduler = Scheduler.for_model(cfg, params, tok, sampler, max_steps=args.max_steps, shardings=shardings,
-                                    runtime=runtime_for(args, shardings),
+                                    runtime=runtime_for(args),
                                     slots=args.slots, context=context, max_queue=args.max_queue,
                                     prefill_chunk=args.prefill_chunk, prefix_reuse=args.prefix_reuse)
     name = args.served_model_name or cfg.name
