@@ -220,9 +220,12 @@ class Runtime:
             # this shard's hidden units give a partial sum too: both reduced as one array, one
             # all-reduce (XLA keeps two psums, or one psum of a tuple, as two collectives on TPU);
             # in the activation dtype, as XLA:TPU reduces the experts' float32 partial anyway
+            # stacked on a new leading axis, not side by side: concatenated along the hidden axis, the
+            # compiler laid the reduced [N, 2D] out column-major (the concatenation then free) and every
+            # layer copied both halves back to row-major, in float32, for the norms after it
             yd = dense.mlp(dense_x, **dense_kernels)
-            both = jax.lax.psum(jnp.concatenate([y.astype(yd.dtype), yd], axis=-1), ex)
-            return both[:, :y.shape[-1]], both[:, y.shape[-1]:]
+            both = jax.lax.psum(jnp.stack([y.astype(yd.dtype), yd]), ex)
+            return both[0], both[1]
 
         t = _spec(tok)
         kernel = P(_spec(ex), None, None)
