@@ -40,6 +40,14 @@ LAYER_DEFAULTS = {"cpu": "unrolled", "gpu": "unrolled", "cuda": "unrolled", "roc
 ENTRY_LAYERS = {"generate": "scan", "chat": "scan", "notebook": "scan", "serve": "unrolled"}
 
 
+# Activations up to about this many bytes the TPU compiler keeps on chip between the ops of a layer;
+# larger ones go through HBM, and some of the layer's code is written differently for them
+# (`moe.dispatch_ragged`'s sum, `Runtime.expert_parallel`'s all-reduce). Measured on the 26B's serving
+# tick for v6e-8: a [tokens, hidden] float32 of 23 MB (8 slots) stayed on chip, 92 MB (32 slots) did
+# not; the line between is not measured.
+ON_CHIP_BYTES = 32 * 2 ** 20
+
+
 def layers_for_entry(entry: str, platform: str) -> str:
     """The layer layout entry point `entry` ("generate", "chat", "serve", "notebook", ...) runs on
     `platform` when the user leaves it to "auto": `ENTRY_LAYERS` on TPU, the platform's default elsewhere."""
@@ -220,12 +228,16 @@ class Runtime:
             # this shard's hidden units give a partial sum too: both reduced as one array, one
             # all-reduce (XLA keeps two psums, or one psum of a tuple, as two collectives on TPU);
             # in the activation dtype, as XLA:TPU reduces the experts' float32 partial anyway
-            # stacked on a new leading axis, not side by side: concatenated along the hidden axis, the
-            # compiler laid the reduced [N, 2D] out column-major (the concatenation then free) and every
-            # layer copied both halves back to row-major, in float32, for the norms after it
+            # past ON_CHIP_BYTES stacked on a new leading axis, not side by side: concatenated along the
+            # hidden axis, the compiler laid the reduced [N, 2D] out column-major (the concatenation then
+            # free) and every layer copied both halves back to row-major, in float32, for the norms after
+            # it; below, the concatenation stays on chip and the stack would be written out
             yd = dense.mlp(dense_x, **dense_kernels)
-            both = jax.lax.psum(jnp.stack([y.astype(yd.dtype), yd]), ex)
-            return both[0], both[1]
+            if 2 * yd.size * yd.dtype.itemsize > ON_CHIP_BYTES:
+                both = jax.lax.psum(jnp.stack([y.astype(yd.dtype), yd]), ex)
+                return both[0], both[1]
+            both = jax.lax.psum(jnp.concatenate([y.astype(yd.dtype), yd], axis=-1), ex)
+            return both[:, :y.shape[-1]], both[:, y.shape[-1]:]
 
         t = _spec(tok)
         kernel = P(_spec(ex), None, None)

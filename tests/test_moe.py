@@ -191,14 +191,19 @@ def test_capacity_levels():
         assert list(lv) == sorted(set(lv)) and lv[-1] == n and all(1 <= c <= n for c in lv)
 
 
-@pytest.mark.parametrize("strategy", ["ragged", "capacity", "dense"])
+@pytest.mark.parametrize("strategy", ["ragged", "ragged_in_place", "capacity", "dense"])
 @pytest.mark.parametrize("shards,skew", [(1, False), (4, False), (4, True), (8, False)])
-def test_expert_shards_sum_to_the_oracle(strategy, shards, skew):
+def test_expert_shards_sum_to_the_oracle(strategy, shards, skew, monkeypatch):
     """Each expert shard serves only its experts [offset, offset + E/shards); the shards' partial
     outputs sum to the oracle. The ragged path runs the shard's pairs in blocks of ~1.25x its
     expected share; with skewed routing (every token's first choice on shard 0) shard 0 needs
-    several blocks and must still drop nothing."""
+    several blocks and must still drop nothing. "ragged_in_place": the form for sums too large to
+    stay on chip (`runtime.ON_CHIP_BYTES`), each block scattered into the sum in place."""
     from dgemma_jax import ModelConfig
+
+    if strategy == "ragged_in_place":
+        monkeypatch.setattr(moe, "ON_CHIP_BYTES", 0)
+        strategy = "ragged"
 
     rng = np.random.default_rng(shards * 7 + skew)
     n, e, k, d, f = 96, 16, 4, 24, 16

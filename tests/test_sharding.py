@@ -46,10 +46,18 @@ def test_sharded_generate_equals_unsharded(reference, mesh_spec, rules):
     assert any(s != "PartitionSpec()" for s in specs)
 
 
-def test_accelerator_paths_sharded_equal_unsharded(reference):
+@pytest.mark.parametrize("large", [False, True])
+def test_accelerator_paths_sharded_equal_unsharded(reference, large, monkeypatch):
     """The programs built for TPU (ragged expert-parallel MoE under shard_map, full-vocab head with
     Gumbel sampling), traced here and run on the CPU devices: sharded == unsharded on meshes that
-    split the experts 8 and 4 ways (each shard runs its pairs in blocks)."""
+    split the experts 8 and 4 ways (each shard runs its pairs in blocks). large: the forms the MoE
+    and its all-reduce take for activations past `runtime.ON_CHIP_BYTES` (the 32-slot server's)."""
+    from dgemma_jax import runtime as runtime_module
+    from dgemma_jax.model import moe
+
+    if large:
+        monkeypatch.setattr(runtime_module, "ON_CHIP_BYTES", 0)
+        monkeypatch.setattr(moe, "ON_CHIP_BYTES", 0)
     params, _ = reference
     rt = Runtime(platform="tpu", moe_dispatch="ragged", moe_shard_rows_factor=1.0)
     ref = Engine(CFG, params, SAMPLER, runtime=rt).generate(TOKENS, LENGTHS, rng=0, max_new_tokens=32)
@@ -150,14 +158,19 @@ def test_expert_parallelism_moves_no_expert_weights(dispatch):
     assert all(n < cfg.num_experts * one_expert // 2 for n, _ in gathers), gathers
 
 
-@pytest.mark.parametrize("mesh_spec,fused", [("expert=2,tensor=4", True), ("data=2,tensor=4", True),
-                                              ("fsdp=2,tensor=4", False)])
-def test_dense_mlp_sums_with_the_experts_in_one_all_reduce(mesh_spec, fused):
+@pytest.mark.parametrize("mesh_spec,fused,large", [("expert=2,tensor=4", True, False), ("expert=2,tensor=4", True, True),
+                                                    ("data=2,tensor=4", True, False), ("fsdp=2,tensor=4", False, False)])
+def test_dense_mlp_sums_with_the_experts_in_one_all_reduce(mesh_spec, fused, large, monkeypatch):
     """Where the dense MLP's hidden units are split over exactly the experts' mesh axes, its partial
     output is summed in the experts' all-reduce: per layer one all-reduce for the MoE and dense
     branches (not one each). With FSDP (embed split) the dense MLP stays XLA's; the same tokens either
-    way (test_sharded_generate_equals_unsharded, the training tests)."""
+    way (test_sharded_generate_equals_unsharded, the training tests). large: the form for activations
+    past `runtime.ON_CHIP_BYTES` (the pair stacked, not concatenated), still one all-reduce."""
+    from dgemma_jax import runtime as runtime_module
     from dgemma_jax.perf.collectives import collectives
+
+    if large:
+        monkeypatch.setattr(runtime_module, "ON_CHIP_BYTES", 0)
 
     rules = "latency" if "fsdp" not in mesh_spec else "training"  # training: embed split over fsdp
     sh = Shardings(CFG, make_mesh(mesh_spec), rules)

@@ -48,7 +48,7 @@ from dgemma_jax.model import layout
 from dgemma_jax.model.layers import (GATED_MLP_AXES, QUANT_SCALE, adapter, dequantize, gated_mlp,
                                      gelu_tanh, is_int4, is_quantized, kernel_shape, ones_param, param, project,
                                      quant_values, rms_normalize)
-from dgemma_jax.runtime import DenseBeside, Runtime
+from dgemma_jax.runtime import ON_CHIP_BYTES, DenseBeside, Runtime
 
 
 def route(h: jax.Array, w_router: jax.Array, router_scale: jax.Array, expert_scale: jax.Array, top_k: int,
@@ -154,8 +154,8 @@ def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | 
     starts = ends - sizes
 
     def add_block(acc, lo, length):
-        """acc [N, D] float32 plus the weighted outputs of sorted pairs [lo, lo + length), scattered
-        into their tokens' rows in place (only those rows are read and written)."""
+        """acc [N, D] float32 (None: zeros) plus the weighted outputs of sorted pairs [lo, lo + length),
+        scattered into their tokens' rows."""
         idx = jax.lax.dynamic_slice_in_dim(order, lo, length)
         token = idx // k
         in_block = jnp.clip(jnp.minimum(ends, lo + length) - jnp.maximum(starts, lo), 0, length).astype(jnp.int32)
@@ -164,23 +164,31 @@ def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | 
         live = (lo + jnp.arange(length)) < total  # rows past the groups are not defined outputs
         wgt = jax.lax.dynamic_slice_in_dim(w_sorted, lo, length)
         y = jnp.where(live[:, None], y * wgt[:, None].astype(y.dtype), 0)
-        return acc.at[token].add(y.astype(jnp.float32))
+        return (jnp.zeros((n, d), jnp.float32) if acc is None else acc).at[token].add(y.astype(jnp.float32))
 
-    acc = jnp.zeros((n, d), jnp.float32)
     if rows is None or rows >= n * k:
-        return add_block(acc, 0, n * k).astype(z.dtype)
+        return add_block(None, 0, n * k).astype(z.dtype)
     nblocks = -(-n * k // rows)
     pad = nblocks * rows - n * k
     if pad:  # padded slots are never live (they sit past `total`)
         order = jnp.concatenate([order, jnp.zeros((pad,), order.dtype)])
         w_sorted = jnp.concatenate([w_sorted, jnp.zeros((pad,), w_sorted.dtype)])
 
-    def body(acc, i):
-        lo = i * rows
-        # a block past the last valid pair leaves the sum as it is (no [N, D] temporary per block)
-        return jax.lax.cond(lo < total, lambda a: add_block(a, lo, rows), lambda a: a, acc), None
+    if n * d * 4 > ON_CHIP_BYTES:
+        # a sum too large to stay on chip: each block scatters into it in place (only its rows read
+        # and written), and a block past the last valid pair leaves it as it is
+        def body(acc, i):
+            lo = i * rows
+            return jax.lax.cond(lo < total, lambda a: add_block(a, lo, rows), lambda a: a, acc), None
+    else:
+        # on chip, a block's own [N, D] sum added to the total costs nothing, and the in-place form
+        # would keep the total in HBM
+        def body(acc, i):
+            lo = i * rows
+            part = jax.lax.cond(lo < total, lambda: add_block(None, lo, rows), lambda: jnp.zeros((n, d), jnp.float32))
+            return acc + part, None
 
-    out, _ = jax.lax.scan(body, acc, jnp.arange(nblocks, dtype=jnp.int32))
+    out, _ = jax.lax.scan(body, jnp.zeros((n, d), jnp.float32), jnp.arange(nblocks, dtype=jnp.int32))
     return out.astype(z.dtype)
 
 
