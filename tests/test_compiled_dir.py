@@ -75,7 +75,9 @@ def test_a_directory_is_refused_for_another_model_mesh_or_version_naming_the_fie
 def test_generate_reads_its_programs_back_from_a_copied_directory_and_refuses_another_model(tmp_path):
     first, m = _generate(tmp_path / "a")
     assert first.returncode == 0 and first.stdout.strip() == "0122345789", first.stderr[-2000:]
-    assert m and int(m.group(2)) == 0
+    # an empty directory: every entry in it was compiled by this run (a program the run compiles from two
+    # call sites may read back the entry its first compile wrote, so reads are not always 0)
+    assert m and int(m.group(3)) >= len(os.listdir(tmp_path / "a" / "xla")) > 0
     # the directory moved elsewhere: the cache keys do not depend on its path
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     again, m = _generate(tmp_path / "b")
@@ -86,13 +88,16 @@ def test_generate_reads_its_programs_back_from_a_copied_directory_and_refuses_an
     assert refused.returncode == 2
     assert refused.stderr.startswith("dgemma: error: --compiled") and "quantize=None" in refused.stderr
     assert "quantize='int8'" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
-    # damaged executables: recompiled with a warning, the same answer
-    for name in os.listdir(tmp_path / "b" / "xla"):
+    # damaged executables: recompiled with a warning, the same answer. Every damaged entry's program is
+    # compiled again; a program the run compiles twice (it compiles some identical programs from two
+    # call sites) may then read the entry it rewrote, so reads from the cache are not required to be 0
+    entries = os.listdir(tmp_path / "b" / "xla")
+    for name in entries:
         (tmp_path / "b" / "xla" / name).write_bytes(b"not an executable")
     damaged, m = _generate(tmp_path / "b")
     assert damaged.returncode == 0 and damaged.stdout == first.stdout, damaged.stderr[-2000:]
     assert "Error reading persistent compilation cache entry" in damaged.stderr
-    assert m and int(m.group(2)) == 0 and int(m.group(3)) >= 1
+    assert m and int(m.group(3)) >= len(entries), damaged.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -67,8 +67,8 @@ class FakeHub:
 
     # ------------------------------------------------------------------ the HTTP API
     async def __call__(self, scope, receive, send):
-        from starlette.requests import Request
-        from starlette.responses import JSONResponse
+        from fastapi import Request  # starlette's, which fastapi re-exports
+        from fastapi.responses import JSONResponse
 
         if scope["type"] != "http":
             return
@@ -119,7 +119,7 @@ class FakeHub:
         await response(scope, receive, send)
 
     def _file(self, client, request, repo, sha, rel, full):
-        from starlette.responses import Response
+        from fastapi.responses import Response
 
         size = os.path.getsize(full)
         entry = self._entry(repo, rel)
@@ -148,7 +148,7 @@ class FakeHub:
 
 
 def _error(status: int, code: str, message: str):
-    from starlette.responses import JSONResponse
+    from fastapi.responses import JSONResponse
 
     return JSONResponse({"error": message}, status_code=status, headers={"x-error-code": code,
                                                                          "x-error-message": message})
