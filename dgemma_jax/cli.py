@@ -134,7 +134,7 @@ def cmd_compile(args) -> int:
         # a TPU program compiled here cannot be read back without a TPU client: the persistent cache
         # would store it, and a later compile of the same program would warn and compile it again
         compile_cache.enable("off")
-    if args.save:
+    else:
         devices = aot.tpu_devices(args.topology)
         cfg = ModelConfig.preset(args.preset)
         if args.dtype:

@@ -48,6 +48,9 @@ def hub(checkpoint, tmp_path, monkeypatch):
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))
         monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))
         monkeypatch.setenv("DGEMMA_CACHE", str(tmp_path / "dgemma_cache"))
+        # online, whatever an earlier test in this process left huggingface_hub reading at its import
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
         HfFileSystem.clear_instance_cache()
         yield server
         HfFileSystem.clear_instance_cache()

@@ -153,7 +153,7 @@ def locate(location: str | os.PathLike, revision: str | None = None, *, mirror: 
     if k == "hub":
         import jax  # deferred: only a Hub repo asks how many processes read it
 
-        if mirror is None and jax.process_count() == 1 or _hub_offline():
+        if (mirror is None and jax.process_count() == 1) or _hub_offline():
             return resolve(location, revision, progress=progress), None
         loc = os.fspath(location)
         repo, rev = split_revision(loc.removeprefix("hf://"), revision)
@@ -382,26 +382,28 @@ def _hub_errors(what: str, revision: str | None):
                                  "and the network, or pass a local checkpoint directory") from None
 
 
-def hub_commit(repo: str, revision: str | None = None, explicit: bool = False) -> str:
-    """The commit a Hub revision (branch, tag, commit; None: main) points at now."""
+def _huggingface_hub(repo: str):
+    """The huggingface_hub module, or a one-line CheckpointNotFound naming the fix."""
     try:
-        from huggingface_hub import HfApi  # deferred: ~0.2 s to import; only Hub repo ids need it
+        import huggingface_hub  # deferred: ~0.2 s to import; only Hub repo ids need it
     except ImportError as e:  # pragma: no cover - a dependency of dgemma_jax
         raise CheckpointNotFound(f"reading the Hub repo {repo!r} needs huggingface_hub ({e}): "
                                  "pip install huggingface_hub") from None
+    return huggingface_hub
+
+
+def hub_commit(repo: str, revision: str | None = None, explicit: bool = False) -> str:
+    """The commit a Hub revision (branch, tag, commit; None: main) points at now."""
+    hub = _huggingface_hub(repo)
     with _hub_errors(_hub_what(repo, revision, explicit), revision):
-        return HfApi().repo_info(repo, revision=revision).sha
+        return hub.HfApi().repo_info(repo, revision=revision).sha
 
 
 def hub_snapshot(repo: str, revision: str | None = None, files: str = "all", check: bool = True,
                  explicit: bool = False) -> str:
     """snapshot_download of a Hub repo (only a checkpoint's files; files="no-weights": all but the
     *.safetensors) -> its directory in the HF cache."""
-    try:
-        from huggingface_hub import snapshot_download  # deferred: ~0.2 s to import; only Hub repo ids need it
-    except ImportError as e:  # pragma: no cover - a dependency of dgemma_jax
-        raise CheckpointNotFound(f"reading the Hub repo {repo!r} needs huggingface_hub ({e}): "
-                                 "pip install huggingface_hub") from None
+    hub = _huggingface_hub(repo)
     what = _hub_what(repo, revision, explicit)
     if files == "config":
         which = {"allow_patterns": list(CONFIG_FILES)}
@@ -410,7 +412,7 @@ def hub_snapshot(repo: str, revision: str | None = None, files: str = "all", che
     else:
         which = {"allow_patterns": HUB_PATTERNS} if check else {"ignore_patterns": HUB_IGNORED}
     with _hub_errors(what, revision):
-        path = snapshot_download(repo, revision=revision, **which)
+        path = hub.snapshot_download(repo, revision=revision, **which)
     if check:
         try:
             if detect_format(path, need_weights=files == "all") == "hf":

@@ -212,8 +212,7 @@ def _check_params_files(path: str, params_dir: str, recorded: dict) -> None:
 def _file_sizes(directory: str) -> dict[str, int]:
     """{path relative to `directory`: bytes} of every file under it, a local path or a URL."""
     if "://" not in directory:
-        return {os.path.relpath(os.path.join(d, f), directory).replace(os.sep, "/"): os.path.getsize(os.path.join(d, f))
-                for d, _, fs in os.walk(directory) for f in fs}
+        return params_files(directory)
     fs, root = open_fs(directory)
     root = root.rstrip("/")
     try:
