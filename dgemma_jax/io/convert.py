@@ -59,7 +59,7 @@ from dgemma_jax.config import ModelConfig, VisionConfig
 from dgemma_jax.errors import DgemmaWarning
 from dgemma_jax.io.hf import load_hf
 from dgemma_jax.io.locations import resolve
-from dgemma_jax.io.model_dir import hf_sampler, load_model, save_model
+from dgemma_jax.io.model_dir import checkpoint_quantization, hf_sampler, load_model, save_model
 from dgemma_jax.model.api import param_shapes
 from dgemma_jax.model.quant import QUANT_MODES, quantization_of, quantize_params
 
@@ -457,8 +457,10 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
     An existing non-empty `dst` is an error unless `overwrite` (`dgemma convert --force`). A source
     without a tokenizer file converts with a DgemmaWarning: the checkpoint then needs one copied in.
     `src` may also be a gs:// (fsspec) URL or a Hub repo id[@revision] (`dgemma_jax.io.locations`).
-    quantize: "int8" writes weight-only int8 kernels (`dgemma_jax.model.quant`); `load_model` reads
-    them back as int8."""
+    quantize: "int8" / "int4" writes weight-only quantized kernels (`dgemma_jax.model.quant`), which
+    `load_model` reads back as they are. A Hugging Face source is quantized one tensor at a time as it is
+    read (`load_hf(quantize=)`): its float model is never whole in memory. A dgemma_jax or gemma source is
+    restored whole, then quantized."""
     if quantize is not None and quantize not in QUANT_MODES:
         raise ValueError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANT_MODES)}")
     src = resolve(src, check=False)
@@ -479,11 +481,14 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
             wrap = None
     sampler = None
     multimodal, skipped = {}, []
+    if src_format == "dgemma" and quantize is not None and checkpoint_quantization(src) is not None:
+        raise ValueError(f"{src!r} is already quantized ({checkpoint_quantization(src)}); convert it without "
+                         "--quantize")
     if src_format == "hf":
-        cfg, params = load_hf(src, dtype=dtype, progress=wrap)
+        cfg, params = load_hf(src, dtype=dtype, progress=wrap, quantize=quantize)
         sampler = hf_sampler(src, cfg)
     elif src_format == "dgemma":
-        cfg, params, sampler = load_model(src, dtype=dtype)
+        cfg, params, sampler = load_model(src, dtype=dtype, quantize=quantize)
         params = jax.device_get(params)
     elif src_format == "gemma":
         cfg = ModelConfig.preset(preset or "diffusiongemma-26b-a4b")
@@ -498,12 +503,9 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
     else:
         raise ValueError(f"unknown source format {src_format!r}; use 'hf', 'gemma' or 'dgemma'")
 
-    already = quantization_of(params)  # a dgemma_jax source may hold int8 kernels (checked by its loader)
-    if already is not None and quantize is not None:
-        raise ValueError(f"{src!r} is already quantized ({already}); convert it without --quantize")
-    if already is None:
+    if quantization_of(params) is None:  # quantized kernels were checked by their loader
         _check_shapes(params, cfg)
-    if quantize is not None:
+    if quantize is not None and src_format == "gemma":
         params = quantize_params(cfg, params, quantize)
     tok = None
     if src_format in ("hf", "dgemma"):
