@@ -258,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE dispatch the programs are compiled with (auto: ragged on TPU)")
     s.add_argument("--layers", choices=["auto", "unrolled", "scan"], default="auto",
                    help="layer layout (Runtime.layers): scan = one repeated layer group compiled and scanned "
-                        "(auto: the platform default, Runtime.LAYER_DEFAULTS: unrolled on TPU for now)")
+                        "(auto: Runtime.LAYER_DEFAULTS, unrolled; the entry points' own choice on TPU is "
+                        "runtime.ENTRY_LAYERS: scan for generate, chat and the notebook, unrolled for serve)")
     s.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="compile for weight-only int8 or int4 parameters (dgemma_jax.model.quant)")
     s.add_argument("--images", type=int, default=0,

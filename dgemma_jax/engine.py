@@ -12,6 +12,7 @@ argument: one code path with or without a mesh.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import warnings
@@ -290,12 +291,15 @@ class Engine:
     (`dgemma_jax.compile_cache.enable`: JAX_COMPILATION_CACHE_DIR, else a directory already set in
     jax.config, else ~/.cache/dgemma_jax/xla), a string names the directory, False leaves jax's
     setting alone.
+    programs: the `ProgramCache` holding this engine's jitted programs; default `ProgramCache.shared`,
+    so that engines with equal configs, samplers and runtimes reuse each other's compiled programs.
     """
 
     def __init__(self, config: ModelConfig, params: Any, sampler: SamplerConfig | None = None, *,
                  shardings: Any | None = None, runtime: Runtime | None = None, donate: bool = True,
                  bucket: bool = True, quantize: str | None = None,
-                 compilation_cache: bool | str = True, batch_invariant: bool = True):
+                 compilation_cache: bool | str = True, batch_invariant: bool = True,
+                 programs: "ProgramCache | None" = None):
         if compilation_cache:
             compile_cache.enable(None if compilation_cache is True else compilation_cache)
         self.config = config
@@ -316,6 +320,7 @@ class Engine:
         self.donate = donate
         self.bucket = bool(bucket)
         self.batch_invariant = bool(batch_invariant)
+        self._program_cache = ProgramCache.shared if programs is None else programs
         self._programs = {}
         self._streaming = None
 
@@ -332,13 +337,11 @@ class Engine:
     def _program(self, key, fn, donate=("cache",)):
         """`fn` (its static arguments, the runtime among them, bound) jitted, donating `donate` unless
         `donate=False`. Engines with equal configs, runtimes and donation share one jit (and so its
-        compiled programs) per `key`."""
+        compiled programs) per `key`, through their `ProgramCache`."""
         if key not in self._programs:
             dn = tuple(donate) if self.donate else ()
-            shared = (key, self.config, self.sampler, self.runtime, dn)
-            if shared not in _SHARED_PROGRAMS:
-                _SHARED_PROGRAMS[shared] = jax.jit(fn, donate_argnames=dn)
-            self._programs[key] = _SHARED_PROGRAMS[shared]
+            self._programs[key] = self._program_cache.get((key, self.config, self.sampler, self.runtime, dn),
+                                                          lambda: jax.jit(fn, donate_argnames=dn))
         return self._programs[key]
 
     def step_program(self):
@@ -546,8 +549,38 @@ class Engine:
                           max_new_tokens, seed_canvas, pinned, cache_length, images, cache, final_cache)
 
 
-# jits shared by engines: (program key, config, sampler, runtime, donated) -> jitted function
-_SHARED_PROGRAMS: dict = {}
+class ProgramCache:
+    """Jitted programs by key (program, config, sampler, runtime, donated arguments), shared by the
+    engines that use this cache; past `size` entries the least recently used is dropped, and with it
+    its compiled executables and the mesh its runtime holds (an engine keeps the programs it has
+    already taken). `ProgramCache.shared` is the engines' default."""
+
+    shared: "ProgramCache"
+
+    def __init__(self, size: int = 64):
+        if size < 1:
+            raise ValueError(f"a ProgramCache holds at least one program; got size={size}")
+        self.size = size
+        self._jits: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key, make):
+        """The program under `key`, made by `make()` when absent."""
+        if key in self._jits:
+            self._jits.move_to_end(key)
+            return self._jits[key]
+        fn = self._jits[key] = make()
+        while len(self._jits) > self.size:
+            self._jits.popitem(last=False)
+        return fn
+
+    def __len__(self) -> int:
+        return len(self._jits)
+
+    def clear(self) -> None:
+        self._jits.clear()
+
+
+ProgramCache.shared = ProgramCache()
 
 
 def layers_for(config: ModelConfig, params, layers: str, shardings=None):

@@ -86,9 +86,9 @@ class Runtime:
     layers: how the layers are laid out in the program (`model.layout`): "unrolled" (one traced
       block per layer), "scan" (a `lax.scan` over the repeated layer group, 5 sliding + 1 global on
       the 26B: one group compiled instead of 30 layers; parameters and cache stacked per group
-      position) or "auto" = the platform's default (`LAYER_DEFAULTS`: "unrolled" everywhere for now:
-      the scanned 26B denoise step compiled for v6e-8 moves 2.6x the unrolled step's HBM bytes, see
-      benchmarks/results/compile_time.json).
+      position) or "auto" = the platform's default (`LAYER_DEFAULTS`: "unrolled" everywhere). The
+      entry points pick their own on TPU (`ENTRY_LAYERS`, `layers_for_entry`); the measurements behind
+      that table are in benchmarks/results/compile_time.json and docs/tpu.md.
       The engine converts its parameters and caches to this layout once; the model itself runs
       stacked parameters scanned and unrolled ones unrolled under "auto", and converts (a copy
       inside the program) when the layout is named explicitly and differs from the parameters'.
