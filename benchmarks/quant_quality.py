@@ -14,7 +14,10 @@ kept float (the default) and with it quantized too, and for int4 (group-wise sca
 * generate-level token agreement (`Engine.generate`, same prompts and seed);
 * parameter bytes float32 / bfloat16 / int8 (also of the 26B, from shapes alone);
 * the bundled model: held-out exact match per input kind, float vs int8 (`kind_problems(sort, kind, n,
-  seed=12345)`, the sampler it ships with, as docs/bundled_model.md measured it).
+  seed=12345)`, the sampler it ships with, as docs/bundled_model.md measured it);
+* the bundled image model: held-out exact match per task (pictures of digits to sort / read,
+  `image_tasks.heldout_examples`), float vs int8 (tower float) vs int4 (tower int4, the default) vs
+  int4 with the tower float. `--vision-only` runs this part alone and merges it into --out.
 """
 
 from __future__ import annotations
@@ -172,14 +175,60 @@ def bundled_report(per_kind: int) -> dict:
     return report
 
 
+def vision_bundled_report(n: int) -> dict:
+    """Held-out exact match of the bundled image model per task, n pictures each, per weight variant."""
+    from dgemma_jax.io.bundled import VISION_NAME
+    from dgemma_jax.model.quant import vision_quantized
+    from dgemma_jax.training import bundled, image_tasks
+    from dgemma_jax.training.evaluate import evaluate_exact_match
+
+    cfg, params, sampler, tok = bundled.load_bundled(VISION_NAME)
+    meta = bundled.load_metadata(VISION_NAME)
+    lay = meta["layout"]
+    variants = {"float": params, "int8": quantize_params(cfg, params, "int8"),
+                "int4": quantize_params(cfg, params, "int4"),
+                "int4_tower_float": quantize_params(cfg, params, "int4", vision=False)}
+    kw = dict(prompt_width=lay["prompt_length"], max_new_tokens=lay["num_canvases"] * lay["canvas_length"],
+              batch_size=100, seed=EVAL_SEED)
+    tasks = image_tasks.tasks_from_config(meta["image_tasks"])
+    problems = {t.op: image_tasks.heldout_examples([t], n, EVAL_SEED) for t in tasks}
+    acc = {}
+    for name, p in variants.items():
+        rows, t0 = {}, time.time()
+        engine = Engine(cfg, p, sampler)
+        for op, probs in problems.items():
+            r = evaluate_exact_match(cfg, p, sampler, tok, [(q, a) for _, q, a in probs], engine=engine,
+                                     images=[im for im, _, _ in probs], **kw)
+            rows[op] = {"n": r["n"], "correct": r["correct"], "accuracy": r["accuracy"],
+                        "mean_steps_per_canvas": r["mean_steps_per_canvas"]}
+        acc[name] = {"tasks": rows, "tower_quantized": vision_quantized(p), "param_bytes": param_bytes(p),
+                     "seconds": time.time() - t0}
+        print(f"  bundled image model {name}: " + " ".join(f"{op}={x['correct']}/{x['n']}" for op, x in rows.items()),
+              flush=True)
+    return {"model": VISION_NAME, "per_task": n, "seed": EVAL_SEED, "sampler": "the bundled model's own",
+            "results": acc}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "quant_quality.json"))
     ap.add_argument("--per-kind", type=int, default=500, help="held-out bundled problems per input kind")
     ap.add_argument("--configs", default="tiny-6layer:1,tiny-2layer:2,bench:3",
                     help="random configs as preset:seed, comma separated")
+    ap.add_argument("--per-task", type=int, default=500, help="held-out pictures per task of the bundled image model")
+    ap.add_argument("--vision-only", action="store_true",
+                    help="measure only the bundled image model and merge it into an existing --out")
     args = ap.parse_args(argv)
     t0 = time.time()
+    if args.vision_only:
+        with open(args.out) as f:
+            out = json.load(f)
+        out["bundled_image_model"] = vision_bundled_report(args.per_task)
+        out["bundled_image_model"].update(date=time.strftime("%Y-%m-%d"), seconds=time.time() - t0)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"merged the bundled image model into {args.out} in {time.time() - t0:.0f} s")
+        return
     out = {"what": __doc__.split("\n\n")[0], "machine": f"{os.cpu_count()} CPU cores (shared), jax {jax.__version__}",
            "backend": jax.default_backend(), "random_configs": [], "date": time.strftime("%Y-%m-%d")}
     big = ModelConfig.preset("diffusiongemma-26b-a4b")
@@ -197,6 +246,7 @@ def main(argv=None):
         print(name, json.dumps({k: {p: (m["max_abs"], m["top1_agreement"], m["kl_mean"]) for p, m in x.items()}
                                 for k, x in r["logits"].items()}), json.dumps(r["generate"]), flush=True)
     out["bundled"] = bundled_report(args.per_kind)
+    out["bundled_image_model"] = vision_bundled_report(args.per_task)
     print("bundled", json.dumps({k: {p: (m["max_abs"], m["top1_agreement"], m["kl_mean"]) for p, m in x.items()}
                                  for k, x in out["bundled"]["logits"].items()}), json.dumps(out["bundled"]["generate"]))
     out["seconds"] = time.time() - t0

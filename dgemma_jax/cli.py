@@ -113,14 +113,16 @@ def cmd_compile(args) -> int:
         raise UsageError(f"unknown --topology {args.topology!r}; choose one of {', '.join(aot.TOPOLOGIES)}")
     programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
     known = ("prefill", "denoise_step", "commit", "generate", "lora_step", "slot_tick", "prefill_slot",
-             "prefill_images")
+             "prefill_images", "prefill_slot_images")
     bad = [p for p in programs if p not in known]
     if bad:
         raise UsageError(f"unknown program(s) {bad}; choose from {', '.join(known)}")
     if args.images < 0:
         raise UsageError(f"--images must be >= 0; got {args.images}")
-    if args.images and "prefill_images" not in programs:
-        programs += ("prefill_images",)
+    if args.images and not {"prefill_images", "prefill_slot_images"} & set(programs):
+        # the image prefill of the path asked for: the server's one-slot chunk, else the batch prefill
+        serving = {"slot_tick", "prefill_slot"} & set(programs)
+        programs += ("prefill_slot_images" if serving else "prefill_images",)
     options = {}
     for item in args.xla_option:
         key, sep, value = item.partition("=")
@@ -252,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--programs", default="prefill,denoise_step,commit,generate",
                    help="comma list of prefill, denoise_step, commit, generate, lora_step (a LoRA training "
                         "step on a batch of --batch rows of --prompt + canvases up to --context; use --rules training), "
-                        "slot_tick, prefill_slot (the server's programs: --batch slots, one --prompt per prefill)")
+                        "slot_tick, prefill_slot (the server's programs: --batch slots, one --prompt per prefill), "
+                        "prefill_images, prefill_slot_images (with --images)")
     s.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     s.add_argument("--moe-dispatch", choices=["auto", "ragged", "capacity", "dense"], default="auto",
                    help="MoE dispatch the programs are compiled with (auto: ragged on TPU)")
@@ -263,8 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="compile for weight-only int8 or int4 parameters (dgemma_jax.model.quant)")
     s.add_argument("--images", type=int, default=0,
-                   help="add the released vision tower and compile prefill_images with this many images "
-                        "(280 soft tokens each) in the prompt")
+                   help="add the released vision tower and compile an image prefill with this many images "
+                        "(280 soft tokens each) in the prompt: prefill_slot_images beside the server's programs, "
+                        "else prefill_images")
     s.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an XLA compiler option for the TPU compile (repeatable), recorded in the report")
     s.add_argument("--out", help="write the report as JSON here")

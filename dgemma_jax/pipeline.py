@@ -30,11 +30,13 @@ from dgemma_jax.io.model_dir import checkpoint_quantization, load_config, load_m
 from dgemma_jax.model.quant import mode_for, quantize_params
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.shardings import Shardings
+from dgemma_jax.progress import tensor_bar
 
 
 
 def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: str | None = None, *,
-                    mesh=None, rules: str | tuple = "latency", mirror: bool | None = None, quantize: str | None = None):
+                    mesh=None, rules: str | tuple = "latency", mirror: bool | None = None, quantize: str | None = None,
+                    progress: bool = False):
     """-> (config, params, sampler | None, tokenizer); None or "bundled": the bundled small model,
     "bundled:NAME" another bundled model (`dgemma_jax.io.bundled`, e.g. the image model VISION_NAME).
 
@@ -50,7 +52,9 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
     quantize: None / "none", "int8", "int4" or "auto" (`model.quant.resolve_quantize`, by the memory of the
     devices the weights go to): a float checkpoint's kernels quantized as they are read, one tensor at a
     time, so the float model is never whole; "auto" leaves a checkpoint saved quantized as it is, an
-    explicit mode refuses it (UsageError)."""
+    explicit mode refuses it (UsageError).
+    progress: a bar over the tensors of a Hugging Face checkpoint as they are read (and quantized)
+    (`dgemma_jax.progress.tensor_bar`); a Hub download shows huggingface_hub's own bars either way."""
     if isinstance(mesh, str):
         mesh = make_mesh(mesh)
     is_bundled, name = bundled_choice(checkpoint)
@@ -71,7 +75,9 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
     config = load_config(checkpoint, weights=weights)
     shardings = Shardings(config, mesh, rules) if mesh is not None else None
     mode = _quantize_mode(config, quantize, mesh, checkpoint_quantization(checkpoint))
-    cfg, params, sampler = load_model(checkpoint, dtype=dtype, shardings=shardings, weights=weights, quantize=mode)
+    bar = tensor_bar("reading weights" + (f" into {mode}" if mode else "")) if progress else None
+    cfg, params, sampler = load_model(checkpoint, dtype=dtype, shardings=shardings, weights=weights, quantize=mode,
+                                      progress=bar)
     tokenizer = load_model_tokenizer(checkpoint)
     mismatch = vocab_mismatch(cfg, tokenizer)
     if mismatch:
@@ -110,7 +116,8 @@ class DiffusionGemma:
     def from_pretrained(cls, checkpoint: str | None = None, dtype: str | None = None, sampler=None,
                         shardings=None, revision: str | None = None, runtime=None,
                         quantize: str | None = None, compilation_cache: bool | str = True, mesh=None,
-                        rules: str | tuple = "latency", mirror: bool | None = None) -> "DiffusionGemma":
+                        rules: str | tuple = "latency", mirror: bool | None = None,
+                        progress: bool = False) -> "DiffusionGemma":
         """checkpoint: a local directory, gs:// (any fsspec URL) or a Hub repo id[@revision]; None: bundled.
         runtime: how the engine's programs run (`dgemma_jax.Runtime`; default: this backend).
         quantize: "int8" / "int4" quantizes the weights on load, "auto" picks none / int8 / int4 by the
@@ -121,7 +128,8 @@ class DiffusionGemma:
         mirror: True: copy a gs:// (fsspec) checkpoint's weights into the local mirror (a Hub repo's into
         the Hugging Face cache) and read them from there, so that later starts skip the store; False: each
         process reads its shards' bytes straight from the store or the Hub; None (default): False, but a
-        Hub repo read by a single process is downloaded (`locations.locate`)."""
+        Hub repo read by a single process is downloaded (`locations.locate`).
+        progress: show a bar while a Hugging Face checkpoint's tensors are read (and quantized)."""
         if mesh is not None:
             if shardings is not None:
                 raise ValueError("pass mesh (and rules) or shardings, not both")
@@ -129,7 +137,7 @@ class DiffusionGemma:
         # quantized while loading, tensor by tensor (with `shardings` built by the caller: by the engine, after)
         on_load = quantize if shardings is None else None
         cfg, params, saved_sampler, tok = load_checkpoint(checkpoint, dtype, revision, mesh=mesh, rules=rules,
-                                                        mirror=mirror, quantize=on_load)
+                                                        mirror=mirror, quantize=on_load, progress=progress)
         if mesh is not None:
             shardings = Shardings(cfg, mesh, rules)
         return cls(cfg, params, tok, sampler or saved_sampler, shardings, runtime,

@@ -51,9 +51,22 @@ one chip (compiled from a CPU machine; projections, not runs; `docs/quantization
   18 ms a step, about 880 tokens/s at 16 steps a canvas.
 - **v5e-1 (16 GB), int4:** the step fits with a 4,096-token cache (15.3 GB) but not with 8,192
   (16.2 GB); projected 123 ms a step (the int4 experts are read 7x over), about 130 tokens/s.
-The download needs 51 GB of disk (the bfloat16 safetensors); loading needs host RAM for a few copies
-of the largest tensor (one layer's experts, 1 GB in bfloat16), not for the model. A v5e-8 / v6e-8 /
-v5p-8 holds the bfloat16 model: `launch/tpu_vm.sh` (see `launch/README.md`).
+What the 26B needs of the runtime's host, against what Colab's TPU runtimes have:
+
+| | needs | v5e-1 runtime | v6e-1 runtime |
+|---|---|---|---|
+| disk | 51 GB: the bfloat16 safetensors, downloaded once a session | about 225 GB | about 225 GB |
+| host RAM | about 7 GB: a few copies of the largest tensor, plus the compiler (never the model) | 48 GB | about 173 GB |
+
+The needs were measured on a CPU machine: a quantizing load's peak stayed under the quantized
+weights plus 6x the largest tensor (one layer's experts: 1 GB in bfloat16;
+`tests/test_quant_streaming.py`; on a TPU the weights go to the chip, not to host RAM), and compiling
+the 26B's programs for one chip peaked at COMPILE_GB GB. The runtimes' figures are looked up, not
+measured here: 48 GB is the Cloud TPU v5e single-chip VM's (ct5lp-hightpu-1t, Cloud TPU v5e docs),
+173 GB a Colab user's report for v6e-1 (googlecolab/colabtools#5532), 225 GB of disk Colab users'
+reports for TPU runtimes (googlecolab/colabtools#990). Check yours with `!free -g; df -h /`.
+
+A v5e-8 / v6e-8 / v5p-8 holds the bfloat16 model: `launch/tpu_vm.sh` (see `launch/README.md`).
 """
 
 SETTINGS = """\
@@ -171,7 +184,9 @@ else:
     quantize = resolve_quantize(config, QUANTIZE, devices)
     print(f"QUANTIZE={QUANTIZE}: {quantize or config.param_dtype} weights, "
           f"{weight_bytes(config, quantize) / 2**30:.1f} GiB")
-    model = dgemma_jax.DiffusionGemma.from_pretrained(path, shardings=shardings, quantize=quantize, runtime=runtime)
+    # a bar per tensor read (and quantized); the Hub download above shows huggingface_hub's bars
+    model = dgemma_jax.DiffusionGemma.from_pretrained(path, shardings=shardings, quantize=quantize, runtime=runtime,
+                                                      progress=True)
     SOURCE = f"checkpoint {CHECKPOINT}" + (f" ({quantize})" if quantize else "")
 if not PROMPT:
     PROMPT = "s9350814272=" if BUNDLED else "Explain in two sentences how a diffusion language model writes text."
@@ -187,11 +202,14 @@ GENERATE_MD = """\
 
 `model.generate(text)` (the bundled model: a raw prompt) or `model.chat(messages)` (a real
 checkpoint: its chat template) runs prefill, every denoising step and the canvas loop as one
-compiled program. The first call includes compilation; the second shows the compiled speed.
+compiled program. The first call includes compilation (a bar counts the programs as they are
+compiled: minutes for the 26B, each Colab session anew); the second shows the compiled speed.
 """
 
 GENERATE = """\
 import time
+
+from dgemma_jax.progress import compiling
 
 
 max_new = MAX_NEW_TOKENS or None  # None: the library's default
@@ -203,10 +221,13 @@ def answer():
     return model.chat([{"role": "user", "content": PROMPT}], max_new_tokens=max_new, seed=SEED)
 
 
-for attempt in ("first call, with compilation", "second call, compiled"):
-    t0 = time.perf_counter()
+t0 = time.perf_counter()
+with compiling():  # a bar: counts and names the programs as jax compiles them
     ANSWER = answer()
-    print(f"{attempt}: {time.perf_counter() - t0:.2f} s")
+print(f"first call, with compilation: {time.perf_counter() - t0:.2f} s")
+t0 = time.perf_counter()
+ANSWER = answer()
+print(f"second call, compiled: {time.perf_counter() - t0:.2f} s")
 print(f"prompt: {PROMPT!r}")
 print(f"answer: {ANSWER!r}")
 """

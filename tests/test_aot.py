@@ -276,6 +276,11 @@ def test_an_image_prompt_compiles_with_the_vision_tower_for_v5e_8():
     assert image["flops"] > text["flops"] and image["total_bytes"] > text["total_bytes"]
     with pytest.raises(ValueError, match="cannot hold 2 image"):
         compile_report(cfg, "v5e-8", context=1024, prompt=320, programs=("prefill_images",), images=2)
+    # the server's image prefill: one slot's chunk with its image, into a 2-slot cache
+    rep = compile_report(cfg, "v5e-8", batch=2, context=1024, prompt=320, programs=("prefill_slot", "prefill_slot_images"),
+                         images=1)
+    text, image = rep["programs"]["prefill_slot"], rep["programs"]["prefill_slot_images"]
+    assert image["flops"] > text["flops"] and image["fits"]
 
 
 def test_compiler_options_reach_the_tpu_compiler_and_are_recorded(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shlex
 import stat
 import subprocess
@@ -675,6 +676,9 @@ class TestColabNotebook:
         assert "the step-by-step driver gives the same answer as model.generate: True" in r.stdout
         assert "canvas 0:" in r.stdout
         assert f"layers ({layers or 'unrolled'})" in r.stdout
+        # the first call's compile bar counted the programs it compiled (this run's cache is cold for them)
+        counts = [int(n) for n in re.findall(r"compiling: (\d+) programs", r.stderr)]
+        assert counts and max(counts) >= 1, r.stderr[-2000:]
 
 
 # =============================================================================== serve mode

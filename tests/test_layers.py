@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "dgemma_jax")
 
 LAYERS = [
-    ("dgemma_jax.errors", "dgemma_jax.backends", "dgemma_jax.config", "dgemma_jax.paths", "dgemma_jax.compile_cache"),
+    ("dgemma_jax.errors", "dgemma_jax.backends", "dgemma_jax.config", "dgemma_jax.paths", "dgemma_jax.compile_cache",
+     "dgemma_jax.progress"),
     ("dgemma_jax.parallel", "dgemma_jax.parallel.mesh", "dgemma_jax.parallel.rules", "dgemma_jax.parallel.distributed",
      "dgemma_jax.runtime"),
     ("dgemma_jax.model",),

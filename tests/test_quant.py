@@ -203,7 +203,7 @@ def test_quantized_checkpoint_round_trip(params, tmp_path):
     q = quantize_params(CFG, params, embedding=True)
     save_model(tmp_path / "q", CFG, q, sampler=SAMPLER)
     meta = json.loads((tmp_path / "q" / "dgemma_model.json").read_text())
-    assert meta["quantization"] == {"mode": "int8", "embedding": True}
+    assert meta["quantization"] == {"mode": "int8", "embedding": True, "vision": False}
     cfg, back, sampler = load_model(tmp_path / "q")
     assert cfg == CFG and sampler == SAMPLER and quantization_of(back) == "int8"
     fq, fb = _flat(q), _flat(back)

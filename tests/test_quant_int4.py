@@ -146,7 +146,8 @@ def test_int4_checkpoint_round_trip(tmp_path):
     q = quantize_params(CFG, random_params(CFG, 1), "int4")
     save_model(tmp_path / "q", CFG, q, sampler=SAMPLER)
     meta = json.loads((tmp_path / "q" / "dgemma_model.json").read_text())
-    assert meta["quantization"] == {"mode": "int4", "embedding": True}  # int4's default: the embedding in int8
+    # no tower here; int4 quantizes the embedding (in int8) by default
+    assert meta["quantization"] == {"mode": "int4", "embedding": True, "vision": False}
     cfg, back, sampler = load_model(tmp_path / "q")
     assert cfg == CFG and quantization_of(back) == "int4"
     fq, fb = _flat(q), _flat(back)

@@ -33,7 +33,8 @@ from dgemma_jax.io.hf import load_hf, vision_tensors_present
 from dgemma_jax.io.locations import open_fs, orbax_path, remote_error
 from dgemma_jax.io.tokenizer import load_tokenizer
 from dgemma_jax.model.api import param_shapes
-from dgemma_jax.model.quant import embedding_quantized, quantization_of, quantize_params, quantized_shapes
+from dgemma_jax.model.quant import (embedding_quantized, quantization_of, quantize_params, quantized_shapes,
+                                    vision_quantized)
 from dgemma_jax.runtime import split_choices
 from dgemma_jax.sampling.config import SamplerConfig
 
@@ -175,7 +176,8 @@ def save_model(path: str | os.PathLike, config: ModelConfig, params: Any, sample
             "params_files": params_files(os.path.join(path, "params"))}
     mode = quantization_of(params)
     if mode is not None:
-        meta["quantization"] = {"mode": mode, "embedding": embedding_quantized(params)}
+        meta["quantization"] = {"mode": mode, "embedding": embedding_quantized(params),
+                                "vision": vision_quantized(params)}
     tmp = os.path.join(path, META + ".tmp")
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=2)
@@ -231,17 +233,18 @@ def checkpoint_quantization(path: str | os.PathLike) -> str | None:
 
 
 def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None, weights: str | None = None,
-               quantize: str | None = None):
+               quantize: str | None = None, progress=None):
     """Any supported checkpoint directory -> (ModelConfig, params, SamplerConfig | None); weights: the URL
     of the checkpoint's weights when they are not in `path` (`locations.locate`), read from there (with
     shardings: each process its own shards): a Hugging Face checkpoint's *.safetensors, or the gs://
     directory holding our format's params/ tree (orbax restores it in place). quantize: "int8" / "int4" quantizes
     a float checkpoint's kernels as they are read (Hugging Face: one tensor at a time, `load_hf`; ours:
-    after the restore), placed like the float ones; a checkpoint saved quantized is a ValueError then."""
+    after the restore), placed like the float ones; a checkpoint saved quantized is a ValueError then.
+    progress: wraps the Hugging Face loader's tensor iterator (`load_hf`; e.g. `progress.tensor_bar()`)."""
     fmt = detect_format(path, need_weights=weights is None)
     if fmt == "hf":  # a `Shardings`, or a pytree of shardings matching the parameters
         cfg, params = load_hf(path, dtype=dtype, shardings=getattr(shardings, "params", shardings),
-                              weights=weights or os.fspath(path), quantize=quantize)
+                              weights=weights or os.fspath(path), quantize=quantize, progress=progress)
         if quantize is not None and callable(getattr(shardings, "place_params", None)):
             params = shardings.place_params(params)  # the pairs laid out as `Shardings.for_params` says
         return cfg, params, hf_sampler(path, cfg)
@@ -257,7 +260,8 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
     quant = meta.get("quantization")
     if quant:  # int8 kernels: restored as int8 (never through a float copy)
-        abstract = quantized_shapes(cfg, quant.get("mode"), embedding=bool(quant.get("embedding")))
+        abstract = quantized_shapes(cfg, quant.get("mode"), embedding=bool(quant.get("embedding")),
+                                    vision=bool(quant.get("vision")))  # absent: written before towers were
     else:
         abstract = param_shapes(cfg)
     if shardings is not None:

@@ -53,6 +53,13 @@ KERNELS: tuple[tuple[str, tuple[int, ...]], ...] = (
 )
 # the tied embedding as the head [V, D] contracts D: one scale per vocabulary row
 EMBEDDING: tuple[str, tuple[int, ...]] = (r"^embedding$", (1,))
+# the vision tower's projections and its projection into the text model (`model.vision`)
+VISION_KERNELS: tuple[tuple[str, tuple[int, ...]], ...] = (
+    (r"^vision_tower/layers_\d+/attention/(q|k|v)$", (0,)),   # [C, N, H]
+    (r"^vision_tower/layers_\d+/attention/o$", (0, 1)),       # [N, H, C]
+    (r"^vision_tower/layers_\d+/mlp/(gate|up|down)$", (0,)),  # [C, F], [F, C]
+    (r"^embed_vision/projection$", (0,)),                     # [C, D]
+)
 QMAX = 127.0
 INT4_QMAX = 7.0  # symmetric: q in [-7, 7] (int4's -8 left unused, as int8's -128)
 INT4_GROUP = 128  # the largest group size; an axis it does not divide takes gcd(size, 128)
@@ -62,9 +69,9 @@ def _path(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def contracted_axes(path: str, embedding: bool) -> tuple[int, ...] | None:
+def contracted_axes(path: str, embedding: bool, vision: bool = False) -> tuple[int, ...] | None:
     """The contracted axes of the kernel at `path` if it is quantized, else None."""
-    for pattern, axes in KERNELS + ((EMBEDDING,) if embedding else ()):
+    for pattern, axes in KERNELS + ((EMBEDDING,) if embedding else ()) + (VISION_KERNELS if vision else ()):
         if re.search(pattern, path):
             return axes
     return None
@@ -130,23 +137,39 @@ def embedding_quantized(params) -> bool:
     return isinstance(params, dict) and is_quantized(params.get("embedding"))
 
 
+def vision_quantized(params) -> bool:
+    """Whether the parameters' vision tower (if any) holds quantized kernels."""
+    tower = params.get("vision_tower") if isinstance(params, dict) else None
+    return tower is not None and any(is_quantized(x) for x in jax.tree.leaves(tower, is_leaf=is_quantized))
+
+
 def _embedding_default(mode: str, embedding: bool | None) -> bool:
     """int8 leaves the tied embedding float unless asked; int4, the mode for fitting one chip, makes it
     int8 (one scale per vocabulary row) unless embedding=False."""
     return (mode == "int4") if embedding is None else bool(embedding)
 
 
-def quantize_params(config: ModelConfig, params, mode: str = "int8", *, embedding: bool | None = None):
+def _vision_default(mode: str, vision: bool | None) -> bool:
+    """int8 leaves the vision tower float unless asked (the 26B's int8 fits a v6e-1 with a float tower);
+    int4 quantizes its kernels too (in int4) unless vision=False: a float tower (1.15 GB on the 26B) is
+    most of what a v5e-1 has left for the cache."""
+    return (mode == "int4") if vision is None else bool(vision)
+
+
+def quantize_params(config: ModelConfig, params, mode: str = "int8", *, embedding: bool | None = None,
+                    vision: bool | None = None):
     """Float parameters -> the same tree with every target kernel a quantized pair (module docstring).
 
     mode: "int8" (per-channel) or "int4" (group-wise). embedding: quantize the tied embedding / head
     too, in int8 (default: False for int8, see benchmarks/results/quant_quality.json; True for int4,
-    whose point is fitting one chip). Params in, new params
+    whose point is fitting one chip). vision: quantize the vision tower's kernels too, in `mode`
+    (default: False for int8, True for int4; nothing to do without a tower). Params in, new params
     out (nothing is changed in place); arrays stay on the devices / shardings they were on. Raises a
     ValueError for an unknown mode, parameters already quantized, or a tree that is not this config's."""
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; choose one of {', '.join(QUANT_MODES)}")
     embedding = _embedding_default(mode, embedding)
+    vision = _vision_default(mode, vision)
     already = quantization_of(params)
     if already is not None:
         raise ValueError(f"these parameters are already quantized ({already} kernels); quantize the float "
@@ -160,7 +183,7 @@ def quantize_params(config: ModelConfig, params, mode: str = "int8", *, embeddin
 
     def one(path, w):
         name = _path(path)
-        axes = contracted_axes(name, embedding)
+        axes = contracted_axes(name, embedding, vision)
         if axes is None:
             return w
         return _quantize_jit["int8" if re.search(EMBEDDING[0], name) else mode](w, axes)
@@ -168,14 +191,16 @@ def quantize_params(config: ModelConfig, params, mode: str = "int8", *, embeddin
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def quantized_shapes(config: ModelConfig, mode: str = "int8", *, embedding: bool | None = None):
+def quantized_shapes(config: ModelConfig, mode: str = "int8", *, embedding: bool | None = None,
+                     vision: bool | None = None):
     """The tree `quantize_params` returns for this config, as `jax.ShapeDtypeStruct`s (no arrays)."""
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; choose one of {', '.join(QUANT_MODES)}")
     embedding = _embedding_default(mode, embedding)
+    vision = _vision_default(mode, vision)
 
     def one(path, s):
-        axes = contracted_axes(_path(path), embedding)
+        axes = contracted_axes(_path(path), embedding, vision)
         if axes is None:
             return s
         if mode == "int4" and not re.search(EMBEDDING[0], _path(path)):
@@ -262,13 +287,12 @@ def resolve_quantize(config: ModelConfig, quantize: str | None, devices=None) ->
 
 
 # ---------------------------------------------------------------------------- one tensor at a time
-def quantize_leaf(path: str, w, mode: str, embedding: bool | None = None):
+def quantize_leaf(path: str, w, mode: str, embedding: bool | None = None, vision: bool | None = None):
     """One float parameter at its "/"-joined `path` -> as `quantize_params` would leave it (a quantized
     pair, or `w` itself when it is not a quantized kernel): what a loader calls per tensor, so the whole
     float model is never held. The pair stays on the devices of `w` (`Shardings.place_params` lays it out
     afterwards)."""
-    embedding = _embedding_default(mode, embedding)
-    axes = contracted_axes(path, embedding)
+    axes = contracted_axes(path, _embedding_default(mode, embedding), _vision_default(mode, vision))
     if axes is None:
         return w
     return _quantize_jit["int8" if re.search(EMBEDDING[0], path) else mode](w, axes)

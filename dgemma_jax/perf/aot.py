@@ -207,6 +207,11 @@ def engine_programs(engine: Engine, max_new_tokens: int) -> dict:
                          lambda a: ((a["params"],), dict(cache=a["cache"], slot=a["slot"]["slot"],
                                                          tokens=a["slot"]["tokens"], length=a["slot"]["length"],
                                                          start=a["slot"]["start"]))),
+        "prefill_slot_images": (prefill_slot,
+                                lambda a: ((a["params"],), dict(cache=a["cache"], slot=a["slot"]["slot"],
+                                                                tokens=a["slot"]["tokens"],
+                                                                length=a["slot"]["length"],
+                                                                start=a["slot"]["start"], images=a["images"]))),
         "prefill": (streaming.prefill_prompt,
                     lambda a: ((a["params"],), dict(tokens=a["tokens"], lengths=a["lengths"], cache=a["cache"]))),
         "prefill_images": (streaming.prefill_prompt,
@@ -284,8 +289,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         if prompt < images * (ImageSettings().max_soft_tokens + 2):
             raise ValueError(f"a prompt of {prompt} tokens cannot hold {images} image(s) of "
                              f"{ImageSettings().max_soft_tokens} soft tokens and their markers: raise prompt")
-    elif "prefill_images" in programs:
-        raise ValueError("the prefill_images program needs images >= 1")
+    elif "prefill_images" in programs or "prefill_slot_images" in programs:
+        raise ValueError("the prefill_images and prefill_slot_images programs need images >= 1")
     topo = topology(topology_name)
     devs = devices if devices is not None else tpu_devices(topology_name)
     sampler = sampler or SamplerConfig.for_model(cfg, max_denoising_steps=48)
