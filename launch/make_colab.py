@@ -56,12 +56,12 @@ What the 26B needs of the runtime's host, against what Colab's TPU runtimes have
 | | needs | v5e-1 runtime | v6e-1 runtime |
 |---|---|---|---|
 | disk | 51 GB: the bfloat16 safetensors, downloaded once a session | about 225 GB | about 225 GB |
-| host RAM | about 7 GB: a few copies of the largest tensor, plus the compiler (never the model) | 48 GB | about 173 GB |
+| host RAM | under 8 GB: a few copies of the largest tensor, then the compiler (never the model) | 48 GB | about 173 GB |
 
 The needs were measured on a CPU machine: a quantizing load's peak stayed under the quantized
 weights plus 6x the largest tensor (one layer's experts: 1 GB in bfloat16;
 `tests/test_quant_streaming.py`; on a TPU the weights go to the chip, not to host RAM), and compiling
-the 26B's programs for one chip peaked at COMPILE_GB GB. The runtimes' figures are looked up, not
+the 26B's programs for one chip peaked at 6.1 GB. The runtimes' figures are looked up, not
 measured here: 48 GB is the Cloud TPU v5e single-chip VM's (ct5lp-hightpu-1t, Cloud TPU v5e docs),
 173 GB a Colab user's report for v6e-1 (googlecolab/colabtools#5532), 225 GB of disk Colab users'
 reports for TPU runtimes (googlecolab/colabtools#990). Check yours with `!free -g; df -h /`.
