@@ -95,7 +95,8 @@ def _ragged(x, w, sizes, ab=None):
         # tied to the activations: a loop around the layer (generate's, the server tick's) cannot hoist the
         # widened blocks out and keep them all (a 2-layer cut of the 26B's int4 tick for v5e-1: 2.75 GB of
         # temporaries without, 1.20 GB with; the whole tick did not fit at 37.9 GB)
-        x, q = jax.lax.optimization_barrier((x, q))
+        if q.dtype == jnp.int4:  # (int8 goes into the grouped matmul as stored: nothing widened to hoist)
+            x, q = jax.lax.optimization_barrier((x, q))
         for j in range(blocks):  # int8: one block (its scale has size 1 along I)
             block = q[:, j * width:(j + 1) * width]
             # XLA:TPU's grouped matmul takes no int4 operand ("Unsupported element type: S4"): widened to int8
