@@ -47,10 +47,11 @@ weights in bfloat16, 26.1 GB in int8, 13.5 GB in int4 (counted from its shapes).
 takes the first of bfloat16, int8 and int4 whose weights fit 90% of the chip's memory, and quantizes
 each tensor as it is read (the bfloat16 model is never whole in memory). What the TPU compiler says of
 one chip (compiled from a CPU machine; projections, not runs; `docs/quantization.md`, "One chip"):
-- **v6e-1 (32 GB), int8:** the denoising step with an 8,192-token cache takes 28.3 GB; projected
-  18 ms a step, about 880 tokens/s at 16 steps a canvas.
-- **v5e-1 (16 GB), int4:** the step fits with a 4,096-token cache (15.3 GB) but not with 8,192
-  (16.2 GB); projected 123 ms a step (the int4 experts are read 7x over), about 130 tokens/s.
+- **v6e-1 (32 GB), int8:** the generate program (a 2,048-token prompt), vision tower included, takes
+  30.9 GB with an 8,192-token cache; projected 18 ms a denoising step, about 880 tokens/s at 16 steps a canvas.
+- **v5e-1 (16 GB), int4:** does not fit. The generate program needs 16.4 GB even with a 1,024-token
+  cache (the weights 13.9 GB with the tower in int4; the rest the sampling head's and the layers'
+  temporaries). Use a v6e-1 runtime for the 26B; the bundled model runs anywhere.
 What the 26B needs of the runtime's host, against what Colab's TPU runtimes have:
 
 | | needs | v5e-1 runtime | v6e-1 runtime |
