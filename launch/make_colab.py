@@ -50,8 +50,8 @@ one chip (compiled from a CPU machine; projections, not runs; `docs/quantization
 - **v6e-1 (32 GB), int8:** the generate program (a 2,048-token prompt), vision tower included, takes
   30.9 GB with an 8,192-token cache; projected 18 ms a denoising step, about 880 tokens/s at 16 steps a canvas.
 - **v5e-1 (16 GB), int4:** does not fit. The generate program needs 16.4 GB even with a 1,024-token
-  cache (the weights 13.9 GB with the tower in int4; the rest the sampling head's and the layers'
-  temporaries). Use a v6e-1 runtime for the 26B; the bundled model runs anywhere.
+  cache (the weights 13.9 GB with the tower in int4, the rest temporaries). Use a v6e-1 runtime for
+  the 26B; the bundled model runs anywhere.
 What the 26B needs of the runtime's host, against what Colab's TPU runtimes have:
 
 | | needs | v5e-1 runtime | v6e-1 runtime |
