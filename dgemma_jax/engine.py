@@ -576,9 +576,6 @@ class ProgramCache:
     def __len__(self) -> int:
         return len(self._jits)
 
-    def clear(self) -> None:
-        self._jits.clear()
-
 
 ProgramCache.shared = ProgramCache()
 

@@ -62,6 +62,7 @@ from dgemma_jax.io.locations import resolve
 from dgemma_jax.io.model_dir import checkpoint_quantization, hf_sampler, load_model, save_model
 from dgemma_jax.model.api import param_shapes
 from dgemma_jax.model.quant import QUANT_MODES, quantization_of, quantize_params
+from dgemma_jax.progress import tensor_bar
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
@@ -471,19 +472,12 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
                          "replace it with dgemma convert --force (overwrite=True)")
     if os.path.isfile(dst):
         raise ValueError(f"the destination {dst!r} is a file; convert into a directory")
-    wrap = None
-    if progress:
-        try:
-            from tqdm import tqdm  # deferred: ~12 ms to import, and `dgemma --help` imports this module
-
-            wrap = lambda it: tqdm(it, desc="tensors", unit="t")  # noqa: E731
-        except ImportError:  # pragma: no cover
-            wrap = None
+    wrap = tensor_bar("tensors" + (f" into {quantize}" if quantize else "")) if progress else None
     sampler = None
     multimodal, skipped = {}, []
-    if src_format == "dgemma" and quantize is not None and checkpoint_quantization(src) is not None:
-        raise ValueError(f"{src!r} is already quantized ({checkpoint_quantization(src)}); convert it without "
-                         "--quantize")
+    already = checkpoint_quantization(src) if src_format == "dgemma" and quantize is not None else None
+    if already is not None:
+        raise ValueError(f"{src!r} is already quantized ({already}); convert it without --quantize")
     if src_format == "hf":
         cfg, params = load_hf(src, dtype=dtype, progress=wrap, quantize=quantize)
         sampler = hf_sampler(src, cfg)

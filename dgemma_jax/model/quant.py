@@ -143,17 +143,12 @@ def vision_quantized(params) -> bool:
     return tower is not None and any(is_quantized(x) for x in jax.tree.leaves(tower, is_leaf=is_quantized))
 
 
-def _embedding_default(mode: str, embedding: bool | None) -> bool:
-    """int8 leaves the tied embedding float unless asked; int4, the mode for fitting one chip, makes it
-    int8 (one scale per vocabulary row) unless embedding=False."""
-    return (mode == "int4") if embedding is None else bool(embedding)
-
-
-def _vision_default(mode: str, vision: bool | None) -> bool:
-    """int8 leaves the vision tower float unless asked (the 26B's int8 fits a v6e-1 with a float tower);
-    int4 quantizes its kernels too (in int4) unless vision=False: a float tower (1.15 GB on the 26B) is
-    most of what a v5e-1 has left for the cache."""
-    return (mode == "int4") if vision is None else bool(vision)
+def _int4_default(mode: str, flag: bool | None) -> bool:
+    """The `embedding=` / `vision=` choice: None means on for int4 only, the mode for fitting one chip. int8
+    leaves the tied embedding and the vision tower float (the 26B's int8 fits a v6e-1 with both float);
+    int4 makes the embedding int8 (one scale per vocabulary row) and the tower int4 (a float tower, 1.15 GB
+    on the 26B, is most of what a v5e-1 has left for the cache)."""
+    return (mode == "int4") if flag is None else bool(flag)
 
 
 def quantize_params(config: ModelConfig, params, mode: str = "int8", *, embedding: bool | None = None,
@@ -168,8 +163,8 @@ def quantize_params(config: ModelConfig, params, mode: str = "int8", *, embeddin
     ValueError for an unknown mode, parameters already quantized, or a tree that is not this config's."""
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; choose one of {', '.join(QUANT_MODES)}")
-    embedding = _embedding_default(mode, embedding)
-    vision = _vision_default(mode, vision)
+    embedding = _int4_default(mode, embedding)
+    vision = _int4_default(mode, vision)
     already = quantization_of(params)
     if already is not None:
         raise ValueError(f"these parameters are already quantized ({already} kernels); quantize the float "
@@ -196,8 +191,8 @@ def quantized_shapes(config: ModelConfig, mode: str = "int8", *, embedding: bool
     """The tree `quantize_params` returns for this config, as `jax.ShapeDtypeStruct`s (no arrays)."""
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; choose one of {', '.join(QUANT_MODES)}")
-    embedding = _embedding_default(mode, embedding)
-    vision = _vision_default(mode, vision)
+    embedding = _int4_default(mode, embedding)
+    vision = _int4_default(mode, vision)
 
     def one(path, s):
         axes = contracted_axes(_path(path), embedding, vision)
@@ -292,7 +287,7 @@ def quantize_leaf(path: str, w, mode: str, embedding: bool | None = None, vision
     pair, or `w` itself when it is not a quantized kernel): what a loader calls per tensor, so the whole
     float model is never held. The pair stays on the devices of `w` (`Shardings.place_params` lays it out
     afterwards)."""
-    axes = contracted_axes(path, _embedding_default(mode, embedding), _vision_default(mode, vision))
+    axes = contracted_axes(path, _int4_default(mode, embedding), _int4_default(mode, vision))
     if axes is None:
         return w
     return _quantize_jit["int8" if re.search(EMBEDDING[0], path) else mode](w, axes)
