@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.random import threefry2x32_p
 
 from dgemma_jax.model.layers import QUANT_SCALE, QUANT_VALUES, is_quantized, softcap
 from dgemma_jax.runtime import Runtime
@@ -153,7 +156,7 @@ def head_sample_stats_full(h: jax.Array, embedding: jax.Array, cap: float, tempe
     w = jnp.exp(z - m)
     s = w.sum(-1)
     entropy = jnp.log(s) - (w * (z - m)).sum(-1) / s
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[1:], jnp.float32))(keys)
+    gumbel = row_gumbel(keys, z.shape[1:])
     gumbel = rt.constrain(gumbel, ("batch", "seq", "vocab"))
     stats = StepStats(sampled=jnp.argmax(z + gumbel, -1).astype(jnp.int32), argmax=jnp.argmax(z, -1).astype(jnp.int32),
                       entropy=entropy)
@@ -161,6 +164,40 @@ def head_sample_stats_full(h: jax.Array, embedding: jax.Array, cap: float, tempe
     probs = (probs if row_scale is None else probs * row_scale).astype(h.dtype)
     soft = jnp.einsum("blv,vd->bld", probs, embedding.astype(h.dtype), preferred_element_type=jnp.float32)
     return stats, (soft * embed_scale).astype(h.dtype)
+
+
+def row_gumbel(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Standard Gumbel noise [B, *shape] float32, row b drawn from keys[b]: the values of
+    `jax.random.gumbel(keys[b], shape)` under jax's default (partitionable) threefry.
+
+    Written out because the vmapped `jax.random.gumbel` shares its threefry counters between the rows,
+    and XLA:TPU then stores them as two uint32 arrays of `shape` (512 MiB for a 256-token canvas over
+    the 262,144-token vocabulary, the largest temporaries of a one-chip denoising step). Here the
+    counters are one iota over the whole [B, *shape] block, which fuses into the sampling reduction.
+    Needs threefry keys and fewer than 2**32 values per row.
+    """
+    size = int(np.prod(shape))
+    if size >= 2 ** 32:
+        raise ValueError(f"row_gumbel draws at most 2**32 - 1 values per row, got shape {shape}")
+    words = jax.random.key_data(keys)  # [B, 2] uint32: threefry's key pair per row
+    full = (words.shape[0], *shape)
+
+    def word(i):
+        return jnp.broadcast_to(words[:, i].reshape((-1,) + (1,) * len(shape)), full)
+
+    # the row-major position of each value inside its row (threefry's low counter word; the high word
+    # is 0 below 2**32 values), as jax.random's partitionable threefry numbers them
+    count = jnp.zeros(full, jnp.uint32)
+    stride = 1
+    for axis in range(len(full) - 1, 0, -1):
+        count = count + lax.broadcasted_iota(jnp.uint32, full, axis) * jnp.uint32(stride)
+        stride *= full[axis]
+    hi, lo = threefry2x32_p.bind(word(0), word(1), jnp.zeros(full, jnp.uint32), count)
+    # jax.random.uniform's float from 32 random bits: 23 mantissa bits under the exponent of 1.0, minus 1,
+    # floored at the smallest normal float as jax.random.gumbel asks
+    mantissa = lax.shift_right_logical(hi ^ lo, jnp.uint32(9)) | jnp.uint32(np.float32(1.0).view(np.uint32))
+    u = jnp.maximum(lax.bitcast_convert_type(mantissa, jnp.float32) - 1.0, jnp.finfo(jnp.float32).tiny)
+    return -jnp.log(-jnp.log(u))
 
 
 def _head_table(embedding):
