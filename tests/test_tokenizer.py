@@ -402,3 +402,16 @@ def test_sentencepiece_agrees_with_transformers_gemma_tokenizer(sp_dir, tmp_path
         assert sp_tok.decode(wrapped) == str(hf[f"decode_wrapped_{i}"])
         if not any(m in text for m in MARKERS):  # our reader also skips marker pieces; this HF conversion keeps them
             assert sp_tok.decode(wrapped, skip_special=True) == str(hf[f"decode_wrapped_skip_{i}"])
+
+
+def test_a_training_recipe_reads_tokenizer_json_with_the_librarys_tokenizer(hf_dir, wordlevel_json):
+    """`data.tokenizer: "hf"` in a recipe loads the same tokenizer as inference (one HFTokenizer class),
+    special ids included, from a checkpoint directory or the file itself."""
+    from dgemma_jax.training.train import build_tokenizer
+    for path in (hf_dir, hf_dir / "tokenizer.json"):
+        tok = build_tokenizer({"tokenizer": "hf", "tokenizer_path": str(path)})
+        assert isinstance(tok, HFTokenizer)
+        assert (tok.pad_id, tok.eos_ids, tok.bos_id) == (0, (1,), 2)
+        assert tok.decode(tok.encode(TEXTS[0])) == TEXTS[0]
+    tok = build_tokenizer({"tokenizer": "hf", "tokenizer_path": str(wordlevel_json)})
+    assert tok.decode(tok.encode("hello world")) == "hello world" and tok.vocab_size == 10

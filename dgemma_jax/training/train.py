@@ -40,12 +40,12 @@ import ml_collections
 import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
-from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from dgemma_jax.config import RUNTIME_CHOICES, ModelConfig
 from dgemma_jax.io.bundled import load_bundled
 from dgemma_jax.io.char_tokenizer import CharTokenizer
+from dgemma_jax.io.tokenizer import load_tokenizer
 from dgemma_jax.io.hf import load_hf
 from dgemma_jax.io.locations import orbax_path, resolve
 from dgemma_jax.io.model_dir import config_from_dict
@@ -89,27 +89,8 @@ def build_tokenizer(dc: dict):
     if kind == "char_file":
         return CharTokenizer.load(dc["tokenizer_path"])
     if kind == "hf":
-        return HFTokenizer(dc["tokenizer_path"])
+        return load_tokenizer(dc["tokenizer_path"])  # a checkpoint directory or its tokenizer.json
     raise ValueError(f"unknown data.tokenizer {kind!r}: use 'tasks', 'image_tasks', 'char', 'char_file' or 'hf'")
-
-
-class HFTokenizer:
-    """A `tokenizers` JSON tokenizer (e.g. the released tokenizer.json) with encode/decode."""
-
-    def __init__(self, path: str):
-        if os.path.isdir(path):
-            path = os.path.join(path, "tokenizer.json")
-        self.tok = Tokenizer.from_file(path)
-        self.bos_id, self.eos_id, self.pad_id = 2, 1, 0
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
-        if self.eos_id in ids:
-            ids = ids[: ids.index(self.eos_id)]
-        return self.tok.decode([i for i in ids if i != self.pad_id])
 
 
 def build_model_and_params(mc: dict, ic: dict, vocab_size: int | None):
