@@ -119,6 +119,8 @@ def cmd_compile(args) -> int:
         raise UsageError(f"unknown program(s) {bad}; choose from {', '.join(known)}")
     if args.images < 0:
         raise UsageError(f"--images must be >= 0; got {args.images}")
+    if args.explain_memory < 0:
+        raise UsageError(f"--explain-memory must be >= 0 (0: off); got {args.explain_memory}")
     if args.images and not {"prefill_images", "prefill_slot_images"} & set(programs):
         # the image prefill of the path asked for: the server's one-slot chunk, else the batch prefill
         serving = {"slot_tick", "prefill_slot"} & set(programs)
@@ -152,7 +154,7 @@ def cmd_compile(args) -> int:
                                     steps_per_canvas=args.steps, programs=programs, dtype=args.dtype,
                                     moe_dispatch=args.moe_dispatch, progress=progress, devices=devices,
                                     quantize=args.quantize, images=args.images, layers=args.layers,
-                                    compiler_options=options)
+                                    compiler_options=options, explain_memory=args.explain_memory)
     except (RuntimeError, ValueError) as e:
         raise UsageError(str(e)) from None
     if args.save:
@@ -226,6 +228,18 @@ def _print_compile_report(r):
             print(f"with the step's collectives on the ICI ({p['denoise_step_ici_ms']:.2f} ms, perf/collectives.py): "
                   f"{p['denoise_step_ms_with_ici']:.2f} ms run after the HBM-bound work, "
                   f"{p['denoise_step_ms_ici_overlapped']:.2f} ms hidden under it")
+    for name, e in r["programs"].items():
+        if "memory_peak" in e:
+            _print_memory_peak(name, e["memory_peak"])
+
+
+def _print_memory_peak(name, peak):
+    """`--explain-memory`: what the compiler holds at a program's memory peak (perf.memory_peak)."""
+    kinds = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in sorted(peak["bytes_by_kind"].items(), key=lambda kv: -kv[1]))
+    print(f"{name}: at its memory peak {peak['peak_bytes'] / 1e9:.2f} GB live ({kinds} GB); the largest buffers "
+          "besides the parameters:")
+    for b in peak["largest"]:
+        print(f"  {b['bytes'] / 2 ** 20:9.1f} MiB  {b['kind']:<9}  {b['shape'].split('{')[0]:<24}  {b['op'] or b['name']}")
 
 
 # ---------------------------------------------------------------------------- parser
@@ -271,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "else prefill_images")
     s.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an XLA compiler option for the TPU compile (repeatable), recorded in the report")
+    s.add_argument("--explain-memory", type=int, default=0, metavar="N",
+                   help="list, per program, the N largest buffers live at its memory peak with the op that made "
+                        "each, from XLA's buffer assignment (what to change when a program does not fit)")
     s.add_argument("--out", help="write the report as JSON here")
     s.add_argument("--save", metavar="DIR",
                    help="keep the compiled programs in DIR (serialized executables and a manifest saying what "

@@ -299,3 +299,21 @@ def test_compiler_options_reach_the_tpu_compiler_and_are_recorded(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads(out.read_text())
     assert rep["compiler_options"] == {"xla_tpu_enable_latency_hiding_scheduler": "true"} and rep["fits"]
+
+
+def test_explain_memory_lists_what_is_live_at_each_programs_peak(tmp_path):
+    out = tmp_path / "r.json"
+    r = _run("--preset", "tiny-2layer", "--topology", "v5e-1", "--context", "1024", "--prompt", "256", "--batch", "2",
+             "--programs", "denoise_step,slot_tick", "--explain-memory", "3", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    for name in ("denoise_step", "slot_tick"):
+        e = rep["programs"][name]
+        peak = e["memory_peak"]
+        assert 0 < peak["bytes_by_kind"]["parameter"] <= e["memory"]["argument_size_in_bytes"]
+        assert peak["peak_bytes"] == sum(peak["bytes_by_kind"].values()) <= e["total_bytes"]
+        assert 0 < len(peak["largest"]) <= 3 and all(b["kind"] != "parameter" for b in peak["largest"])
+        lines = r.stdout.split(f"{name}: at its memory peak", 1)[1].splitlines()
+        assert len([ln for ln in lines[1:4] if "MiB" in ln]) == len(peak["largest"]), r.stdout
+    r = _run("--preset", "tiny-2layer", "--topology", "v5e-1", "--explain-memory", "-1")
+    assert r.returncode == 2 and "--explain-memory must be >= 0" in r.stderr and "Traceback" not in r.stderr

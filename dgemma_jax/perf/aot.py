@@ -42,6 +42,7 @@ from dgemma_jax.perf import roofline
 from dgemma_jax.perf import collectives as coll
 from dgemma_jax.perf.compiled import cost
 from dgemma_jax.perf.hbm_traffic import hbm_traffic
+from dgemma_jax.perf.memory_peak import compile_with_peak
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, init_state, row_keys
@@ -262,7 +263,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
                    moe_dispatch: str = "auto", attn_kernel: str = "auto", sampler=None, devices=None,
                    max_new_tokens: int | None = None, progress=None, quantize: str | None = None,
                    hop_latency_s: float = coll.DEFAULT_HOP_LATENCY_S, images: int = 0,
-                   layers: str = "auto", compiler_options: dict[str, str] | None = None) -> dict[str, Any]:
+                   layers: str = "auto", compiler_options: dict[str, str] | None = None,
+                   explain_memory: int = 0) -> dict[str, Any]:
     """Lower and compile the engine's programs for a TPU topology; per-chip memory, cost, projections.
 
     context: KV cache capacity (prompt + committed canvases). prompt: tokens in one prefill call.
@@ -277,6 +279,9 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
     compiler_options: XLA options for the TPU compile ({"xla_tpu_...": "true"}), passed to
     `.compile(compiler_options=...)` and recorded in the report; an option XLA does not know is a
     ValueError naming it.
+    explain_memory: N > 0 adds each program's memory peak as XLA's buffer assignment gives it
+    (`perf.memory_peak.read_peak`: bytes by parameters / temporaries / outputs and the N largest
+    buffers live at the peak with the op that made each) as the entry's "memory_peak".
     progress: optional callable(name, index, count, seconds, entry) called before each program
     (seconds and entry None) and after it (its compile seconds and report entry).
     Returns a JSON-able dict; `fits` is False when any program exceeds the chip's HBM.
@@ -334,7 +339,11 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         entry: dict[str, Any] = {}
         t0 = time.perf_counter()
         try:
-            compiled = fn.lower(*pos, **kw).compile(compiler_options=dict(compiler_options or {}) or None)
+            lowered = fn.lower(*pos, **kw)
+            if explain_memory > 0:
+                compiled, entry["memory_peak"] = compile_with_peak(lowered, compiler_options, explain_memory)
+            else:
+                compiled = lowered.compile(compiler_options=dict(compiler_options or {}) or None)
         except Exception as e:  # the TPU compiler reports a program that does not fit
             msg = str(e)
             if "No such compile option" in msg:
