@@ -14,6 +14,7 @@ helper below is the identity and the model math never depends on one.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -172,6 +173,13 @@ class Runtime:
             self.observer.kernel_call(name, flops)
 
     # ------------------------------------------------------------------ placement
+    def shards(self, size: int, logical: str) -> int:
+        """How many pieces a dimension of `size` named `logical` is split into on this mesh (1 without one)."""
+        if self.mesh is None:
+            return 1
+        axes = spec_for((size,), (logical,), self.rules, self.mesh)[0]
+        return math.prod(self.mesh.shape[a] for a in _axes(axes))
+
     def constrain(self, x: jax.Array, logical: tuple) -> jax.Array:
         """Pin x's sharding to the mesh axes its logical axis names map to (identity without a mesh)."""
         if self.mesh is None:

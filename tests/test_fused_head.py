@@ -142,27 +142,61 @@ def test_row_gumbel_is_jax_random_gumbel_row_by_row(shape):
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_the_accelerator_head_holds_only_its_logits_on_one_tpu_chip(batch):
-    """The 26B's head on a v5e-1 (int8 tied table, 262,144 ids, a 256-token canvas): the compiled
-    temporaries are the [B, L, V] float32 logits and little else. The vmapped jax.random.gumbel this
-    replaced made XLA:TPU store its threefry counters as two [L, V] uint32 arrays (512 MiB more)."""
+def test_the_heads_temporaries_for_the_26b_on_one_tpu_chip(batch):
+    """The 26B's head on a v5e-1 (int8 tied table, 262,144 ids, a 256-token canvas). The full pass (the
+    head of vocabulary-split meshes) holds the [B, L, V] float32 logits and little else: the vmapped
+    jax.random.gumbel it used before made XLA:TPU store its threefry counters as two [L, V] uint32
+    arrays besides (512 MiB more at 2 rows). The head one chip runs (`head_step`: the vocabulary is
+    whole there) is the scan over vocab chunks: under 16 MiB."""
     pytest.importorskip("libtpu")
     from jax.sharding import SingleDeviceSharding
 
     from dgemma_jax.perf.aot import tpu_devices
+    from dgemma_jax.sampling.fused import head_step
 
     where = SingleDeviceSharding(tpu_devices("v5e-1")[0])
     l, d, v = 256, 2816, 262144
+    rt = Runtime(platform="tpu")
 
     def spec(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
 
-    def head(h, values, scale, t, keys):
-        return head_sample_stats_full(h, {"int8": values, "scale": scale}, 30.0, t, keys, 53.0, Runtime(platform="tpu"))
+    def temporaries(head):
+        def f(h, values, scale, t, keys):
+            return head(h, {"int8": values, "scale": scale}, 30.0, t, keys, 53.0, rt)
+        compiled = jax.jit(f).lower(spec((batch, l, d), jnp.bfloat16), spec((v, d), jnp.int8),
+                                    spec((v, 1), jnp.bfloat16), spec((batch, 1, 1), jnp.float32),
+                                    spec((batch,), jax.random.key(0).dtype)).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
 
-    compiled = jax.jit(head).lower(spec((batch, l, d), jnp.bfloat16), spec((v, d), jnp.int8), spec((v, 1), jnp.bfloat16),
-                                   spec((batch, 1, 1), jnp.float32), spec((batch,), jax.random.key(0).dtype)).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    full, chip = temporaries(head_sample_stats_full), temporaries(head_step)
     logits = batch * l * v * 4
-    print(f"batch {batch}: head temporaries {temp / 2**20:.0f} MiB, logits {logits / 2**20:.0f} MiB")
-    assert logits <= temp < logits + 64 * 2**20
+    print(f"batch {batch}: full pass {full / 2**20:.0f} MiB (logits {logits / 2**20:.0f} MiB), "
+          f"one chip's head {chip / 2**20:.1f} MiB")
+    assert logits <= full < logits + 64 * 2**20
+    assert chip < 16 * 2**20
+
+
+def test_row_gumbel_draws_any_window_of_the_full_draw():
+    keys = jax.random.split(jax.random.key(4), 2)
+    whole = np.asarray(row_gumbel(keys, (5, 40)))
+    for start in (0, 8, 32):
+        np.testing.assert_array_equal(np.asarray(row_gumbel(keys, (5, 8), start, 40)), whole[..., start:start + 8])
+    traced = jax.jit(lambda s: row_gumbel(keys, (5, 8), s, 40))(jnp.int32(16))
+    np.testing.assert_array_equal(np.asarray(traced), whole[..., 16:24])
+
+
+@pytest.mark.parametrize("chunk", [100, 250, 1000])
+def test_one_chips_scan_draws_what_the_vocabulary_split_full_pass_draws(chunk):
+    """head_step's head where the vocabulary is whole on an accelerator (the scan, Gumbel-max chunk by
+    chunk) samples the tokens of the full pass a vocabulary-split slice runs: same seed, same tokens;
+    entropy and soft embedding equal up to float32 rounding."""
+    h, emb = _setup()
+    keys = jax.random.split(jax.random.key(7), h.shape[0])
+    scan, soft_scan = head_sample_stats(h, emb, 30.0, jnp.float32(0.6), keys, 5.0, chunk=chunk, gumbel=True)
+    full, soft_full = head_sample_stats_full(h, emb, 30.0, jnp.float32(0.6), keys, 5.0)
+    np.testing.assert_array_equal(np.asarray(scan.sampled), np.asarray(full.sampled))
+    np.testing.assert_array_equal(np.asarray(scan.argmax), np.asarray(full.argmax))
+    assert (np.asarray(scan.sampled) != np.asarray(scan.argmax)).any()  # the draw is not the argmax
+    np.testing.assert_allclose(np.asarray(scan.entropy), np.asarray(full.entropy), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(soft_scan), np.asarray(soft_full), atol=5e-5)

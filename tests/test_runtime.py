@@ -65,6 +65,17 @@ def test_hashable_static_argument_with_the_mesh_in_it():
     assert len(traces) == 2
 
 
+def test_shards_counts_the_pieces_a_named_dimension_is_split_into():
+    """What `sampling.fused.head_step` asks to pick the head: is the vocabulary whole on each device?"""
+    from dgemma_jax.parallel.rules import rules_for
+    assert Runtime().shards(262144, "vocab") == 1
+    mesh = make_mesh("data=2,expert=4", devices=jax.devices()[:8])
+    rt = Runtime(mesh=mesh, rules=rules_for("latency"))
+    assert rt.shards(262144, "vocab") == 4 and rt.shards(8, "batch") == 2
+    assert Runtime(mesh=mesh, rules=(("batch", "data"),)).shards(262144, "vocab") == 1
+    assert rt.shards(6, "vocab") == 1  # a size the axes do not divide stays whole
+
+
 def test_model_config_holds_no_execution_choices():
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     assert not names & {"moe_dispatch", "moe_capacity_factor", "moe_shard_rows_factor", "attn_kernel",

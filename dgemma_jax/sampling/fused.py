@@ -18,11 +18,14 @@ drawing only two uniforms per position and chunk (Gumbel-max would need one per 
 The semantics equal `sampling.ops` (sanitize -> temperature -> sample/argmax/entropy,
 softmax @ E) up to float32 rounding and the random stream; the separate ops remain the reference.
 
-On accelerators `head_sample_stats_full` does the same in plain full-vocabulary reductions over
-ONE [B, L, V] float32 tile (vocab-sharded under a mesh: the per-chip tile is V / shards wide, and
-the reductions become small all-reduces), with Gumbel-max sampling. A sequential scan over vocab
+On an accelerator mesh that splits the vocabulary, `head_sample_stats_full` does the same in plain
+full-vocabulary reductions over ONE [B, L, V] float32 tile (the per-chip tile is V / shards wide, and
+the reductions become small all-reduces), with Gumbel-max sampling: a sequential scan over vocab
 chunks would make the partitioner gather the vocab-sharded embedding. `head_step` picks the
-variant for the backend being compiled for: the scan on CPU, the full pass elsewhere.
+variant: the scan on CPU and where each device holds the whole vocabulary (one TPU chip: for the
+26B's head at 2 rows on a v5e-1 the scan needs no temporaries and 1.5 GB of HBM traffic, the full
+pass 0.5 GB of logits and 4.2 GB), the full pass on a mesh that splits it. The two draw differently:
+the same seed gives different tokens on one chip and on a vocabulary-split slice.
 """
 
 from __future__ import annotations
@@ -64,9 +67,11 @@ def chunk_uniforms(keys: jax.Array, chunk_index, length: int) -> jax.Array:
 
 
 def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperature: jax.Array, keys: jax.Array,
-                      embed_scale: float, chunk: int | None = None):
+                      embed_scale: float, chunk: int | None = None, gumbel: bool = False):
     """h [B, L, D], embedding [V, D], temperature [] f32, keys [B] (one stream per row).
 
+    gumbel: draw as `head_sample_stats_full` does (Gumbel-max, chunk by chunk, over the same noise), so
+    that one chip samples what a vocabulary-split slice samples; else the streaming inverse-CDF draw.
     Returns (StepStats(sampled, argmax, entropy) each [B, L], soft embedding [B, L, D] in h.dtype).
     """
     b, l, d = h.shape
@@ -79,6 +84,8 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
         t=jnp.zeros((b, l), jnp.float32), arg=jnp.zeros((b, l), jnp.int32),
         sample=jnp.zeros((b, l), jnp.int32), acc=jnp.zeros((b, l, d), jnp.float32),
     )
+    if gumbel:
+        init["gmax"] = jnp.full((b, l), -jnp.inf, jnp.float32)
 
     sub = _sub_block(c)
     nsub = c // sub
@@ -86,15 +93,21 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
     sub_iota = jnp.arange(nsub, dtype=jnp.int32)
     scale = jnp.float32(cap) / temperature
 
+    # chunk i is row i of the table seen as [n, c, D] (a free reshape), taken inside the body: scanning
+    # over it as `xs` made XLA:CPU copy every chunk first, and slicing rows of the [V, D] table made
+    # XLA:TPU relayout the whole int8 table (738 MB for the 26B) before the loop
+    chunks = embedding.reshape(n, c, d)
+
     def body(carry, idx):
-        # the chunk's rows sliced inside the body (scanning over a reshaped table as `xs` made
-        # XLA:CPU copy every chunk first)
-        e_c = jax.lax.dynamic_slice_in_dim(embedding, idx * c, c)
+        e_c = jax.lax.dynamic_index_in_dim(chunks, idx, 0, keepdims=False)
         logits = jnp.einsum("bld,cd->blc", h, e_c.astype(h.dtype), preferred_element_type=jnp.float32)
         if row_scale is not None:
             rs_c = jax.lax.dynamic_slice_in_dim(row_scale, idx * c, c)
             logits = logits * rs_c
-        z = sanitize_logits(jnp.tanh(logits * (1.0 / cap)) * scale)  # softcap / T with one multiply
+        if gumbel:  # z as the full pass computes it
+            z = sanitize_logits(softcap(logits, cap) / temperature)
+        else:
+            z = sanitize_logits(jnp.tanh(logits * (1.0 / cap)) * scale)  # softcap / T with one multiply
         # the chunk's max and its first index from per-sub-block maxima: one reduction pass over the
         # tile, then a search inside the one sub-block that holds the max (a compare-select-reduce
         # over the whole tile would cost two more passes)
@@ -120,6 +133,14 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
         t = jnp.where(jnp.isfinite(carry["m"]), t, wz)
         acc = carry["acc"] * alpha[..., None] + jnp.einsum(
             "blc,cd->bld", w if row_scale is None else w * rs_c, e_c.astype(jnp.float32))
+        common = dict(m=m_new, s=s, t=t, arg=jnp.where(cmax > carry["m"], carg, carry["arg"]), acc=acc)
+        if gumbel:  # the running Gumbel-max: a later chunk wins only with a strictly larger value
+            zg = z + row_gumbel(keys, (l, c), idx * c, v)
+            gmax = zg.max(-1)
+            garg = jnp.min(jnp.where(zg == gmax[..., None], jnp.arange(c, dtype=jnp.int32), c), -1) + idx * c
+            better = gmax > carry["gmax"]
+            return dict(common, gmax=jnp.where(better, gmax, carry["gmax"]),
+                        sample=jnp.where(better, garg, carry["sample"])), None
         # a draw inside the chunk by inverting its cumulative mass: first the sub-block, then the
         # token inside it (two short cumulative sums instead of one over the whole chunk)
         u = chunk_uniforms(keys, idx, l)
@@ -132,8 +153,7 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
         inside = jnp.minimum(jnp.sum(cum_in < (target - before)[..., None], axis=-1), sub - 1).astype(jnp.int32)
         inside = j * sub + inside + idx * c
         switch = u[:, 1] * s < s_c  # probability s_c / s of moving the sample into this chunk
-        return dict(m=m_new, s=s, t=t, arg=jnp.where(cmax > carry["m"], carg, carry["arg"]),
-                    sample=jnp.where(switch, inside, carry["sample"]), acc=acc), None
+        return dict(common, sample=jnp.where(switch, inside, carry["sample"])), None
 
     out, _ = jax.lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
     entropy = jnp.log(out["s"]) - out["t"] / out["s"]
@@ -166,9 +186,11 @@ def head_sample_stats_full(h: jax.Array, embedding: jax.Array, cap: float, tempe
     return stats, (soft * embed_scale).astype(h.dtype)
 
 
-def row_gumbel(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def row_gumbel(keys: jax.Array, shape: tuple[int, ...], start=0, total: int | None = None) -> jax.Array:
     """Standard Gumbel noise [B, *shape] float32, row b drawn from keys[b]: the values of
-    `jax.random.gumbel(keys[b], shape)` under jax's default (partitionable) threefry.
+    `jax.random.gumbel(keys[b], shape)` under jax's default (partitionable) threefry. With `total`,
+    the columns [start, start + shape[-1]) of `jax.random.gumbel(keys[b], (*shape[:-1], total))`
+    (`start` may be traced): one vocabulary chunk of the full draw.
 
     Written out because the vmapped `jax.random.gumbel` shares its threefry counters between the rows,
     and XLA:TPU then stores them as two uint32 arrays of `shape` (512 MiB for a 256-token canvas over
@@ -176,9 +198,10 @@ def row_gumbel(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     counters are one iota over the whole [B, *shape] block, which fuses into the sampling reduction.
     Needs threefry keys and fewer than 2**32 values per row.
     """
-    size = int(np.prod(shape))
+    total = shape[-1] if total is None else int(total)
+    size = int(np.prod(shape[:-1])) * total
     if size >= 2 ** 32:
-        raise ValueError(f"row_gumbel draws at most 2**32 - 1 values per row, got shape {shape}")
+        raise ValueError(f"row_gumbel draws at most 2**32 - 1 values per row, got {size}")
     words = jax.random.key_data(keys)  # [B, 2] uint32: threefry's key pair per row
     full = (words.shape[0], *shape)
 
@@ -187,9 +210,9 @@ def row_gumbel(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
     # the row-major position of each value inside its row (threefry's low counter word; the high word
     # is 0 below 2**32 values), as jax.random's partitionable threefry numbers them
-    count = jnp.zeros(full, jnp.uint32)
-    stride = 1
-    for axis in range(len(full) - 1, 0, -1):
+    count = lax.broadcasted_iota(jnp.uint32, full, len(shape)) + jnp.asarray(start, jnp.uint32)
+    stride = total
+    for axis in range(len(full) - 2, 0, -1):
         count = count + lax.broadcasted_iota(jnp.uint32, full, axis) * jnp.uint32(stride)
         stride *= full[axis]
     hi, lo = threefry2x32_p.bind(word(0), word(1), jnp.zeros(full, jnp.uint32), count)
@@ -209,7 +232,11 @@ def _head_table(embedding):
 
 
 def head_step(h, embedding, cap, temperature, keys, embed_scale, rt: Runtime):
-    """The denoising step's fused head for the platform `rt` compiles for (see the module doc)."""
+    """The denoising step's fused head for where `rt` compiles (see the module doc): the scan over vocab
+    chunks on CPU and wherever each device holds the whole vocabulary (one TPU chip), the full pass on
+    an accelerator mesh that splits it."""
     if rt.platform == "cpu":
         return head_sample_stats(h, embedding, cap, temperature, keys, embed_scale)
+    if rt.shards(_head_table(embedding)[0].shape[0], "vocab") == 1:
+        return head_sample_stats(h, embedding, cap, temperature, keys, embed_scale, gumbel=True)
     return head_sample_stats_full(h, embedding, cap, temperature, keys, embed_scale, rt)
