@@ -3,10 +3,14 @@ N layers of the repeated group), from the TPU compiler (compile-only devices; no
 
     python benchmarks/int4_loop_temps.py 2 2 --out /tmp/t.json     # layers, slots
 
+    python benchmarks/int4_loop_temps.py 2 2 --explain 12       # and what is live at the peak
+
 Used to find out why the 26B's int4 tick needed 37.9 GB: XLA hoisted the loop-invariant int4 -> int8
 widening of every expert block out of the tick's loop, keeping a widened copy of every layer's experts
-(`moe._ragged` now ties the blocks to the activations with an optimization barrier). Results of the
-runs before and after: benchmarks/results/int4_loop_temps.json.
+(`moe._ragged` now ties the blocks to the activations with an optimization barrier). Then, with
+--explain (`perf.memory_peak`), what the remaining depth-independent 1.1 GB was: the sampling head's
+float32 logits and the threefry counters of its Gumbel noise. Results of the runs before and after:
+benchmarks/results/int4_loop_temps.json.
 """
 
 import argparse
@@ -24,6 +28,8 @@ def main(argv=None):
     ap.add_argument("slots", type=int)
     ap.add_argument("--program", default="slot_tick")
     ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--explain", type=int, default=0, metavar="N",
+                    help="record the N largest buffers live at the memory peak (perf.memory_peak)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -33,10 +39,14 @@ def main(argv=None):
     cfg = ModelConfig.preset("diffusiongemma-26b-a4b")
     cfg = cfg.replace(num_layers=args.layers, layer_types=cfg.layer_types[6 - args.layers:6])
     rep = compile_report(cfg, "v5e-1", context=args.context, prompt=1024, batch=args.slots, programs=(args.program,),
-                         quantize="int4", layers="unrolled")
+                         quantize="int4", layers="unrolled", explain_memory=args.explain)
     p = rep["programs"][args.program]
     out = {"layers": args.layers, "slots": args.slots, "program": args.program, "context": args.context,
            "fits": p.get("fits"), "memory": p.get("memory"), "compile_seconds": p.get("compile_seconds")}
+    if "memory_peak" in p:
+        peak = p["memory_peak"]
+        out["peak"] = {"bytes_by_kind": peak["bytes_by_kind"],
+                       "largest": [{k: b[k] for k in ("bytes", "shape", "op")} for b in peak["largest"]]}
     print(json.dumps(out))
     if args.out:
         with open(args.out, "w") as f:

@@ -39,3 +39,20 @@ def test_a_smaller_program_has_a_smaller_peak():
 def test_a_directory_without_a_dump_is_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match="no buffer assignment dumped"):
         read_peak(str(tmp_path))
+
+
+def test_a_program_the_tpu_compiler_refuses_comes_back_with_its_peak():
+    """A v5e-1 cannot hold a [65536, 65536] float32 product: the compiler's RESOURCE_EXHAUSTED error
+    carries the peak it had assigned, the product first."""
+    pytest.importorskip("libtpu")
+    from jax.sharding import SingleDeviceSharding
+
+    from dgemma_jax.perf.aot import tpu_devices
+
+    where = SingleDeviceSharding(tpu_devices("v5e-1")[0])
+    lowered = jax.jit(_head_like).lower(jax.ShapeDtypeStruct((65536, 256), jnp.float32, sharding=where),
+                                        jax.ShapeDtypeStruct((65536, 256), jnp.float32, sharding=where))
+    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED") as refused:
+        compile_with_peak(lowered, top=2)
+    top = refused.value.memory_peak["largest"][0]
+    assert top["bytes"] == 65536 * 65536 * 4 and top["op"].endswith("dot_general"), top

@@ -352,6 +352,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
             if "RESOURCE_EXHAUSTED" not in msg and "exceeds available HBM" not in msg:
                 raise
             entry.update(fits=False, error=msg.strip().splitlines()[-1][:400])
+            if getattr(e, "memory_peak", None) is not None:  # --explain-memory: what the refused program held
+                entry["memory_peak"] = e.memory_peak
             report["fits"] = False
             report["programs"][name] = entry
             if progress is not None:

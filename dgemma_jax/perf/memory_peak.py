@@ -123,8 +123,19 @@ def read_peak(dump_dir: str, top: int = 12) -> dict[str, Any]:
 
 
 def compile_with_peak(lowered, compiler_options: dict[str, Any] | None = None, top: int = 12):
-    """(compiled, read_peak(...)): compile a `jax.stages.Lowered` with XLA's dumps in a temporary directory."""
+    """(compiled, read_peak(...)): compile a `jax.stages.Lowered` with XLA's dumps in a temporary directory.
+
+    When the compiler refuses the program (XLA:TPU: RESOURCE_EXHAUSTED, it does not fit), the error is
+    raised with the peak it had assigned as its `memory_peak` attribute, where the dump has one.
+    """
     with tempfile.TemporaryDirectory(prefix="dgemma-peak-") as d:
         options = {**(compiler_options or {}), "xla_dump_to": d, "xla_dump_hlo_as_text": True}
-        compiled = lowered.compile(compiler_options=options)
+        try:
+            compiled = lowered.compile(compiler_options=options)
+        except Exception as e:
+            try:
+                e.memory_peak = read_peak(d, top)
+            except (RuntimeError, OSError):
+                pass  # no dump to read: the error as it is
+            raise
         return compiled, read_peak(d, top)
