@@ -22,9 +22,8 @@ from dgemma_jax.model import flash, masks
 from dgemma_jax.model.cache import window_slice, write_tokens
 from dgemma_jax.model.layout import LAYER_AXIS
 from dgemma_jax.model.layers import RMSNorm, adapter, apply_rope, param, project, rms_normalize, rope_inv_freq
+from dgemma_jax.parallel.rules import CACHE_AXES
 from dgemma_jax.runtime import Runtime
-
-CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
 
 _NEG = -1e30
 

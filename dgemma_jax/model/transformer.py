@@ -29,9 +29,8 @@ from dgemma_jax.model.layers import (QUANT_SCALE, QUANT_VALUES, GatedMLP, RMSNor
                                      param, rms_normalize, softcap)
 from dgemma_jax.model.moe import MoE
 from dgemma_jax.model.vision import MultimodalEmbedder, VisionTower, compact_rows
+from dgemma_jax.parallel.rules import ACTIVATION_AXES
 from dgemma_jax.runtime import Runtime
-
-ACTIVATION_AXES = ("batch", "seq", "embed")
 
 
 class Block(nn.Module):
