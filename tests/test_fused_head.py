@@ -152,6 +152,7 @@ def test_the_heads_temporaries_for_the_26b_on_one_tpu_chip(batch):
     from jax.sharding import SingleDeviceSharding
 
     from dgemma_jax.perf.aot import tpu_devices
+    from dgemma_jax.perf.hbm_traffic import hbm_traffic
     from dgemma_jax.sampling.fused import head_step
 
     where = SingleDeviceSharding(tpu_devices("v5e-1")[0])
@@ -161,20 +162,22 @@ def test_the_heads_temporaries_for_the_26b_on_one_tpu_chip(batch):
     def spec(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
 
-    def temporaries(head):
+    def compiled(head):
         def f(h, values, scale, t, keys):
             return head(h, {"int8": values, "scale": scale}, 30.0, t, keys, 53.0, rt)
-        compiled = jax.jit(f).lower(spec((batch, l, d), jnp.bfloat16), spec((v, d), jnp.int8),
-                                    spec((v, 1), jnp.bfloat16), spec((batch, 1, 1), jnp.float32),
-                                    spec((batch,), jax.random.key(0).dtype)).compile()
-        return compiled.memory_analysis().temp_size_in_bytes
+        c = jax.jit(f).lower(spec((batch, l, d), jnp.bfloat16), spec((v, d), jnp.int8), spec((v, 1), jnp.bfloat16),
+                             spec((batch, 1, 1), jnp.float32), spec((batch,), jax.random.key(0).dtype)).compile()
+        return c.memory_analysis().temp_size_in_bytes, hbm_traffic(c.as_text())["total"]
 
-    full, chip = temporaries(head_sample_stats_full), temporaries(head_step)
-    logits = batch * l * v * 4
+    (full, full_hbm), (chip, chip_hbm) = compiled(head_sample_stats_full), compiled(head_step)
+    logits, table = batch * l * v * 4, v * d
     print(f"batch {batch}: full pass {full / 2**20:.0f} MiB (logits {logits / 2**20:.0f} MiB), "
-          f"one chip's head {chip / 2**20:.1f} MiB")
+          f"{full_hbm / 1e9:.2f} GB of HBM traffic; one chip's head {chip / 2**20:.1f} MiB, {chip_hbm / 1e9:.2f} GB")
     assert logits <= full < logits + 64 * 2**20
     assert chip < 16 * 2**20
+    # both read the table twice (logits, soft embedding); the full pass also writes and reads its logits.
+    # The scan's traffic is counted once per vocab chunk (perf.hbm_traffic's counted loops)
+    assert 2 * table <= chip_hbm < 2 * table + logits < full_hbm
 
 
 def test_row_gumbel_draws_any_window_of_the_full_draw():

@@ -305,3 +305,9 @@ def test_the_grouped_matmul_of_the_26bs_experts_holds_one_block_at_a_time_on_a_v
     temp, product = compiled.memory_analysis().temp_size_in_bytes, m * o * 4
     print(f"{mode}: grouped matmul temporaries {temp / 2**20:.1f} MiB, one block product {product / 2**20:.0f} MiB")
     assert temp < 2 * product
+    # the HBM traffic count reads every block once: the loop over blocks counts once per block
+    from dgemma_jax.perf.hbm_traffic import hbm_traffic
+    values = g * i * o // (2 if mode == "int4" else 1)
+    traffic = hbm_traffic(compiled.as_text())["total"]
+    print(f"{mode}: HBM traffic {traffic / 1e6:.0f} MB, kernel values {values / 1e6:.0f} MB")
+    assert values <= traffic < values + 2 * product * (i // 128) + 4 * m * i

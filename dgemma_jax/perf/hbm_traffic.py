@@ -12,8 +12,9 @@ bodies and conditional branches it runs), the operands and results whose layout 
 annotation; a transfer counts its bytes on the HBM side; a fusion operand that the fusion only
 slices or gathers counts the rows it takes, not the whole array; an update in place (a scatter or
 dynamic-update-slice into its first operand, a KV-cache write) counts the rows it writes, not the
-whole buffer. The model's scan over layer
-groups (`LAYER_LOOP_SCOPE`) counts once per group; any other loop body counts once, like
+whole buffer. The loops of a fixed length (`COUNTED_LOOPS`: the model's scan over layer groups, the
+int4 grouped matmul's blocks, the one-chip head's vocab chunks) count once per trip; any other loop
+body counts once, like
 cost_analysis (per-step figures come from the step program); a conditional counts its largest
 branch. This is our reading of the compiler's output, not a hardware measurement.
 """
@@ -24,8 +25,14 @@ import re
 from collections import Counter
 
 from dgemma_jax.model.layout import LAYER_LOOP_SCOPE
+from dgemma_jax.model.moe import BLOCK_LOOP_SCOPE
+from dgemma_jax.sampling.fused import VOCAB_LOOP_SCOPE
 
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+# loops that run a fixed number of times, from a counter at 0: the layer groups' scan, the int4 grouped
+# matmul's blocks and the one-chip head's vocab chunks
+COUNTED_LOOPS = (LAYER_LOOP_SCOPE, BLOCK_LOOP_SCOPE, VOCAB_LOOP_SCOPE)
+
+_ITEMSIZE = {"s4": 0.5, "u4": 0.5, "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
              "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 # dtype[dims]{layout}; the layout may hold tiling "(8,128)" and a memory space "S(1)"
 _ARRAY = re.compile(r"\b(" + "|".join(_ITEMSIZE) + r")\[([0-9,]*)\](\{[^{}]*\})?")
@@ -46,7 +53,7 @@ def _arrays(type_text: str) -> list[tuple[int, bool]]:
         for d in dims.split(","):
             if d:
                 n *= int(d)
-        out.append((n * _ITEMSIZE[dtype], bool(re.search(r"S\([1-9]\d*\)", layout or ""))))
+        out.append((int(n * _ITEMSIZE[dtype]), bool(re.search(r"S\([1-9]\d*\)", layout or ""))))
     return out
 
 
@@ -81,20 +88,20 @@ def _parse(text: str):
 
 
 def loop_runs(hlo_text: str, rest: str) -> int:
-    """How many times to count a while op's body (`rest`: its attributes): the trip count of the
-    model's layer-group scan (its condition is `counter < N`, the counter from 0), 1 for any other
-    loop (a body run a data-dependent number of times, like the MoE's skipped blocks, counts once)."""
+    """How many times to count a while op's body (`rest`: its attributes): the trip count of a loop in
+    one of `COUNTED_LOOPS` (its condition is `counter < N`, the counter from 0), 1 for any other loop
+    (a body run a data-dependent number of times, like the MoE's skipped blocks, counts once)."""
     m = re.search(r'op_name="([^"]*)"', rest)
     cond = re.search(r"condition=%?([\w.\-]+)", rest)
-    # the scan's own loop, not a loop nested in its body (whose op_name holds the scope too)
-    if not m or not m.group(1).endswith(f"{LAYER_LOOP_SCOPE}/while") or not cond:
+    # the scope's own loop, not a loop nested in its body (whose op_name holds the scope too)
+    if not m or not any(m.group(1).endswith(f"{scope}/while") for scope in COUNTED_LOOPS) or not cond:
         return 1
     body = _computation(hlo_text, cond.group(1))
     consts = re.findall(r"s32\[\][^ ]* constant\((\d+)\)", body)
     # the compare may sit in a fusion the condition calls (XLA:CPU wraps it)
     called = "".join(_computation(hlo_text, c) for c in re.findall(r"calls=%?([\w.\-]+)", body))
     if len(consts) != 1 or "direction=LT" not in body + called:
-        raise ValueError(f"cannot read the trip count of the layer scan's loop from condition {cond.group(1)}")
+        raise ValueError(f"cannot read the trip count of the loop {m.group(1)} from condition {cond.group(1)}")
     return int(consts[0])
 
 
@@ -123,11 +130,15 @@ def hbm_traffic(hlo_text: str) -> dict:
         """Bytes computation `comp` reads of its parameter `param`: the slices, when all it does with
         the parameter is slice or gather it (looking through nested fusions)."""
         total = 0
-        for _, typ, op, args, rest in comps.get(comp, []):
+        for name, typ, op, args, rest in comps.get(comp, []):
             if param not in args:
                 continue
             if op in _SLICING and args[0] == param and param not in args[1:]:
                 total += sum(b for b, _ in _arrays(typ))
+            elif op == "fusion" and args == [param] and (inner := re.search(r"calls=%?([\w.\-]+)", rest)) \
+                    and relayout(inner.group(1)):
+                # a layout copy fused into what slices it: only the rows taken are read
+                total += read_of(comp, name, full)
             elif op == "fusion" and (inner := re.search(r"calls=%?([\w.\-]+)", rest)):
                 nested = params_of(inner.group(1))
                 for j, a in enumerate(args):
@@ -136,6 +147,10 @@ def hbm_traffic(hlo_text: str) -> dict:
             else:
                 return full
         return min(total, full)
+
+    def relayout(comp: str) -> bool:
+        """Whether a fused computation only copies (relayouts) its one parameter."""
+        return all(op in ("parameter", "copy", "bitcast") for _, _, op, _, _ in comps.get(comp, []))
 
     def in_place_update(comp: str) -> int | None:
         """The bytes a fusion writes when its root updates its first operand in place (a scatter or

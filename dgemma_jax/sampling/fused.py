@@ -41,6 +41,10 @@ from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.ops import StepStats, sanitize_logits
 
 
+# the scope of the head's loop over vocab chunks (perf.hbm_traffic)
+VOCAB_LOOP_SCOPE = "vocab_chunks"
+
+
 def vocab_chunk(vocab: int, target: int = 2048) -> int:
     """The largest divisor of `vocab` that is <= target (and >= 256), else the whole vocab."""
     if vocab <= target:
@@ -155,7 +159,8 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
         switch = u[:, 1] * s < s_c  # probability s_c / s of moving the sample into this chunk
         return dict(common, sample=jnp.where(switch, inside, carry["sample"])), None
 
-    out, _ = jax.lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+    with jax.named_scope(VOCAB_LOOP_SCOPE):  # perf.hbm_traffic counts the body once per chunk
+        out, _ = jax.lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
     entropy = jnp.log(out["s"]) - out["t"] / out["s"]
     soft = (out["acc"] / out["s"][..., None]) * embed_scale
     return StepStats(sampled=out["sample"], argmax=out["arg"], entropy=entropy), soft.astype(h.dtype)
