@@ -203,3 +203,25 @@ def test_one_chips_scan_draws_what_the_vocabulary_split_full_pass_draws(chunk):
     assert (np.asarray(scan.sampled) != np.asarray(scan.argmax)).any()  # the draw is not the argmax
     np.testing.assert_allclose(np.asarray(scan.entropy), np.asarray(full.entropy), atol=2e-5)
     np.testing.assert_allclose(np.asarray(soft_scan), np.asarray(soft_full), atol=5e-5)
+
+
+def test_head_step_runs_the_scan_where_the_vocabulary_is_whole_and_the_full_pass_where_a_mesh_splits_it():
+    """The choice `head_step` makes, read from the lowered program: the scan's loop (its named scope) is
+    there on CPU and on one accelerator device, not on a mesh that splits the vocabulary."""
+    from dgemma_jax.parallel import make_mesh
+    from dgemma_jax.parallel.rules import rules_for
+    from dgemma_jax.sampling.fused import VOCAB_LOOP_SCOPE, head_step
+
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 (fake) devices")
+    h, emb = _setup(v=1024, d=32, l=8)
+    keys = jax.random.split(jax.random.key(0), h.shape[0])
+    split = Runtime(platform="tpu", mesh=make_mesh("expert=4", devices=jax.devices()[:4]), rules=rules_for("latency"))
+    assert split.shards(emb.shape[0], "vocab") == 4
+
+    def scans(rt):
+        lowered = jax.jit(lambda h, e, k: head_step(h, e, 30.0, jnp.float32(0.7), k, 1.0, rt)).lower(h, emb, keys)
+        return f"{VOCAB_LOOP_SCOPE}/while" in lowered.as_text(debug_info=True)
+
+    assert scans(Runtime(platform="cpu")) and scans(Runtime(platform="tpu"))
+    assert not scans(split)

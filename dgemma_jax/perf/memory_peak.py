@@ -22,7 +22,7 @@ from typing import Any
 
 __all__ = ["compile_with_peak", "read_peak"]
 
-_PEAK_HEADER = re.compile(r"\s*Live ranges at (\d+) \(peak\):")
+_PEAK_HEADER = re.compile(r"\s*Live ranges at \d+ \(peak\):")
 _PEAK_LINE = re.compile(r"\s+(\S+?)(\{[^}]*\})?: (\d+) bytes")
 _ALLOCATION = re.compile(r"allocation \d+: size \d+, (.*)")
 _VALUE = re.compile(r" value: <\d+ (\S+?)(\{[^}]*\})? @\d+> \(size=\d+,offset=\d+\): (\S+)")
@@ -45,20 +45,23 @@ def _kind(allocation: str) -> str:
     return "other"
 
 
+def _key(name: str, index: str | None) -> str:
+    """A value's name as both files can be joined on: `x` and `x{}` are the same (non-tuple) value."""
+    return name if index in (None, "", "{}") else name + index
+
+
 def _read_module(prefix: str, top: int) -> dict[str, Any]:
-    peak_at, live = None, []
+    in_peak, live = False, []
     with open(prefix + "-live-range.txt") as f:
         for line in f:
-            if peak_at is None:
-                m = _PEAK_HEADER.match(line)
-                if m:
-                    peak_at = int(m.group(1))
+            if not in_peak:
+                in_peak = bool(_PEAK_HEADER.match(line))
                 continue
             m = _PEAK_LINE.match(line)
             if not m:
                 break
-            live.append((m.group(1), m.group(2) or "", int(m.group(3))))
-    if peak_at is None:
+            live.append((m.group(1), m.group(2), int(m.group(3))))
+    if not in_peak:
         raise RuntimeError(f"{prefix}-live-range.txt has no 'Live ranges at N (peak)' section: this XLA "
                            "does not report its memory peak")
     shapes, kinds, kind = {}, {}, "other"
@@ -70,7 +73,7 @@ def _read_module(prefix: str, top: int) -> dict[str, Any]:
                 continue
             m = _VALUE.match(line)
             if m:
-                key = m.group(1) + (m.group(2) or "")
+                key = _key(m.group(1), m.group(2))
                 shapes[key], kinds[key] = m.group(3), kind
     ops, source = {}, {}
     hlo = prefix + ".txt"
@@ -92,9 +95,9 @@ def _read_module(prefix: str, top: int) -> dict[str, Any]:
         ops[name] = f"copy of {named.get(origin) or origin}"
     buffers = []
     for name, index, size in live:
-        key = name + (index if index not in ("", "{}") else "")
-        buffers.append({"name": name + index, "bytes": size, "shape": shapes.get(key, shapes.get(name, "")),
-                        "kind": kinds.get(key, kinds.get(name, "other")), "op": ops.get(name, "")})
+        key = _key(name, index)
+        buffers.append({"name": name + (index or ""), "bytes": size, "shape": shapes.get(key, ""),
+                        "kind": kinds.get(key, "other"), "op": ops.get(name, "")})
     buffers.sort(key=lambda b: -b["bytes"])
     by_kind: dict[str, int] = {}
     for b in buffers:

@@ -23,9 +23,10 @@ full-vocabulary reductions over ONE [B, L, V] float32 tile (the per-chip tile is
 the reductions become small all-reduces), with Gumbel-max sampling: a sequential scan over vocab
 chunks would make the partitioner gather the vocab-sharded embedding. `head_step` picks the
 variant: the scan on CPU and where each device holds the whole vocabulary (one TPU chip: for the
-26B's head at 2 rows on a v5e-1 the scan needs no temporaries and 1.5 GB of HBM traffic, the full
-pass 0.5 GB of logits and 4.2 GB), the full pass on a mesh that splits it. The two draw differently:
-the same seed gives different tokens on one chip and on a vocabulary-split slice.
+26B's head at 2 rows on a v5e-1 the scan needs no temporaries and 1.85 GB of HBM traffic, the full
+pass 0.5 GB of logits and 4.17 GB), the full pass on a mesh that splits it. On an accelerator the scan
+draws Gumbel-max over the full pass's own noise (`row_gumbel`), so one chip and a vocabulary-split slice
+sample the same tokens for a seed; the CPU keeps the streaming draw above.
 """
 
 from __future__ import annotations

@@ -68,9 +68,9 @@ def evaluate_exact_match(config: ModelConfig, params: Any, sampler: SamplerConfi
         st = np.asarray(out.steps)[:real]
         tp = np.asarray(out.tokens_per_forward(sampler.pad_id))[:real]
         for i in range(real):
-            row = gen[i].tolist()
-            end = next((j for j, t in enumerate(row) if t in sampler.eos_ids), len(row))
-            text = tokenizer.decode(row[:end])  # the answer: the tokens before the first EOS
+            ids = gen[i].tolist()
+            end = next((j for j, t in enumerate(ids) if t in sampler.eos_ids), len(ids))
+            text = tokenizer.decode(ids[:end])  # the answer: the tokens before the first EOS
             ok = text == chunk[i][1]
             correct.append(ok)
             row = {"prompt": chunk[i][0], "target": chunk[i][1], "output": text, "correct": bool(ok)}

@@ -45,10 +45,10 @@ from tqdm.auto import tqdm
 from dgemma_jax.config import RUNTIME_CHOICES, ModelConfig
 from dgemma_jax.io.bundled import load_bundled
 from dgemma_jax.io.char_tokenizer import CharTokenizer
-from dgemma_jax.io.tokenizer import load_tokenizer
 from dgemma_jax.io.hf import load_hf
 from dgemma_jax.io.locations import orbax_path, resolve
 from dgemma_jax.io.model_dir import config_from_dict
+from dgemma_jax.io.tokenizer import load_tokenizer
 from dgemma_jax.model.api import init_params, param_shapes
 from dgemma_jax.parallel import Shardings, make_mesh
 from dgemma_jax.parallel.distributed import is_main_process
