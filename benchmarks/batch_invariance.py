@@ -29,7 +29,8 @@ import time
 import jax
 import numpy as np
 
-from dgemma_jax.engine import Engine, compiled_memory
+from dgemma_jax.engine import Engine
+from dgemma_jax.engine.programs import compiled_memory
 from dgemma_jax.pipeline import DiffusionGemma
 
 PROMPTS = ["s3=", "s91=", "s4172=", "s904215=", "s31415926535=", "s27182818=", "s55012=", "s8642097531=",]

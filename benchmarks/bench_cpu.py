@@ -222,14 +222,17 @@ def jax_pieces(cfg, params, prompt, quick, res):
     import jax
     import jax.numpy as jnp
 
-    from dgemma_jax.engine import Engine, jit_denoise_canvas, jit_denoise_step, jit_prefill
+    import functools
+
+    from dgemma_jax.engine import Engine
+    from dgemma_jax.model.api import prefill
     from dgemma_jax.model.cache import init_cache
     from dgemma_jax.model.transformer import Transformer
     from dgemma_jax.runtime import Runtime
     from dgemma_jax.sampling import ops
     from dgemma_jax.sampling.config import SamplerConfig
     from dgemma_jax.sampling.fused import head_sample_stats
-    from dgemma_jax.sampling.loop import init_state, initial_canvas, row_keys
+    from dgemma_jax.sampling.loop import Canvas, denoise_canvas, init_state, initial_canvas, row_keys
 
     sampler = SamplerConfig(canvas_length=CANVAS, max_denoising_steps=STEPS, t_max=T_MAX, t_min=T_MIN,
                             entropy_bound=ENTROPY_BOUND, confidence_threshold=CONFIDENCE,
@@ -243,6 +246,16 @@ def jax_pieces(cfg, params, prompt, quick, res):
     memory = out.setdefault("memory", {})
     cost = out.setdefault("xla_cost", {})
     cache_len = PROMPT_LEN + (N_CANVAS - 1) * CANVAS  # what Engine.generate allocates: 768
+    engine = Engine(cfg, params, sampler)
+    # the causal pass with its logits (the AR decode below needs them) and the canvas loop from a given
+    # start: the public pure functions under jits of our own, as a library user writes them; the
+    # denoise step is the engine's own program
+    jit_prefill = jax.jit(prefill, static_argnames=("config", "logits"), donate_argnames=("cache",))
+    canvas_loop = jax.jit(functools.partial(denoise_canvas, config=cfg, sampler=sampler))
+    step_program = engine.programs.denoise_step
+
+    def jit_denoise_step(params, cache, keys, state):
+        return step_program(params, cache=cache, context_end=cache.lengths, keys=keys, state=state)
     tokens = jnp.asarray(prompt[None], jnp.int32)
     n512 = jnp.array([PROMPT_LEN], jnp.int32)
 
@@ -255,14 +268,14 @@ def jax_pieces(cfg, params, prompt, quick, res):
 
     # ---------------------------------------------------------------- prefill (512 tokens)
     log("jax: prefill 512")
-    c_pre, compile_["prefill_512"] = compiled.compile_timed(jit_prefill, params, cfg, tokens, n512, fresh(), "none")
+    c_pre, compile_["prefill_512"] = compiled.compile_timed(jit_prefill, params, cfg, tokens, n512, fresh(), logits="none")
     memory["prefill_512"] = compiled.memory(c_pre)
     cost["prefill_512"] = compiled.cost(c_pre)
     ts = []
     for i in range(1 + (2 if quick else 4)):
         c = fresh()
         t0 = now()
-        _, base = jit_prefill(params, cfg, tokens, n512, c, "none")
+        _, base = jit_prefill(params, cfg, tokens, n512, c, logits="none")
         jax.block_until_ready(base)
         if i:
             ts.append(now() - t0)
@@ -275,14 +288,14 @@ def jax_pieces(cfg, params, prompt, quick, res):
     canvas_tok = jnp.asarray(np.random.default_rng(7).integers(3, cfg.vocab_size, (1, CANVAS)), jnp.int32)
     n256 = jnp.array([CANVAS], jnp.int32)
     c_com, compile_["commit_256"] = compiled.compile_timed(jit_prefill, params, cfg, canvas_tok, n256,
-                                                           copy_cache(base), "none")
+                                                           copy_cache(base), logits="none")
     memory["commit_256"] = compiled.memory(c_com)
     cost["commit_256"] = compiled.cost(c_com)
     ts = []
     for i in range(1 + (2 if quick else 4)):
         c = copy_cache(base)
         t0 = now()
-        _, c2 = jit_prefill(params, cfg, canvas_tok, n256, c, "none")
+        _, c2 = jit_prefill(params, cfg, canvas_tok, n256, c, logits="none")
         jax.block_until_ready(c2)
         if i:
             ts.append(now() - t0)
@@ -293,13 +306,14 @@ def jax_pieces(cfg, params, prompt, quick, res):
     log("jax: AR 1-token decode")
     one = jnp.asarray([[5]], jnp.int32)
     n1 = jnp.array([1], jnp.int32)
-    c_ar, compile_["ar_decode_1"] = compiled.compile_timed(jit_prefill, params, cfg, one, n1, copy_cache(base), "last")
+    c_ar, compile_["ar_decode_1"] = compiled.compile_timed(jit_prefill, params, cfg, one, n1, copy_cache(base),
+                                                                   logits="last")
     memory["ar_decode_1"], cost["ar_decode_1"] = compiled.memory(c_ar), compiled.cost(c_ar)
     c = copy_cache(base)
     ts = []
     for i in range(1 + (8 if quick else 24)):
         t0 = now()
-        logits, c = jit_prefill(params, cfg, one, n1, c, "last")
+        logits, c = jit_prefill(params, cfg, one, n1, c, logits="last")
         jax.block_until_ready(logits)
         if i:
             ts.append(now() - t0)
@@ -345,13 +359,14 @@ def jax_pieces(cfg, params, prompt, quick, res):
         stop = ops.stop_decision(argmax, history, entropy.mean(-1), sampler)
         return canvas, stop, ops.push_history(history, argmax)
 
-    progs = [("denoise_step", jit_denoise_step, (params, cfg, sampler, base, keys, state0))]
+    first = Canvas(state0, keys)
+    progs = [("denoise_step", step_program, dict(cache=base, context_end=base.lengths, keys=keys, state=state0))]
     if not quick:  # quick mode takes the fused per-step time from the fused generate instead
-        progs.append(("denoise_canvas", jit_denoise_canvas, (params, cfg, sampler, base, keys)))
-    for name, fn, args in progs:
-        comp, compile_[name] = compiled.compile_timed(fn, *args)
+        progs.append(("denoise_canvas", canvas_loop, dict(cache=base, canvas=first)))
+    for name, fn, kw in progs:
+        comp, compile_[name] = compiled.compile_timed(fn, params, **kw)
         memory[name], cost[name] = compiled.memory(comp), compiled.cost(comp)
-    st = jax.block_until_ready(jit_denoise_step(params, cfg, sampler, base, keys, state0))
+    st = jax.block_until_ready(jit_denoise_step(params, base, keys, state0))
     soft = st.soft  # a realistic self-conditioning input for the model-math pieces
     margs = (params, start, base, soft)
     for name, fn in (("trunk", trunk), ("trunk_plus_head_logits", trunk_head)):
@@ -376,7 +391,7 @@ def jax_pieces(cfg, params, prompt, quick, res):
     rargs = (stats.entropy, stats.sampled, stats.argmax, state0.history, skeys[0, 1])
     jax.block_until_ready(sampler_rest(*rargs))
     if not quick:
-        fs = jax.block_until_ready(jit_denoise_canvas(params, cfg, sampler, base, keys))  # warm-up
+        fs = jax.block_until_ready(canvas_loop(params, cache=base, canvas=first)).state  # warm-up
         assert int(fs.steps[0]) == STEPS, f"early stop fired: {int(fs.steps[0])} steps"
 
     def timed(fn, *args):
@@ -397,13 +412,13 @@ def jax_pieces(cfg, params, prompt, quick, res):
         log(f"jax: interleaved round {r + 1}/{rounds}: {'canvas loop, ' if not quick else ''}{n_iter} x "
             f"[step, trunk + head, forward with SC, trunk, head/sampler pass, sampler rest]")
         if not quick:
-            t, fs = timed(jit_denoise_canvas, params, cfg, sampler, base, keys)
+            t, fs = timed(lambda: canvas_loop(params, cache=base, canvas=first).state)
             assert int(fs.steps[0]) == STEPS
             rec["denoise_canvas"].append(t)
         st = state0
         per = {k: [] for k in names}
         for _ in range(n_iter):
-            t, st = timed(jit_denoise_step, params, cfg, sampler, base, keys, st)
+            t, st = timed(jit_denoise_step, params, base, keys, st)
             per["denoise_step"].append(t)
             per["trunk_plus_head_logits"].append(timed(trunk_head, *margs)[0])
             per["forward_with_sc"].append(timed(forward_with_sc, *fargs)[0])
@@ -420,7 +435,6 @@ def jax_pieces(cfg, params, prompt, quick, res):
     out["pieces"]["per_call_samples"] = samples
     out["pieces"]["calls_per_round"] = n_iter
 
-    engine = Engine(cfg, params, sampler)
     return {"cfg": cfg, "params": params, "prompt": prompt, "quick": quick, "res": res, "engine": engine,
             "tokens": tokens, "keys": keys, "sampler": sampler, "fresh": fresh, "base": base,
             "trunk_head": trunk_head}
@@ -715,7 +729,7 @@ def derive(res):
             "prefill_512_s": pre, "commit_256_s": com,
             "step_fused_from_generate_s": fused_step_gen,
             "step_fused_canvas_loop_s": fused_step,
-            "step_fused_source": "jit_denoise_canvas / 16" if canvas_measured
+            "step_fused_source": "the canvas loop (denoise_canvas) / 16" if canvas_measured
             else "fused generate: (total - prefill - commit) / 32 (quick mode)",
             "after_trunk_s": hs_s + rest_s,
             "step_separately_jitted_s": step_sep,
@@ -848,7 +862,7 @@ def markdown(res):
                  f"{dj['tokens_per_s'] / dh['tokens_per_s']:.2f}x"),
                 (f"**denoise step**, ms (JAX: {dj['step_fused_source']})", ms(dh["step_s"]),
                  ms(dj["step_fused_canvas_loop_s"]), f"**{r['per_step_fused']:.2f}x**")]
-        if dj["step_fused_source"].startswith("jit_denoise_canvas"):
+        if not dj["step_fused_source"].startswith("fused generate"):
             rows.append((f"denoise step, ms (JAX: (generate - prefill - commit) / {STEPS * N_CANVAS})", "",
                          ms(dj["step_fused_from_generate_s"]), f"{r['per_step_fused_from_generate']:.2f}x"))
         rows += [("denoise step, ms (JAX: separately jitted step in a Python loop)", "",
@@ -896,10 +910,10 @@ def markdown(res):
         if dj.get("model_forward_with_sc_s"):
             row("model forward as the reference computes it: trunk + head logits + SC softmax(logits / T) @ E "
                 "(jitted, materialised)", dj["model_forward_with_sc_s"], fl["total"])
-        row("separately jitted step (`jit_denoise_step`, Python loop)", dj["step_separately_jitted_s"],
+        row("separately jitted step (the engine's `denoise_step`, Python loop)", dj["step_separately_jitted_s"],
             fl["total"])
-        if dj["step_fused_source"].startswith("jit_denoise_canvas"):
-            row(f"fused canvas `lax.while_loop` (`jit_denoise_canvas`) / {STEPS}", dj["step_fused_canvas_loop_s"],
+        if not dj["step_fused_source"].startswith("fused generate"):
+            row(f"fused canvas `lax.while_loop` (`denoise_canvas`) / {STEPS}", dj["step_fused_canvas_loop_s"],
                 fl["total"])
         row(f"fused generate: (total - prefill - commit) / {STEPS * N_CANVAS}", dj["step_fused_from_generate_s"],
             fl["total"])
@@ -938,7 +952,7 @@ def markdown(res):
             L += gemm_ceiling_markdown(res["gemm_ceiling"], dj["step_fused_canvas_loop_s"])
         canvas_s = STEPS * dj["step_fused_canvas_loop_s"] + dj["commit_256_s"]
         L += ["## AR-style decode vs denoise (dgemma_jax, batch 1)", ""] + table(("", "ms per pass", "positions / s"), [
-            (f"1-token causal decode, cache holding {PROMPT_LEN}+ (`jit_prefill`, logits='last')",
+            (f"1-token causal decode, cache holding {PROMPT_LEN}+ (`prefill`, logits='last')",
              ms(dj["ar_decode_1_s"]), f"{dj['ar_tokens_per_s']:.1f}"),
             (f"{CANVAS}-token denoise step (fused loop)", ms(dj["step_fused_canvas_loop_s"]),
              f"{dj['denoise_positions_per_s']:.1f}"),

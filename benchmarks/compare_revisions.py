@@ -11,7 +11,7 @@ of the step program as lowered (StableHLO text, no source locations: equal diges
     python benchmarks/compare_revisions.py --base 69ece3d --out benchmarks/results/runtime_refactor.json
 
 The head is the working tree. Only the public API both revisions share is used (`ModelConfig`,
-`init_params`, `Engine`, `engine.jit_denoise_step`, `sampling.loop`).
+`init_params`, `Engine`, `denoise_step` under a jit of its own, `sampling.loop`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the child: run with the revision's checkout first on sys.path; prints one JSON line
 CHILD = r"""
-import hashlib, json, os, sys, time
+import functools, hashlib, json, os, sys, time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp, numpy as np
 import dgemma_jax
 from dgemma_jax import Engine, ModelConfig, SamplerConfig, init_params
-from dgemma_jax.engine import jit_denoise_step
 from dgemma_jax.model.cache import init_cache
 from dgemma_jax.sampling.loop import init_state, initial_canvas, row_keys
 
@@ -60,14 +59,16 @@ cache = init_cache(cfg, 1, context + cfg.canvas_length)
 _, cache = dgemma_jax.prefill(params, cfg, prompt, None, cache, logits="none")
 keys = row_keys(0, 1)
 state = init_state(cfg, sampler, initial_canvas(keys, cfg.canvas_length, cfg.vocab_size))
-jax.block_until_ready(jit_denoise_step(params, cfg, sampler, cache, keys, state))
+step = jax.jit(functools.partial(dgemma_jax.denoise_step, config=cfg, sampler=sampler))
+args = dict(cache=cache, context_end=cache.lengths, keys=keys, state=state)
+jax.block_until_ready(step(params, **args))
 # the step program as lowered (StableHLO, printed without source locations): equal text, equal
 # input to the compiler, equal compiled program
-hlo = jit_denoise_step.lower(params, cfg, sampler, cache, keys, state).as_text()
+hlo = step.lower(params, **args).as_text()
 t_step = []
 for _ in range(reps):
     t0 = time.perf_counter()
-    jax.block_until_ready(jit_denoise_step(params, cfg, sampler, cache, keys, state))
+    jax.block_until_ready(step(params, **args))
     t_step.append(time.perf_counter() - t0)
 print(json.dumps(dict(step_s=t_step, generate_s=t_gen, tokens_sha256=hashlib.sha256(tokens.tobytes()).hexdigest(),
                       steps=np.asarray(out.steps).tolist(),

@@ -30,7 +30,8 @@ import numpy as np  # noqa: E402
 
 import dgemma_jax as dg  # noqa: E402
 from dgemma_jax import ModelConfig, init_params  # noqa: E402
-from dgemma_jax.engine import Engine, bucket_length, prepare_inputs  # noqa: E402
+from dgemma_jax.engine import Engine  # noqa: E402
+from dgemma_jax.engine.inputs import bucket_length, prepare_inputs  # noqa: E402
 from dgemma_jax.perf.report import machine_info, write  # noqa: E402
 from dgemma_jax.sampling import SamplerConfig  # noqa: E402
 

@@ -2,7 +2,7 @@
 the model code that produced it.
 
 `bench_cpu.py` times the step and its pieces; `gemm_ceiling.py` times the step's matrix products
-alone at their shapes. This script looks inside the real step: it runs `engine.jit_denoise_step`
+alone at their shapes. This script looks inside the real step: it runs the engine's `denoise_step` program
 (trunk, fused head/sampler pass, acceptance, renoise, stop test) at the `bench` config with random
 weights, records an XLA profiler trace, and charges each executed operation (an XLA:CPU thunk: a
 fusion, a library matrix product, a sort, ...) to
@@ -173,21 +173,21 @@ def step_program(preset: str = "bench", context: int = 512, canvas: int = 256, s
     """(compiled step, its array args): the real denoise step on a prefilled cache, with the
     state one step in (a realistic self-conditioning input)."""
     from dgemma_jax.config import ModelConfig
-    from dgemma_jax.engine import jit_denoise_step, jit_prefill
+    from dgemma_jax.engine import Engine
     from dgemma_jax.model.api import init_params
-    from dgemma_jax.model.cache import init_cache
     from dgemma_jax.sampling.config import SamplerConfig
     from dgemma_jax.sampling.loop import init_state, initial_canvas, row_keys
 
     cfg = ModelConfig.preset(preset)
     sampler = SamplerConfig(canvas_length=canvas, max_denoising_steps=16, stability_threshold=17, eos_ids=())
     params = init_params(cfg, seed)
+    programs = Engine(cfg, params, sampler).programs
     prompt = jnp.asarray(np.random.default_rng(seed).integers(3, cfg.vocab_size, (1, context)), jnp.int32)
-    _, cache = jit_prefill(params, cfg, prompt, jnp.array([context], jnp.int32),
-                           init_cache(cfg, 1, context + canvas), "none")
+    cache = programs.prefill(params, tokens=prompt, lengths=jnp.array([context], jnp.int32),
+                             cache=Engine(cfg, params, sampler).new_cache(1, context + canvas))
     keys = row_keys(jnp.asarray(seed), 1)
     state = init_state(cfg, sampler, initial_canvas(keys, canvas, cfg.vocab_size))
-    step = jax.jit(lambda p, c, k, s: jit_denoise_step(p, cfg, sampler, c, k, s)).lower(
+    step = jax.jit(lambda p, c, k, s: programs.denoise_step(p, cache=c, context_end=c.lengths, keys=k, state=s)).lower(
         params, cache, keys, state).compile()
     return step, (params, cache, keys, step(params, cache, keys, state))
 

@@ -29,9 +29,11 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from dgemma_jax.engine import default_new_tokens, warn_if_cut_short
-from dgemma_jax.io.chat import chat_images, history_without_thinking, render_chat, strip_thinking
-from dgemma_jax.io.images import ImageBatch, image_runs, preprocess_images, prompt_with_images, settings_for
+from dgemma_jax.engine.inputs import default_new_tokens
+from dgemma_jax.engine.outputs import warn_if_cut_short
+from dgemma_jax.io.chat import strip_thinking
+from dgemma_jax.io.images import image_runs
+from dgemma_jax.io.prompts import chat_prompt
 from dgemma_jax.model.cache import KVCache
 from dgemma_jax.sampling.generate import CanvasEvent, collect
 
@@ -92,25 +94,10 @@ class ChatSession:
         return self._prompt()[0]
 
     def _prompt(self):
-        """(the conversation's tokens + the generation prompt, its images as an ImageBatch or None)."""
-        if not self.templated:
-            last = self.messages[-1]["content"]
-            if not isinstance(last, str):
-                raise ValueError("this model's tokenizer has no chat template, so it cannot lay out images; "
-                                 "use a checkpoint with a Gemma 4 tokenizer and a vision tower")
-            return self.tokenizer.encode(last, add_bos=True), None
-        messages = history_without_thinking(self.messages)
-        text = render_chat(messages, add_generation_prompt=True, enable_thinking=self.thinking)
-        images = chat_images(messages)
-        if not images:
-            return list(self.tokenizer.encode(text)), None  # the text starts with <bos>
-        # each image is loaded and preprocessed once, on its turn: the history only grows at its end
-        settings = settings_for(self.engine.config, self.max_soft_tokens)
-        self._preprocessed += [preprocess_images(im, settings) for im in images[len(self._preprocessed):]]
-        tokens, _, batch = prompt_with_images(self.engine.config, self.tokenizer, text,
-                                             ImageBatch.concat(self._preprocessed), self.max_soft_tokens,
-                                             add_bos=False)
-        return tokens[0].tolist(), batch
+        """(the conversation's tokens + the generation prompt, its images as an ImageBatch or None); each
+        image is preprocessed once, on its turn (the history only grows at its end)."""
+        return chat_prompt(self.engine.config, self.tokenizer, self.messages, thinking=self.thinking,
+                           max_soft_tokens=self.max_soft_tokens, preprocessed=self._preprocessed)
 
     def _new_images(self, ids: list[int], keep: int, batch):
         """(keep, the images whose tokens start at or after `keep`): an image that the reused prefix

@@ -16,7 +16,9 @@ import numpy as np
 from dgemma_jax import compile_cache
 from dgemma_jax.compile_cache import CompileCounter
 from dgemma_jax.chat_session import ChatSession
-from dgemma_jax.engine import DEFAULT_NEW_TOKENS, Engine, default_new_tokens, warn_if_cut_short
+from dgemma_jax.engine import Engine
+from dgemma_jax.engine.inputs import DEFAULT_NEW_TOKENS, default_new_tokens
+from dgemma_jax.engine.outputs import warn_if_cut_short
 from dgemma_jax.errors import UsageError
 from dgemma_jax.io import convert
 from dgemma_jax.io.bundled import BUNDLED, VISION_NAME

@@ -20,13 +20,15 @@ from typing import Any, Sequence
 import numpy as np
 
 from dgemma_jax.chat_session import split_reply
-from dgemma_jax.engine import Engine, default_new_tokens, warn_if_cut_short
+from dgemma_jax.engine import Engine
+from dgemma_jax.engine.inputs import default_new_tokens
+from dgemma_jax.engine.outputs import warn_if_cut_short
 from dgemma_jax.errors import DgemmaWarning, UsageError
 from dgemma_jax.io.bundled import bundled_choice, load_bundled
-from dgemma_jax.io.chat import chat_images, history_without_thinking, render_chat
 from dgemma_jax.io.images import prompt_with_images
 from dgemma_jax.io.locations import locate
 from dgemma_jax.io.model_dir import checkpoint_quantization, load_config, load_model, load_model_tokenizer
+from dgemma_jax.io.prompts import chat_prompt
 from dgemma_jax.model.quant import mode_for, quantize_params
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.shardings import Shardings
@@ -202,24 +204,8 @@ class DiffusionGemma:
         A tokenizer without a chat template (the bundled models' characters) cannot lay out the
         template: the answer is then to the last message alone, its text parts joined (as the server
         does) and its images placed as in `generate`."""
-        if not self.tokenizer.has_chat_template:
-            if not messages:
-                raise ValueError("no messages: pass a list of {'role': ..., 'content': ...} dicts")
-            content = messages[-1]["content"]
-            parts = [content] if isinstance(content, str) else list(content)
-            text = "".join(p if isinstance(p, str) else p.get("text", "") for p in parts
-                            if isinstance(p, str) or p.get("type") == "text")
-            images = chat_images([messages[-1]]) or None
-            return self.generate(text, max_new_tokens, seed, images=images, max_soft_tokens=max_soft_tokens)
-        messages = history_without_thinking(list(messages))
-        text = render_chat(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
-        images = chat_images(messages)
-        batch = None
-        if images:
-            tokens, _, batch = self.encode_with_images(text, images, max_soft_tokens, add_bos=False)
-            ids = tokens[0].tolist()
-        else:
-            ids = list(self.tokenizer.encode(text))
+        ids, batch = chat_prompt(self.config, self.tokenizer, list(messages), thinking=enable_thinking,
+                                 max_soft_tokens=max_soft_tokens)
         given = max_new_tokens is not None
         if not given:
             max_new_tokens = default_new_tokens(self.config, self.sampler, len(ids))

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from dgemma_jax.config import RUNTIME_CHOICES
-from dgemma_jax.parallel.rules import CACHE_AXES, check_rules, spec_for
+from dgemma_jax.parallel.rules import axes_of, check_rules, spec_for
 
 MOE_DISPATCH = ("auto", "dense", "ragged", "capacity")
 ATTN_KERNELS = ("auto", "xla", "splash")
@@ -41,12 +39,6 @@ LAYER_DEFAULTS = {"cpu": "unrolled", "gpu": "unrolled", "cuda": "unrolled", "roc
 ENTRY_LAYERS = {"generate": "scan", "chat": "scan", "notebook": "scan", "serve": "unrolled"}
 
 
-# Activations up to about this many bytes the TPU compiler keeps on chip between the ops of a layer;
-# larger ones go through HBM, and some of the layer's code is written differently for them
-# (`moe.dispatch_ragged`'s sum, `Runtime.expert_parallel`'s all-reduce). Measured on the 26B's serving
-# tick for v6e-8: a [tokens, hidden] float32 of 23 MB (8 slots) stayed on chip, 92 MB (32 slots) did
-# not; the line between is not measured.
-ON_CHIP_BYTES = 32 * 2 ** 20
 
 
 def layers_for_entry(entry: str, platform: str) -> str:
@@ -55,16 +47,6 @@ def layers_for_entry(entry: str, platform: str) -> str:
     if platform == "tpu":
         return ENTRY_LAYERS.get(entry, LAYER_DEFAULTS["tpu"])
     return LAYER_DEFAULTS.get(platform, "unrolled")
-
-
-class DenseBeside(NamedTuple):
-    """A dense MLP that runs beside the experts (`Runtime.expert_parallel`): its input x [N, D], its
-    kernels by name (plain or int8 pairs), their logical axes by name, and mlp(x, **kernels) -> [N, D]."""
-
-    x: jax.Array
-    kernels: dict
-    axes: dict
-    mlp: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +160,7 @@ class Runtime:
         if self.mesh is None:
             return 1
         axes = spec_for((size,), (logical,), self.rules, self.mesh)[0]
-        return math.prod(self.mesh.shape[a] for a in _axes(axes))
+        return math.prod(self.mesh.shape[a] for a in axes_of(axes))
 
     def constrain(self, x: jax.Array, logical: tuple) -> jax.Array:
         """Pin x's sharding to the mesh axes its logical axis names map to (identity without a mesh)."""
@@ -186,141 +168,6 @@ class Runtime:
             return x
         return jax.lax.with_sharding_constraint(
             x, NamedSharding(self.mesh, spec_for(x.shape, logical, self.rules, self.mesh)))
-
-    def expert_parallel(self, fn, z, weights, experts, gate_up, down, adapters=None, dense=None):
-        """Run the MoE dispatch `fn` per shard: each device serves only the experts it holds and the
-        outputs are summed over those mesh axes.
-
-        fn(rt, z, weights, experts, gate_up, down, adapters, offset=, shards=) -> [N, D] float32 partial
-        output for the local experts [offset, offset + E_local). `adapters` (per-expert LoRA pairs,
-        every leaf [E, ., .], or None) are split over the experts exactly like the kernels. Tokens (z
-        [N, D], weights / experts [N, k]) are split like the batch and replicated over the model axes,
-        so no expert weight ever moves (with FSDP the weights' `embed` dimension is gathered per layer,
-        as for every FSDP layer). Each expert is whole on one shard (gate_up [E, D, 2F] keeps gate and
-        up side by side). gate_up / down may be int8 pairs {"int8", "scale"} (every leaf [E, ., .]):
-        split over the experts like float kernels. Without a mesh this is just `fn(...)` with all experts local.
-
-        dense: optional `DenseBeside`, a dense MLP that runs beside the experts (Gemma 4's parallel
-        dense and MoE branches). Where the dense kernels' hidden units are split over exactly
-        the experts' mesh axes (and nothing else is split), the dense MLP runs inside the same
-        per-shard body on its hidden-unit slices and both partial outputs are summed in one all-reduce
-        (one collective per layer instead of two: each costs a latency on the inter-chip links); then
-        this returns (experts' output, dense output). Elsewhere (no mesh, FSDP, other splits) it
-        returns (experts' output, None) and the caller runs the dense MLP as any layer.
-        """
-        if self.mesh is None:
-            y = fn(self, z, weights, experts, gate_up, down, adapters)
-            return y if dense is None else (y, None)
-        mesh, rules = self.mesh, self.rules
-        tok = _axes(spec_for(z.shape[:1], ("batch",), rules, mesh)[0])
-        n_experts = jax.tree.leaves(gate_up)[0].shape[0]  # a float kernel, or an int8 pair's values and scales
-        ex = tuple(a for a in _axes(spec_for((n_experts,), ("experts",), rules, mesh)[0]) if a not in tok)
-        dense_specs = None if dense is None else self._dense_beside_experts(dense.kernels, dense.axes, ex)
-        if dense is not None and dense_specs is None:  # the caller's, partitioned by XLA
-            return self.expert_parallel(fn, z, weights, experts, gate_up, down, adapters), None
-        if not (tok or ex):
-            return fn(self, z, weights, experts, gate_up, down, adapters)
-        shards = 1
-        for a in ex:
-            shards *= mesh.shape[a]
-        e_local = n_experts // shards
-        inner = self.local()  # no logical constraints inside the per-shard body
-
-        def body(z, weights, experts, gate_up, down, adapters, dense_x, dense_kernels):
-            index = jnp.zeros((), jnp.int32)
-            for a in ex:
-                index = index * mesh.shape[a] + jax.lax.axis_index(a)
-            y = fn(inner, z, weights, experts, gate_up, down, adapters, offset=index * e_local, shards=shards)
-            if dense_kernels is None:
-                return jax.lax.psum(y, ex) if ex else y
-            # this shard's hidden units give a partial sum too: both reduced as one array, one
-            # all-reduce (XLA keeps two psums, or one psum of a tuple, as two collectives on TPU);
-            # in the activation dtype, as XLA:TPU reduces the experts' float32 partial anyway
-            # past ON_CHIP_BYTES stacked on a new leading axis, not side by side: concatenated along the
-            # hidden axis, the compiler laid the reduced [N, 2D] out column-major (the concatenation then
-            # free) and every layer copied both halves back to row-major, in float32, for the norms after
-            # it; below, the concatenation stays on chip and the stack would be written out
-            yd = dense.mlp(dense_x, **dense_kernels)
-            if 2 * yd.size * yd.dtype.itemsize > ON_CHIP_BYTES:
-                both = jax.lax.psum(jnp.stack([y.astype(yd.dtype), yd]), ex)
-                return both[0], both[1]
-            both = jax.lax.psum(jnp.concatenate([y.astype(yd.dtype), yd], axis=-1), ex)
-            return both[:, :y.shape[-1]], both[:, y.shape[-1]:]
-
-        t = _spec(tok)
-        kernel = P(_spec(ex), None, None)
-        rows = P(t, None)
-        dense_x, dense_kernels = (None, None) if dense is None else (dense.x, dense.kernels)
-        return jax.shard_map(
-            body, mesh=mesh, check_vma=False,
-            in_specs=(rows, rows, rows, _kernel_specs(gate_up, kernel), _kernel_specs(down, kernel),
-                      None if adapters is None else jax.tree.map(lambda _: kernel, adapters),
-                      None if dense is None else rows, dense_specs),
-            out_specs=rows if dense is None else (rows, rows))(
-                z, weights, experts, gate_up, down, adapters, dense_x, dense_kernels)
-
-    def _dense_beside_experts(self, kernels, axes, ex):
-        """The per-shard in_specs of a dense MLP's kernels when they can run inside the experts'
-        body: every leaf split only along its "mlp" dimension and over exactly the mesh axes `ex`
-        (then each shard's output is a partial sum over `ex`, like the experts'); else None."""
-        if not ex:
-            return None
-        specs = {}
-        for name, kernel in kernels.items():
-            logical = axes[name]
-            leaf_specs = []
-            for leaf in jax.tree.leaves(kernel):
-                spec = spec_for(leaf.shape, logical, self.rules, self.mesh)
-                entries = tuple(spec) + (None,) * (leaf.ndim - len(spec))
-                for entry, name_ in zip(entries, logical):
-                    if entry is not None and (name_ != "mlp" or set(_axes(entry)) != set(ex)):
-                        return None
-                if leaf.shape[logical.index("mlp")] > 1 and entries[logical.index("mlp")] is None:
-                    return None  # the hidden units replicated: no partial sum to add
-                leaf_specs.append(spec)
-            specs[name] = jax.tree.unflatten(jax.tree.structure(kernel), leaf_specs)
-        return specs
-
-    def head_parallel(self, fn, q, k, v, valid):
-        """Run the attention kernel `fn(q, k, v, valid, rt=) -> (out, lse)` per head shard.
-
-        q [B, T, N, H]; k, v [B, S, K, H] (cache layout); valid [B, S]. A Pallas kernel is one opaque
-        call the partitioner cannot split, so on a mesh it runs inside a `shard_map` over the batch
-        and head axes, each device on its own query heads and the KV heads they read. Returns None
-        when the layout does not allow it (query and KV heads split over different mesh axes, or the
-        cache split along its slots or head_dim): the caller then keeps the XLA path. Without a mesh
-        this is just `fn(...)`.
-        """
-        if self.mesh is None:
-            return fn(q, k, v, valid, rt=self)
-        mesh, rules = self.mesh, self.rules
-        qs = spec_for(q.shape, ("batch", None, "heads", None), rules, mesh)
-        ks = spec_for(k.shape, CACHE_AXES, rules, mesh)
-        if ks[1] is not None or ks[3] is not None or _axes(qs[0]) != _axes(ks[0]) or _axes(qs[2]) != _axes(ks[2]):
-            return None
-        inner = self.local()
-        return jax.shard_map(
-            lambda q, k, v, valid: fn(q, k, v, valid, rt=inner), mesh=mesh, check_vma=False,
-            in_specs=(qs, ks, ks, P(qs[0], None)),
-            out_specs=(qs, P(qs[0], None, qs[2])))(q, k, v, valid)
-
-
-def _kernel_specs(tree, kernel: P):
-    """in_specs of an expert kernel's tree: every [E, ., .] leaf split like `kernel`; the scalar group
-    index of a scanned layer's per-group kernel (`model.layout.PerGroup`) replicated."""
-    return jax.tree.map(lambda x: kernel if x.ndim else P(), tree)
-
-
-def _axes(entry) -> tuple:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _spec(axes: tuple):
-    if not axes:
-        return None
-    return axes if len(axes) != 1 else axes[0]
 
 
 def split_choices(fields: dict) -> tuple[dict, dict]:

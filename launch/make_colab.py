@@ -246,7 +246,7 @@ settles on the final text.
 """
 
 STEPS_CELL = """\
-from dgemma_jax.engine import default_new_tokens
+from dgemma_jax.engine.inputs import default_new_tokens
 from dgemma_jax.io.chat import render_chat
 
 if BUNDLED:

@@ -54,7 +54,8 @@ def main(argv=None):
     from dgemma_jax.training.evaluate import evaluate_exact_match, sweep_steps
     from dgemma_jax.training.tasks import DIGIT_KINDS, kind_problems
     from dgemma_jax.training.plots import plot_loss_curve, plot_step_sweep, plot_tokens_per_forward
-    from dgemma_jax.training.train import _d, load_config
+    from dgemma_jax.training.recipe import plain
+    from dgemma_jax.training.train import load_config
 
     overrides = {"train.workdir": args.workdir}
     if args.steps:
@@ -65,7 +66,7 @@ def main(argv=None):
     wall_train = time.time() - t0
     mcfg, sampler, tok = run.model_config, run.sampler, run.tokenizer
     lay = run.layout
-    tasks = _d(cfg.data)["tasks"]
+    tasks = plain(cfg.data)["tasks"]
     meta_tasks = {"tasks": tasks}
     kw = dict(prompt_width=lay.prompt_length, max_new_tokens=lay.response_capacity, batch_size=100)
 
@@ -111,7 +112,7 @@ def main(argv=None):
         "num_params": n_params,
         "train_steps": summary.get("steps"),
         "train_seconds": summary.get("train_seconds"),
-        "train_batch_size": int(_d(cfg.data)["batch_size"]),
+        "train_batch_size": int(plain(cfg.data)["batch_size"]),
         "final_train_metrics": summary.get("final_metrics"),
         "machine": f"{os.cpu_count()} CPU cores (shared), jax {jax.__version__}",
         "sampler": dataclasses.asdict(sampler),

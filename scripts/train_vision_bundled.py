@@ -47,12 +47,13 @@ def main(argv=None):
     from dgemma_jax.training import bundled, image_tasks
     from dgemma_jax.training.evaluate import evaluate_exact_match
     from dgemma_jax.training.plots import plot_loss_curve, read_jsonl
-    from dgemma_jax.training.train import _d, load_config
+    from dgemma_jax.training.recipe import plain
+    from dgemma_jax.training.train import load_config
 
     cfg = load_config(args.config, {"train.workdir": args.workdir})
     run, params, summary = bundled.train_or_reload(cfg, args.workdir, args.skip_train, args.fresh)
     mcfg, sampler, tok, lay = run.model_config, run.sampler, run.tokenizer, run.layout
-    specs = _d(cfg.data)["image_tasks"]
+    specs = plain(cfg.data)["image_tasks"]
     tasks = image_tasks.tasks_from_config(specs)
     kw = dict(prompt_width=lay.prompt_length, max_new_tokens=lay.response_capacity, batch_size=100,
               image_settings=run.source.settings)
@@ -94,7 +95,7 @@ def main(argv=None):
         "train_steps": summary.get("steps"),
         "train_seconds": summary.get("train_seconds"),
         "stopped_by_time_limit": summary.get("stopped_by_time_limit"),
-        "train_batch_size": int(_d(cfg.data)["batch_size"]),
+        "train_batch_size": int(plain(cfg.data)["batch_size"]),
         "final_train_metrics": summary.get("final_metrics"),
         "machine": f"{os.cpu_count()} CPU cores, jax {jax.__version__}",
         "sampler": dataclasses.asdict(sampler),

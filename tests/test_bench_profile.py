@@ -31,7 +31,7 @@ def test_the_hlo_index_tells_products_from_other_work_and_keeps_their_scopes():
 
 
 def test_op_names_of_the_step_map_to_their_parts():
-    trunk = "jit(<lambda>)/jit(jit_denoise_step)/Transformer.denoise_features/Transformer._denoise_trunk/"
+    trunk = "jit(<lambda>)/jit(denoise_step)/Transformer.denoise_features/Transformer._denoise_trunk/"
     cases = {
         trunk + "blocks_3.denoise/blocks_3._ffw/moe/experts_capacity/cond/branch_1_fun/ecd,edf->ecf/dot_general":
             "experts: products and gating",
@@ -43,8 +43,8 @@ def test_op_names_of_the_step_map_to_their_parts():
         trunk + "blocks_4.denoise/blocks_4._ffw/dense_mlp/...d,dcf->...cf/dot_general": "dense MLP",
         trunk + "sc_mlp/dense_mlp/...f,fd->...d/dot_general": "self-conditioning MLP",
         trunk + "blocks_1.denoise/post_attn_norm/rsqrt": "layer norms and residuals",
-        "jit(<lambda>)/jit(jit_denoise_step)/head_sampler_pass/while/body/exp": "head and sampler pass (vocab chunks)",
-        "jit(<lambda>)/jit(jit_denoise_step)/select_n": "sampler: accept, renoise, stop test, history",
+        "jit(<lambda>)/jit(denoise_step)/head_sampler_pass/while/body/exp": "head and sampler pass (vocab chunks)",
+        "jit(<lambda>)/jit(denoise_step)/select_n": "sampler: accept, renoise, stop test, history",
     }
     for op_name, part in cases.items():
         assert step_profile.part_of(op_name) == part, op_name

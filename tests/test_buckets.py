@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from dgemma_jax import ModelConfig, init_params
-from dgemma_jax.engine import Engine, bucket_length, prepare_inputs
+from dgemma_jax.engine import Engine
+from dgemma_jax.engine.inputs import bucket_length, prepare_inputs
 from dgemma_jax.sampling import SamplerConfig
 
 CFG = ModelConfig.preset("tiny-2layer")

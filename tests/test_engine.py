@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from dgemma_jax import ModelConfig, init_params
-from dgemma_jax.engine import Engine, jit_denoise_canvas, jit_denoise_step, prepare_inputs
+from dgemma_jax.engine import Engine
+from dgemma_jax.engine.inputs import prepare_inputs
 from dgemma_jax.sampling import SamplerConfig
 from dgemma_jax.sampling.generate import collect
-from dgemma_jax.sampling.loop import init_state, loop_running, row_keys
+from dgemma_jax.sampling.loop import Canvas, denoise_canvas, init_state, loop_running, row_keys
 
 CFG = ModelConfig.preset("tiny-6layer")
 
@@ -33,14 +34,27 @@ def _sampler(**kw):
 
 
 def _python_loop(params, sampler, cache, keys, canvas, pinned):
-    """Reference driver: the jitted step called from a host loop."""
+    """Reference driver: the engine's jitted step called from a host loop."""
+    step = Engine(CFG, params, sampler).programs.denoise_step
     state = init_state(CFG, sampler, canvas)
     seed = canvas if pinned is not None else None
     trajectory = []
     while bool(loop_running(state, sampler)):
-        state = jit_denoise_step(params, CFG, sampler, cache, keys, state, seed, pinned)
+        state = step(params, cache=cache, context_end=cache.lengths, keys=keys, state=state, seed=seed, pinned=pinned)
         trajectory.append(state)
     return state, trajectory
+
+
+@functools.lru_cache(maxsize=None)
+def _canvas_loop(sampler):
+    return jax.jit(functools.partial(denoise_canvas, config=CFG, sampler=sampler))
+
+
+def _denoise_canvas(params, sampler, cache, keys, canvas, pinned=None):
+    """The canvas's `lax.while_loop` (`loop.denoise_canvas`, what the fused generate runs per canvas)
+    from a given start canvas, under a jit of ours: its final LoopState."""
+    start = Canvas(init_state(CFG, sampler, canvas), keys, canvas if pinned is not None else None, pinned)
+    return _canvas_loop(sampler)(params, cache=cache, canvas=start).state
 
 
 @pytest.mark.parametrize("early_stop", [False, True])
@@ -48,7 +62,7 @@ def test_while_loop_equals_python_loop(params, early_stop):
     sampler = _sampler()
     tokens, lengths = _prompts()
     eng = Engine(CFG, params, sampler)
-    cache = eng.programs.prefill_prompt(params, tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
+    cache = eng.programs.prefill(params, tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
                                cache=eng.new_cache(3, 40))
     keys = row_keys(jax.random.key(3), 3)
     canvas = jax.random.randint(jax.random.key(4), (3, 16), 0, CFG.vocab_size, jnp.int32)
@@ -56,7 +70,7 @@ def test_while_loop_equals_python_loop(params, early_stop):
     if early_stop:
         # Row 0 fully pinned: stable at step 2 with zero free entropy -> stops early while the others run on.
         pinned = jnp.zeros((3, 16), bool).at[0].set(True).at[1, :8].set(True)
-    fused = jit_denoise_canvas(params, CFG, sampler, cache, keys, canvas, pinned)
+    fused = _denoise_canvas(params, sampler, cache, keys, canvas, pinned)
     ref, _ = _python_loop(params, sampler, cache, keys, canvas, pinned)
     np.testing.assert_array_equal(np.asarray(fused.argmax), np.asarray(ref.argmax))
     np.testing.assert_array_equal(np.asarray(fused.steps), np.asarray(ref.steps))
@@ -71,7 +85,7 @@ def test_pinned_positions_never_change(params):
     sampler = _sampler(max_denoising_steps=8)
     tokens, lengths = _prompts()
     eng = Engine(CFG, params, sampler)
-    cache = eng.programs.prefill_prompt(params, tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
+    cache = eng.programs.prefill(params, tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
                                cache=eng.new_cache(3, 40))
     keys = row_keys(jax.random.key(0), 3)
     seed = jax.random.randint(jax.random.key(9), (3, 16), 0, CFG.vocab_size, jnp.int32)
@@ -186,7 +200,8 @@ def test_denoise_step_aot_compiles(params):
     cache = cache_shape(CFG, 2, 64)
     keys = jax.eval_shape(lambda: row_keys(jax.random.key(0), 2))
     state = jax.eval_shape(lambda: init_state(CFG, sampler, jnp.zeros((2, 16), jnp.int32)))
-    compiled = jit_denoise_step.lower(ps, CFG, sampler, cache, keys, state).compile()
+    step = Engine(CFG, init_params(CFG, 0), sampler).programs.denoise_step
+    compiled = step.lower(ps, cache=cache, context_end=cache.lengths, keys=keys, state=state).compile()
     assert compiled.memory_analysis() is not None
 
 
@@ -201,9 +216,9 @@ def test_a_huge_stability_threshold_runs_like_one_past_the_budget(params):
     for s in (2, 7, 10**9):
         sampler = _sampler(stability_threshold=s)
         eng = Engine(CFG, params, sampler)
-        cache = eng.programs.prefill_prompt(params, tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
+        cache = eng.programs.prefill(params, tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
                                    cache=eng.new_cache(3, 40))
-        out[s] = jit_denoise_canvas(params, CFG, sampler, cache, keys, canvas, pinned)
+        out[s] = _denoise_canvas(params, sampler, cache, keys, canvas, pinned)
     assert out[2].history.shape == (3, 2, 16)
     assert out[7].history.shape == out[10**9].history.shape == (3, 6, 16)
     assert np.asarray(out[2].steps)[0] == 3  # S below the budget still stops the pinned row early
@@ -245,7 +260,7 @@ def test_rng_seeds_beyond_int32_and_clear_errors_for_bad_rng(params):
 
 
 def test_new_tokens_that_fit_the_positions_and_the_cache():
-    from dgemma_jax.engine import new_tokens_that_fit
+    from dgemma_jax.engine.inputs import new_tokens_that_fit
 
     s = _sampler()  # canvas 16
     room = CFG.max_position_embeddings
@@ -354,6 +369,6 @@ def test_an_own_step_loop_from_the_exported_pieces_matches_the_denoise_canvas(pa
     step = jax.jit(functools.partial(dg.denoise_step, config=CFG, sampler=sampler))
     while not bool(state.done.all()):
         state = step(params, cache=cache, context_end=cache.lengths, keys=keys, state=state)
-    ref = jit_denoise_canvas(params, CFG, sampler, cache, keys, canvas)
+    ref = _denoise_canvas(params, sampler, cache, keys, canvas)
     np.testing.assert_array_equal(np.asarray(state.argmax), np.asarray(ref.argmax))
     np.testing.assert_array_equal(np.asarray(state.steps), np.asarray(ref.steps))

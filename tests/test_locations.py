@@ -330,11 +330,13 @@ def test_the_trainer_initialises_from_a_remote_checkpoint(memory_store):
     import jax
 
     from dgemma_jax.training.bundled import load_bundled
+    from dgemma_jax.training.recipe import InitSection, ModelSection
     from dgemma_jax.training.train import build_model_and_params
 
     fs, root = memory_store
     fs.put(asset_path(), f"{root}/tiny", recursive=True)
-    cfg, params = build_model_and_params({}, {"kind": "bundled", "path": f"memory:/{root}/tiny"}, None)
+    cfg, params = build_model_and_params(ModelSection(), InitSection(kind="bundled", path=f"memory:/{root}/tiny"),
+                                         None)
     want_cfg, want, _, _ = load_bundled()
     assert cfg == want_cfg
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, want)

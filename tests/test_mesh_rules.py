@@ -49,11 +49,10 @@ def model_logical_names() -> set[str]:
     cfg = CFG.replace(vision=vision, image_token_id=5, boi_token_id=6, eoi_token_id=7)
     names = {n for spec in jax.tree.leaves(logical_axes(cfg), is_leaf=lambda x: isinstance(x, P)) for n in spec}
     names |= {layout.LAYER_AXIS, *CACHE_AXES, *ACTIVATION_AXES}
-    for sub in ("model", "sampling", "parallel", "serving", "training", "perf"):
+    for sub in ("model", "sampling", "parallel", "engine", "serving", "training", "perf"):
         for dirpath, _, files in os.walk(os.path.join(ROOT, "dgemma_jax", sub)):
             names |= set().union(*(_names_in_calls(os.path.join(dirpath, f)) for f in files if f.endswith(".py")))
     names |= _names_in_calls(os.path.join(ROOT, "dgemma_jax", "runtime.py"))
-    names |= _names_in_calls(os.path.join(ROOT, "dgemma_jax", "engine.py"))
     return names - {None}
 
 

@@ -198,7 +198,7 @@ def test_expert_shards_sum_to_the_oracle(strategy, shards, skew, monkeypatch):
     outputs sum to the oracle. The ragged path runs the shard's pairs in blocks of ~1.25x its
     expected share; with skewed routing (every token's first choice on shard 0) shard 0 needs
     several blocks and must still drop nothing. "ragged_in_place": the form for sums too large to
-    stay on chip (`runtime.ON_CHIP_BYTES`), each block scattered into the sum in place."""
+    stay on chip (`moe.ON_CHIP_BYTES`), each block scattered into the sum in place."""
     from dgemma_jax import ModelConfig
 
     if strategy == "ragged_in_place":

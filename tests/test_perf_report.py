@@ -6,7 +6,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from dgemma_jax.engine import compiled_memory
+from dgemma_jax.engine.programs import compiled_memory
 from dgemma_jax.perf import compiled, report
 
 

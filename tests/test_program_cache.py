@@ -26,16 +26,17 @@ def test_engines_share_programs_through_a_bounded_program_cache(params):
 
     sampler = _sampler()
     a, b = Engine(CFG, params, sampler), Engine(CFG, params, sampler)
-    assert a.step_program() is b.step_program()
+    assert a.programs.denoise_step is b.programs.denoise_step
+    assert a.fused_program(16) is b.fused_program(16)
     own = Engine(CFG, params, sampler, programs=ProgramCache(2))
-    assert own.step_program() is not a.step_program()
-    first = own.step_program()
-    own.commit_program()
-    own.fused_program(16)  # a third program: the least recently used one (the step) is dropped
+    assert own.fused_program(16) is not a.fused_program(16)
+    first = own.fused_program(16)
+    own.fused_program(32)
+    own.fused_program(48)  # a third program: the least recently used one (16 tokens) is dropped
     assert len(own._program_cache) == 2
-    assert own.step_program() is first  # the engine kept it
+    assert own.fused_program(16) is first  # the engine kept it
     fresh = Engine(CFG, params, sampler, programs=own._program_cache)
-    assert fresh.step_program() is not first  # made anew: the cache had dropped it
-    assert fresh.fused_program(16) is own.fused_program(16)  # still held (it displaced the commit)
+    assert fresh.fused_program(16) is not first  # made anew: the cache had dropped it
+    assert fresh.fused_program(48) is own.fused_program(48)  # still held (it displaced the 32)
     with pytest.raises(ValueError, match="at least one program"):
         ProgramCache(0)

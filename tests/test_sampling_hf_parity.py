@@ -364,7 +364,7 @@ def test_stop_decisions_match_hf_over_steps(ref, stability):
         h = _stats(jnp.asarray(logits), gumbel=jnp.zeros_like(logits)).entropy
         mean_h = jnp.mean(h, axis=-1)
         assert np.all(np.abs(_np(mean_h) - cfg.confidence_threshold) > 1e-4)
-        ours = _np(stop_decision(jnp.asarray(argmax, jnp.int32), hist, mean_h, cfg))
+        ours = _np(stop_decision(jnp.asarray(argmax, jnp.int32), hist, mean_h, cfg.confidence_threshold))
         hist = push_history(hist, jnp.asarray(argmax, jnp.int32))
         np.testing.assert_array_equal(ours, hf_stop)
         decisions.append(ours)
@@ -469,7 +469,7 @@ def test_denoising_steps_compose_like_hf(ref, monkeypatch, stability, bound):
         new_canvas = jnp.where(fin[:, None], canvas, new_canvas)
         argmax = jnp.where(fin[:, None], argmax, st.argmax)
         z = jnp.where(fin[:, None, None], sc, z) if sc is not None else z
-        stop = stop_decision(argmax, hist, jnp.mean(st.entropy, -1), cfg)
+        stop = stop_decision(argmax, hist, jnp.mean(st.entropy, -1), cfg.confidence_threshold)
         hist = push_history(hist, argmax)
         fin = fin | stop
         canvas, sc = new_canvas, z

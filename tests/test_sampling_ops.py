@@ -258,16 +258,16 @@ def test_stop_decision_with_threshold_one():
     a = jnp.array([[1, 2, 3, 4], [0, 0, 0, 0]], jnp.int32)
     low = jnp.array([0.001, 0.001], jnp.float32)
     # step 1: never stable, even if confident and even for a canvas of zeros
-    assert np.asarray(stop_decision(a, hist, low, cfg)).tolist() == [False, False]
+    assert np.asarray(stop_decision(a, hist, low, cfg.confidence_threshold)).tolist() == [False, False]
     hist = push_history(hist, a)
     np.testing.assert_array_equal(np.asarray(hist)[:, 0], np.asarray(a))
-    assert np.asarray(stop_decision(a, hist, low, cfg)).tolist() == [True, True]
+    assert np.asarray(stop_decision(a, hist, low, cfg.confidence_threshold)).tolist() == [True, True]
     # strict comparison: mean entropy == threshold is not confident
     at = jnp.array([0.01, 0.0099], jnp.float32)
-    assert np.asarray(stop_decision(a, hist, at, cfg)).tolist() == [False, True]
+    assert np.asarray(stop_decision(a, hist, at, cfg.confidence_threshold)).tolist() == [False, True]
     # one changed position breaks stability for that row only
     b = a.at[1, 2].set(9)
-    assert np.asarray(stop_decision(b, hist, low, cfg)).tolist() == [True, False]
+    assert np.asarray(stop_decision(b, hist, low, cfg.confidence_threshold)).tolist() == [True, False]
 
 
 def test_stop_decision_with_threshold_two():
@@ -279,7 +279,7 @@ def test_stop_decision_with_threshold_two():
     low = jnp.array([0.1])
     decisions = []
     for canvas in (x, x, x, y, x, x, x):
-        decisions.append(bool(stop_decision(canvas, hist, low, cfg)[0]))
+        decisions.append(bool(stop_decision(canvas, hist, low, cfg.confidence_threshold)[0]))
         hist = push_history(hist, canvas)
     assert decisions == [False, False, True, False, False, False, True]
     # oldest first
@@ -289,10 +289,10 @@ def test_stop_decision_with_threshold_two():
 
 def test_stop_decision_under_jit():
     cfg = SamplerConfig(canvas_length=2)
-    f = jax.jit(stop_decision, static_argnums=3)
+    f = jax.jit(stop_decision)
     hist = push_history(init_history(1, cfg), jnp.array([[3, 4]]))
-    assert bool(f(jnp.array([[3, 4]]), hist, jnp.array([0.0]), cfg)[0])
-    assert not bool(f(jnp.array([[3, 4]]), hist, jnp.array([1.0]), cfg)[0])
+    assert bool(f(jnp.array([[3, 4]]), hist, jnp.array([0.0]), cfg.confidence_threshold)[0])
+    assert not bool(f(jnp.array([[3, 4]]), hist, jnp.array([1.0]), cfg.confidence_threshold)[0])
 
 
 # ------------------------------------------------------------------------- EOS
@@ -487,7 +487,7 @@ def test_history_is_capped_at_the_step_budget(threshold):
     assert hist.shape == (2, n, 3)
     x = jnp.array([[4, 5, 6], [7, 8, 9]], jnp.int32)
     for _ in range(n):  # the same canvas, fully confident, every step of the budget
-        assert not np.asarray(stop_decision(x, hist, jnp.zeros((2,)), cfg)).any()
+        assert not np.asarray(stop_decision(x, hist, jnp.zeros((2,)), cfg.confidence_threshold)).any()
         hist = push_history(hist, x)
 
 
@@ -497,7 +497,7 @@ def test_history_below_the_budget_keeps_the_threshold():
     x = jnp.array([[4, 5, 6]], jnp.int32)
     hist, decisions = init_history(1, cfg), []
     for _ in range(4):
-        decisions.append(bool(stop_decision(x, hist, jnp.zeros((1,)), cfg)[0]))
+        decisions.append(bool(stop_decision(x, hist, jnp.zeros((1,)), cfg.confidence_threshold)[0]))
         hist = push_history(hist, x)
     assert decisions == [False, False, False, True]
 

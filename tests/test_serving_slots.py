@@ -11,7 +11,7 @@ import dgemma_jax as dg
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.pipeline import load_checkpoint
 from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.sampling.loop import RowKnobs, choice_keys, denoise_canvas, initial_canvas
+from dgemma_jax.sampling.loop import Canvas, RowKnobs, choice_keys, denoise_canvas, init_state, initial_canvas
 from dgemma_jax.serving import text as text_lib
 from dgemma_jax.serving.scheduler import (QueueFull, Request, Scheduler, ShuttingDown, _Choice, common_prefix,
                                           content_keys)
@@ -124,10 +124,11 @@ def test_row_knobs_decide_each_row_exactly_as_its_own_sampler_config():
     keys = choice_keys(7, n)  # two distinct streams
     canvas = initial_canvas(keys, cfg.canvas_length, cfg.vocab_size)
     run = jax.jit(denoise_canvas, static_argnums=(1, 2))
+    start = Canvas(init_state(cfg, base, canvas), keys)
     knobs = RowKnobs.from_samplers([a, b], base.max_denoising_steps)
-    mixed = run(params, cfg, base, cache, keys, canvas=canvas, knobs=knobs)
+    mixed = run(params, cfg, base, cache, start, knobs=knobs).state
     for row, own in enumerate((a, b)):
-        alone = run(params, cfg, own, cache, keys, canvas=canvas)
+        alone = run(params, cfg, own, cache, Canvas(init_state(cfg, own, canvas), keys)).state
         for field in ("argmax", "canvas", "steps", "done"):
             np.testing.assert_array_equal(np.asarray(getattr(mixed, field))[row],
                                           np.asarray(getattr(alone, field))[row], err_msg=f"row {row} {field}")

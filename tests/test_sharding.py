@@ -51,12 +51,10 @@ def test_accelerator_paths_sharded_equal_unsharded(reference, large, monkeypatch
     """The programs built for TPU (ragged expert-parallel MoE under shard_map, full-vocab head with
     Gumbel sampling), traced here and run on the CPU devices: sharded == unsharded on meshes that
     split the experts 8 and 4 ways (each shard runs its pairs in blocks). large: the forms the MoE
-    and its all-reduce take for activations past `runtime.ON_CHIP_BYTES` (the 32-slot server's)."""
-    from dgemma_jax import runtime as runtime_module
+    and its all-reduce take for activations past `moe.ON_CHIP_BYTES` (the 32-slot server's)."""
     from dgemma_jax.model import moe
 
     if large:
-        monkeypatch.setattr(runtime_module, "ON_CHIP_BYTES", 0)
         monkeypatch.setattr(moe, "ON_CHIP_BYTES", 0)
     params, _ = reference
     rt = Runtime(platform="tpu", moe_dispatch="ragged", moe_shard_rows_factor=1.0)
@@ -165,12 +163,12 @@ def test_dense_mlp_sums_with_the_experts_in_one_all_reduce(mesh_spec, fused, lar
     output is summed in the experts' all-reduce: per layer one all-reduce for the MoE and dense
     branches (not one each). With FSDP (embed split) the dense MLP stays XLA's; the same tokens either
     way (test_sharded_generate_equals_unsharded, the training tests). large: the form for activations
-    past `runtime.ON_CHIP_BYTES` (the pair stacked, not concatenated), still one all-reduce."""
-    from dgemma_jax import runtime as runtime_module
+    past `moe.ON_CHIP_BYTES` (the pair stacked, not concatenated), still one all-reduce."""
+    from dgemma_jax.model import moe
     from dgemma_jax.perf.collectives import collectives
 
     if large:
-        monkeypatch.setattr(runtime_module, "ON_CHIP_BYTES", 0)
+        monkeypatch.setattr(moe, "ON_CHIP_BYTES", 0)
 
     rules = "latency" if "fsdp" not in mesh_spec else "training"  # training: embed split over fsdp
     sh = Shardings(CFG, make_mesh(mesh_spec), rules)

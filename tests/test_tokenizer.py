@@ -407,11 +407,16 @@ def test_sentencepiece_agrees_with_transformers_gemma_tokenizer(sp_dir, tmp_path
 def test_a_training_recipe_reads_tokenizer_json_with_the_librarys_tokenizer(hf_dir, wordlevel_json):
     """`data.tokenizer: "hf"` in a recipe loads the same tokenizer as inference (one HFTokenizer class),
     special ids included, from a checkpoint directory or the file itself."""
+    from dgemma_jax.training.recipe import DataSection
     from dgemma_jax.training.train import build_tokenizer
+
+    def data(path):
+        return DataSection(prompt_length=8, num_canvases=1, batch_size=1, tokenizer="hf", tokenizer_path=str(path))
+
     for path in (hf_dir, hf_dir / "tokenizer.json"):
-        tok = build_tokenizer({"tokenizer": "hf", "tokenizer_path": str(path)})
+        tok = build_tokenizer(data(path))
         assert isinstance(tok, HFTokenizer)
         assert (tok.pad_id, tok.eos_ids, tok.bos_id) == (0, (1,), 2)
         assert tok.decode(tok.encode(TEXTS[0])) == TEXTS[0]
-    tok = build_tokenizer({"tokenizer": "hf", "tokenizer_path": str(wordlevel_json)})
+    tok = build_tokenizer(data(wordlevel_json))
     assert tok.decode(tok.encode("hello world")) == "hello world" and tok.vocab_size == 10

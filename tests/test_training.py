@@ -321,6 +321,7 @@ def test_only_process_zero_writes_the_run_files(tmp_path, monkeypatch):
 
 
 def test_checkpoint_every_zero_keeps_only_the_final_checkpoint_and_bad_values_are_one_line_errors(tmp_path):
+    from dgemma_jax.training.recipe import TrainSection
     from dgemma_jax.training.train import checkpoint_interval, train
 
     recipe = os.path.join(ROOT, "configs", "train_tiny.py")
@@ -333,8 +334,9 @@ def test_checkpoint_every_zero_keeps_only_the_final_checkpoint_and_bad_values_ar
     assert not (tmp_path / "bad").exists()  # refused before anything was built or written
     for bad in (1.5, "often", None):  # (a recipe may hold any type; --set keeps the recipe's)
         with pytest.raises(ValueError, match=msg + repr(bad)):
-            checkpoint_interval({"checkpoint_every": bad})
-    assert checkpoint_interval({"checkpoint_every": 7.0}) == 7 and checkpoint_interval({}) == 500
+            checkpoint_interval(TrainSection(workdir="w", num_steps=1, checkpoint_every=bad))
+    assert checkpoint_interval(TrainSection(workdir="w", num_steps=1, checkpoint_every=7.0)) == 7
+    assert checkpoint_interval(TrainSection(workdir="w", num_steps=1)) == 500
 
 
 def test_a_workdir_url_orbax_cannot_write_and_a_pod_without_a_mesh_are_refused(tmp_path, monkeypatch):
@@ -383,13 +385,15 @@ def test_eval_overlapping_the_training_data_is_an_error(tmp_path):
     disjoint eval file is accepted and is what the run evaluates on."""
     import json as _json
 
+    from dgemma_jax.training.recipe import DataSection, EvalSection
     from dgemma_jax.training.train import Run
 
     recipe = os.path.join(ROOT, "configs", "train_tiny.py")
     src = Run(load_config(recipe)).source
     same_seed = Run.__new__(Run)
-    same_seed.dc, same_seed.ec = {"kind": "tasks", "tasks": [dict(name="sort", min_len=3, max_len=9)]}, \
-        {"seed": 0, "num_examples": 8}
+    same_seed.dc = DataSection(prompt_length=12, num_canvases=3, batch_size=16,
+                               tasks=[dict(name="sort", min_len=3, max_len=9)])
+    same_seed.ec = EvalSection(seed=0, num_examples=8)
     assert same_seed.eval_pairs() == src.example_strings(99)[:8]      # the overlap is real
     with pytest.raises(ValueError, match=r"eval\.seed 0 equals data\.seed"):
         Run(load_config(recipe, {"eval.seed": 0, "data.seed": 0}))

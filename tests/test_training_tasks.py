@@ -92,13 +92,14 @@ def test_bad_kinds_are_errors():
 def test_bundled_recipe_mixture_is_accepted():
     """The recipe's kinds parse, an override of data.tasks with kinds passes the key validation, and the
     per-category eval stream is not the training stream even with eval seed == data seed."""
-    from dgemma_jax.training.train import _d, load_config
+    from dgemma_jax.training.recipe import plain
+    from dgemma_jax.training.train import load_config
 
     cfg = load_config(os.path.join(ROOT, "configs", "train_bundled.py"),
                       {"data.tasks": [dict(SORT, kinds=dict(same=1.0, random=1.0))], "train.num_steps": 3})
-    assert TaskMix.from_config(_d(cfg.data)["tasks"]).tasks[0].kinds == (("random", 1.0), ("same", 1.0))
+    assert TaskMix.from_config(plain(cfg.data)["tasks"]).tasks[0].kinds == (("random", 1.0), ("same", 1.0))
     recipe = load_config(os.path.join(ROOT, "configs", "train_bundled.py"))
-    task = TaskMix.from_config(_d(recipe.data)["tasks"]).tasks[0]
+    task = TaskMix.from_config(plain(recipe.data)["tasks"]).tasks[0]
     assert {k for k, _ in task.kinds} == set(DIGIT_KINDS)
     lay = Layout(prompt_length=19, num_canvases=3, canvas_length=8)
     train = {p for i in range(3) for p, _ in TaskSource(TaskMix([Task("sort", 9, 16)]), task_tokenizer(), lay, 64,

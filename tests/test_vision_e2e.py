@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from dgemma_jax import denoise, init_cache, load_hf, prefill
-from dgemma_jax.engine import check_images
+from dgemma_jax.engine.inputs import check_images
 from dgemma_jax.io.images import ImageBatch, settings_for
 from dgemma_jax.model.api import image_features_pass
 from dgemma_jax.sampling.generate import prefill_prompt

@@ -172,7 +172,7 @@ def save_model(path: str | os.PathLike, config: ModelConfig, params: Any, sample
         if os.path.abspath(tokenizer_file) != os.path.join(path, tok_name):
             shutil.copyfile(tokenizer_file, os.path.join(path, tok_name))
     meta = {"format": FORMAT, "version": 1, "config": config_to_dict(config),
-            "sampler": dataclasses.asdict(sampler) if sampler is not None else None, "tokenizer": tok_name,
+            "sampler": sampler.settings() if sampler is not None else None, "tokenizer": tok_name,
             "params_files": params_files(os.path.join(path, "params"))}
     mode = quantization_of(params)
     if mode is not None:

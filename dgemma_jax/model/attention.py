@@ -229,7 +229,7 @@ class Attention(nn.Module):
                                               self.cfg.denoise_window)
         n, h = q.shape[2:]
         if kernel and flash.supported(l * (n // keys.shape[2]), keys.shape[1], h):
-            prior = self.rt.head_parallel(flash.cache_attention, q, keys, vals, ctx_mask[:, 0])
+            prior = flash.head_parallel(self.rt, flash.cache_attention, q, keys, vals, ctx_mask[:, 0])
             if prior is not None:  # the cache through the fused kernel, the canvas's own keys here
                 return self._out(attend(q, [(k, v, None)], self.rt.attn_key_block, prior=prior))
         y = attend(q, [(keys, vals, ctx_mask), (k, v, None)], self.rt.attn_key_block)

@@ -15,7 +15,7 @@ keys by log-sum-exp, exactly as it merges key blocks.
 
 Off TPU the same kernel runs in Pallas's interpreter (tests compare it with the XLA path on CPU).
 Gradients come from the XLA formulation (a `custom_vjp`), so LoRA training through the kernel is
-exact. On a mesh the kernel runs per head shard (`Runtime.head_parallel`). The compiler sees the
+exact. On a mesh the kernel runs per head shard (`head_parallel`). The compiler sees the
 kernel as one opaque call; `cache_attention` tells the runtime's observer its FLOPs (`kernel_flops`).
 """
 
@@ -25,10 +25,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
+from dgemma_jax.parallel.rules import CACHE_AXES, axes_of, spec_for
 from dgemma_jax.runtime import Runtime
 
 _NEG = -1e30
+
 
 def _divisor(n: int, limit: int, step: int = 128) -> int | None:
     """The largest multiple of `step` that divides n and is <= limit (None when there is none)."""
@@ -134,3 +137,27 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
     if rt is not None:
         rt.kernel_call("cache_attention", kernel_flops(q.shape, k.shape))
     return _attend(q, k, v, valid, bool(interpret))
+
+
+def head_parallel(rt: Runtime, fn, q, k, v, valid):
+    """Run the attention kernel `fn(q, k, v, valid, rt=) -> (out, lse)` per head shard.
+
+    q [B, T, N, H]; k, v [B, S, K, H] (cache layout); valid [B, S]. A Pallas kernel is one opaque
+    call the partitioner cannot split, so on a mesh it runs inside a `shard_map` over the batch
+    and head axes, each device on its own query heads and the KV heads they read. Returns None
+    when the layout does not allow it (query and KV heads split over different mesh axes, or the
+    cache split along its slots or head_dim): the caller then keeps the XLA path. Without a mesh
+    this is just `fn(...)`.
+    """
+    if rt.mesh is None:
+        return fn(q, k, v, valid, rt=rt)
+    mesh, rules = rt.mesh, rt.rules
+    qs = spec_for(q.shape, ("batch", None, "heads", None), rules, mesh)
+    ks = spec_for(k.shape, CACHE_AXES, rules, mesh)
+    if ks[1] is not None or ks[3] is not None or axes_of(qs[0]) != axes_of(ks[0]) or axes_of(qs[2]) != axes_of(ks[2]):
+        return None
+    inner = rt.local()
+    return jax.shard_map(
+        lambda q, k, v, valid: fn(q, k, v, valid, rt=inner), mesh=mesh, check_vma=False,
+        in_specs=(qs, ks, ks, PartitionSpec(qs[0], None)),
+        out_specs=(qs, PartitionSpec(qs[0], None, qs[2])))(q, k, v, valid)

@@ -231,7 +231,7 @@ def gelu_tanh(x):
 
 
 # the dense MLP's kernels and their logical axes (`GatedMLP`); the MoE's shard_map reads these to
-# run the dense MLP beside the experts (`Runtime.expert_parallel`)
+# run the dense MLP beside the experts (`moe.expert_parallel`)
 GATED_MLP_AXES = {"gate_up": ("embed", None, "mlp"), "down": ("mlp", "embed")}
 
 

@@ -26,7 +26,7 @@ LoRA (unmerged): each expert kernel may carry per-expert adapters, `adapters` = 
 strategy adds the float32 term (x A_e) B_e to its expert matmuls (einsums for "dense" / "capacity",
 two more grouped matmuls for "ragged"), so an expert never needs a merged dense copy.
 
-On a mesh the dispatch runs per expert shard (`Runtime.expert_parallel`,
+On a mesh the dispatch runs per expert shard (`expert_parallel`,
 a `shard_map`): each device serves only the pairs routed to the experts it holds and the partial
 outputs are summed, so expert weights never move. A shard's "ragged" pairs run in blocks of
 `Runtime.moe_shard_rows_factor` x its expected share (a scan whose empty blocks are skipped), so each
@@ -37,18 +37,39 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from jax.sharding import PartitionSpec
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model import layout
 from dgemma_jax.model.layers import (GATED_MLP_AXES, QUANT_SCALE, adapter, dequantize, gated_mlp,
                                      gelu_tanh, is_int4, is_quantized, kernel_shape, ones_param, param, project,
                                      quant_values, rms_normalize)
-from dgemma_jax.runtime import ON_CHIP_BYTES, DenseBeside, Runtime
+from dgemma_jax.parallel.rules import axes_of, entry_of, spec_for
+from dgemma_jax.runtime import Runtime
+
+
+# Activations up to about this many bytes the TPU compiler keeps on chip between the ops of a layer;
+# larger ones go through HBM, and some of the layer's code is written differently for them
+# (`moe.dispatch_ragged`'s sum, `expert_parallel`'s all-reduce). Measured on the 26B's serving
+# tick for v6e-8: a [tokens, hidden] float32 of 23 MB (8 slots) stayed on chip, 92 MB (32 slots) did
+# not; the line between is not measured.
+ON_CHIP_BYTES = 32 * 2 ** 20
+
+
+class DenseBeside(NamedTuple):
+    """A dense MLP that runs beside the experts (`expert_parallel`): its input x [N, D], its
+    kernels by name (plain or int8 pairs), their logical axes by name, and mlp(x, **kernels) -> [N, D]."""
+
+    x: jax.Array
+    kernels: dict
+    axes: dict
+    mlp: Callable
 
 
 def route(h: jax.Array, w_router: jax.Array, router_scale: jax.Array, expert_scale: jax.Array, top_k: int,
@@ -330,7 +351,7 @@ class MoE(nn.Module):
         """h routes, z is processed. dense: optional (x, kernels) of the dense MLP that runs beside the
         experts (`gated_mlp` on `GatedMLP` kernels, x shaped like z); then returns (experts' output,
         dense MLP output or None): the dense output where the mesh let both be summed in one
-        all-reduce (`Runtime.expert_parallel`), None where the caller runs the dense MLP itself."""
+        all-reduce (`expert_parallel`), None where the caller runs the dense MLP itself."""
         cfg = self.cfg
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         w_router = param(self, "router", (d, e), ("embed", "experts_router"), cfg)
@@ -353,9 +374,111 @@ class MoE(nn.Module):
         with jax.named_scope(f"experts_{self.rt.dispatch}"):
             beside = None if dense is None else DenseBeside(dense[0].reshape(-1, d), dense[1], GATED_MLP_AXES,
                                                             gated_mlp)
-            y = self.rt.expert_parallel(lambda rt, *a, **k: dispatch(cfg, rt, *a, **k), zf, weights, experts,
+            y = expert_parallel(self.rt, lambda rt, *a, **k: dispatch(cfg, rt, *a, **k), zf, weights, experts,
                                         gate_up, down, adapters, dense=beside)
         if dense is None:
             return y.reshape(shape).astype(z.dtype)
         y, yd = y
         return y.reshape(shape).astype(z.dtype), None if yd is None else yd.reshape(dense[0].shape)
+
+
+def expert_parallel(rt: Runtime, fn, z, weights, experts, gate_up, down, adapters=None, dense=None):
+    """Run the MoE dispatch `fn` per shard: each device serves only the experts it holds and the
+    outputs are summed over those mesh axes.
+
+    fn(rt, z, weights, experts, gate_up, down, adapters, offset=, shards=) -> [N, D] float32 partial
+    output for the local experts [offset, offset + E_local). `adapters` (per-expert LoRA pairs,
+    every leaf [E, ., .], or None) are split over the experts exactly like the kernels. Tokens (z
+    [N, D], weights / experts [N, k]) are split like the batch and replicated over the model axes,
+    so no expert weight ever moves (with FSDP the weights' `embed` dimension is gathered per layer,
+    as for every FSDP layer). Each expert is whole on one shard (gate_up [E, D, 2F] keeps gate and
+    up side by side). gate_up / down may be int8 pairs {"int8", "scale"} (every leaf [E, ., .]):
+    split over the experts like float kernels. Without a mesh this is just `fn(...)` with all experts local.
+
+    dense: optional `DenseBeside`, a dense MLP that runs beside the experts (Gemma 4's parallel
+    dense and MoE branches). Where the dense kernels' hidden units are split over exactly
+    the experts' mesh axes (and nothing else is split), the dense MLP runs inside the same
+    per-shard body on its hidden-unit slices and both partial outputs are summed in one all-reduce
+    (one collective per layer instead of two: each costs a latency on the inter-chip links); then
+    this returns (experts' output, dense output). Elsewhere (no mesh, FSDP, other splits) it
+    returns (experts' output, None) and the caller runs the dense MLP as any layer.
+    """
+    if rt.mesh is None:
+        y = fn(rt, z, weights, experts, gate_up, down, adapters)
+        return y if dense is None else (y, None)
+    mesh, rules = rt.mesh, rt.rules
+    tok = axes_of(spec_for(z.shape[:1], ("batch",), rules, mesh)[0])
+    n_experts = jax.tree.leaves(gate_up)[0].shape[0]  # a float kernel, or an int8 pair's values and scales
+    ex = tuple(a for a in axes_of(spec_for((n_experts,), ("experts",), rules, mesh)[0]) if a not in tok)
+    dense_specs = None if dense is None else _dense_beside_experts(rt, dense.kernels, dense.axes, ex)
+    if dense is not None and dense_specs is None:  # the caller's, partitioned by XLA
+        return expert_parallel(rt, fn, z, weights, experts, gate_up, down, adapters), None
+    if not (tok or ex):
+        return fn(rt, z, weights, experts, gate_up, down, adapters)
+    shards = 1
+    for a in ex:
+        shards *= mesh.shape[a]
+    e_local = n_experts // shards
+    inner = rt.local()  # no logical constraints inside the per-shard body
+
+    def body(z, weights, experts, gate_up, down, adapters, dense_x, dense_kernels):
+        index = jnp.zeros((), jnp.int32)
+        for a in ex:
+            index = index * mesh.shape[a] + jax.lax.axis_index(a)
+        y = fn(inner, z, weights, experts, gate_up, down, adapters, offset=index * e_local, shards=shards)
+        if dense_kernels is None:
+            return jax.lax.psum(y, ex) if ex else y
+        # this shard's hidden units give a partial sum too: both reduced as one array, one
+        # all-reduce (XLA keeps two psums, or one psum of a tuple, as two collectives on TPU);
+        # in the activation dtype, as XLA:TPU reduces the experts' float32 partial anyway
+        # past ON_CHIP_BYTES stacked on a new leading axis, not side by side: concatenated along the
+        # hidden axis, the compiler laid the reduced [N, 2D] out column-major (the concatenation then
+        # free) and every layer copied both halves back to row-major, in float32, for the norms after
+        # it; below, the concatenation stays on chip and the stack would be written out
+        yd = dense.mlp(dense_x, **dense_kernels)
+        if 2 * yd.size * yd.dtype.itemsize > ON_CHIP_BYTES:
+            both = jax.lax.psum(jnp.stack([y.astype(yd.dtype), yd]), ex)
+            return both[0], both[1]
+        both = jax.lax.psum(jnp.concatenate([y.astype(yd.dtype), yd], axis=-1), ex)
+        return both[:, :y.shape[-1]], both[:, y.shape[-1]:]
+
+    t = entry_of(tok)
+    kernel = PartitionSpec(entry_of(ex), None, None)
+    rows = PartitionSpec(t, None)
+    dense_x, dense_kernels = (None, None) if dense is None else (dense.x, dense.kernels)
+    return jax.shard_map(
+        body, mesh=mesh, check_vma=False,
+        in_specs=(rows, rows, rows, _kernel_specs(gate_up, kernel), _kernel_specs(down, kernel),
+                  None if adapters is None else jax.tree.map(lambda _: kernel, adapters),
+                  None if dense is None else rows, dense_specs),
+        out_specs=rows if dense is None else (rows, rows))(
+            z, weights, experts, gate_up, down, adapters, dense_x, dense_kernels)
+
+
+def _dense_beside_experts(rt: Runtime, kernels, axes, ex):
+    """The per-shard in_specs of a dense MLP's kernels when they can run inside the experts'
+    body: every leaf split only along its "mlp" dimension and over exactly the mesh axes `ex`
+    (then each shard's output is a partial sum over `ex`, like the experts'); else None."""
+    if not ex:
+        return None
+    specs = {}
+    for name, kernel in kernels.items():
+        logical = axes[name]
+        leaf_specs = []
+        for leaf in jax.tree.leaves(kernel):
+            spec = spec_for(leaf.shape, logical, rt.rules, rt.mesh)
+            entries = tuple(spec) + (None,) * (leaf.ndim - len(spec))
+            for entry, name_ in zip(entries, logical):
+                if entry is not None and (name_ != "mlp" or set(axes_of(entry)) != set(ex)):
+                    return None
+            if leaf.shape[logical.index("mlp")] > 1 and entries[logical.index("mlp")] is None:
+                return None  # the hidden units replicated: no partial sum to add
+            leaf_specs.append(spec)
+        specs[name] = jax.tree.unflatten(jax.tree.structure(kernel), leaf_specs)
+    return specs
+
+
+def _kernel_specs(tree, kernel: PartitionSpec):
+    """in_specs of an expert kernel's tree: every [E, ., .] leaf split like `kernel`; the scalar group
+    index of a scanned layer's per-group kernel (`model.layout.PerGroup`) replicated."""
+    return jax.tree.map(lambda x: kernel if x.ndim else PartitionSpec(), tree)

@@ -206,3 +206,17 @@ def spec_for(shape: Sequence[int], logical: Sequence[str | None], rules, mesh: M
         used.update(axes)
         out.append(axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*out)
+
+
+def axes_of(entry) -> tuple:
+    """The mesh axes of one PartitionSpec entry (None, a name, or a tuple of names) as a tuple."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def entry_of(axes: tuple):
+    """The PartitionSpec entry splitting over `axes`: None, one name, or the tuple."""
+    if not axes:
+        return None
+    return axes if len(axes) != 1 else axes[0]

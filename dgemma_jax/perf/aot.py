@@ -15,7 +15,7 @@ attention of model/flash.py) as an opaque call and counts none of its FLOPs: tho
 the kernel's traced shapes (`kernel_flops`) and added to `flops` (`compiler_flops` is the
 compiler's own count). A kernel's operands and results are its HBM traffic.
 
-What is compiled is the engine's own programs (`Engine.step_program`, `fused_program`, ...), built
+What is compiled is the engine's own programs (`Engine.programs`, `Engine.fused_program`), built
 with a `Runtime` for the TPU platform on the topology's mesh: the same jits a TPU user runs.
 """
 
@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from dgemma_jax.backends import quiet_libtpu_load
 from dgemma_jax.config import ModelConfig, VisionConfig
-from dgemma_jax.engine import Engine, compiled_memory
+from dgemma_jax.engine import Engine
+from dgemma_jax.engine.programs import compiled_memory
 from dgemma_jax.io.images import BOI_TOKEN_ID, EOI_TOKEN_ID, IMAGE_TOKEN_ID, ImageSettings
 from dgemma_jax.model.api import param_shapes
 from dgemma_jax.model.layout import stack_layers, unstack_layers
@@ -195,8 +196,8 @@ class KernelFlops:
 def engine_programs(engine: Engine, max_new_tokens: int) -> dict:
     """The engine's own jitted programs by report name, each with a function mapping
     `program_inputs` to its (positional, keyword) arguments."""
-    prefill_slot, slot_tick = engine.slot_programs()
-    streaming = engine.programs
+    programs = engine.programs
+    prefill_slot, slot_tick = programs.prefill_slot, programs.slot_tick
     return {
         "slot_tick": (slot_tick,
                       lambda a: ((a["params"],), dict(cache=a["cache"], state=a["slot"]["state"], keys=a["keys"],
@@ -213,13 +214,15 @@ def engine_programs(engine: Engine, max_new_tokens: int) -> dict:
                                                                 tokens=a["slot"]["tokens"],
                                                                 length=a["slot"]["length"],
                                                                 start=a["slot"]["start"], images=a["images"]))),
-        "prefill": (streaming.prefill_prompt,
+        "prefill": (programs.prefill,
                     lambda a: ((a["params"],), dict(tokens=a["tokens"], lengths=a["lengths"], cache=a["cache"]))),
-        "prefill_images": (streaming.prefill_prompt,
+        "prefill_images": (programs.prefill,
                            lambda a: ((a["params"],), dict(tokens=a["tokens"], lengths=a["lengths"], cache=a["cache"],
                                                            images=a["images"]))),
-        "denoise_step": (engine.step_program(), lambda a: ((a["params"], a["cache"], a["keys"], a["state"]), {})),
-        "commit": (engine.commit_program(),
+        "denoise_step": (programs.denoise_step,
+                         lambda a: ((a["params"],), dict(cache=a["cache"], context_end=a["cache"].lengths,
+                                                         keys=a["keys"], state=a["state"]))),
+        "commit": (programs.commit,
                    lambda a: ((a["params"],), dict(cache=a["cache"], tokens=a["canvas"], active=a["active"]))),
         "generate": (engine.fused_program(max_new_tokens),
                      lambda a: ((a["params"],), dict(prompt_tokens=a["tokens"], prompt_lengths=a["lengths"],

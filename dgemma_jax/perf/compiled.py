@@ -3,7 +3,7 @@
 
 `cost(compiled)`: `cost_analysis()`'s FLOPs, bytes accessed and transcendentals (a loop body is
 counted once; a Pallas kernel's FLOPs not at all). `memory(compiled)`: the memory analysis, which
-the engine reads too and therefore keeps (`engine.compiled_memory`). `compile_timed`: lower and
+the engine reads too and therefore keeps (`engine.programs.compiled_memory`). `compile_timed`: lower and
 compile, with the seconds each took.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from dgemma_jax.engine import MEMORY_FIELDS, compiled_memory as memory
+from dgemma_jax.engine.programs import MEMORY_FIELDS, compiled_memory as memory
 
 __all__ = ["COST_FIELDS", "MEMORY_FIELDS", "compile_timed", "cost", "memory"]
 

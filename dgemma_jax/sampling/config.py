@@ -16,6 +16,8 @@ import math
 import numbers
 from typing import Any, Mapping
 
+from dgemma_jax.sampling.rules import DEFAULT_ACCEPT, DEFAULT_STOP, AcceptRule, StopRule
+
 __all__ = ["SamplerConfig"]
 
 
@@ -53,6 +55,10 @@ class SamplerConfig:
       eos_ids: ids that end a sequence; the canvas is truncated after the
         first of them. May be empty (no truncation).
       pad_id: id written after the first EOS and into finished rows.
+      accept: which sampled positions a step keeps (`rules.AcceptRule`; default `rules.EntropyBound()`).
+      stop: which rows a step finishes besides those that spent their step budget (`rules.StopRule`;
+        default `rules.StableAndConfident()`). Both are hashable callables of a `rules.StepView`;
+        they read the per-row thresholds from it, so the numbers above stay the settings.
     """
 
     canvas_length: int = 256
@@ -64,6 +70,8 @@ class SamplerConfig:
     stability_threshold: int = 1
     eos_ids: tuple[int, ...] = (1, 106, 50)
     pad_id: int = 0
+    accept: AcceptRule = DEFAULT_ACCEPT
+    stop: StopRule = DEFAULT_STOP
 
     def __post_init__(self) -> None:
         def fail(field: str, value: Any, allowed: str) -> None:
@@ -119,6 +127,15 @@ class SamplerConfig:
                 fail("eos_ids", self.eos_ids, "a tuple (or list) of non-negative integers")
         set_("eos_ids", tuple(int(t) for t in eos))
 
+        for field in ("accept", "stop"):
+            rule = getattr(self, field)
+            if not callable(rule):
+                fail(field, rule, "a callable of a rules.StepView (see dgemma_jax.sampling.rules)")
+            try:
+                hash(rule)
+            except TypeError:
+                fail(field, rule, "hashable (a frozen dataclass): the sampler is a static argument of the programs")
+
     @property
     def history_length(self) -> int:
         """Rows of the argmax history the loop carries: min(stability_threshold, max_denoising_steps).
@@ -132,6 +149,17 @@ class SamplerConfig:
     def replace(self, **changes: Any) -> "SamplerConfig":
         """Returns a copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def settings(self) -> dict[str, Any]:
+        """The numeric settings as a JSON-able dict (`SamplerConfig(**settings)` gives this config back).
+
+        The rules are code, not settings: a config with other than the default accept / stop rules
+        is a ValueError here (store the settings and pass your rules again with `replace`)."""
+        if self.accept != DEFAULT_ACCEPT or self.stop != DEFAULT_STOP:
+            raise ValueError("this SamplerConfig has its own accept or stop rule, which cannot be stored as settings; "
+                             "store sampler.replace(accept=rules.DEFAULT_ACCEPT, stop=rules.DEFAULT_STOP) and pass "
+                             "your rules again with replace(...) after loading")
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("accept", "stop")}
 
     @classmethod
     def for_model(cls, config: Any, **overrides: Any) -> "SamplerConfig":

@@ -1,12 +1,15 @@
-"""Multi-canvas generation: prefill, then per canvas denoise -> truncate at EOS -> commit.
+"""Multi-canvas generation: prefill, then per canvas start -> denoise -> truncate at EOS -> commit.
 
-One `canvas_step` (start from noise or a seed, denoise to completion, truncate at EOS, commit) and
-two drivers around it that give identical tokens for the same keys:
+A canvas has three parts, each written once: `canvas_start` (noise or a seed, as a `loop.Canvas`),
+`loop.denoise_step` (one pass; `loop.denoise_canvas` loops it to the end) and `canvas_end` (EOS
+truncation and the commit). `canvas_step` is the three in a row. Every driver runs these:
 * `generate_fused`: the whole generation is one traceable program (an outer `lax.while_loop` over
   canvases, each a `canvas_step`).
 * `iter_canvases`: a Python loop that runs the jitted `canvas_step` once per canvas and yields each
-  finished canvas (streaming); `iter_steps` runs the same canvas step by step (`canvas_start`,
-  `denoise_step`, `canvas_end`) and yields every denoising step.
+  finished canvas (streaming); `iter_steps` runs the jitted `canvas_start`, `denoise_step` and
+  `canvas_end` itself and yields every denoising step.
+* the server's slots (`sampling.slots`): `canvas_start` per slot, `denoise_step` per tick,
+  `finish_canvas` and `commit` for the settled ones.
 Everything here is pure and traceable; the engine (`dgemma_jax.engine`) owns the jits.
 
 Canvas c of a row uses the key `fold_in(row_key, c)`. A row that emitted an EOS is finished: its
@@ -31,7 +34,7 @@ from dgemma_jax.model.cache import KVCache, concat_rows
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.sampling.loop import denoise_canvas, denoise_step, init_state, initial_canvas, loop_running
+from dgemma_jax.sampling.loop import Canvas, denoise_canvas, init_state, initial_canvas
 
 
 @struct.dataclass
@@ -58,7 +61,10 @@ def num_canvases(max_new_tokens: int, canvas_length: int) -> int:
 
 
 def canvas_keys(keys: jax.Array, index) -> jax.Array:
-    return jax.vmap(lambda k: jax.random.fold_in(k, index))(keys)
+    """[B] the row keys of canvas `index` ([] for every row, or [B]: each row's own) from the
+    request's row keys [B]: `fold_in(key, index)`."""
+    index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), keys.shape[:1])
+    return jax.vmap(jax.random.fold_in)(keys, index)
 
 
 def commit(params, config: ModelConfig, cache: KVCache, tokens: jax.Array, active: jax.Array,
@@ -88,18 +94,31 @@ def finish_canvas(sampler: SamplerConfig, argmax: jax.Array, finished: jax.Array
     return toks, finished | has_eos
 
 
-def canvas_start(config: ModelConfig, sampler: SamplerConfig, keys: jax.Array, index, seed_canvas=None,
-                 pinned=None):
-    """Canvas `index`'s start: (canvas [B, L], pinned [B, L] or None).
+def canvas_start(config: ModelConfig, sampler: SamplerConfig, keys: jax.Array, index, finished: jax.Array | None = None,
+                 seed_canvas=None, pinned=None) -> Canvas:
+    """The start of canvas `index` for every row, ready for `denoise_step` / `denoise_canvas`.
 
-    Uniform noise from the canvas keys; with a `seed_canvas`, the first canvas starts from it and holds
-    its `pinned` positions (later canvases hold none). `index` may be traced."""
-    noise = initial_canvas(keys, sampler.canvas_length, config.vocab_size)
-    if seed_canvas is None:
-        return noise, None
-    first = jnp.asarray(index) == 0
-    start = jnp.where(first, seed_canvas.astype(jnp.int32), noise)
-    return start, None if pinned is None else pinned & first
+    Args:
+      keys: [B] the requests' row keys (the canvas's keys are `canvas_keys(keys, index)`).
+      index: [] the canvas number for every row, or [B] each row's own; may be traced. The step
+        counter takes its shape.
+      finished: [B] rows that are done (frozen from the start); default none.
+      seed_canvas, pinned: [B, L] the first canvas's start and the positions held at its tokens
+        (infilling); later canvases start from noise and hold none.
+    Returns:
+      a `Canvas` of uniform noise from the canvas keys (or the seed), its loop state fresh.
+    """
+    keys = canvas_keys(keys, index)
+    start = initial_canvas(keys, sampler.canvas_length, config.vocab_size)
+    seed = None
+    if seed_canvas is not None:
+        first = jnp.asarray(index) == 0
+        start = jnp.where(first, seed_canvas.astype(jnp.int32), start)
+        pinned = None if pinned is None else pinned & first
+        seed = start if pinned is not None else None
+    state = init_state(config, sampler, start, finished)
+    return Canvas(state.replace(step=jnp.zeros(jnp.shape(index), jnp.int32)), keys, seed,
+                  None if seed_canvas is None else pinned)
 
 
 def canvas_end(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, argmax: jax.Array,
@@ -117,15 +136,13 @@ def canvas_end(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCac
 
 def canvas_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, keys: jax.Array, index,
                 last, finished: jax.Array, seed_canvas=None, pinned=None, runtime: Runtime | None = None):
-    """One canvas of a generation: start (noise or seed/pins), denoise to completion, finish, commit.
+    """One canvas of a generation: `canvas_start`, `denoise_canvas`, `canvas_end`.
 
     keys: [B] per-row keys (canvas c uses `fold_in(key, c)`); index / last: the canvas index and
     whether it is the final one (either may be traced); finished: [B] rows already done (frozen).
     Returns (cache, tokens [B, L], steps [B], finished_after [B], nonfinite [B])."""
-    k = canvas_keys(keys, index)
-    start, pin = canvas_start(config, sampler, k, index, seed_canvas, pinned)
-    state = denoise_canvas(params, config, sampler, cache, k, canvas=start, pinned=pin, done=finished,
-                           runtime=runtime)
+    canvas = canvas_start(config, sampler, keys, index, finished, seed_canvas, pinned)
+    state = denoise_canvas(params, config, sampler, cache, canvas, runtime=runtime).state
     toks, finished_after, cache = canvas_end(params, config, sampler, cache, state.argmax, finished, last, runtime)
     return cache, toks, state.steps, finished_after, state.nonfinite
 
@@ -163,24 +180,6 @@ def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_t
     return GenerateOutput(out[:, :max_new_tokens], steps, finished, c, cache, bad)
 
 
-def start_state(config: ModelConfig, sampler: SamplerConfig, keys: jax.Array, index, finished: jax.Array,
-                seed_canvas=None, pinned=None):
-    """The step-by-step driver's start of canvas `index`: (LoopState, the canvas's row keys, start
-    canvas, pinned or None); the keys go to every `step_state` of the canvas."""
-    k = canvas_keys(keys, index)
-    start, pin = canvas_start(config, sampler, k, index, seed_canvas, pinned)
-    return init_state(config, sampler, start, finished), k, start, pin
-
-
-def step_state(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, canvas_keys_: jax.Array,
-               state, seed=None, pinned=None, runtime: Runtime | None = None):
-    """One denoising step for the step-by-step driver (canvas_keys_: from `start_state`): (new state,
-    still running)."""
-    new = denoise_step(params, config, sampler, cache, cache.lengths, canvas_keys_, state, seed=seed, pinned=pinned,
-                       runtime=runtime)
-    return new, loop_running(new, sampler)
-
-
 @dataclasses.dataclass
 class CanvasEvent:
     """One finished canvas from `iter_canvases` (host numpy arrays)."""
@@ -205,27 +204,32 @@ class StepEvent:
 
 def _iterate(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens, seed_canvas,
              pinned, per_step: bool, images=None) -> Iterator:
-    """The streaming driver. programs: the engine's jits of prefill_prompt, canvas_step, start_state,
-    step_state and canvas_end (config and sampler bound), as attributes of those names."""
-    l = programs.sampler.canvas_length
+    """The streaming driver. programs: the engine's jits (`engine.Programs`: config, sampler and
+    runtime bound; called with keywords)."""
+    sampler = programs.sampler
+    l = sampler.canvas_length
     n_canvas = num_canvases(max_new_tokens, l)
-    cache = programs.prefill_prompt(params, tokens=prompt_tokens, lengths=prompt_lengths, cache=cache,
-                                    images=images)
+    cache = programs.prefill(params, tokens=prompt_tokens, lengths=prompt_lengths, cache=cache, images=images)
     finished = jnp.zeros((prompt_tokens.shape[0],), bool)
     for c in range(n_canvas):
         index, last = jnp.int32(c), jnp.bool_(c + 1 >= n_canvas)
         if per_step:
-            state, k, start, pin = programs.start_state(keys, index, finished, seed_canvas, pinned)
-            running = True
+            canvas = programs.canvas_start(keys=keys, index=index, finished=finished, seed_canvas=seed_canvas,
+                                           pinned=pinned)
+            state, running = canvas.state, True
             while running:
-                state, running = programs.step_state(params, cache, k, state, None if pin is None else start, pin)
-                yield StepEvent(c, int(state.step), np.asarray(state.argmax), np.asarray(state.canvas),
-                                np.asarray(state.done))
-            toks, finished_after, cache = programs.canvas_end(params, cache, state.argmax, finished, last)
+                state = programs.denoise_step(params, cache=cache, context_end=cache.lengths, keys=canvas.keys,
+                                              state=state, seed=canvas.seed, pinned=canvas.pinned)
+                step, done = int(state.step), np.asarray(state.done)
+                yield StepEvent(c, step, np.asarray(state.argmax), np.asarray(state.canvas), done)
+                running = step < sampler.max_denoising_steps and not done.all()
+            toks, finished_after, cache = programs.canvas_end(params, cache=cache, argmax=state.argmax,
+                                                              finished=finished, last=last)
             steps, bad = state.steps, state.nonfinite
         else:
-            cache, toks, steps, finished_after, bad = programs.canvas_step(params, cache, keys, index, last,
-                                                                           finished, seed_canvas, pinned)
+            cache, toks, steps, finished_after, bad = programs.canvas_step(
+                params, cache=cache, keys=keys, index=index, last=last, finished=finished, seed_canvas=seed_canvas,
+                pinned=pinned)
         # the last canvas's event carries only the tokens still owed (max_new_tokens in all, as generate)
         owed = max_new_tokens - c * l
         yield CanvasEvent(c, np.asarray(toks)[:, :owed], np.asarray(steps), np.asarray(finished_after),

@@ -38,11 +38,12 @@ from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.fused import head_step
+from dgemma_jax.sampling.rules import StepView
 
 
 @struct.dataclass
 class LoopState:
-    step: jax.Array        # [] int32, 0-based index of the next step ([B]: each row's own, `slots.slot_tick`)
+    step: jax.Array        # [] int32 0-based index of the next step, or [B]: each row's own (a server's slots)
     canvas: jax.Array      # [B, L] int32, the next step's input canvas
     soft: jax.Array        # [B, L, D] self-conditioning soft embeddings (zero before step 0)
     history: jax.Array     # [B, S, L] int32 previous argmax canvases (-1 = none)
@@ -53,20 +54,44 @@ class LoopState:
 
 
 @struct.dataclass
-class RowKnobs:
-    """Per-row sampler settings, for a batch whose rows run different requests (a server's slots).
+class Canvas:
+    """One canvas in flight for every row: what a denoising step reads and returns.
 
-    Without knobs every row follows the static `SamplerConfig`; with them row b uses its own
-    temperature schedule, step budget, entropy bound and confidence threshold (the canvas length,
-    stability threshold and EOS ids stay batch-wide). Each row's values are exactly those its own
-    `SamplerConfig` gives (`ops.temperature_table` per row), so a request decides the same way
-    whatever the other rows run.
+    state: the loop state (`LoopState`); keys: [B] the canvas's row keys (step s of row b draws from
+    `fold_in(keys[b], s)`); seed / pinned: [B, L] the start canvas and the positions held at its
+    tokens (infilling), or None. `generate.canvas_start` makes one; `denoise_canvas` runs it to the
+    end; a server's slots carry one whose rows are different requests' canvases."""
+
+    state: LoopState
+    keys: jax.Array
+    seed: jax.Array | None = None
+    pinned: jax.Array | None = None
+
+
+@struct.dataclass
+class RowKnobs:
+    """The sampler settings a step reads per row: the one form they take inside the step.
+
+    Row b uses its own temperature schedule, step budget, entropy bound and confidence threshold
+    (the canvas length, stability threshold and EOS ids are shapes or batch-wide, and stay in the
+    static `SamplerConfig`). Each row's values are exactly those its own `SamplerConfig` gives
+    (`ops.temperature_table` per row), so a request decides the same way whatever the other rows
+    run. `of(sampler, batch)` gives every row one sampler's settings (what `denoise_step` uses when
+    given none); `from_samplers` one sampler per row (a server's slots).
     """
 
     temperatures: jax.Array    # [B, N] float32: row b's temperature at step i (its last one repeated)
     max_steps: jax.Array       # [B] int32 step budget
     entropy_bound: jax.Array   # [B] float32
     confidence: jax.Array      # [B] float32
+
+    @classmethod
+    def of(cls, sampler: SamplerConfig, batch: int) -> "RowKnobs":
+        """Every one of `batch` rows with `sampler`'s settings (constants inside a trace)."""
+        n = sampler.max_denoising_steps
+        table = jnp.broadcast_to(jnp.asarray(_temperature_row(sampler, n)), (batch, n))
+        return cls(table, jnp.full((batch,), n, jnp.int32), jnp.full((batch,), sampler.entropy_bound, jnp.float32),
+                   jnp.full((batch,), sampler.confidence_threshold, jnp.float32))
 
     @classmethod
     def from_samplers(cls, samplers, budget: int) -> "RowKnobs":
@@ -225,71 +250,69 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
                  runtime: Runtime | None = None) -> LoopState:
     """One denoising step for every unfinished row (pure; jit it or run it in a while_loop).
 
-    knobs: optional per-row sampler settings (`RowKnobs`); default: `sampler`'s for every row.
-    runtime: how the pass runs (`dgemma_jax.runtime`; default: this backend, one device)."""
+    Args:
+      params, config: the model. sampler: static settings (canvas length, history, EOS ids).
+      cache: the read-only KV cache [B, S]; context_end: [B] int32 committed tokens each row attends to.
+      keys: [B] the canvas's row keys. state: the `LoopState` to advance (rows already done are kept).
+      seed, pinned: [B, L] the start canvas and the positions held at its tokens, or None.
+      knobs: per-row settings (`RowKnobs`); default `RowKnobs.of(sampler, B)`.
+      runtime: how the pass runs (`dgemma_jax.runtime`; default: this backend, one device).
+    Returns:
+      the next `LoopState`: step + 1; canvas, soft, history and argmax advanced for the unfinished
+      rows (the positions `sampler.accept` keeps, fresh noise elsewhere); done set where
+      `sampler.stop` says (by default: stable and confident) or the row's step budget is spent.
+    """
     runtime = runtime if runtime is not None else Runtime()
+    knobs = knobs if knobs is not None else RowKnobs.of(sampler, keys.shape[0])
     h = denoise_features(params, config, state.canvas, context_end, cache, state.soft, runtime=runtime)
     step_keys = denoise_step_keys(keys, state.step)  # [B, 2]
-    if knobs is None:
-        temp, bound, last = ops.temperature(sampler, state.step), sampler.entropy_bound, None
-    else:
-        column = jnp.broadcast_to(jnp.minimum(state.step, knobs.temperatures.shape[1] - 1), keys.shape[:1])
-        temp = jnp.take_along_axis(knobs.temperatures, column[:, None], axis=1)[:, :, None]
-        bound, last = knobs.entropy_bound[:, None], state.step + 1 >= knobs.max_steps
+    column = jnp.broadcast_to(jnp.minimum(state.step, knobs.temperatures.shape[1] - 1), keys.shape[:1])
+    temp = jnp.take_along_axis(knobs.temperatures, column[:, None], axis=1)[:, :, None]
     with jax.named_scope("head_sampler_pass"):  # a scope name for profiles (benchmarks/step_profile.py)
         stats, soft = head_step(h, params["embedding"], config.final_logit_softcap,
                                 temp, step_keys[:, 0], config.embed_scale, runtime)
-    accept = ops.entropy_bound_accept(stats.entropy, bound)
-    noise = jax.vmap(lambda k: ops.uniform_tokens(k, h.shape[1:2], config.vocab_size))(step_keys[:, 1])
-    canvas = ops.renoise(stats.sampled, accept, noise)
-    argmax = stats.argmax
-    entropy = stats.entropy
+    argmax, entropy = stats.argmax, stats.entropy
     if pinned is not None:
-        canvas = jnp.where(pinned, seed, canvas)
         argmax = jnp.where(pinned, seed, argmax)
         free = (~pinned).astype(jnp.float32)
         mean_h = (entropy * free).sum(-1) / jnp.maximum(free.sum(-1), 1.0)
     else:
         mean_h = entropy.mean(-1)
-    stop = ops.stop_decision(argmax, state.history, mean_h, sampler,
-                             None if knobs is None else knobs.confidence)
+    view = StepView(step=state.step + 1, argmax=argmax, history=state.history, entropy=entropy, mean_entropy=mean_h,
+                    entropy_bound=knobs.entropy_bound, confidence=knobs.confidence, max_steps=knobs.max_steps)
+    noise = jax.vmap(lambda k: ops.uniform_tokens(k, h.shape[1:2], config.vocab_size))(step_keys[:, 1])
+    canvas = ops.renoise(stats.sampled, sampler.accept(view), noise)
+    if pinned is not None:
+        canvas = jnp.where(pinned, seed, canvas)
     active = ~state.done
-    last = state.step + 1 >= sampler.max_denoising_steps if last is None else last
     return LoopState(
         step=state.step + 1,
         canvas=where_rows(active, canvas, state.canvas),
         soft=where_rows(active, soft, state.soft),
         history=where_rows(active, ops.push_history(state.history, argmax), state.history),
         argmax=where_rows(active, argmax, state.argmax),
-        done=state.done | stop | last,
+        done=state.done | sampler.stop(view) | (view.step >= knobs.max_steps),   # the budget binds every rule
         steps=state.steps + active.astype(jnp.int32),
         nonfinite=state.nonfinite | (active & nonfinite_rows(h, soft)),
     )
 
 
 def loop_running(state: LoopState, sampler: SamplerConfig) -> jax.Array:
-    return (state.step < sampler.max_denoising_steps) & ~jnp.all(state.done)
+    """[] bool: a row of the canvas still denoises and the loop's step budget is not spent."""
+    return jnp.all(state.step < sampler.max_denoising_steps) & ~jnp.all(state.done)
 
 
-def denoise_canvas(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, keys: jax.Array, *,
-                   canvas: jax.Array | None = None, pinned: jax.Array | None = None,
-                   done: jax.Array | None = None, context_end: jax.Array | None = None,
-                   knobs: RowKnobs | None = None, runtime: Runtime | None = None) -> LoopState:
-    """Denoise one canvas to completion in ONE `lax.while_loop` (traceable; jit the caller).
+def denoise_canvas(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, canvas: Canvas, *,
+                   knobs: RowKnobs | None = None, runtime: Runtime | None = None) -> Canvas:
+    """Denoise a canvas to completion in ONE `lax.while_loop` of `denoise_step` (traceable; jit the caller).
 
-    keys: [B] per-row keys for this canvas. canvas: optional seed canvas [B, L] (default uniform
-    noise); pinned: optional bool [B, L] positions held at the seed's tokens. done: rows that are
-    already finished (frozen from the start). knobs: optional per-row sampler settings (`RowKnobs`;
-    `sampler.max_denoising_steps` then bounds the loop). Returns the final `LoopState`; `.argmax` is
-    the output.
+    Args:
+      cache: the read-only KV cache [B, S]; each row attends to its `cache.lengths` committed tokens.
+      canvas: the start (`generate.canvas_start`); rows already done stay frozen.
+      knobs: per-row settings (`RowKnobs`; `sampler.max_denoising_steps` bounds the loop).
+    Returns:
+      the `Canvas` at its end; `.state.argmax` [B, L] is the output, `.state.steps` [B] the passes made.
     """
-    b = keys.shape[0]
-    ctx = cache.lengths if context_end is None else context_end
-    if canvas is None:
-        canvas = initial_canvas(keys, sampler.canvas_length, config.vocab_size)
-    state = init_state(config, sampler, canvas, done)
-    seed = canvas if pinned is not None else None
-    step = functools.partial(denoise_step, params, config, sampler, cache, ctx, keys, seed=seed, pinned=pinned,
-                             knobs=knobs, runtime=runtime)
-    del b
-    return jax.lax.while_loop(lambda s: loop_running(s, sampler), step, state)
+    step = functools.partial(denoise_step, params, config, sampler, cache, cache.lengths, canvas.keys,
+                             seed=canvas.seed, pinned=canvas.pinned, knobs=knobs, runtime=runtime)
+    return canvas.replace(state=jax.lax.while_loop(lambda s: loop_running(s, sampler), step, canvas.state))

@@ -28,14 +28,15 @@ places where rounding or tie-breaking matters are noted per function.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .config import SamplerConfig
+if TYPE_CHECKING:  # annotations only: the config imports the rules, which call these ops
+    from dgemma_jax.sampling.config import SamplerConfig
 
 __all__ = [
     "StepStats",
@@ -443,8 +444,7 @@ def stop_decision(
     argmax: jax.Array,
     history: jax.Array,
     mean_entropy: jax.Array,
-    config: SamplerConfig,
-    confidence_threshold: jax.Array | None = None,
+    confidence_threshold,
 ) -> jax.Array:
     """HF's StableAndConfidentStoppingCriteria for one step (history not yet
     updated with `argmax`; call `push_history` afterwards).
@@ -458,16 +458,13 @@ def stop_decision(
       argmax: int [B, L] argmax canvas of this step.
       history: int [B, S, L] previous argmax canvases.
       mean_entropy: float [B] mean over L of the tempered entropies.
-      config: sampler config (uses confidence_threshold).
-      confidence_threshold: optional float [B], one threshold per row (a server's slots each run
-        their own request's settings); overrides `config.confidence_threshold`.
+      confidence_threshold: a float, or float [B]: one threshold per row (a server's slots each
+        run their own request's settings).
     Returns:
       bool [B]: stable & confident.
     """
     stable = jnp.all(history == argmax[:, None, :].astype(history.dtype), axis=(1, 2))
-    threshold = (jnp.float32(config.confidence_threshold) if confidence_threshold is None
-                 else jnp.asarray(confidence_threshold, jnp.float32))
-    confident = mean_entropy.astype(jnp.float32) < threshold
+    confident = mean_entropy.astype(jnp.float32) < jnp.asarray(confidence_threshold, jnp.float32)
     return stable & confident
 
 

@@ -1,6 +1,7 @@
 """Generation over a fixed set of slots, one request per slot, advanced one step at a time.
 
-A server holds N slots: one KV-cache row and one canvas in flight each (`SlotState`). A request
+A server holds N slots: one KV-cache row and one canvas in flight each (a `loop.Canvas` whose
+rows are different requests' canvases, each with its own step counter). A request
 enters a free slot with `prefill_slot`, one prompt chunk per call (a batch-1 causal pass into that
 row; the other rows are not read or written). Each tick of `slot_tick` advances every busy slot by
 one denoising step of its own canvas, at its own step count; a call runs ticks until a slot's canvas
@@ -27,32 +28,23 @@ from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.cache import KVCache
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.sampling.generate import commit, finish_canvas, prefill_prompt
-from dgemma_jax.sampling.loop import LoopState, RowKnobs, denoise_step, init_state, initial_canvas, where_rows
+from dgemma_jax.sampling.generate import canvas_start, commit, finish_canvas, prefill_prompt
+from dgemma_jax.sampling.loop import Canvas, RowKnobs, denoise_step, where_rows
 
 
 COMMIT_SCOPE = "slot_commit"
 
 
 @struct.dataclass
-class SlotState:
-    """Every slot's canvas in flight: the denoising loop's state with a step counter per row
-    (`loop.step` [N]) and the canvas's row keys [N]. An idle slot is a done row: frozen."""
-
-    loop: LoopState
-    keys: jax.Array
-
-
-@struct.dataclass
 class TickOutput:
-    """What `slot_tick` did. state / cache: the slots after it; ticks: [] the ticks it ran; settled: [N] the
-    slot's canvas ended (at the last of those ticks); tokens: [N, L] the settled canvases,
-    EOS-truncated (meaningless elsewhere); eos: [N] a settled canvas held an EOS; steps: [N]
-    denoising passes of the slot's current canvas so far; argmax: [N, L] each slot's canvas as it
-    stands (previews); nonfinite: [N] the slot's canvas met non-finite logits
-    (`loop.nonfinite_rows`: its tokens are not the model's answer)."""
+    """What `slot_tick` did. state / cache: the slots' canvases (`loop.Canvas`, step [N]) and the cache
+    after it; ticks: [] the ticks it ran; settled: [N] the slot's canvas ended (at the last of those
+    ticks); tokens: [N, L] the settled canvases, EOS-truncated (meaningless elsewhere); eos: [N] a
+    settled canvas held an EOS; steps: [N] denoising passes of the slot's current canvas so far;
+    argmax: [N, L] each slot's canvas as it stands (previews); nonfinite: [N] the slot's canvas met
+    non-finite logits (`loop.nonfinite_rows`: its tokens are not the model's answer)."""
 
-    state: SlotState
+    state: Canvas
     cache: KVCache
     ticks: jax.Array
     settled: jax.Array
@@ -69,12 +61,10 @@ def commit_rows(slots: int) -> int:
     return max(1, slots // 8)
 
 
-def idle_slots(config: ModelConfig, sampler: SamplerConfig, slots: int) -> SlotState:
-    """N idle slots (every row done)."""
-    loop = init_state(config, sampler, jnp.zeros((slots, sampler.canvas_length), jnp.int32),
-                      jnp.ones((slots,), bool))
+def idle_slots(config: ModelConfig, sampler: SamplerConfig, slots: int) -> Canvas:
+    """N idle slots: every row done, each with its own step counter."""
     keys = jax.random.wrap_key_data(jnp.zeros((slots, 2), jnp.uint32))
-    return SlotState(loop.replace(step=jnp.zeros((slots,), jnp.int32)), keys)
+    return canvas_start(config, sampler, keys, jnp.zeros((slots,), jnp.int32), jnp.ones((slots,), bool))
 
 
 def prefill_slot(params, config: ModelConfig, cache: KVCache, slot: jax.Array, tokens: jax.Array,
@@ -94,7 +84,7 @@ def prefill_slot(params, config: ModelConfig, cache: KVCache, slot: jax.Array, t
     return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, _batch_axis(x)), cache, row)
 
 
-def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, state: SlotState,
+def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, state: Canvas,
               keys: jax.Array, canvas_index: jax.Array, begin: jax.Array, active: jax.Array, last: jax.Array,
               keep: jax.Array, knobs: RowKnobs, max_ticks: jax.Array, runtime: Runtime | None = None) -> TickOutput:
     """Up to `max_ticks` ticks, each one denoising step in every busy slot, ending with the tick in
@@ -110,17 +100,15 @@ def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCach
     and stability threshold; `knobs` each slot's own schedule, step budget and thresholds
     (`knobs.temperatures` is as wide as the longest budget).
     """
-    k = jnp.where(begin, jax.vmap(jax.random.fold_in)(keys, canvas_index), state.keys)
-    fresh = init_state(config, sampler, initial_canvas(k, sampler.canvas_length, config.vocab_size),
-                       jnp.zeros_like(begin))
-    fresh = fresh.replace(step=jnp.zeros_like(canvas_index))
-    loop = jax.tree.map(lambda a, b: where_rows(begin, a, b), fresh, state.loop)
-    live = active & ~loop.done
-    loop = loop.replace(done=~live)
+    fresh = canvas_start(config, sampler, keys, canvas_index, jnp.zeros_like(begin))
+    canvas = jax.tree.map(lambda a, b: where_rows(begin, a, b), fresh, state)
+    live = active & ~canvas.state.done
+    loop = canvas.state.replace(done=~live)
 
     def tick(carry):
         t, lp = carry
-        new = denoise_step(params, config, sampler, cache, cache.lengths, k, lp, knobs=knobs, runtime=runtime)
+        new = denoise_step(params, config, sampler, cache, cache.lengths, canvas.keys, lp, knobs=knobs,
+                           runtime=runtime)
         return t + 1, new.replace(step=jnp.where(lp.done, lp.step, new.step))   # a frozen row keeps its step
 
     def going(carry):
@@ -134,7 +122,7 @@ def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCach
     with jax.named_scope(COMMIT_SCOPE):   # a scope name for the projections (benchmarks/serve_projection.py)
         cache = _commit_settled(params, config, cache, toks, settled & ((~eos & ~last) | keep), runtime)
     new = new.replace(done=new.done | ~active)   # an inactive slot stays frozen
-    return TickOutput(SlotState(new, k), cache, ticks, settled, toks, eos, new.steps, new.argmax,
+    return TickOutput(canvas.replace(state=new), cache, ticks, settled, toks, eos, new.steps, new.argmax,
                       new.nonfinite & live)
 
 

@@ -45,7 +45,9 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from dgemma_jax.engine import Engine, check_images_host, compiled_memory, new_tokens_that_fit
+from dgemma_jax.engine import Engine
+from dgemma_jax.engine.inputs import check_images_host, new_tokens_that_fit
+from dgemma_jax.engine.programs import compiled_memory
 from dgemma_jax.io.images import image_runs
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, choice_keys
@@ -181,7 +183,7 @@ class Scheduler:
         big = min(int(prefill_chunk), self.context)
         self.prefill_widths = (min(SMALL_PREFILL, big), big)   # (short prompts and tails, whole chunks)
         self.prefix_reuse = bool(prefix_reuse)
-        self._prefill, self._tick_program = engine.slot_programs()
+        self._prefill, self._tick_program = engine.programs.prefill_slot, engine.programs.slot_tick
         self.ticks_per_call = int(ticks_per_call)
         self._compiled_prefill: dict[Any, Any] = {}
         self._compiled_tick = None
@@ -516,7 +518,7 @@ class Scheduler:
         if imgs is None:
             self._cache = self._prefill_for(width)(self.engine.params, **kw)
         else:
-            pixels = self.engine._place(np.asarray(imgs.pixel_values, np.float32),
+            pixels = self.engine.place(np.asarray(imgs.pixel_values, np.float32),
                                         np.asarray(imgs.position_ids, np.int32))
             self._cache = self._prefill_for(width, pixels)(self.engine.params, images=tuple(pixels), **kw)
         self._rows[c.slot] = np.concatenate([self._rows[c.slot][:start], c.request.content[start:end]])

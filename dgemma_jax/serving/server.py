@@ -36,8 +36,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from dgemma_jax.io.chat import chat_images, history_without_thinking, render_chat
-from dgemma_jax.io.images import prompt_with_images
+from dgemma_jax.io.prompts import chat_prompt, message_text
 from dgemma_jax.serving import images as images_lib
 from dgemma_jax.serving import text as text_lib
 from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, SeqEvent, ShuttingDown, Starting
@@ -320,7 +319,9 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
         return list(item)
 
     def chat_ids(body: ChatRequest):
-        """(prompt ids, ImageBatch or None) of a chat request."""
+        """(prompt ids, ImageBatch or None) of a chat request (`io.prompts.chat_prompt`, after this server's
+        own checks: the model takes images, a template-less model gets one user message, image paths
+        only from the allowed directories)."""
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         with_images = images_lib.has_image_parts(messages)
         if with_images and cfg.vision is None:
@@ -331,46 +332,24 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
             if len(messages) != 1 or len(users) != 1:
                 raise APIError(400, f"{model_name} has no chat template (a character-level model): send exactly one "
                                     "user message, whose text is the prompt (and its images)", param="messages")
-            content = users[0].get("content")
-            if not isinstance(content, str):
-                content = "".join(p.get("text", "") for p in content or () if p.get("type") == "text")
             if not with_images:
-                return prompt_ids(content), None
-            # as `DiffusionGemma.chat` does without a template: the text, each image at its `<|image|>`
-            # or, without one, before the text (`prompt_with_images`)
-            try:
-                parts = images_lib.resolve_image_parts(messages, allowed_image_dirs)
-                tokens, _, batch = prompt_with_images(cfg, tok, content, chat_images(parts), max_soft_tokens)
-            except ValueError as e:
-                raise APIError(400, str(e), param="messages") from None
-            except Exception as e:  # noqa: BLE001 - a decoder's own exception: still the client's image
-                raise APIError(400, f"the image could not be read ({type(e).__name__}: {e})", param="messages") from None
-            return [int(t) for t in tokens[0]], batch
+                return prompt_ids(message_text(users[0])), None
         try:
-            messages = history_without_thinking(messages)
             if with_images:
                 messages = images_lib.resolve_image_parts(messages, allowed_image_dirs)
                 first = messages[0]
-                if first["role"] in ("system", "developer") and isinstance(first.get("content"), list) and any(
+                if tok.has_chat_template and first["role"] in ("system", "developer") and isinstance(
+                        first.get("content"), list) and any(
                         isinstance(p, dict) and p.get("type") == "image" for p in first["content"]):
                     raise ValueError("messages[0]: the chat template shows no images of a leading system message; "
                                      "put the image in a user message")
-            text = render_chat(messages, add_generation_prompt=True, enable_thinking=body.thinking)
+            return chat_prompt(cfg, tok, messages, thinking=body.thinking, max_soft_tokens=max_soft_tokens)
         except (TypeError, ValueError) as e:
             raise APIError(400, str(e), param="messages") from None
-        if not with_images:
-            try:
-                return list(tok.encode(text)), None
-            except (TypeError, ValueError) as e:
-                raise APIError(400, str(e), param="messages") from None
-        try:
-            tokens, _, batch = prompt_with_images(cfg, tok, text, chat_images(messages), max_soft_tokens,
-                                                  add_bos=False)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - a decoder's own exception: still the client's image
+            if not with_images:
+                raise
             raise APIError(400, f"the image could not be read ({type(e).__name__}: {e})", param="messages") from None
-        return [int(t) for t in tokens[0]], batch
 
     def check_model(body) -> None:
         if body.model not in (None, model_name):

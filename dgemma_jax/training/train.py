@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
-import inspect
 import json
 import os
 import sys
@@ -42,6 +41,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
+from dgemma_jax import compile_cache
 from dgemma_jax.config import RUNTIME_CHOICES, ModelConfig
 from dgemma_jax.io.bundled import load_bundled
 from dgemma_jax.io.char_tokenizer import CharTokenizer
@@ -61,16 +61,11 @@ from dgemma_jax.training.checkpoint import Checkpointer, load_params, save_param
 from dgemma_jax.training.evaluate import evaluate_exact_match
 from dgemma_jax.training.objective import ObjectiveConfig
 from dgemma_jax.training.optim import make_optimizer
+from dgemma_jax.training.recipe import (DataSection, EvalSection, InitSection, ModelSection, TrainConfig,
+                                        TrainSection, plain, section_keys)
 from dgemma_jax.training.plots import plot_loss_curve, read_jsonl
 from dgemma_jax.training.step import LoraSpec, inference_params, init_train_state, make_train_step
 from dgemma_jax.training.tasks import TaskMix, task_tokenizer
-
-
-def _d(cfg) -> dict:
-    """ConfigDict / dict / None -> plain dict."""
-    if cfg is None:
-        return {}
-    return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
 
 
 def _tuples(d: dict) -> dict:
@@ -78,55 +73,60 @@ def _tuples(d: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------- builders
-def build_tokenizer(dc: dict):
-    kind = dc.get("tokenizer", "tasks")
+def build_tokenizer(dc: DataSection):
+    kind = dc.tokenizer
     if kind == "tasks":
         return task_tokenizer()
     if kind == "char":
-        return CharTokenizer(dc["chars"], tuple(dc.get("markers", ())))
+        if not dc.chars:
+            raise ValueError("data.tokenizer 'char' needs data.chars (the vocabulary's characters)")
+        return CharTokenizer(dc.chars, tuple(dc.markers))
     if kind == "image_tasks":  # the characters of the image tasks' instructions and the image markers
         return CharTokenizer(image_tasks.VISION_CHARS, image_tasks.MARKERS)
+    if kind in ("char_file", "hf") and not dc.tokenizer_path:
+        raise ValueError(f"data.tokenizer {kind!r} needs data.tokenizer_path")
     if kind == "char_file":
-        return CharTokenizer.load(dc["tokenizer_path"])
+        return CharTokenizer.load(dc.tokenizer_path)
     if kind == "hf":
-        return load_tokenizer(dc["tokenizer_path"])  # a checkpoint directory or its tokenizer.json
+        return load_tokenizer(dc.tokenizer_path)  # a checkpoint directory or its tokenizer.json
     raise ValueError(f"unknown data.tokenizer {kind!r}: use 'tasks', 'image_tasks', 'char', 'char_file' or 'hf'")
 
 
-def build_model_and_params(mc: dict, ic: dict, vocab_size: int | None):
+def build_model_and_params(mc: ModelSection, ic: InitSection, vocab_size: int | None):
     """(ModelConfig, params) from the recipe's model + init sections."""
-    kind = ic.get("kind", "random")
+    kind = ic.kind
     # execution choices among the overrides (remat, MoE dispatch, ...) go to the trainer's Runtime
-    overrides, _ = split_choices(_tuples(dict(mc.get("overrides", {}))))
+    overrides, _ = split_choices(_tuples(dict(mc.overrides)))
+    if kind in ("hf", "orbax") and not ic.path:
+        raise ValueError(f"init.kind {kind!r} needs init.path")
     if kind == "hf":
-        cfg, params = load_hf(ic["path"], dtype=mc.get("param_dtype"), revision=ic.get("revision") or None)
+        cfg, params = load_hf(ic.path, dtype=mc.param_dtype, revision=ic.revision or None)
         return cfg.replace(**overrides) if overrides else cfg, params
     if kind == "bundled":  # the config comes with the checkpoint; overrides change execution knobs
-        path = resolve(ic["path"], ic.get("revision") or None) if ic.get("path") else None
-        cfg, params, _, _ = load_bundled(ic.get("name") or None, path)
+        path = resolve(ic.path, ic.revision or None) if ic.path else None
+        cfg, params, _, _ = load_bundled(ic.name or None, path)
         return cfg.replace(**overrides) if overrides else cfg, params
-    if mc.get("preset"):
-        cfg = ModelConfig.preset(mc["preset"], **overrides)
-    elif kind == "orbax" and os.path.exists(os.path.join(ic["path"], "..", "model_config.json")):
-        with open(os.path.join(ic["path"], "..", "model_config.json")) as f:
+    if mc.preset:
+        cfg = ModelConfig.preset(mc.preset, **overrides)
+    elif kind == "orbax" and os.path.exists(os.path.join(ic.path, "..", "model_config.json")):
+        with open(os.path.join(ic.path, "..", "model_config.json")) as f:
             cfg = config_from_dict({**json.load(f), **overrides})
     else:
         cfg = ModelConfig(**overrides)
     if vocab_size is not None and cfg.vocab_size < vocab_size:
         raise ValueError(f"model vocab_size={cfg.vocab_size} is smaller than the tokenizer's {vocab_size}")
     if kind == "orbax":  # params saved by save_params (e.g. a run's export/ or an asset's params/)
-        return cfg, load_params(resolve(ic["path"], check=False), param_shapes(cfg))
+        return cfg, load_params(resolve(ic.path, check=False), param_shapes(cfg))
     if kind != "random":
         raise ValueError(f"unknown init.kind {kind!r}: use 'random', 'hf', 'orbax' or 'bundled'")
-    params = init_params(cfg, int(ic.get("seed", 0)))
-    std = ic.get("embedding_std")
-    if std:  # from-scratch: unit-RMS inputs after the sqrt(D) scale, O(1) initial logits
+    params = init_params(cfg, int(ic.seed))
+    if ic.embedding_std:  # from-scratch: unit-RMS inputs after the sqrt(D) scale, O(1) initial logits
         params = dict(params)
-        params["embedding"] = (jax.random.normal(jax.random.key(int(ic.get("seed", 0)) + 1),
-                                                 params["embedding"].shape, jnp.float32) * std
+        params["embedding"] = (jax.random.normal(jax.random.key(int(ic.seed) + 1),
+                                                 params["embedding"].shape, jnp.float32) * ic.embedding_std
                                ).astype(params["embedding"].dtype)
-    if ic.get("vision_from_scratch") and cfg.vision is not None:
-        params = _vision_from_scratch(params, int(ic.get("seed", 0)))
+    if ic.vision_from_scratch and cfg.vision is not None:
+        params = _vision_from_scratch(params, int(ic.seed))
     return cfg, params
 
 
@@ -148,29 +148,28 @@ def _vision_from_scratch(params, seed: int):
     return dict(params, vision_tower=tower, embed_vision=embed)
 
 
-def build_source(dc: dict, tokenizer, layout: data_lib.Layout, batch_size: int, seed: int,
+def build_source(dc: DataSection, tokenizer, layout: data_lib.Layout, batch_size: int, seed: int,
                  config: ModelConfig | None = None):
-    kind = dc.get("kind", "tasks")
+    kind = dc.kind
+    if kind in ("jsonl", "chat", "raw_text") and not dc.path:
+        raise ValueError(f"data.kind {kind!r} reads its examples from data.path; set it")
     if kind == "tasks":
-        return data_lib.TaskSource(TaskMix.from_config(dc["tasks"]), tokenizer, layout, batch_size, seed)
+        return data_lib.TaskSource(TaskMix.from_config(dc.tasks), tokenizer, layout, batch_size, seed)
     if kind == "image_tasks":
         if config is None or config.vision is None:
             raise ValueError("data.kind 'image_tasks' trains the image path: the model needs a vision tower "
                              "(model.overrides.vision and the image token ids)")
-        return image_tasks.ImageTaskSource(image_tasks.tasks_from_config(dc["image_tasks"]), tokenizer, layout,
-                                           batch_size, config, dc.get("max_soft_tokens"), seed)
+        return image_tasks.ImageTaskSource(image_tasks.tasks_from_config(dc.image_tasks), tokenizer, layout,
+                                           batch_size, config, dc.max_soft_tokens, seed)
     if kind == "jsonl":
-        return data_lib.JsonlSource(dc["path"], tokenizer.encode, layout, batch_size, seed,
-                                    dc.get("prompt_key", "prompt"), dc.get("response_key", "response"),
-                                    dc.get("bos_id"))
+        return data_lib.JsonlSource(dc.path, tokenizer.encode, layout, batch_size, seed, dc.prompt_key,
+                                    dc.response_key, dc.bos_id)
     if kind == "chat":
-        return data_lib.ChatSource(dc["path"], tokenizer.encode, layout, batch_size, seed,
-                                   dc.get("overflow", "truncate"))
+        return data_lib.ChatSource(dc.path, tokenizer.encode, layout, batch_size, seed, dc.overflow)
     if kind == "raw_text":
-        with open(dc["path"]) as f:
-            docs = [tokenizer.encode(d) for d in f.read().split(dc.get("separator", "\n\n")) if d.strip()]
-        return data_lib.RawTextSource(docs, layout, batch_size, seed, int(dc.get("min_prompt", 1)),
-                                      dc.get("bos_id"))
+        with open(dc.path) as f:
+            docs = [tokenizer.encode(d) for d in f.read().split(dc.separator) if d.strip()]
+        return data_lib.RawTextSource(docs, layout, batch_size, seed, int(dc.min_prompt), dc.bos_id)
     raise ValueError(f"unknown data.kind {kind!r}: use 'tasks', 'image_tasks', 'jsonl', 'chat' or 'raw_text'")
 
 
@@ -196,61 +195,61 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
-def check_eval_source(dc: dict, ec: dict) -> None:
+def check_eval_source(dc: DataSection, ec: EvalSection | None) -> None:
     """Raise if the eval data overlaps the training data: a task eval drawn with the training seed
     (its problems are training batch 99's), an eval file that is the training file, or an eval file
     sharing examples with it."""
-    if not ec:
+    if ec is None:
         return
-    kind = dc.get("kind", "tasks")
-    path = ec.get("path")
+    kind = dc.kind
+    path = ec.path
     if not path:
-        if kind in ("tasks", "image_tasks") and int(ec.get("seed", 12345)) == int(dc.get("seed", 0)):
-            raise ValueError(f"eval.seed {int(ec.get('seed', 12345))} equals data.seed: the eval problems would "
+        if kind in ("tasks", "image_tasks") and int(ec.seed) == int(dc.seed):
+            raise ValueError(f"eval.seed {int(ec.seed)} equals data.seed: the eval problems would "
                              "be drawn exactly as training batch 99 is (the eval set is then a training batch); "
                              "choose a different eval.seed")
         return
     if kind == "tasks":
         return
-    if not dc.get("path"):
+    if not dc.path:
         return
-    if _same_file(path, dc["path"]):
-        raise ValueError(f"eval.path {path} is the training file data.path {dc['path']}: evaluate on held-out data")
+    if _same_file(path, dc.path):
+        raise ValueError(f"eval.path {path} is the training file data.path {dc.path}: evaluate on held-out data")
     if kind == "jsonl":
-        pk, rk = dc.get("prompt_key", "prompt"), dc.get("response_key", "response")
-        train_pairs = set(_read_pairs(dc["path"], pk, rk, "data.path"))
-        evals = _read_pairs(path, ec.get("prompt_key", pk), ec.get("response_key", rk), "eval.path")
+        pk, rk = dc.prompt_key, dc.response_key
+        train_pairs = set(_read_pairs(dc.path, pk, rk, "data.path"))
+        evals = _read_pairs(path, ec.prompt_key or pk, ec.response_key or rk, "eval.path")
         shared = sum(p in train_pairs for p in evals)
         if shared:
             raise ValueError(f"{shared} of the {len(evals)} examples in eval.path {path} also appear in the "
-                             f"training file {dc['path']}: remove them from one of the two")
+                             f"training file {dc.path}: remove them from one of the two")
 
 
 AR_LOSS = {"all": True, "assistant": False}
 
 
-def objective_options(dc: dict, oc: dict) -> dict:
+def objective_options(dc: DataSection, oc) -> dict:
     """The objective section, with chat data's `data.ar_loss` ("all": the encoder AR loss on every
     token of each example, the spec's default; "assistant": only on the assistant turn's tokens)
     mapped onto `ar_on_prompt` (each chat example's prompt is the context, its response the turn)."""
     oc = dict(oc)
-    if "ar_loss" not in dc:
+    if dc.ar_loss is None:
         return oc
-    if dc.get("kind") != "chat":
-        raise ValueError(f"data.ar_loss applies to data.kind='chat' only (got kind {dc.get('kind', 'tasks')!r}); "
+    if dc.kind != "chat":
+        raise ValueError(f"data.ar_loss applies to data.kind='chat' only (got kind {dc.kind!r}); "
                          "use objective.ar_on_prompt")
-    if dc["ar_loss"] not in AR_LOSS:
-        raise ValueError(f"data.ar_loss must be one of {tuple(AR_LOSS)}, got {dc['ar_loss']!r}")
-    on_prompt = AR_LOSS[dc["ar_loss"]]
+    if dc.ar_loss not in AR_LOSS:
+        raise ValueError(f"data.ar_loss must be one of {tuple(AR_LOSS)}, got {dc.ar_loss!r}")
+    on_prompt = AR_LOSS[dc.ar_loss]
     if "ar_on_prompt" in oc and bool(oc["ar_on_prompt"]) != on_prompt:
-        raise ValueError(f"data.ar_loss={dc['ar_loss']!r} contradicts objective.ar_on_prompt={oc['ar_on_prompt']}: "
+        raise ValueError(f"data.ar_loss={dc.ar_loss!r} contradicts objective.ar_on_prompt={oc['ar_on_prompt']}: "
                          "set only one of them")
     oc["ar_on_prompt"] = on_prompt
     return oc
 
 
-def sampler_from(ec: dict, cfg: ModelConfig) -> SamplerConfig:
-    sc = dict(ec.get("sampler", {}))
+def sampler_from(ec: EvalSection | None, cfg: ModelConfig) -> SamplerConfig:
+    sc = dict(ec.sampler) if ec is not None else {}
     sc.setdefault("canvas_length", cfg.canvas_length)
     sc.setdefault("eos_ids", cfg.eos_ids)
     sc.setdefault("pad_id", cfg.pad_id)
@@ -315,43 +314,43 @@ class Run:
     """Everything a recipe builds (model, data, optimizer, state, step function); `train` drives it."""
 
     def __init__(self, config):
+        """config: a recipe (`get_config()`, overrides applied) or its typed `TrainConfig`."""
         self.config = config
-        mc, ic, dc = _d(config.model), _d(config.get("init")), _d(config.data)
-        oc, lc, tc, ec = _d(config.optimizer), _d(config.get("lora")), _d(config.train), _d(config.get("eval"))
+        recipe = config if isinstance(config, TrainConfig) else TrainConfig.from_recipe(config)
+        self.recipe = recipe
+        dc, tc, ec, lc = recipe.data, recipe.train, recipe.eval, recipe.lora
         self.tc, self.ec, self.dc = tc, ec, dc
         check_eval_source(dc, ec)
-        if tc.get("compilation_cache_dir"):
-            jax.config.update("jax_compilation_cache_dir", tc["compilation_cache_dir"])
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         self.tokenizer = build_tokenizer(dc)
-        self.model_config, base = build_model_and_params(mc, ic, getattr(self.tokenizer, "vocab_size", None))
+        self.model_config, base = build_model_and_params(recipe.model, recipe.init,
+                                                         getattr(self.tokenizer, "vocab_size", None))
         cfg = self.model_config
-        _, choices = split_choices(_tuples(dict(mc.get("overrides", {}))))
+        _, choices = split_choices(_tuples(dict(recipe.model.overrides)))
         # train.mesh (e.g. "fsdp=8" or "expert=4"): parameters placed in their shards, the batch split
         # over data/fsdp, the step traced under the rule set's logical constraints (train.rules)
         self.shardings = None
-        if tc.get("mesh"):
-            self.shardings = Shardings(cfg, make_mesh(tc["mesh"]), tc.get("rules", "training"))
+        if tc.mesh:
+            self.shardings = Shardings(cfg, make_mesh(tc.mesh), tc.rules)
             base = self.shardings.place_params(base)
         # how the step runs: the mesh and rules (when sharded) and the recipe's execution choices
         self.runtime = self.shardings.runtime(**choices) if self.shardings is not None else Runtime(**choices)
         L = cfg.canvas_length
-        self.layout = data_lib.Layout(int(dc["prompt_length"]), int(dc["num_canvases"]), L,
+        self.layout = data_lib.Layout(int(dc.prompt_length), int(dc.num_canvases), L,
                                       eos_id=cfg.eos_ids[0], pad_id=cfg.pad_id)
-        self.seed = int(tc.get("seed", 0))
-        self.source = build_source(dc, self.tokenizer, self.layout, int(dc["batch_size"]), int(dc.get("seed", 0)),
-                                   cfg)
-        self.obj = ObjectiveConfig(canvas_length=L, **objective_options(dc, _d(config.get("objective"))))
-        self.num_steps = int(tc["num_steps"])
+        self.seed = int(tc.seed)
+        self.source = build_source(dc, self.tokenizer, self.layout, int(dc.batch_size), int(dc.seed), cfg)
+        self.obj = ObjectiveConfig(canvas_length=L, **objective_options(dc, recipe.objective))
+        self.num_steps = int(tc.num_steps)
+        oc = dict(recipe.optimizer)
         freeze = list(oc.pop("freeze", ()) or ())
         if oc.pop("freeze_router", False):
             freeze.append(lora_lib.ROUTER_PATTERN)
-        if cfg.vision is not None and dc.get("kind") != "image_tasks":
+        if cfg.vision is not None and dc.kind != "image_tasks":
             # text-only training: no gradient reaches the tower, and no weight decay either
             freeze.append(lora_lib.VISION_PATTERN)
         self.lora = None
-        if lc.get("enabled", False):
-            self.lora = LoraSpec(int(lc["rank"]), float(lc.get("alpha", lc["rank"])), tuple(lc["groups"]))
+        if lc.enabled:
+            self.lora = LoraSpec(int(lc.rank), float(lc.rank if lc.alpha is None else lc.alpha), tuple(lc.groups))
             self.frozen = base
             trainable = lora_lib.init_lora(cfg, base, jax.random.key(self.seed + 7), self.lora.rank,
                                            self.lora.groups)
@@ -388,26 +387,29 @@ class Run:
         """Held-out (prompt, answer) strings: the first eval.num_examples of eval.path (JSON lines of
         {"prompt", "response"}, keys as data's or eval.prompt_key / eval.response_key) if set, else
         the task source with the eval seed (tasks data; none otherwise)."""
-        if self.ec.get("path"):
-            pk = self.ec.get("prompt_key", self.dc.get("prompt_key", "prompt"))
-            rk = self.ec.get("response_key", self.dc.get("response_key", "response"))
-            pairs = _read_pairs(self.ec["path"], pk, rk, "eval.path")
-            n = self.ec.get("num_examples")
-            return pairs[: int(n)] if n else pairs
-        if self.dc.get("kind", "tasks") != "tasks":
+        ec, dc = self.ec, self.dc
+        if ec is None:
             return []
-        mix = TaskMix.from_config(self.dc["tasks"])
-        rng = np.random.default_rng([int(self.ec.get("seed", 12345)), 99])
-        return [mix.sample(rng) for _ in range(int(self.ec.get("num_examples", 100)))]
+        if ec.path:
+            pairs = _read_pairs(ec.path, ec.prompt_key or dc.prompt_key, ec.response_key or dc.response_key,
+                                "eval.path")
+            return pairs[: int(ec.num_examples)] if ec.num_examples else pairs
+        if dc.kind != "tasks":
+            return []
+        mix = TaskMix.from_config(dc.tasks)
+        rng = np.random.default_rng([int(ec.seed), 99])
+        return [mix.sample(rng) for _ in range(int(ec.num_examples or 100))]
 
     def eval_image_problems(self) -> list[tuple[Any, str, str]]:
         """Held-out (picture, instruction, answer) problems of an image-task recipe (the eval seed)."""
-        return image_tasks.heldout_examples(image_tasks.tasks_from_config(self.dc["image_tasks"]),
-                                            int(self.ec.get("num_examples", 100)), int(self.ec.get("seed", 12345)))
+        return image_tasks.heldout_examples(image_tasks.tasks_from_config(self.dc.image_tasks),
+                                            int(self.ec.num_examples or 100), int(self.ec.seed))
 
     def evaluate(self, state=None) -> dict[str, Any]:
+        if self.ec is None:
+            return {}
         pictures = None
-        if self.dc.get("kind") == "image_tasks" and not self.ec.get("path"):
+        if self.dc.kind == "image_tasks" and not self.ec.path:
             problems = self.eval_image_problems()
             pairs, pictures = [(p, a) for _, p, a in problems], [im for im, _, _ in problems]
         else:
@@ -417,35 +419,38 @@ class Run:
         return evaluate_exact_match(
             self.model_config, self.inference_params(state), self.sampler, self.tokenizer, pairs,
             prompt_width=self.layout.prompt_length, max_new_tokens=self.layout.response_capacity,
-            batch_size=int(self.ec.get("batch_size", 100)), seed=int(self.ec.get("seed", 12345)), images=pictures,
+            batch_size=int(self.ec.batch_size), seed=int(self.ec.seed), images=pictures,
             image_settings=getattr(self.source, "settings", None))
 
 
 def train(config) -> dict[str, Any]:
     """Run (or resume) a recipe to config.train.num_steps; returns the summary dict."""
-    tc = _d(config.train)
+    recipe = TrainConfig.from_recipe(config)
+    tc = recipe.train
     # a local directory (made absolute) or a gs:// URL, handed to orbax as it is; the run's other
     # files go through etils.epath (orbax's own path layer) beside the checkpoints
-    workdir = epath.Path(orbax_path(tc["workdir"], "train.workdir"))
+    workdir = epath.Path(orbax_path(tc.workdir, "train.workdir"))
     ckpt_every = checkpoint_interval(tc)
-    if jax.process_count() > 1 and not tc.get("mesh"):
+    if jax.process_count() > 1 and not tc.mesh:
         raise ValueError(f"this run has {jax.process_count()} processes but no train.mesh: each would train alone "
                          f"on its own devices; set train.mesh over all {jax.device_count()} devices "
                          f"(e.g. train.mesh=data={jax.device_count()})")
-    run = Run(config)
+    if tc.compilation_cache_dir:  # the run's own persistent cache (the process's jax setting, as `dgemma` sets it)
+        compile_cache.enable(tc.compilation_cache_dir)
+    run = Run(recipe)
     # multi-host: every process trains (and evaluates) in lockstep and joins every checkpoint save and
     # restore (orbax's multi-host protocol); process 0 alone writes the run's other files and prints
     lead = is_main_process()
     if lead:
         workdir.mkdir(parents=True, exist_ok=True)
-        _write_json(workdir / "config.json", _d(config))
+        _write_json(workdir / "config.json", plain(config))
     data_stats = getattr(run.source, "stats", None)
     if data_stats is not None and lead:  # what chat data dropped or truncated, logged and recorded
         _write_json(workdir / "data_stats.json", data_stats)
         print(run.source.summary(), flush=True)
     metrics = JsonLines(workdir / "metrics.jsonl", lead)
     evals = JsonLines(workdir / "eval.jsonl", lead)
-    ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=tc.get("max_to_keep", 3))
+    ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=tc.max_to_keep)
     it = data_lib.DataIterator(run.source)
     state = run.state
     start = 0
@@ -458,10 +463,10 @@ def train(config) -> dict[str, Any]:
             print(f"resuming from the step-{start} checkpoint in {workdir / 'checkpoints'}", file=sys.stderr, flush=True)
         metrics.truncate(start)
         evals.truncate(start)
-    log_every = int(tc.get("log_every", 10))
-    eval_every = int(tc.get("eval_every", 0))
-    time_limit = float(tc.get("time_limit_s", 0) or 0)
-    throttle = float(tc.get("throttle_s", 0) or 0)  # sleep per step: lets tests kill a run mid-way
+    log_every = int(tc.log_every)
+    eval_every = int(tc.eval_every)
+    time_limit = float(tc.time_limit_s or 0)
+    throttle = float(tc.throttle_s or 0)  # sleep per step: lets tests kill a run mid-way
     bar = _progress(tc, start, run.num_steps) if lead else None
     t0 = time.time()
     train_time = float(metrics.rows[-1].get("time_s", 0.0)) if metrics.rows else 0.0
@@ -505,10 +510,10 @@ def train(config) -> dict[str, Any]:
         summary["final_metrics"] = metrics.rows[-1]
     if data_stats is not None:
         summary["data_stats"] = data_stats
-    if run.ec and tc.get("final_eval", True):
+    if run.ec is not None and tc.final_eval:
         summary["eval"] = _log_eval(run, state, step, evals, None, lead)
         evals.flush()
-    if tc.get("export", False):  # every process saves the shards it holds (orbax, as the checkpoints)
+    if tc.export:  # every process saves the shards it holds (orbax, as the checkpoints)
         save_params(workdir / "export", run.inference_params(state))
     if lead:
         summary["loss_curve"] = plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss_curve.png",
@@ -519,10 +524,10 @@ def train(config) -> dict[str, Any]:
     return summary
 
 
-def checkpoint_interval(tc: dict) -> int:
+def checkpoint_interval(tc: TrainSection) -> int:
     """train.checkpoint_every: a checkpoint every N steps; 0: only the final one (at num_steps or when
     train.time_limit_s stops the run)."""
-    every = tc.get("checkpoint_every", 500)
+    every = tc.checkpoint_every
     try:
         n = int(every)
         whole = not isinstance(every, bool) and n == float(every) and n >= 0
@@ -555,32 +560,16 @@ def _log_eval(run: Run, state, step: int, evals: JsonLines, bar, lead: bool = Tr
     return r
 
 
-def _progress(tc: dict, start: int, total: int):
-    if not tc.get("progress", True):
+def _progress(tc: TrainSection, start: int, total: int):
+    if not tc.progress:
         return None
     return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, mininterval=2.0)
 
 
-# The keys the trainer reads in each section of a recipe (besides those a recipe lists itself): an
-# override must name one of them, so a typo is an error instead of a silently ignored setting.
-RECIPE_KEYS = {
-    "model": ("preset", "param_dtype", "overrides"),
-    "init": ("kind", "path", "revision", "name", "seed", "embedding_std"),
-    "data": ("kind", "tokenizer", "chars", "tokenizer_path", "tasks", "path", "prompt_key", "response_key",
-             "bos_id", "separator", "min_prompt", "prompt_length", "num_canvases", "batch_size", "seed",
-             "ar_loss", "overflow"),
-    "lora": ("enabled", "rank", "alpha", "groups"),
-    "train": ("workdir", "num_steps", "seed", "log_every", "checkpoint_every", "eval_every", "max_to_keep",
-              "time_limit_s", "throttle_s", "export", "progress", "final_eval", "compilation_cache_dir", "mesh",
-              "rules"),
-    "eval": ("num_examples", "batch_size", "seed", "sampler", "path", "prompt_key", "response_key"),
-}
-
-
 def recipe_keys(cfg) -> set[str]:
-    """Every dotted key an override may set: the recipe's own, the trainer's (RECIPE_KEYS), the
-    optimizer's and objective's arguments, ModelConfig fields and Runtime choices under model.overrides
-    and SamplerConfig fields under eval.sampler."""
+    """Every dotted key an override may set: the recipe's own, every typed section's
+    (`recipe.section_keys`), ModelConfig fields and Runtime choices under model.overrides and
+    SamplerConfig fields under eval.sampler."""
     keys = set()
 
     def walk(node, prefix):
@@ -590,11 +579,7 @@ def recipe_keys(cfg) -> set[str]:
                 walk(v, prefix + k + ".")
 
     walk(cfg, "")
-    sections = dict(RECIPE_KEYS)
-    sections["optimizer"] = tuple(k for k in inspect.signature(make_optimizer).parameters if k != "total_steps") + (
-        "freeze_router",)
-    sections["objective"] = tuple(f.name for f in dataclasses.fields(ObjectiveConfig) if f.name != "canvas_length")
-    for section, names in sections.items():
+    for section, names in section_keys().items():
         keys.add(section)
         keys.update(f"{section}.{k}" for k in names)
     keys.update(f"model.overrides.{f.name}" for f in dataclasses.fields(ModelConfig))

@@ -1,0 +1,318 @@
+"""The engine: a model and a sampler with their compiled programs (`Engine`), and `generate`.
+
+The engine is the one place that knows about `jax.jit`, buffer donation, shardings and AOT
+compilation. Everything it runs is the pure code of `dgemma_jax.model` and `dgemma_jax.sampling`,
+given the engine's `Runtime` (mesh and rules, platform, MoE dispatch, attention kernel) as a static
+argument: one code path with or without a mesh.
+
+    engine = Engine(config, params, SamplerConfig(...))
+    out = engine.generate(prompt_tokens, lengths, rng=0, max_new_tokens=512)
+    for event in engine.stream(prompt_tokens, lengths, rng=0, max_new_tokens=512): ...
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dgemma_jax import compile_cache
+from dgemma_jax.config import ModelConfig
+from dgemma_jax.engine.inputs import canvas_length_warning, check_images, check_images_host, check_sampler, prepare_inputs
+from dgemma_jax.engine.outputs import report_nonfinite, reporting
+from dgemma_jax.engine.placement import layers_for, runtime_for
+from dgemma_jax.engine.programs import ProgramCache, Programs
+from dgemma_jax.errors import DgemmaWarning
+from dgemma_jax.model.cache import KVCache, cache_row, init_cache
+from dgemma_jax.model.layers import dtype_of
+from dgemma_jax.model.masks import image_runs
+from dgemma_jax.model.quant import mode_for, quantization_of, quantize_params
+from dgemma_jax.runtime import Runtime
+from dgemma_jax.sampling import generate as gen
+from dgemma_jax.sampling import slots as slots_lib
+from dgemma_jax.sampling.config import SamplerConfig
+from dgemma_jax.sampling.loop import Canvas, denoise_step, row_keys
+
+
+class Engine:
+    """A model + sampler with compiled programs (built lazily, cached per input shape).
+
+    shardings: optional `dgemma_jax.parallel.Shardings` placing params, cache and activations on a
+    mesh; without it everything runs on the default device.
+    runtime: how the programs run (`dgemma_jax.Runtime`: platform, MoE dispatch, attention kernel,
+    ...); default `Runtime()`. The shardings' mesh and rules are filled in when it has no mesh.
+    donate: give the caches the engine makes to its programs, in place (False: never donate). A
+    cache you pass to `generate` is donated only with `generate(..., donate_cache=True)`.
+    bucket: pad prompt widths and derived cache lengths up to `bucket_length` (default), so that
+    prompts of different lengths reuse a few compiled programs instead of compiling one per length;
+    the outputs agree up to the order of floating-point sums. False compiles for the exact shapes given.
+    quantize: "int8" or "int4" quantizes float `params` on construction (`model.quant.quantize_params`:
+    weight-only expert, attention and MLP kernels, placed like the float ones when `shardings` are
+    given); "auto" picks the first of none / int8 / int4 whose weights fit the devices' memory
+    (`model.quant.resolve_quantize`; nothing on the CPU); params already quantized are passed as they
+    are, without it (or with "auto"). None or "none" (default): run `params` as given.
+    batch_invariant: True (default): `generate`, `stream` and `steps` run each prompt of a batch as its
+    own batch-1 program, whose shapes (prompt width, cache length) come from that prompt alone, with
+    the key of its own seed (`row_keys`): a prompt with its seed gets the same tokens whatever else is
+    in the call (its size, order, the prompt's position; tests/test_batch_invariance.py on XLA:CPU,
+    float32 and int8). The rows run one after another, so a batch costs about the sum of its rows
+    (docs/api.md has the measured cost). False: one program for the whole batch (rows padded to the
+    longest prompt, one MoE dispatch for all tokens): faster for big batches on accelerators, but a
+    row's tokens can change with the rest of the batch (float rounding, then the sampler).
+    compilation_cache: True (default) turns jax's persistent compilation cache on
+    (`dgemma_jax.compile_cache.enable`: JAX_COMPILATION_CACHE_DIR, else a directory already set in
+    jax.config, else ~/.cache/dgemma_jax/xla), a string names the directory, False leaves jax's
+    setting alone.
+    programs: the `ProgramCache` holding this engine's jitted programs; default `ProgramCache.shared`,
+    so that engines with equal configs, samplers and runtimes reuse each other's compiled programs.
+    """
+
+    def __init__(self, config: ModelConfig, params: Any, sampler: SamplerConfig | None = None, *,
+                 shardings: Any | None = None, runtime: Runtime | None = None, donate: bool = True,
+                 bucket: bool = True, quantize: str | None = None,
+                 compilation_cache: bool | str = True, batch_invariant: bool = True,
+                 programs: "ProgramCache | None" = None):
+        if compilation_cache:
+            compile_cache.enable(None if compilation_cache is True else compilation_cache)
+        self.config = config
+        devices = shardings.mesh.devices.flat if shardings is not None else None
+        quantize = mode_for(config, quantize, quantization_of(params), devices)
+        if quantize is not None:
+            params = quantize_params(config, params, quantize)
+            if shardings is not None:
+                params = shardings.place_params(params)
+        self.runtime = runtime_for(runtime, shardings)
+        self.params = layers_for(config, params, self.runtime.layer_layout, shardings)
+        self.sampler = sampler or SamplerConfig.for_model(config)
+        check_sampler(config, self.sampler)
+        mismatch = canvas_length_warning(config, self.sampler)
+        if mismatch:
+            warnings.warn(mismatch, DgemmaWarning, stacklevel=2)
+        self.shardings = shardings
+        self.donate = donate
+        self.bucket = bool(bucket)
+        self.batch_invariant = bool(batch_invariant)
+        self._program_cache = ProgramCache.shared if programs is None else programs
+        self._programs = {}
+        self._bound = None
+
+    # ------------------------------------------------------------------ programs
+    def fused_program(self, max_new_tokens: int, donate_cache: bool = True):
+        """The jitted fused generate for `max_new_tokens` (cache donated unless `donate=False` or
+        `donate_cache=False`)."""
+        fn = functools.partial(gen.generate_fused, config=self.config, sampler=self.sampler,
+                               max_new_tokens=int(max_new_tokens), runtime=self.runtime)
+        if not donate_cache:
+            return self._program(("fused", int(max_new_tokens), "cache kept"), fn, donate=())
+        return self._program(("fused", int(max_new_tokens)), fn)
+
+    def _program(self, key, fn, donate=("cache",)):
+        """`fn` (its static arguments, the runtime among them, bound) jitted, donating `donate` unless
+        `donate=False`. Engines with equal configs, runtimes and donation share one jit (and so its
+        compiled programs) per `key`, through their `ProgramCache`."""
+        if key not in self._programs:
+            dn = tuple(donate) if self.donate else ()
+            self._programs[key] = self._program_cache.get((key, self.config, self.sampler, self.runtime, dn),
+                                                          lambda: jax.jit(fn, donate_argnames=dn))
+        return self._programs[key]
+
+    def new_slots(self, slots: int) -> Canvas:
+        """`slots` idle slots: the first state the `slot_tick` program takes (host arrays, each its own
+        buffer, so the tick can take them donated; replicated on the engine's mesh)."""
+        state = slots_lib.idle_slots(self.config, self.sampler, slots)
+        keys = jax.random.wrap_key_data(self.place(np.array(jax.random.key_data(state.keys)))[0])
+        return state.replace(state=jax.tree.map(lambda x: self.place(np.array(x))[0], state.state), keys=keys)
+
+    @property
+    def programs(self) -> "Programs":
+        """The engine's jitted programs (`Programs`): one per pure function of `dgemma_jax.sampling`,
+        config, sampler and runtime bound; the fused generate is `fused_program`."""
+        if self._bound is None:
+            cfg, rt, smp = self.config, self.runtime, self.sampler
+            model = dict(config=cfg, runtime=rt)
+            full = dict(model, sampler=smp)
+            program = self._program
+            self._bound = Programs(
+                sampler=smp,
+                prefill=program(("prefill",), functools.partial(gen.prefill_prompt, **model)),
+                commit=program(("commit",), functools.partial(gen.commit, **model)),
+                canvas_start=program(("canvas_start",), functools.partial(gen.canvas_start, config=cfg, sampler=smp),
+                                     donate=()),
+                denoise_step=program(("denoise_step",), functools.partial(denoise_step, **full), donate=()),
+                canvas_end=program(("canvas_end",), functools.partial(gen.canvas_end, **full)),
+                canvas_step=program(("canvas_step",), functools.partial(gen.canvas_step, **full)),
+                prefill_slot=program(("prefill_slot",), functools.partial(slots_lib.prefill_slot, **model)),
+                slot_tick=program(("slot_tick",), functools.partial(slots_lib.slot_tick, **full),
+                                  donate=("cache", "state")),
+            )
+        return self._bound
+
+    def new_cache(self, batch: int, length: int) -> KVCache:
+        """An empty cache in the layout of the engine's programs (`Runtime.layers`)."""
+        layers = self.runtime.layer_layout
+        if self.shardings is not None:
+            return self.shardings.init_cache(batch, length, layers)
+        return init_cache(self.config, batch, length, dtype_of(self.config.dtype), layers=layers)
+
+    def place(self, *arrays):
+        """Inputs as global (replicated) arrays on the mesh; unchanged without shardings."""
+        if self.shardings is None:
+            return arrays
+        return tuple(None if a is None else self.shardings.global_array(a) for a in arrays)
+
+    # ------------------------------------------------------------------ running
+    def generate(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
+                 seed_canvas=None, pinned=None, cache_length: int | None = None,
+                 cache: KVCache | None = None, images=None, donate_cache: bool = False,
+                 nonfinite: str = "warn") -> gen.GenerateOutput:
+        """Generate with the fused program: prompt_tokens [B, P] (right-padded), lengths [B].
+
+        rng: an int seed (every row uses that seed's stream), a list of B int seeds (one per prompt),
+        one key (every row uses its stream) or [B] keys (`row_keys`: a row's key never depends on
+        its index). With `batch_invariant` (default) each row then runs as its own program, so its
+        tokens do not depend on the rest of the batch (the class docstring says what is tested).
+        cache: continue an earlier cache (multi-turn chat: the prompt is then only the new tokens;
+        `out.cache` of a previous call holds everything committed so far, i.e. all but the last
+        canvas, earlier images included; rows run alone get caches of their own lengths, merged
+        padded to the longest). With `batch_invariant` all rows of a cache passed in keep its
+        length. The cache you
+        pass stays usable unless `donate_cache=True`, which gives its buffers to the program (no
+        copy of the cache; your handle is then deleted). images: the
+        prompt's images (`dgemma_jax.io.images.preprocess_images`: pixel values, positions, soft-token
+        counts), one run of `config.image_token_id` tokens per image in the prompts, in row-major
+        order (`check_images`). nonfinite: what a row that met NaN/Inf logits (`out.nonfinite`) gives:
+        "warn" (a DgemmaWarning; default), "raise" (`errors.NonFiniteLogits`) or "ignore" (no
+        host sync: the flags stay in the result for the caller). Returns `GenerateOutput`.
+        """
+        max_new_tokens = self.sampler.canvas_length if max_new_tokens is None else max_new_tokens
+        cache_given = cache
+        if self.batch_invariant:
+            rows = self._prepare_rows(prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length,
+                                      cache, images)
+            # a row of a caller's batch>1 cache is a copy: donating it costs the caller nothing
+            fn = self.fused_program(max_new_tokens, donate_cache=cache_given is None or donate_cache or len(rows) > 1)
+            out = gen.merge_outputs(
+                fn(self.params, prompt_tokens=t, prompt_lengths=n, cache=c, keys=k, seed_canvas=sc, pinned=pin,
+                   images=im) for t, n, k, c, sc, pin, im in rows)
+            report_nonfinite(out.nonfinite, nonfinite)
+            return out
+        tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
+            prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache, images)
+        fn = self.fused_program(max_new_tokens, donate_cache=cache_given is None or donate_cache)
+        out = fn(self.params, prompt_tokens=tokens, prompt_lengths=lengths, cache=cache, keys=keys,
+                 seed_canvas=seed_canvas, pinned=pinned, images=images)
+        report_nonfinite(out.nonfinite, nonfinite)
+        return out
+
+    def _prepare(self, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache=None,
+                 images=None):
+        """Validate on the host, make per-row keys and the cache, place inputs on the mesh."""
+        committed = None if cache is None else np.asarray(cache.lengths)
+        if cache is not None:
+            cache_length = cache.max_length
+        tokens, lengths, s, seed_canvas, pinned = prepare_inputs(
+            self.config, self.sampler, prompt_tokens, lengths, max_new_tokens, cache_length, seed_canvas, pinned,
+            committed, bucket=self.bucket)
+        images = check_images(self.config, tokens, lengths, images)
+        keys = row_keys(rng, tokens.shape[0])
+        if cache is None:
+            cache = self.new_cache(tokens.shape[0], s)
+        elif cache.batch_size != tokens.shape[0]:
+            raise ValueError(f"cache batch {cache.batch_size} != prompt batch {tokens.shape[0]}")
+        tokens, lengths, keys, seed_canvas, pinned = self.place(tokens, lengths, keys, seed_canvas, pinned)
+        if images is not None:
+            images = self.place(*images)
+        return tokens, lengths, keys, cache, seed_canvas, pinned, images
+
+    def _prepare_rows(self, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length,
+                      cache=None, images=None):
+        """`_prepare` for each row alone (`batch_invariant`): a list of per-row inputs (tokens [1, W],
+        lengths [1], keys [1], cache [1, S], seed_canvas, pinned, images) whose shapes come from the
+        row alone: W the bucket of its own prompt length, S its own derived cache length (or the
+        `cache_length` / cache the caller gave for all rows), images the row's own."""
+        committed = None if cache is None else np.asarray(cache.lengths)
+        if cache is not None:
+            cache_length = cache.max_length
+        # the whole batch checked first, so errors speak of the call's shapes
+        tokens, lengths, _, seed_canvas, pinned = prepare_inputs(
+            self.config, self.sampler, prompt_tokens, lengths, max_new_tokens, cache_length, seed_canvas, pinned,
+            committed, bucket=False)
+        b = tokens.shape[0]
+        checked = check_images_host(self.config, tokens, lengths, images)
+        keys = row_keys(rng, b)
+        if cache is not None and cache.batch_size != b:
+            raise ValueError(f"cache batch {cache.batch_size} != prompt batch {b}")
+        tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+        first_image = 0
+        rows = []
+        for i in range(b):
+            n = int(lengths[i])
+            pick = (lambda x: None if x is None else x[i:i + 1])  # noqa: E731
+            t, ln, s, sc, pin = prepare_inputs(self.config, self.sampler, tokens[i:i + 1, :n], lengths[i:i + 1],
+                                               max_new_tokens, cache_length, pick(seed_canvas), pick(pinned),
+                                               pick(committed), bucket=self.bucket)
+            pictures = None
+            if checked is not None:
+                count = len(image_runs(tokens[i, :n], self.config.image_token_id))
+                if count:
+                    pictures = self.place(*(jnp.asarray(x[first_image:first_image + count], dtype)
+                                             for x, dtype in zip(checked, (jnp.float32, jnp.int32))))
+                first_image += count
+            row_cache = self.new_cache(1, s) if cache is None else cache if b == 1 else cache_row(cache, i)
+            t, ln, k, sc, pin = self.place(t, ln, keys[i:i + 1], sc, pin)
+            rows.append((t, ln, k, row_cache, sc, pin, pictures))
+        return rows
+
+    def _iter(self, which, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, images,
+              cache=None, final_cache=False):
+        max_new_tokens = self.sampler.canvas_length if max_new_tokens is None else max_new_tokens
+        if self.batch_invariant:
+            rows = self._prepare_rows(prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length,
+                                      cache, images)
+            return reporting(gen.merge_row_events(
+                (which(self.programs, self.params, t, n, c, k, max_new_tokens, sc, pin, im)
+                 for t, n, k, c, sc, pin, im in rows), max_new_tokens, self.sampler.canvas_length, self.sampler.pad_id,
+                final_cache), "warn")
+        tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
+            prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache, images)
+        return reporting(which(self.programs, self.params, tokens, lengths, cache, keys, max_new_tokens, seed_canvas,
+                                pinned, images), "warn")
+
+    def stream(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
+               seed_canvas=None, pinned=None, cache_length: int | None = None,
+               images=None) -> Iterator[gen.CanvasEvent]:
+        """Per-canvas driver: yields each finished canvas (same tokens as `generate`)."""
+        return self._iter(gen.iter_canvases, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned,
+                          cache_length, images)
+
+    def steps(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
+              seed_canvas=None, pinned=None, cache_length: int | None = None, images=None,
+              cache: KVCache | None = None, final_cache: bool = False):
+        """Per-step driver: yields a `StepEvent` per denoising step and a `CanvasEvent` per canvas (same
+        tokens as `generate`). With `batch_invariant` each row runs its own step programs, in lockstep
+        (`gen.merge_row_events`: a row already done shows its last state, a finished row pad).
+        cache: continue an earlier cache, as `generate`'s (given to the programs, as with
+        `generate(..., donate_cache=True)`, unless the engine's `donate=False`). final_cache: the last
+        item yielded is then the `KVCache` holding everything committed (`generate`'s `out.cache`;
+        multi-turn chat carries it on)."""
+        return self._iter(functools.partial(gen.iter_steps, final_cache=final_cache), prompt_tokens, lengths, rng,
+                          max_new_tokens, seed_canvas, pinned, cache_length, images, cache, final_cache)
+
+
+def generate(params, config: ModelConfig, prompt_tokens, lengths=None, sampler_config: SamplerConfig | None = None,
+             rng: Any = 0, *, max_new_tokens: int | None = None, seed_canvas=None, pinned=None,
+             cache_length: int | None = None, runtime: Runtime | None = None) -> gen.GenerateOutput:
+    """Prefill + multi-canvas denoising, one compiled program. See `Engine.generate`.
+
+    It checks its inputs on the host, so it cannot run inside `jax.jit`: there, call the traceable
+    `generate_fused` (docs/api.md, "Your own loop")."""
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, prompt_tokens, lengths, rng))):
+        raise ValueError("dgemma_jax.generate checks its inputs on the host and cannot be traced: inside jax.jit "
+                         "call dgemma_jax.generate_fused (traceable; keys from dgemma_jax.row_keys)")
+    return Engine(config, params, sampler_config, runtime=runtime).generate(
+        prompt_tokens, lengths, rng=rng, max_new_tokens=max_new_tokens, seed_canvas=seed_canvas, pinned=pinned,
+        cache_length=cache_length)
