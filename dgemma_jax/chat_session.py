@@ -33,7 +33,7 @@ from dgemma_jax.engine.inputs import default_new_tokens
 from dgemma_jax.engine.outputs import warn_if_cut_short
 from dgemma_jax.io.chat import strip_thinking
 from dgemma_jax.io.images import image_runs
-from dgemma_jax.io.prompts import chat_prompt
+from dgemma_jax.io.prompts import chat_prompt, common_prefix
 from dgemma_jax.model.cache import KVCache
 from dgemma_jax.sampling.generate import CanvasEvent, collect
 
@@ -57,14 +57,6 @@ def split_reply(tokenizer, ids) -> tuple[str, str]:
     Gemma tokenizer's `skip_special` also drops the `<|channel>` / `<channel|>` markers that
     `strip_thinking` splits the thought off at (the thought would then stay in the answer)."""
     return strip_thinking(tokenizer.decode_generated(ids, skip_special=False))
-
-
-def common_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class ChatSession:

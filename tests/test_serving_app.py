@@ -13,7 +13,7 @@ from dgemma_jax.io.chat import render_chat
 from dgemma_jax.io.tokenizer import load_tokenizer
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.serving import text as text_lib
-from dgemma_jax.serving.scheduler import SeqEvent
+from dgemma_jax.serving.output import SeqEvent
 from dgemma_jax.serving.server import create_app
 from tests.helpers.gemma_tokenizer import gemma_like_tokenizer_json
 

@@ -13,8 +13,9 @@ from dgemma_jax.pipeline import load_checkpoint
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import Canvas, RowKnobs, choice_keys, denoise_canvas, init_state, initial_canvas
 from dgemma_jax.serving import text as text_lib
-from dgemma_jax.serving.scheduler import (QueueFull, Request, Scheduler, ShuttingDown, _Choice, common_prefix,
-                                          content_keys)
+from dgemma_jax.io.prompts import common_prefix
+from dgemma_jax.serving.chunks import content_keys
+from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, ShuttingDown, _Choice
 
 
 @pytest.fixture(scope="module")

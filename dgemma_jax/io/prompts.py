@@ -9,8 +9,18 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from dgemma_jax.io.chat import chat_images, history_without_thinking, render_chat
 from dgemma_jax.io.images import ImageBatch, preprocess_images, prompt_with_images, settings_for
+
+
+def common_prefix(a, b) -> int:
+    """The length of the longest common beginning of two token sequences (lists or 1-d arrays)."""
+    a, b = np.asarray(a), np.asarray(b)
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
 
 
 def message_text(message: Mapping[str, Any]) -> str:

@@ -150,10 +150,22 @@ def canvas_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCa
 def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_tokens, prompt_lengths,
                    cache: KVCache, keys: jax.Array, max_new_tokens: int, seed_canvas=None,
                    pinned=None, runtime: Runtime | None = None, images=None) -> GenerateOutput:
-    """The whole generation as one program (trace under jit; config/sampler/max_new_tokens/runtime static).
+    """The whole generation as one program: prefill, then canvases in one `lax.while_loop`.
 
-    keys: [B] per-row keys. seed_canvas/pinned: optional start canvas and held positions for the
-    first canvas (infilling / edits). images: the prompt's images (`prefill_prompt`).
+    Traceable (jit the caller; config, sampler, max_new_tokens and runtime static). No input checks:
+    `engine.inputs.prepare_inputs` does the host's.
+
+    Args:
+      prompt_tokens: [B, P] int32, right-padded; prompt_lengths: [B] int32.
+      cache: a `KVCache` [B, S], S >= the longest prompt + all but the last canvas.
+      keys: [B] PRNG keys, one per row (`row_keys`); canvas c of row b uses `fold_in(keys[b], c)`.
+      max_new_tokens: the output's width; `ceil(max_new_tokens / L)` canvases at most.
+      seed_canvas, pinned: [B, L] the first canvas's start and its held positions (infilling), or None.
+      runtime: how the passes run (default: this backend, one device).
+      images: the prompt's images (pixel_values [N, P, 3 p^2], position_ids [N, P, 2]), or None.
+    Returns:
+      `GenerateOutput`: tokens [B, max_new_tokens] (EOS-truncated, pad after), steps [B, C],
+      finished [B], num_canvases [], cache (prompt and committed canvases), nonfinite [B].
     """
     b = prompt_tokens.shape[0]
     l = sampler.canvas_length

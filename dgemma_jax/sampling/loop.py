@@ -216,6 +216,15 @@ def denoise_step_keys(keys: jax.Array, step) -> jax.Array:
 
 def init_state(config: ModelConfig, sampler: SamplerConfig, canvas: jax.Array,
                done: jax.Array | None = None) -> LoopState:
+    """The loop state at the start of a canvas.
+
+    Args:
+      canvas: [B, L] int32 start tokens (`initial_canvas`, or a seed). done: [B] rows frozen from the
+        start (default none).
+    Returns:
+      `LoopState` with step 0 ([]), the canvas as input and as argmax, zero soft embeddings [B, L, D],
+      an empty (-1) history [B, S, L], no steps made and no non-finite flags.
+    """
     b, l = canvas.shape
     return LoopState(
         step=jnp.zeros((), jnp.int32),

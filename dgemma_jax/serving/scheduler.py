@@ -24,6 +24,10 @@ prefilling only the rest; the least recently used slot is overwritten when none 
 short beginning (under `SMALL_PREFILL` tokens and half its row). The reused tokens are
 `SeqEvent.cached_tokens` (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
 
+The scheduler keeps the books (the queue, the slots, what each cache row holds, the tick arguments);
+a prompt's chunks and its identity for prefix matching are `serving/chunks.py`, what a client sees of
+a choice's tokens (text, stop strings, previews) `serving/output.py`, the programs the engine's.
+
 Reproducibility: choice i of a request with seed s uses the row key `choice_keys(s, n)[i]` (for n=1
 the key `Engine.generate(rng=s)` gives the prompt, `prompt_key(s)`), its own sampler settings (`RowKnobs`), and
 programs whose shapes depend only on (slots, context): on XLA:CPU its tokens were the same whatever
@@ -36,7 +40,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
-import hashlib
 import logging
 import threading
 import time
@@ -46,12 +49,13 @@ import jax
 import numpy as np
 
 from dgemma_jax.engine import Engine
-from dgemma_jax.engine.inputs import check_images_host, new_tokens_that_fit
+from dgemma_jax.engine.inputs import new_tokens_that_fit
 from dgemma_jax.engine.programs import compiled_memory
-from dgemma_jax.io.images import image_runs
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, choice_keys
-from dgemma_jax.serving import text as text_lib
+from dgemma_jax.io.prompts import common_prefix
+from dgemma_jax.serving import chunks as chunks_lib
+from dgemma_jax.serving.output import OutputProcessor, SeqEvent
 
 log = logging.getLogger("dgemma_jax.serving")
 
@@ -69,23 +73,6 @@ class ShuttingDown(Exception):
 
 class Starting(Exception):
     """The scheduler is still compiling its programs and takes no requests yet (HTTP 503, Retry-After)."""
-
-
-@dataclasses.dataclass
-class SeqEvent:
-    """What one choice produced in one tick (all text as decoded so far, cut at a stop string)."""
-
-    index: int                      # choice index within its request
-    text: str                       # the whole committed output text so far (stop strings cut)
-    token_count: int                # non-pad tokens generated so far
-    steps: int                      # denoiser passes so far (finished canvases)
-    canvases: int                   # canvases run so far
-    finish_reason: str | None       # None while running; "stop", "length" or "cancelled" at the end
-    token_ids: tuple = ()           # the generated ids so far (EOS included, pad after it dropped)
-    admitted_tick: int = -1         # the tick before which this choice got its slot
-    tick: int = -1                  # the tick that produced this event
-    cached_tokens: int = 0          # prompt tokens its slot already held (prefix reuse): not prefilled
-    provisional: str | None = None  # a preview event: the current canvas's text as it stands (not committed)
 
 
 @dataclasses.dataclass
@@ -126,28 +113,6 @@ class _Choice:
     cached: int = 0                 # prompt tokens reused from the slot's row
 
 
-def content_keys(ids: np.ndarray, image_token_id: int | None, images=None) -> np.ndarray:
-    """The identity of a prompt's tokens for prefix matching: int64 ids, each image's run of image
-    tokens replaced by a key of its pixels (two different images give different keys)."""
-    keys = np.asarray(ids, np.int64).copy()
-    if images is None or image_token_id is None:
-        return keys
-    for i, (b, e) in enumerate(image_runs(np.asarray(ids), image_token_id)):
-        h = hashlib.blake2b(np.ascontiguousarray(images.pixel_values[i]).tobytes(), digest_size=7)
-        h.update(np.ascontiguousarray(images.position_ids[i]).tobytes())
-        keys[b:e] = -1 - int.from_bytes(h.digest(), "little")
-    return keys
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """The length of the longest common beginning of two 1-d arrays."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
-
-
 class Scheduler:
     """N slots of one engine's model, fed from a bounded queue by a worker thread."""
 
@@ -175,6 +140,7 @@ class Scheduler:
         if slots < 1:
             raise ValueError(f"slots must be >= 1; got {slots}")
         self.engine, self.tokenizer = engine, tokenizer
+        self.outputs = OutputProcessor(tokenizer, smp.pad_id, smp.eos_ids)
         self.slots = int(slots)
         self.context = int(min(context or cfg.max_position_embeddings, cfg.max_position_embeddings))
         if self.context < smp.canvas_length + 1:
@@ -236,49 +202,9 @@ class Scheduler:
                              f"ask for at most {most} tokens or shorten the prompt")
 
     def plan_chunks(self, prompt_ids: Sequence[int], images=None, start: int = 0) -> list[tuple[int, int, int, Any]]:
-        """The prompt's prefill chunks from position `start` on (what comes before is in the slot's row
-        already): [(start, end, width, images wholly inside or None)], each at most the big
-        prefill width, none cutting an image (its `<|image>` ... `<image|>` block): a chunk that would
-        cut one ends before the image's begin marker, and the image starts the next chunk. ValueError
-        (HTTP 400) when the images do not match the prompt's image tokens, or an image is longer than
-        a chunk (`--prefill-chunk`)."""
-        cfg = self.engine.config
-        ids = np.asarray(prompt_ids, np.int32).reshape(-1)
-        check_images_host(cfg, ids[None], np.asarray([len(ids)], np.int32), images)
-        blocks = self._image_blocks(ids) if images is not None else []
-        small, big = self.prefill_widths
-        for i, (b, e) in enumerate(blocks):
-            if e - b > big:
-                raise ValueError(f"image {i + 1} of the prompt takes {e - b} tokens (its soft tokens and markers), "
-                                 f"more than this server's prefill chunk of {big} tokens; an image must go into "
-                                 f"the cache in one chunk: restart the server with --prefill-chunk {e - b} or more, "
-                                 "or send a smaller image budget")
-        chunks = []
-        while start < len(ids):
-            rest = len(ids) - start
-            width = small if rest <= small else big
-            end = start + min(rest, width)
-            for b, e in blocks:
-                if b < end < e:       # the chunk would cut this image: end before its begin marker
-                    end = b
-            assert end > start, "an image longer than a chunk was let through"
-            inside = [i for i, (b, e) in enumerate(blocks) if start <= b and e <= end]
-            chunks.append((start, end, width, images.select(inside) if inside else None))
-            start = end
-        return chunks
-
-    def _image_blocks(self, ids: np.ndarray) -> list[tuple[int, int]]:
-        """[(begin, end)] of each image in `ids`: its run of image tokens with the begin / end markers
-        around it when they are there."""
-        cfg = self.engine.config
-        blocks = []
-        for b, e in image_runs(ids, cfg.image_token_id):
-            if b > 0 and cfg.boi_token_id is not None and ids[b - 1] == cfg.boi_token_id:
-                b -= 1
-            if e < len(ids) and cfg.eoi_token_id is not None and ids[e] == cfg.eoi_token_id:
-                e += 1
-            blocks.append((b, e))
-        return blocks
+        """The prompt's prefill chunks from position `start` on at this server's widths
+        (`chunks.plan_chunks`)."""
+        return chunks_lib.plan_chunks(self.engine.config, prompt_ids, self.prefill_widths, images, start)
 
     def default_max_tokens(self, prompt_len: int, limit: int) -> int:
         """The most tokens (<= limit, whole canvases) that fit after a prompt of `prompt_len`."""
@@ -354,7 +280,7 @@ class Scheduler:
                 raise ValueError(f"n must be >= 1; got {request.n}")
             self.check_fits(len(request.prompt_ids), request.max_tokens)
             self.plan_chunks(request.prompt_ids, request.images)   # its checks (the plan depends on the slot)
-            request.content = content_keys(np.asarray(request.prompt_ids), self.engine.config.image_token_id,
+            request.content = chunks_lib.content_keys(np.asarray(request.prompt_ids), self.engine.config.image_token_id,
                                            request.images)
             keys = np.asarray(jax.random.key_data(choice_keys(int(request.seed), request.n)))
             n_canvas = -(-request.max_tokens // self.canvas_length)
@@ -479,7 +405,7 @@ class Scheduler:
             ids = np.asarray(req.prompt_ids, np.int32)
             slot, reuse = free[0], 0
             if self.prefix_reuse:
-                blocks = self._image_blocks(ids) if req.images is not None else []
+                blocks = chunks_lib.image_blocks(self.engine.config, ids) if req.images is not None else []
                 shared = {s: self._reusable(s, req.content, len(ids), blocks) for s in free}
                 slot = max(free, key=lambda s: (shared[s], -self._row_used[s]))
                 # a short shared beginning (a BOS, a chat header) of a long row is not worth that row:
@@ -604,25 +530,14 @@ class Scheduler:
         self._row_used[s] = self.stats["ticks"] + 1
 
     def _emit(self, c: _Choice, reason: str | None, preview=None, preview_steps: int = 0) -> str | None:
-        pad = self.engine.sampler.pad_id
-        ids = tuple(t for t in c.tokens if t != pad)
-        decode = functools.partial(self.tokenizer.decode_generated, skip_special=not c.request.keep_special)
-        text, hit = text_lib.cut_at_stop(decode(ids), c.request.stop)
-        if hit and reason != "cancelled":
-            reason = "stop"
-        provisional = None
-        if preview is not None and not hit:
-            canvas = text_lib.truncate_at(preview, self.engine.sampler.eos_ids)
-            full = decode(ids + tuple(int(t) for t in canvas if t != pad))
-            provisional = text_lib.delta(decode(ids), full)
-        ev = SeqEvent(c.index, text, len(ids), c.steps + preview_steps, c.canvas, reason, ids, c.admitted_tick,
-                      self.stats["ticks"], c.cached, provisional)
+        """Send the choice's event (`output.OutputProcessor`) to its listener; returns its finish reason."""
+        ev = self.outputs.event(c, reason, self.stats["ticks"], preview, preview_steps)
         try:
             c.request.on_event(ev)
         except Exception:  # noqa: BLE001 - a broken listener must not stop the other slots
             log.exception("a request's event listener failed; cancelling it")
             c.request.cancelled.set()
-        return reason
+        return ev.finish_reason
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cond:

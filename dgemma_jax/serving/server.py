@@ -39,7 +39,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from dgemma_jax.io.prompts import chat_prompt, message_text
 from dgemma_jax.serving import images as images_lib
 from dgemma_jax.serving import text as text_lib
-from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, SeqEvent, ShuttingDown, Starting
+from dgemma_jax.serving.output import SeqEvent
+from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, ShuttingDown, Starting
 from dgemma_jax.serving.schema import ChatRequest, CompletionRequest
 
 DEFAULT_MAX_TOKENS = 256   # when a request names no max_tokens (capped to what fits, like `dgemma generate`)
