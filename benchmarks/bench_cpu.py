@@ -250,11 +250,11 @@ def jax_pieces(cfg, params, prompt, quick, res):
     # the causal pass with its logits (the AR decode below needs them) and the canvas loop from a given
     # start: the public pure functions under jits of our own, as a library user writes them; the
     # denoise step is the engine's own program
-    jit_prefill = jax.jit(prefill, static_argnames=("config", "logits"), donate_argnames=("cache",))
+    own_prefill = jax.jit(prefill, static_argnames=("config", "logits"), donate_argnames=("cache",))
     canvas_loop = jax.jit(functools.partial(denoise_canvas, config=cfg, sampler=sampler))
     step_program = engine.programs.denoise_step
 
-    def jit_denoise_step(params, cache, keys, state):
+    def engine_step(params, cache, keys, state):
         return step_program(params, cache=cache, context_end=cache.lengths, keys=keys, state=state)
     tokens = jnp.asarray(prompt[None], jnp.int32)
     n512 = jnp.array([PROMPT_LEN], jnp.int32)
@@ -268,14 +268,14 @@ def jax_pieces(cfg, params, prompt, quick, res):
 
     # ---------------------------------------------------------------- prefill (512 tokens)
     log("jax: prefill 512")
-    c_pre, compile_["prefill_512"] = compiled.compile_timed(jit_prefill, params, cfg, tokens, n512, fresh(), logits="none")
+    c_pre, compile_["prefill_512"] = compiled.compile_timed(own_prefill, params, cfg, tokens, n512, fresh(), logits="none")
     memory["prefill_512"] = compiled.memory(c_pre)
     cost["prefill_512"] = compiled.cost(c_pre)
     ts = []
     for i in range(1 + (2 if quick else 4)):
         c = fresh()
         t0 = now()
-        _, base = jit_prefill(params, cfg, tokens, n512, c, logits="none")
+        _, base = own_prefill(params, cfg, tokens, n512, c, logits="none")
         jax.block_until_ready(base)
         if i:
             ts.append(now() - t0)
@@ -287,7 +287,7 @@ def jax_pieces(cfg, params, prompt, quick, res):
     log("jax: commit 256")
     canvas_tok = jnp.asarray(np.random.default_rng(7).integers(3, cfg.vocab_size, (1, CANVAS)), jnp.int32)
     n256 = jnp.array([CANVAS], jnp.int32)
-    c_com, compile_["commit_256"] = compiled.compile_timed(jit_prefill, params, cfg, canvas_tok, n256,
+    c_com, compile_["commit_256"] = compiled.compile_timed(own_prefill, params, cfg, canvas_tok, n256,
                                                            copy_cache(base), logits="none")
     memory["commit_256"] = compiled.memory(c_com)
     cost["commit_256"] = compiled.cost(c_com)
@@ -295,7 +295,7 @@ def jax_pieces(cfg, params, prompt, quick, res):
     for i in range(1 + (2 if quick else 4)):
         c = copy_cache(base)
         t0 = now()
-        _, c2 = jit_prefill(params, cfg, canvas_tok, n256, c, logits="none")
+        _, c2 = own_prefill(params, cfg, canvas_tok, n256, c, logits="none")
         jax.block_until_ready(c2)
         if i:
             ts.append(now() - t0)
@@ -306,14 +306,14 @@ def jax_pieces(cfg, params, prompt, quick, res):
     log("jax: AR 1-token decode")
     one = jnp.asarray([[5]], jnp.int32)
     n1 = jnp.array([1], jnp.int32)
-    c_ar, compile_["ar_decode_1"] = compiled.compile_timed(jit_prefill, params, cfg, one, n1, copy_cache(base),
+    c_ar, compile_["ar_decode_1"] = compiled.compile_timed(own_prefill, params, cfg, one, n1, copy_cache(base),
                                                                    logits="last")
     memory["ar_decode_1"], cost["ar_decode_1"] = compiled.memory(c_ar), compiled.cost(c_ar)
     c = copy_cache(base)
     ts = []
     for i in range(1 + (8 if quick else 24)):
         t0 = now()
-        logits, c = jit_prefill(params, cfg, one, n1, c, logits="last")
+        logits, c = own_prefill(params, cfg, one, n1, c, logits="last")
         jax.block_until_ready(logits)
         if i:
             ts.append(now() - t0)
@@ -366,7 +366,7 @@ def jax_pieces(cfg, params, prompt, quick, res):
     for name, fn, kw in progs:
         comp, compile_[name] = compiled.compile_timed(fn, params, **kw)
         memory[name], cost[name] = compiled.memory(comp), compiled.cost(comp)
-    st = jax.block_until_ready(jit_denoise_step(params, base, keys, state0))
+    st = jax.block_until_ready(engine_step(params, base, keys, state0))
     soft = st.soft  # a realistic self-conditioning input for the model-math pieces
     margs = (params, start, base, soft)
     for name, fn in (("trunk", trunk), ("trunk_plus_head_logits", trunk_head)):
@@ -418,7 +418,7 @@ def jax_pieces(cfg, params, prompt, quick, res):
         st = state0
         per = {k: [] for k in names}
         for _ in range(n_iter):
-            t, st = timed(jit_denoise_step, params, base, keys, st)
+            t, st = timed(engine_step, params, base, keys, st)
             per["denoise_step"].append(t)
             per["trunk_plus_head_logits"].append(timed(trunk_head, *margs)[0])
             per["forward_with_sc"].append(timed(forward_with_sc, *fargs)[0])

@@ -284,10 +284,10 @@ def test_band_equals_block_for_short_context(model, batched):
     np.testing.assert_allclose(band[1], blk[1], rtol=TOL, atol=TOL)
     assert _maxdiff(band[0], blk[0]) > 1e-3
 
-    # just inside / just outside the limit on the long row (context_lengths < committed hides the rest)
+    # just inside / just outside the limit on the long row (context_end < committed hides the rest)
     for e0, same in ((5, True), (12, True), (13, False), (20, False)):
-        blk = np.asarray(denoise(params, cfg, canvas, cache, context_lengths=[e0, 12]))
-        band = np.asarray(denoise(params, cfg_band, canvas, cache, context_lengths=[e0, 12]))
+        blk = np.asarray(denoise(params, cfg, canvas, cache, context_end=[e0, 12]))
+        band = np.asarray(denoise(params, cfg_band, canvas, cache, context_end=[e0, 12]))
         if same:
             np.testing.assert_allclose(band[0], blk[0], rtol=TOL, atol=TOL, err_msg=f"E={e0}")
         else:

@@ -275,18 +275,18 @@ def test_denoise_bad_self_conditioning(model, filled):
         denoise(params, cfg, canvas, filled, np.zeros((1, l, cfg.vocab_size), np.float32))
 
 
-def test_denoise_bad_context_lengths(model, filled):
+def test_denoise_bad_context_end(model, filled):
     cfg, params = model
     canvas = np.full((2, cfg.canvas_length), 3, np.int32)
-    with pytest.raises(ValueError, match=r"context_lengths must have shape \[2\] \(one per row\); got \(1,\)"):
-        denoise(params, cfg, canvas, filled, context_lengths=[3])
+    with pytest.raises(ValueError, match=r"context_end must have shape \[2\] \(one per row\); got \(1,\)"):
+        denoise(params, cfg, canvas, filled, context_end=[3])
     # more context than was committed would expose never-written cache slots
-    with pytest.raises(ValueError, match=r"context_lengths must be in \[0, cache.lengths\].*\[10, 8\].*\[10, 7\]"):
-        denoise(params, cfg, canvas, filled, context_lengths=[10, 8])
-    with pytest.raises(ValueError, match=r"context_lengths must be in .*\[-1, 7\]"):
-        denoise(params, cfg, canvas, filled, context_lengths=[-1, 7])
-    with pytest.raises(ValueError, match=r"context_lengths must be integers; got dtype float"):
-        denoise(params, cfg, canvas, filled, context_lengths=[3.0, 7.0])
+    with pytest.raises(ValueError, match=r"context_end must be in \[0, cache.lengths\].*\[10, 8\].*\[10, 7\]"):
+        denoise(params, cfg, canvas, filled, context_end=[10, 8])
+    with pytest.raises(ValueError, match=r"context_end must be in .*\[-1, 7\]"):
+        denoise(params, cfg, canvas, filled, context_end=[-1, 7])
+    with pytest.raises(ValueError, match=r"context_end must be integers; got dtype float"):
+        denoise(params, cfg, canvas, filled, context_end=[3.0, 7.0])
 
 
 # ---------------------------------------------------------------------------------------------- load_hf

@@ -88,3 +88,12 @@ def test_rules_must_be_hashable_callables_and_are_not_settings(tmp_path, params)
     assert load_model(tmp_path / "m")[2] == _sampler()
     with pytest.raises(ValueError, match="cannot be stored as settings"):
         save_model(tmp_path / "n", CFG, params, sampler=custom)
+
+
+def test_a_server_runs_the_engines_rules_and_refuses_a_default_with_others(params):
+    from dgemma_jax.serving.scheduler import Scheduler
+
+    engine = Engine(CFG, params, _sampler(), compilation_cache=False)
+    with pytest.raises(ValueError, match="default_sampler must share the engine sampler's.*accept, stop"):
+        Scheduler(engine, None, default_sampler=_sampler(stop=StopAt(3)))
+    assert Scheduler(engine, None, default_sampler=_sampler(t_max=1.2)).default_sampler.t_max == 1.2

@@ -20,7 +20,8 @@ from fastapi.testclient import TestClient
 from dgemma_jax.io.bundled import load_bundled
 from dgemma_jax.io.images import prompt_with_images
 from dgemma_jax.serving.scheduler import Request, Scheduler
-from dgemma_jax.serving.server import QUEUE_RETRY_AFTER_S, create_app, default_max_body_bytes
+from dgemma_jax.serving.handler import QUEUE_RETRY_AFTER_S
+from dgemma_jax.serving.server import create_app, default_max_body_bytes
 from tests.helpers.serve import ServerProcess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

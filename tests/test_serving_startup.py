@@ -13,7 +13,8 @@ from fastapi.testclient import TestClient
 
 from dgemma_jax.io.bundled import load_bundled
 from dgemma_jax.serving.scheduler import Scheduler
-from dgemma_jax.serving.server import STARTING_RETRY_AFTER_S, create_app
+from dgemma_jax.serving.handler import STARTING_RETRY_AFTER_S
+from dgemma_jax.serving.server import create_app
 from tests.helpers.serve import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -180,16 +180,20 @@ def test_epochs_are_deterministic_permutations(tmp_path):
 
 
 def test_ar_loss_option_maps_onto_the_objective():
+    from dgemma_jax.training.recipe import DataSection
     from dgemma_jax.training.train import objective_options
 
-    assert objective_options({"kind": "chat", "ar_loss": "assistant"}, {})["ar_on_prompt"] is False
-    assert objective_options({"kind": "chat", "ar_loss": "all"}, {"ar_on_prompt": True})["ar_on_prompt"] is True
+    def data(kind, ar_loss):
+        return DataSection(prompt_length=8, num_canvases=1, batch_size=1, kind=kind, path="x.jsonl", ar_loss=ar_loss)
+
+    assert objective_options(data("chat", "assistant"), {})["ar_on_prompt"] is False
+    assert objective_options(data("chat", "all"), {"ar_on_prompt": True})["ar_on_prompt"] is True
     with pytest.raises(ValueError, match="contradicts objective.ar_on_prompt"):
-        objective_options({"kind": "chat", "ar_loss": "assistant"}, {"ar_on_prompt": True})
+        objective_options(data("chat", "assistant"), {"ar_on_prompt": True})
     with pytest.raises(ValueError, match="data.ar_loss must be one of"):
-        objective_options({"kind": "chat", "ar_loss": "prompt"}, {})
+        objective_options(data("chat", "prompt"), {})
     with pytest.raises(ValueError, match="applies to data.kind='chat' only"):
-        objective_options({"kind": "jsonl", "ar_loss": "assistant"}, {})
+        objective_options(data("jsonl", "assistant"), {})
 
 
 # ---------------------------------------------------------------------------- a run on chat data

@@ -9,7 +9,7 @@ The reference computes its own features from the pixel values (its vision tower)
 on the generate() mask path, each row alone; ours loads the same checkpoint with `load_hf` and runs
   * `prefill(..., image_features=image_features_pass(...), image_tokens=...)` (logits compared), and
   * the engine's path, `sampling.generate.prefill_prompt(..., images=(pixel_values, position_ids))`
-    after `engine.check_images` (the cache it leaves is compared through the denoiser's logits).
+    after `engine.inputs.check_images` (the cache it leaves is compared through the denoiser's logits).
 Two sources, the same comparisons: "golden" (default tier, no torch) reads
 tests/golden/vision_e2e_<preset>.npz; "live" (marker `ref`) runs transformers now.
 """

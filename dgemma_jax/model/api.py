@@ -101,7 +101,13 @@ def _boxed_init(config: ModelConfig, rng):
 
 
 def init_params(config: ModelConfig, rng: jax.Array | int = 0) -> Params:
-    """Random parameters (a nested dict of arrays in `config.param_dtype`)."""
+    """Random parameters.
+
+    Args:
+      config: the model. rng: a PRNG key or an int seed.
+    Returns:
+      a nested dict of arrays in `config.param_dtype`, shaped as `param_shapes(config)`.
+    """
     if isinstance(rng, int):
         rng = jax.random.key(rng)
     return nn.meta.unbox(jax.jit(_boxed_init, static_argnums=0)(config, rng))
@@ -263,14 +269,19 @@ def image_features(params: Params, config: ModelConfig, pixel_values, position_i
                    runtime: Runtime | None = None) -> jax.Array:
     """The vision tower's output: the soft tokens that replace a prompt's image placeholders.
 
-    pixel_values: float [N, P, 3 p^2] in [0, 1] and position_ids: int [N, P, 2] (x, y; padding
-    patches (-1, -1)), as `dgemma_jax.io.images.preprocess_images` makes them (`.pixel_values`,
-    `.position_ids`). Returns [sum of the images' soft tokens, hidden_size] in the activation dtype:
-    image 0's soft tokens, then image 1's, ...; row k is what the k-th image placeholder of the
-    prompt (row-major) gets in `prefill(..., image_features=, image_tokens=)` and in the engine's
-    prompt pass. Checked and jitted; the number of rows is read on the host, so inside your own
-    `jax.jit` use `dgemma_jax.model.api.image_features_pass` (static shapes: all N * P / k^2 rows,
-    the valid ones first, and their count).
+    Checked and jitted; the number of rows is read on the host, so inside your own `jax.jit` use
+    `dgemma_jax.model.api.image_features_pass` (static shapes: all N * P / k^2 rows, the valid ones
+    first, and their count).
+
+    Args:
+      pixel_values: float [N, P, 3 p^2] in [0, 1], as `dgemma_jax.io.images.preprocess_images` makes
+        them (`.pixel_values`).
+      position_ids: int [N, P, 2] patch positions (x, y; padding patches (-1, -1)) (`.position_ids`).
+      runtime: how it runs (default: this backend, one device).
+    Returns:
+      [sum of the images' soft tokens, hidden_size] in the activation dtype: image 0's soft tokens,
+      then image 1's, ...; row k is what the k-th image placeholder of the prompt (row-major) gets in
+      `prefill(..., image_features=, image_tokens=)` and in the engine's prompt pass.
     """
     v = config.vision
     if v is None:
@@ -321,34 +332,45 @@ def _check_images(config: ModelConfig, image_features, image_tokens, lengths, sh
 
 
 def soft_embed(params: Params, config: ModelConfig, sc_logits, *, runtime: Runtime | None = None) -> jax.Array:
-    """Self-conditioning soft embedding softmax_fp32(logits) @ E * sqrt(D): [B, L, V] -> [B, L, D]."""
+    """The self-conditioning soft embedding softmax_fp32(logits) @ E * sqrt(D).
+
+    Args:
+      sc_logits: [B, L, V] the previous step's tempered logits.
+    Returns:
+      [B, L, D] the next step's self-conditioning input.
+    """
     return _soft_embed(params, config, sc_logits, runtime)
 
 
 def denoise(params: Params, config: ModelConfig, canvas, cache: KVCache, self_conditioning=None, *,
-            context_lengths=None, runtime: Runtime | None = None) -> jax.Array:
-    """One bidirectional denoiser pass over canvas [B, L]; reads the cache, never writes it.
+            context_end=None, runtime: Runtime | None = None) -> jax.Array:
+    """One bidirectional denoiser pass over a canvas; reads the cache, never writes it.
 
-    self_conditioning: None (first step, exactly zero), the previous step's tempered logits
-    [B, L, V], or the soft embeddings they give [B, L, D]. context_lengths: [B] committed tokens
-    visible to the canvas (default: cache.lengths); the canvas sits at positions
-    context_lengths[b] + j. runtime: how it runs (default: this backend, one device). Returns float32
-    logits [B, L, V].
+    Args:
+      canvas: [B, L] int token ids.
+      cache: the `KVCache` [B, S] holding the committed context.
+      self_conditioning: None (first step, exactly zero), the previous step's tempered logits
+        [B, L, V], or the soft embeddings they give [B, L, D].
+      context_end: [B] committed tokens visible to the canvas (default: cache.lengths); the
+        canvas sits at positions context_end[b] + j.
+      runtime: how it runs (default: this backend, one device).
+    Returns:
+      float32 logits [B, L, V].
     """
     canvas = check_tokens(config, canvas, "canvas")
     b, l = canvas.shape
     if l == 0:
         raise ValueError("canvas must hold at least one token; got shape (batch, 0)")
     _check_cache(config, cache, b)
-    if context_lengths is not None and not jnp.issubdtype(jnp.asarray(context_lengths).dtype, jnp.integer):
-        raise ValueError(f"context_lengths must be integers; got dtype {jnp.asarray(context_lengths).dtype}")
-    ctx = cache.lengths if context_lengths is None else jnp.asarray(context_lengths, jnp.int32)
+    if context_end is not None and not jnp.issubdtype(jnp.asarray(context_end).dtype, jnp.integer):
+        raise ValueError(f"context_end must be integers; got dtype {jnp.asarray(context_end).dtype}")
+    ctx = cache.lengths if context_end is None else jnp.asarray(context_end, jnp.int32)
     if ctx.shape != (b,):
-        raise ValueError(f"context_lengths must have shape [{b}] (one per row); got {tuple(ctx.shape)}")
+        raise ValueError(f"context_end must have shape [{b}] (one per row); got {tuple(ctx.shape)}")
     if _is_concrete(ctx) and _is_concrete(cache.lengths):
         c, n = np.asarray(ctx), np.asarray(cache.lengths)
         if (c < 0).any() or (c > n).any():
-            raise ValueError(f"context_lengths must be in [0, cache.lengths] per row (only committed tokens can "
+            raise ValueError(f"context_end must be in [0, cache.lengths] per row (only committed tokens can "
                              f"be visible); got {c.tolist()} with cache.lengths {n.tolist()}")
     soft = None
     if self_conditioning is not None:

@@ -63,11 +63,18 @@ def check_replicas(config: ModelConfig, kv_replicas) -> tuple[int, ...]:
 
 def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None, kv_replicas=None,
                layers: str = "unrolled") -> KVCache:
-    """An empty cache for `batch_size` rows of up to `max_length` tokens (prompt + all canvases).
+    """An empty KV cache.
 
-    kv_replicas: optional per-layer replica counts of the kv heads (see the module docstring; the
-    sharded engine picks them from its mesh, `Shardings.kv_replicas`). layers: "unrolled" (one
-    entry per layer) or "scan" (stacked per layer-group position, `model.layout.stack_cache`)."""
+    Args:
+      batch_size: rows B. max_length: tokens per row S (the prompt and all but the last canvas).
+      dtype: the K/V dtype (default: the config's activation dtype).
+      kv_replicas: optional per-layer replica counts of the kv heads (see the module docstring; the
+        sharded engine picks them from its mesh, `Shardings.kv_replicas`).
+      layers: "unrolled" (one entry per layer) or "scan" (stacked per layer-group position,
+        `model.layout.stack_cache`).
+    Returns:
+      a `KVCache`: per layer K/V [B, S, K * r, H] zeros and lengths [B] zeros.
+    """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_length < 1:

@@ -202,7 +202,13 @@ def _broadcast(key: jax.Array, batch: int) -> jax.Array:
 
 
 def initial_canvas(keys: jax.Array, length: int, vocab_size: int) -> jax.Array:
-    """Uniform random tokens over the full vocabulary, one stream per row: [B, L] int32."""
+    """A canvas of uniform random tokens over the full vocabulary, one stream per row.
+
+    Args:
+      keys: [B] the canvas's row keys. length: L. vocab_size: V.
+    Returns:
+      [B, L] int32 tokens in [0, V).
+    """
     return jax.vmap(lambda k: ops.uniform_tokens(jax.random.fold_in(k, 0x5eed), (length,), vocab_size))(keys)
 
 

@@ -26,7 +26,8 @@ short beginning (under `SMALL_PREFILL` tokens and half its row). The reused toke
 
 The scheduler keeps the books (the queue, the slots, what each cache row holds, the tick arguments);
 a prompt's chunks and its identity for prefix matching are `serving/chunks.py`, what a client sees of
-a choice's tokens (text, stop strings, previews) `serving/output.py`, the programs the engine's.
+a choice's tokens (text, stop strings, previews) `serving/output.py`, the compiled programs
+`serving/programs.py`.
 
 Reproducibility: choice i of a request with seed s uses the row key `choice_keys(s, n)[i]` (for n=1
 the key `Engine.generate(rng=s)` gives the prompt, `prompt_key(s)`), its own sampler settings (`RowKnobs`), and
@@ -50,12 +51,12 @@ import numpy as np
 
 from dgemma_jax.engine import Engine
 from dgemma_jax.engine.inputs import new_tokens_that_fit
-from dgemma_jax.engine.programs import compiled_memory
+from dgemma_jax.io.prompts import common_prefix
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, choice_keys
-from dgemma_jax.io.prompts import common_prefix
 from dgemma_jax.serving import chunks as chunks_lib
 from dgemma_jax.serving.output import OutputProcessor, SeqEvent
+from dgemma_jax.serving.programs import SlotPrograms
 
 log = logging.getLogger("dgemma_jax.serving")
 
@@ -132,7 +133,7 @@ class Scheduler:
         is admitted at the next tick). A cancelled request leaves at the end of the call."""
         cfg, smp = engine.config, engine.sampler
         self.default_sampler = default_sampler or smp
-        shared = ("canvas_length", "eos_ids", "pad_id", "stability_threshold")
+        shared = ("canvas_length", "eos_ids", "pad_id", "stability_threshold", "accept", "stop")   # the tick's own
         if any(getattr(self.default_sampler, f) != getattr(smp, f) for f in shared):
             raise ValueError(f"default_sampler must share the engine sampler's {', '.join(shared)}")
         if self.default_sampler.max_denoising_steps > smp.max_denoising_steps:
@@ -149,10 +150,9 @@ class Scheduler:
         big = min(int(prefill_chunk), self.context)
         self.prefill_widths = (min(SMALL_PREFILL, big), big)   # (short prompts and tails, whole chunks)
         self.prefix_reuse = bool(prefix_reuse)
-        self._prefill, self._tick_program = engine.programs.prefill_slot, engine.programs.slot_tick
+        self.compiled = SlotPrograms(engine)   # the compiled tick and prefills, with their memory
+        self._tick_program = None
         self.ticks_per_call = int(ticks_per_call)
-        self._compiled_prefill: dict[Any, Any] = {}
-        self._compiled_tick = None
         self._cache = None
         self._slots_state = None
         self._busy: list[_Choice | None] = [None] * self.slots
@@ -164,7 +164,6 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.memory: dict[str, dict[str, int]] = {}
         self.stats = collections.Counter()
         self.error: BaseException | None = None
         # start-up: each program's state ("pending", "compiling", "ready" with its seconds), and when
@@ -241,7 +240,7 @@ class Scheduler:
         except BaseException as e:  # noqa: BLE001 - reported through status(), /health and start(wait=True)
             self.error = e
             return
-        self._compiled_tick = tick_program
+        self._tick_program = tick_program
         self.stats["startup_compile_ms"] = int(1e3 * (time.perf_counter() - self._started_at))
         self._thread = threading.Thread(target=self._run, name="dgemma-scheduler", daemon=True)
         self._thread.start()
@@ -313,7 +312,8 @@ class Scheduler:
             since = self._started_at
             return {"slots": self.slots, "busy_slots": busy, "queued": len(self._queue), "context": self.context,
                     "canvas_length": self.canvas_length, "stopping": self._stopping, "ready": self.ready.is_set(),
-                    "worker_alive": bool(self._thread and self._thread.is_alive()), "memory": self.memory,
+                    "worker_alive": bool(self._thread and self._thread.is_alive()),
+                    "memory": self.compiled.memory,
                     "programs": {k: dict(v) for k, v in self.programs.items()},
                     "seconds_since_start": round(time.perf_counter() - since, 1) if since is not None else None,
                     "stats": dict(self.stats)}
@@ -342,29 +342,14 @@ class Scheduler:
         return self.prefix_reuse and len(self._rows[s]) + self.canvas_length <= self.context
 
     def _compile_tick(self):
-        compiled = self._tick_program.lower(self.engine.params, **self._tick_args()).compile()
-        self.memory["slot_tick"] = compiled_memory(compiled)
-        return compiled
+        return self.compiled.compile_tick(self._tick_args())
 
     def _prefill_for(self, width: int, images=None):
-        """The compiled prefill of a chunk of `width` tokens; with images (pixel_values, position_ids)
-        a program per (width, images shape), compiled on first use."""
-        kw = dict(cache=self._cache, slot=np.int32(0), tokens=np.zeros((1, width), np.int32),
-                  length=np.ones((1,), np.int32), start=np.int32(0))
-        if images is not None:
-            key = (width, tuple(images[0].shape), tuple(images[1].shape))
-            if key not in self._compiled_prefill:
-                compiled = self._prefill.lower(self.engine.params, images=images, **kw).compile()
-                n = images[0].shape[0]
-                self.memory[f"prefill_slot_{width}_images_{n}x{images[0].shape[1]}"] = compiled_memory(compiled)
-                self._compiled_prefill[key] = compiled
-                self.stats["image_prefill_compiles"] += 1
-            return self._compiled_prefill[key]
-        if width not in self._compiled_prefill:
-            compiled = self._prefill.lower(self.engine.params, **kw).compile()
-            self.memory[f"prefill_slot_{width}"] = compiled_memory(compiled)
-            self._compiled_prefill[width] = compiled
-        return self._compiled_prefill[width]
+        """The compiled prefill of a chunk of `width` tokens (`SlotPrograms.prefill`)."""
+        before = self.compiled.image_compiles
+        program = self.compiled.prefill(width, self._cache, images)
+        self.stats["image_prefill_compiles"] += self.compiled.image_compiles - before
+        return program
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
@@ -477,7 +462,7 @@ class Scheduler:
         one = prefilled or previews or not active.all()
         begin = np.array([bool(c is not None and c.begin) for c in busy], bool)
         args = self._tick_args(busy, begin, active, 1 if one else self.ticks_per_call)
-        out = self._compiled_tick(self.engine.params, **args)
+        out = self._tick_program(self.engine.params, **args)
         self._cache, self._slots_state = out.cache, out.state
         fetched = (out.ticks, out.settled, out.tokens, out.eos, out.steps, out.nonfinite)
         fetched += (out.argmax,) if previews else ()

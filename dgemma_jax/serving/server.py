@@ -21,34 +21,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
-import secrets
 import signal
 import sys
 import threading
 import time
-import uuid
 from typing import Any, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from dgemma_jax.io.prompts import chat_prompt, message_text
 from dgemma_jax.serving import images as images_lib
-from dgemma_jax.serving import text as text_lib
-from dgemma_jax.serving.output import SeqEvent
-from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, ShuttingDown, Starting
+from dgemma_jax.serving.handler import DEFAULT_MAX_TOKENS, APIError, RequestHandler
+from dgemma_jax.serving.scheduler import Scheduler
 from dgemma_jax.serving.schema import ChatRequest, CompletionRequest
 
-DEFAULT_MAX_TOKENS = 256   # when a request names no max_tokens (capped to what fits, like `dgemma generate`)
-DISCONNECT_POLL_S = 0.1
-
-
-STARTING_RETRY_AFTER_S = 5  # Retry-After of a request that arrives while the programs compile
-QUEUE_RETRY_AFTER_S = 1     # Retry-After of a request that finds the queue full
 DRAIN_BODY_GRACE_S = 1.0    # while draining, how long a request that just began may take to send its body
 MIN_BODY_BYTES = 2 ** 20    # the smallest default body limit
 BODY_BYTES_PER_TOKEN = 64   # the default body limit per token of context (JSON-escaped text, token id lists)
@@ -59,14 +48,6 @@ def default_max_body_bytes(context: int, vision: bool = False) -> int:
     one image's data URL (`images.MAX_IMAGE_BYTES` in base64) for a checkpoint with a vision tower."""
     text = max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * int(context))
     return text + (images_lib.MAX_IMAGE_BYTES * 4 // 3 + 4 if vision else 0)
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
-        self.headers = headers
 
 
 def _error(status: int, message: str, kind: str, code: str | None = None, param: str | None = None,
@@ -86,14 +67,6 @@ def _json_kind(value) -> str:
     if isinstance(value, dict):
         return "an object"
     return f"the number {value!r}"
-
-
-def _deliver(loop, queue: asyncio.Queue, prompt: int, ev: SeqEvent) -> None:
-    """Hand a scheduler event to the request's handler on the event loop (from the worker thread)."""
-    try:
-        loop.call_soon_threadsafe(queue.put_nowait, (prompt, ev))
-    except RuntimeError:  # the event loop is closed: the server exited (a second signal), nobody waits for it
-        pass
 
 
 class _Drain:
@@ -241,7 +214,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
     (default: the checkpoint's image processor's, `dgemma_jax.io.images.settings_for`);
     max_body_bytes: the largest request body (default `default_max_body_bytes`), larger ones get 413.
     `app.state.drain()` makes requests whose body is still arriving answer 503 (`serve` calls it on SIGTERM)."""
-    tok, cfg = scheduler.tokenizer, scheduler.engine.config
+    cfg = scheduler.engine.config
     created = int(time.time())
     if max_body_bytes is None:
         max_body_bytes = default_max_body_bytes(scheduler.context, getattr(cfg, "vision", None) is not None)
@@ -279,266 +252,25 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
             msg = f"{msg.rstrip('.')}; got {_json_kind(first['input'])}"
         return _error(400, f"{where}: {msg}" if where else msg, "invalid_request_error", first.get("type"), where or None)
 
-    # ------------------------------------------------------------------ helpers
-    def check_prompt_length(n: int, param: str) -> None:
-        """400 at once for a prompt that leaves no room for a canvas (before the other prompts are tokenized)."""
-        l, ctx = scheduler.canvas_length, scheduler.context
-        if n + l > ctx:
-            raise APIError(400, f"the prompt is {n} tokens; with one canvas of {l} it exceeds this server's context "
-                                f"of {ctx} tokens per request: shorten the prompt", param=param)
-
-    def completion_ids(body: CompletionRequest) -> list[list[int]]:
-        """The prompts' ids, each checked against the context as soon as it is tokenized (off the event loop)."""
-        out = []
-        for item in body.prompts():
-            ids = prompt_ids(item)
-            check_prompt_length(len(ids), "prompt")
-            out.append(ids)
-        return out
-
-    def check_size(body, n_prompts: int) -> None:
-        """400 for a request whose sequences could never all wait in the queue (before any work on it)."""
-        total = n_prompts * body.n
-        if total > scheduler.max_queue:
-            raise APIError(400, f"this request asks for {total} sequences ({n_prompts} prompt(s) x n={body.n}), more "
-                                f"than this server's queue holds ({scheduler.max_queue}, dgemma serve --max-queue): "
-                                "send fewer prompts or a smaller n, or split the request", code="too_many_sequences",
-                           param="n")
-
-    def prompt_ids(item) -> list[int]:
-        if isinstance(item, str):
-            if not item:
-                raise APIError(400, "the prompt is empty", param="prompt")
-            try:
-                return tok.encode(item, add_bos=True)
-            except ValueError as e:
-                raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
-        bad = [t for t in item if not 0 <= t < cfg.vocab_size]
-        if bad or not item:
-            raise APIError(400, f"token ids must be in [0, {cfg.vocab_size}); got {bad[:5] or 'an empty list'}",
-                           param="prompt")
-        return list(item)
-
-    def chat_ids(body: ChatRequest):
-        """(prompt ids, ImageBatch or None) of a chat request (`io.prompts.chat_prompt`, after this server's
-        own checks: the model takes images, a template-less model gets one user message, image paths
-        only from the allowed directories)."""
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        with_images = images_lib.has_image_parts(messages)
-        if with_images and cfg.vision is None:
-            raise APIError(400, f"{model_name} is a text-only checkpoint (no vision tower): it cannot take images; "
-                                "drop the image parts", param="messages")
-        if not tok.has_chat_template:
-            users = [m for m in messages if m["role"] == "user"]
-            if len(messages) != 1 or len(users) != 1:
-                raise APIError(400, f"{model_name} has no chat template (a character-level model): send exactly one "
-                                    "user message, whose text is the prompt (and its images)", param="messages")
-            if not with_images:
-                return prompt_ids(message_text(users[0])), None
-        try:
-            if with_images:
-                messages = images_lib.resolve_image_parts(messages, allowed_image_dirs)
-                first = messages[0]
-                if tok.has_chat_template and first["role"] in ("system", "developer") and isinstance(
-                        first.get("content"), list) and any(
-                        isinstance(p, dict) and p.get("type") == "image" for p in first["content"]):
-                    raise ValueError("messages[0]: the chat template shows no images of a leading system message; "
-                                     "put the image in a user message")
-            return chat_prompt(cfg, tok, messages, thinking=body.thinking, max_soft_tokens=max_soft_tokens)
-        except (TypeError, ValueError) as e:
-            raise APIError(400, str(e), param="messages") from None
-        except Exception as e:  # noqa: BLE001 - a decoder's own exception: still the client's image
-            if not with_images:
-                raise
-            raise APIError(400, f"the image could not be read ({type(e).__name__}: {e})", param="messages") from None
-
-    def check_model(body) -> None:
-        if body.model not in (None, model_name):
-            raise APIError(404, f"the model {body.model!r} does not exist here; this server serves {model_name!r}",
-                           code="model_not_found", param="model")
-
-    def sampler_for(body):
-        if body.canvas_length is not None and body.canvas_length != scheduler.canvas_length:
-            raise APIError(400, f"canvas_length={body.canvas_length}: this server runs canvases of "
-                                f"{scheduler.canvas_length} tokens (the checkpoint's)", param="canvas_length")
-        budget = scheduler.engine.sampler.max_denoising_steps
-        if body.max_denoising_steps is not None and body.max_denoising_steps > budget:
-            raise APIError(400, f"max_denoising_steps={body.max_denoising_steps} exceeds this server's budget of "
-                                f"{budget} (dgemma serve --max-steps)", param="max_denoising_steps")
-        try:
-            return scheduler.default_sampler.replace(**body.sampler_changes())
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-
-    def submit_all(body, prompts: list[list[int]], queue: asyncio.Queue, chat: bool, images=None) -> list[Request]:
-        loop = asyncio.get_running_loop()
-        sampler = sampler_for(body)
-        try:
-            budget = body.token_budget()
-        except ValueError as e:
-            raise APIError(400, str(e), param="max_tokens") from None
-        seed = body.seed if body.seed is not None else secrets.randbits(63)
-        reqs = []
-        for p, ids in enumerate(prompts):
-            n_tok = budget if budget is not None else scheduler.default_max_tokens(len(ids), default_max_tokens)
-            previews = bool(body.stream and body.stream_options and body.stream_options.include_provisional)
-            reqs.append(Request(ids, n_tok, sampler, seed, n=body.n, stop=body.stops, provisional=previews,
-                                keep_special=chat and tok.has_chat_template, images=images,
-                                on_event=functools.partial(_deliver, loop, queue, p)))
-        try:
-            scheduler.submit_many(reqs)   # all of the request's sequences or none
-        except BaseException as e:
-            if isinstance(e, QueueFull):
-                raise APIError(429, str(e), "rate_limit_error", "queue_full",
-                               headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)}) from None
-            if isinstance(e, Starting):
-                raise APIError(503, str(e), "server_error", "starting",
-                               headers={"Retry-After": str(STARTING_RETRY_AFTER_S)}) from None
-            if isinstance(e, ShuttingDown):
-                raise APIError(503, str(e), "server_error", "shutting_down") from None
-            if isinstance(e, ValueError):
-                raise APIError(400, str(e), param="messages" if images is not None else "max_tokens") from None
-            raise
-        return reqs
-
-    def usage(prompts, finals: dict, n: int) -> dict:
-        completion = sum(ev.token_count for ev in finals.values())
-        steps = sum(ev.steps for ev in finals.values())
-        prompt = sum(len(p) for p in prompts)
-        # a prompt's tokens found in its slot's cache (prefix reuse), the least over its n choices
-        per_prompt: dict[int, int] = {}
-        for i, ev in finals.items():
-            p = i // n
-            per_prompt[p] = min(per_prompt.get(p, ev.cached_tokens), ev.cached_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(per_prompt.values())},
-                "denoising_steps": steps, "canvases": sum(ev.canvases for ev in finals.values()),
-                "tokens_per_forward": round(completion / steps, 4) if steps else 0.0,
-                # scheduler ticks from a choice's admission to its end (the most over the choices)
-                "ticks": max((ev.tick - ev.admitted_tick + 1 for ev in finals.values()), default=0),
-                "tick_range": [min((ev.admitted_tick for ev in finals.values()), default=0),
-                               max((ev.tick for ev in finals.values()), default=0)]}
-
-    async def watch_disconnect(http: HTTPRequest, reqs: list[Request]):
-        while True:
-            if await http.is_disconnected():
-                for r in reqs:
-                    r.cancelled.set()
-                return
-            await asyncio.sleep(DISCONNECT_POLL_S)
-
-    async def run(http: HTTPRequest, body, prompts: list[list[int]], chat: bool, images=None):
-        check_model(body)
-        queue: asyncio.Queue = asyncio.Queue()
-        reqs = submit_all(body, prompts, queue, chat, images)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        n_total = len(prompts) * body.n
-        stamp = int(time.time())
-        if body.stream:
-            return StreamingResponse(stream(http, body, prompts, reqs, queue, rid, stamp, n_total, chat),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        finals: dict[int, SeqEvent] = {}
-        watcher = asyncio.create_task(watch_disconnect(http, reqs))
-        try:
-            while len(finals) < n_total:
-                p, ev = await queue.get()
-                if ev.finish_reason is not None:
-                    finals[p * body.n + ev.index] = ev
-        finally:  # also when this task is cancelled (the drain time ran out): its slots are freed
-            watcher.cancel()
-            if len(finals) < n_total:
-                for r in reqs:
-                    r.cancelled.set()
-        if any(ev.finish_reason == "error" for ev in finals.values()):
-            raise APIError(500, f"the server's worker failed: {scheduler.error}", "server_error")
-        choices = []
-        for i in sorted(finals):
-            ev = finals[i]
-            if chat:
-                reasoning, content = text_lib.split_reasoning(ev.text, body.thinking)
-                msg = {"role": "assistant", "content": content}
-                if reasoning is not None:
-                    msg["reasoning_content"] = reasoning
-                choices.append({"index": i, "message": msg, "finish_reason": ev.finish_reason, "logprobs": None})
-            else:
-                choices.append({"index": i, "text": ev.text, "finish_reason": ev.finish_reason, "logprobs": None})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": stamp,
-                "model": model_name, "choices": choices, "usage": usage(prompts, finals, body.n)}
-
-    async def stream(http, body, prompts, reqs, queue, rid, stamp, n_total, chat):
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        sent: dict[int, list[str]] = {}   # choice -> [reasoning sent, content sent]
-        finals: dict[int, SeqEvent] = {}
-
-        def chunk(choices, **extra):
-            return "data: " + json.dumps({"id": rid, "object": kind, "created": stamp, "model": model_name,
-                                          "choices": choices, **extra}) + "\n\n"
-
-        watcher = asyncio.create_task(watch_disconnect(http, reqs))
-        try:
-            if chat:
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                             for i in range(n_total)])
-            while len(finals) < n_total:
-                p, ev = await queue.get()
-                i = p * body.n + ev.index
-                done = ev.finish_reason is not None
-                if ev.finish_reason == "error":
-                    yield "data: " + json.dumps({"error": {"message": f"the server's worker failed: {scheduler.error}",
-                                                           "type": "server_error", "code": None}}) + "\n\n"
-                    return
-                text = ev.text if done else text_lib.stream_safe(ev.text, body.stops)
-                prev = sent.setdefault(i, ["", ""])
-                if ev.provisional is not None:   # a preview of the canvas in flight: nothing committed
-                    if chat:
-                        yield chunk([{"index": i, "delta": {"provisional": ev.provisional}, "finish_reason": None}])
-                    else:
-                        yield chunk([{"index": i, "text": "", "provisional": ev.provisional, "finish_reason": None,
-                                      "logprobs": None}])
-                    continue
-                if chat:
-                    reasoning, content = text_lib.split_reasoning(text, body.thinking)
-                    delta = {}
-                    if reasoning and text_lib.delta(prev[0], reasoning):
-                        delta["reasoning_content"] = text_lib.delta(prev[0], reasoning)
-                        prev[0] = reasoning
-                    if text_lib.delta(prev[1], content):
-                        delta["content"] = text_lib.delta(prev[1], content)
-                        prev[1] = content
-                    piece = {"index": i, "delta": delta, "finish_reason": ev.finish_reason}
-                else:
-                    d = text_lib.delta(prev[1], text)
-                    prev[1] += d
-                    piece = {"index": i, "text": d, "finish_reason": ev.finish_reason, "logprobs": None}
-                if done:
-                    finals[i] = ev
-                if done or piece.get("delta") or piece.get("text"):
-                    yield chunk([piece])
-            if body.stream_options and body.stream_options.include_usage:
-                yield chunk([], usage=usage(prompts, finals, body.n))
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away (the response task is cancelled) or the stream ended
-            watcher.cancel()
-            if len(finals) < n_total:
-                for r in reqs:
-                    r.cancelled.set()
+    handler = RequestHandler(scheduler, model_name, default_max_tokens=default_max_tokens,
+                             allowed_image_dirs=allowed_image_dirs, max_soft_tokens=max_soft_tokens)
 
     # ------------------------------------------------------------------ routes
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HTTPRequest):
-        check_model(body)
-        check_size(body, 1)
+        handler.check_model(body)
+        handler.check_size(body, 1)
         # off the event loop: decoding and resizing an image takes a while
-        ids, images = await asyncio.get_running_loop().run_in_executor(None, chat_ids, body)
-        return await run(http, body, [ids], chat=True, images=images)
+        ids, images = await asyncio.get_running_loop().run_in_executor(None, handler.chat_ids, body)
+        return await handler.run(http, body, [ids], chat=True, images=images)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
-        check_model(body)
-        check_size(body, len(body.prompts()))
+        handler.check_model(body)
+        handler.check_size(body, len(body.prompts()))
         # off the event loop: a long prompt takes a while to tokenize, and /health and the streams wait for none
-        prompts = await asyncio.get_running_loop().run_in_executor(None, completion_ids, body)
-        return await run(http, body, prompts, chat=False)
+        prompts = await asyncio.get_running_loop().run_in_executor(None, handler.completion_ids, body)
+        return await handler.run(http, body, prompts, chat=False)
 
     @app.get("/v1/models")
     async def models():
