@@ -356,7 +356,7 @@ def jax_pieces(cfg, params, prompt, quick, res):
         accept = ops.entropy_bound_accept(entropy, sampler.entropy_bound)
         noise = ops.uniform_tokens(key, (1, CANVAS), cfg.vocab_size)
         canvas = ops.renoise(sampled, accept, noise)
-        stop = ops.stop_decision(argmax, history, entropy.mean(-1), sampler)
+        stop = ops.stop_decision(argmax, history, entropy.mean(-1), sampler.confidence_threshold)
         return canvas, stop, ops.push_history(history, argmax)
 
     first = Canvas(state0, keys)

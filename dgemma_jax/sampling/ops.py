@@ -18,7 +18,7 @@ One denoising step, in terms of these functions (spec section 3.2):
   canvas = renoise(stats.sampled, accept,
                    uniform_tokens(key_noise, stats.sampled.shape, V))
   done   = stop_decision(stats.argmax, history,
-                         stats.entropy.mean(-1), config)
+                         stats.entropy.mean(-1), config.confidence_threshold)
   history = push_history(history, stats.argmax)
 
 The semantics follow the Hugging Face reference
