@@ -165,19 +165,27 @@ class DiffusionGemma:
 
     def generate(self, text: str | Sequence[str], max_new_tokens: int | None = None, seed: int | Sequence[int] = 0,
                  images=None, max_soft_tokens: int | None = None, **kw) -> Any:
-        """One prompt -> text, or a list of prompts -> list of texts.
+        """Text in, text out.
 
-        seed: one int (every prompt uses that seed's stream) or one int per prompt. A prompt with its
-        seed gets the same text alone or in any list, at any position (`Engine`'s batch_invariant:
-        each prompt runs as its own program; tests/test_batch_invariance.py, XLA:CPU) given the same
-        max_new_tokens: the default budget is capped by the longest prompt's room.
-
-        max_new_tokens: default DEFAULT_NEW_TOKENS (256), capped to the whole canvases that fit after
-        the longest prompt, as on the command line; a capped output that ends without an end of
-        sequence is a DgemmaWarning. images: for one prompt, an image or a list (paths, bytes, PIL
-        images or uint8 arrays; `dgemma_jax.io.images`), placed at the `<|image|>` markers of `text`
-        (or, without markers, before it); max_soft_tokens: the per-image token budget. A model that
-        produces NaN/Inf logits raises `errors.NonFiniteLogits` (not pad text)."""
+        Args:
+          text: one prompt, or a list of prompts.
+          max_new_tokens: the budget (default DEFAULT_NEW_TOKENS, 256, capped to the whole canvases
+            that fit after the longest prompt, as on the command line; a capped output that ends
+            without an end of sequence is a DgemmaWarning).
+          seed: one int (every prompt uses that seed's stream) or one int per prompt. A prompt with its
+            seed gets the same text alone or in any list, at any position, given the same
+            max_new_tokens (`Engine`'s batch_invariant: each prompt runs as its own program;
+            tests/test_batch_invariance.py, XLA:CPU).
+          images: for one prompt, an image or a list (paths, bytes, PIL images or uint8 arrays;
+            `dgemma_jax.io.images`), placed at the `<|image|>` markers of `text` (or, without
+            markers, before it).
+          max_soft_tokens: the per-image token budget (default: the checkpoint's).
+          **kw: more `Engine.generate` arguments (cache_length, ...).
+        Returns:
+          the generated text (special tokens skipped), or a list of them for a list of prompts.
+        Raises:
+          errors.NonFiniteLogits: the model met NaN/Inf logits (not pad text).
+        """
         single = isinstance(text, str)
         if images is not None:
             if not single:
@@ -199,11 +207,21 @@ class DiffusionGemma:
 
     def chat(self, messages: Sequence[dict], max_new_tokens: int | None = None, enable_thinking: bool = False,
              seed: int = 0, max_soft_tokens: int | None = None) -> str:
-        """The assistant's answer (thinking stripped) to a Gemma 4 chat history; content parts
-        `{"type": "image", "image" | "path": ...}` are images (a checkpoint with a vision tower).
-        A tokenizer without a chat template (the bundled models' characters) cannot lay out the
-        template: the answer is then to the last message alone, its text parts joined (as the server
-        does) and its images placed as in `generate`."""
+        """The assistant's answer to a chat history (`io.prompts.chat_prompt` builds the prompt).
+
+        Args:
+          messages: `{"role", "content"}` dicts; content a string or parts, `{"type": "text", "text"}`
+            and `{"type": "image", "image" | "path": ...}` (a checkpoint with a vision tower). A
+            tokenizer without a chat template (the bundled models' characters) answers the last
+            message alone, its text parts joined (as the server does), its images placed as in `generate`.
+          max_new_tokens: the budget (default: as `generate`'s, capped to what fits after the prompt).
+          enable_thinking: render the generation prompt with thinking on.
+          seed: the answer's seed. max_soft_tokens: each image's budget (default: the checkpoint's).
+        Returns:
+          the answer text, its thinking stripped.
+        Raises:
+          errors.NonFiniteLogits: the model met NaN/Inf logits.
+        """
         ids, batch = chat_prompt(self.config, self.tokenizer, list(messages), thinking=enable_thinking,
                                  max_soft_tokens=max_soft_tokens)
         given = max_new_tokens is not None
