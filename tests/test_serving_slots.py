@@ -99,7 +99,8 @@ def test_committing_k_slots_equals_a_commit_over_every_row_and_leaves_the_rest(l
         run_params, got = stack_layers(params, cfg), stack_cache(cache, cfg)
     rt = dg.Runtime(layers=layers)
     got = jax.jit(commit_slots, static_argnums=1, static_argnames="runtime")(
-        run_params, cfg, got, np.array([3, 1], np.int32), canvases[[3, 1]], np.array([True, True]), runtime=rt)
+        run_params, cfg, got, np.array([[3, 1]], np.int32), canvases[[3, 1]][None], np.array([[True, True]]),
+        runtime=rt)
     if layers == "scan":
         from dgemma_jax.model.layout import unstack_cache
         got = unstack_cache(got, cfg)
@@ -108,6 +109,15 @@ def test_committing_k_slots_equals_a_commit_over_every_row_and_leaves_the_rest(l
         g, w, before = np.asarray(g), np.asarray(w), np.asarray(before)
         np.testing.assert_allclose(g[[1, 3]], w[[1, 3]], atol=2e-5)
         np.testing.assert_array_equal(g[[0, 2]], before[[0, 2]])
+    # two groups of two rows (a mesh splitting the slots in two): row 1 of group 0 and row 1 of group 1
+    two = jax.jit(commit_slots, static_argnums=1, static_argnames="runtime")(
+        run_params, cfg, stack_cache(cache, cfg) if layers == "scan" else cache, np.array([[1], [1]], np.int32),
+        canvases[[1, 3]].reshape(2, 1, l), np.array([[True], [True]]), runtime=rt)
+    if layers == "scan":
+        two = unstack_cache(two, cfg)
+    assert np.asarray(two.lengths).tolist() == [12, 7 + l, 10, 5 + l]
+    for g, w in zip(two.keys + two.values, got.keys + got.values):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 # ------------------------------------------------------------------ per-row knobs
@@ -346,15 +356,17 @@ def test_a_prompt_continued_from_a_rows_prefix_equals_its_own_prefill(bundled):
         np.testing.assert_allclose(np.asarray(got)[0, :len(b)], np.asarray(want)[0, :len(b)], atol=2e-5)
 
 
-def test_slots_sharded_over_a_mesh(bundled):
-    """`dgemma serve --mesh`: parameters and the slots' cache on a 4-device mesh (fake CPU devices)."""
+@pytest.mark.parametrize("mesh", ["expert=4", "data=2,expert=2"])
+def test_slots_sharded_over_a_mesh(bundled, mesh):
+    """`dgemma serve --mesh`: parameters and the slots' cache on a 4-device mesh (fake CPU devices). With a
+    data axis the slots are split in two groups, each committing its own rows (`slots._commit_settled`)."""
     from dgemma_jax.parallel.mesh import make_mesh
     from dgemma_jax.parallel.shardings import Shardings
 
     cfg, params, sampler, tok = bundled
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices (the suite runs with 8 fake CPU devices)")
-    sh = Shardings(cfg, make_mesh("expert=4", devices=jax.devices()[:4]), "serving")
+    sh = Shardings(cfg, make_mesh(mesh, devices=jax.devices()[:4]), "serving")
     sch = Scheduler.for_model(cfg, sh.place_params(params), tok, sampler, slots=4, shardings=sh)
     prompts = ["s9350814272=", "s31415926535=", "s8877665544332211=", "s705182936="]
     got = [_submit(sch, tok, sampler, p, seed=i, max_tokens=24)[0] for i, p in enumerate(prompts)]

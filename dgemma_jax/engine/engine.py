@@ -122,10 +122,16 @@ class Engine:
 
     def new_slots(self, slots: int) -> Canvas:
         """`slots` idle slots: the first state the `slot_tick` program takes (host arrays, each its own
-        buffer, so the tick can take them donated; replicated on the engine's mesh)."""
+        buffer, so the tick can take them donated; on the engine's mesh each slot's rows split like
+        the cache's batch, the keys replicated)."""
         state = slots_lib.idle_slots(self.config, self.sampler, slots)
         keys = jax.random.wrap_key_data(self.place(np.array(jax.random.key_data(state.keys)))[0])
-        return state.replace(state=jax.tree.map(lambda x: self.place(np.array(x))[0], state.state), keys=keys)
+        if self.shardings is None:
+            return state.replace(state=jax.tree.map(np.array, state.state), keys=keys)
+        # each slot's state with its cache row (split like the batch), as `slot_tick` returns it
+        rows = jax.tree.map(lambda x: self.shardings.global_array(np.array(x), ("batch",) + (None,) * (x.ndim - 1)),
+                            state.state)
+        return state.replace(state=rows, keys=keys)
 
     @property
     def programs(self) -> "Programs":

@@ -6,7 +6,9 @@ enters a free slot with `prefill_slot`, one prompt chunk per call (a batch-1 cau
 row; the other rows are not read or written). Each tick of `slot_tick` advances every busy slot by
 one denoising step of its own canvas, at its own step count; a call runs ticks until a slot's canvas
 settles (or a tick budget is spent), commits the settled canvases whose request goes on with a causal
-pass over K = `commit_rows(N)` of those rows at a time (not over all N), and returns. The host starts
+pass over up to `commit_rows(N / G)` of those rows of each of the G slot groups at a time (G the
+data shards of a mesh, 1 without one; never over all N, and no row leaves its group's chips), and
+returns. The host starts
 their next canvases on the next tick, retires finished requests and feeds prompt chunks to the
 slots being admitted. No slot waits for another slot's canvas (step-level continuous batching).
 
@@ -89,7 +91,8 @@ def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCach
               keep: jax.Array, knobs: RowKnobs, max_ticks: jax.Array, runtime: Runtime | None = None) -> TickOutput:
     """Up to `max_ticks` ticks, each one denoising step in every busy slot, ending with the tick in
     which a slot's canvas settles; then the settled canvases whose request goes on are committed,
-    `commit_rows(N)` rows a causal pass (`commit_slots`), and the call returns (the host starts
+    `commit_rows(N / G)` rows of each slot group a causal pass (`_commit_settled`), and the call
+    returns (the host starts
     their next canvases on the next tick).
 
     keys: [N] the requests' row keys; canvas_index: [N] int32 each slot's canvas number; begin: [N]
@@ -122,56 +125,96 @@ def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCach
     with jax.named_scope(COMMIT_SCOPE):   # a scope name for the projections (benchmarks/serve_projection.py)
         cache = _commit_settled(params, config, cache, toks, settled & ((~eos & ~last) | keep), runtime)
     new = new.replace(done=new.done | ~active)   # an inactive slot stays frozen
-    return TickOutput(canvas.replace(state=new), cache, ticks, settled, toks, eos, new.steps, new.argmax,
+    # the slots' state comes back placed as it went in (`Engine.new_slots`): each row with its cache row
+    # on a mesh whose data axis splits the slots, the keys replicated; the next call takes it as it is
+    rt = runtime if runtime is not None else Runtime()
+    new = jax.tree.map(lambda x: rt.constrain(x, ("batch",) + (None,) * (x.ndim - 1)), new)
+    keys = rt.constrain(canvas.keys, (None,))
+    return TickOutput(canvas.replace(state=new, keys=keys), cache, ticks, settled, toks, eos, new.steps, new.argmax,
                       new.nonfinite & live)
 
 
 def _commit_settled(params, config: ModelConfig, cache: KVCache, tokens: jax.Array, go_on: jax.Array,
                     runtime: Runtime | None) -> KVCache:
-    """Commit the `go_on` rows' canvases, K = `commit_rows(N)` rows a pass (none when no row goes on)."""
+    """Commit the `go_on` rows' canvases (none when no row goes on), group by group.
+
+    The N slots form G groups of N / G consecutive rows, G the shards of the batch axis on the mesh
+    (`Runtime.shards(N, "batch")`: 1 without a mesh or with the batch replicated). Each pass commits
+    up to `commit_rows(N / G)` rows of every group, so a group's rows never leave the devices that
+    hold them (no cache row moves between data shards); K = G * commit_rows(N / G) rows a pass."""
     n = go_on.shape[0]
-    kk = commit_rows(n)
-    order = jnp.argsort(~go_on, stable=True).astype(jnp.int32)   # the rows to commit first
-    count = jnp.sum(go_on)
+    groups = 1 if runtime is None else runtime.shards(n, "batch")
+    per = n // groups
+    kk = commit_rows(per)
+    go = go_on.reshape(groups, per)
+    order = jnp.argsort(~go, axis=1, stable=True).astype(jnp.int32)   # each group's rows to commit first
+    counts = jnp.sum(go, axis=1)                                       # [G]
+    grouped = tokens.reshape(groups, per, tokens.shape[-1])
 
     def one(carry):
         i, c = carry
-        begin = jnp.minimum(i * kk, n - kk)          # a K-slice of distinct rows (the last one may overlap)
+        begin = jnp.minimum(i * kk, per - kk)          # a K-slice of distinct rows (the last one may overlap)
         at = begin + jnp.arange(kk)
-        rows = jax.lax.dynamic_slice_in_dim(order, begin, kk)
-        return i + 1, commit_slots(params, config, c, rows, tokens[rows], (at >= i * kk) & (at < count), runtime)
+        rows = jax.lax.dynamic_slice_in_dim(order, begin, kk, axis=1)    # [G, kk], within each group
+        active = (at[None, :] >= i * kk) & (at[None, :] < counts[:, None])
+        canvases = jnp.take_along_axis(grouped, rows[:, :, None], axis=1)
+        return i + 1, commit_slots(params, config, c, rows, canvases, active, runtime)
 
-    return jax.lax.while_loop(lambda carry: carry[0] * kk < count, one, (jnp.zeros((), jnp.int32), cache))[1]
+    return jax.lax.while_loop(lambda carry: carry[0] * kk < jnp.max(counts), one,
+                              (jnp.zeros((), jnp.int32), cache))[1]
 
 
 def commit_slots(params, config: ModelConfig, cache: KVCache, rows: jax.Array, tokens: jax.Array,
                  active: jax.Array, runtime: Runtime | None = None) -> KVCache:
-    """Commit settled canvases into their slots' rows: rows [K] distinct slot numbers, tokens [K, L]
-    their canvases, active [K] which of them to write. A causal pass over those K rows only, whatever
-    the number of slots; only the L new positions of each row are written back (in place)."""
+    """Commit settled canvases into their slots' rows, group by group.
+
+    Args:
+      cache: the slots' cache, N rows in G groups of N / G consecutive rows.
+      rows: [G, K] distinct row numbers within each group (row g * N / G + rows[g, k] of the cache).
+      tokens: [G, K, L] their canvases. active: [G, K] which of them to write.
+    Returns:
+      the cache with those rows' L new positions written (in place) after one causal pass over the
+      G * K rows only, whatever the number of slots. Reads and writes are batched over the groups,
+      so on a mesh whose data axis splits the slots each group stays on its own devices.
+    """
+    g, k = rows.shape
     sub = jax.tree.map(lambda x: _rows_of(x, rows), cache)
-    starts = sub.lengths
-    sub = commit(params, config, sub, tokens, active, runtime)
-    width = tokens.shape[1]
+    starts = sub.lengths.reshape(g, k)
+    sub = commit(params, config, sub, tokens.reshape(g * k, -1), active.reshape(-1), runtime)
+    width = tokens.shape[-1]
 
     def write_back(x, part):
-        if x.ndim == 1:                                   # lengths
-            return x.at[rows].set(part)
         b = _batch_axis(x)
-        for k in range(rows.shape[0]):                    # K static: one in-place update of L positions a row
-            piece = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_slice_in_dim(part, k, 1, b), starts[k], width, b + 1)
-            at = [jnp.zeros((), jnp.int32)] * x.ndim
-            at[b], at[b + 1] = rows[k], starts[k]
-            x = jax.lax.dynamic_update_slice(x, piece, at)
-        return x
+        x = _grouped(x, g)
+        part = part.reshape(part.shape[:b] + (g, k) + part.shape[b + 1:])
+        if x.ndim == 2:                                   # lengths [G, N / G]
+            return x.at[jnp.arange(g)[:, None], rows].set(part).reshape(-1)
+        for j in range(k):                                # K static: one in-place update of L positions a row
+            piece = jax.vmap(lambda p, s: jax.lax.dynamic_slice_in_dim(p, s, width, b + 1),   # noqa: B023
+                             in_axes=(b, 0), out_axes=b)(jax.lax.index_in_dim(part, j, b + 1), starts[:, j])
+            x = jax.vmap(lambda xg, pg, r, s: jax.lax.dynamic_update_slice(
+                xg, pg, [jnp.zeros((), jnp.int32)] * b + [r, s] + [jnp.zeros((), jnp.int32)] * (xg.ndim - b - 2)),
+                in_axes=(b, b, 0, 0), out_axes=b)(x, piece, rows[:, j], starts[:, j])
+        return x.reshape(x.shape[:b] + (-1,) + x.shape[b + 2:])
 
     return jax.tree.map(write_back, cache, sub)
 
 
-def _rows_of(x, rows):
-    """The K rows `rows` of a cache leaf, one dynamic slice each (reads those rows only)."""
+def _grouped(x, groups: int):
+    """A cache leaf with its batch axis [N] viewed as [G, N / G]."""
     b = _batch_axis(x)
-    return jnp.concatenate([jax.lax.dynamic_slice_in_dim(x, rows[k], 1, b) for k in range(rows.shape[0])], axis=b)
+    return x.reshape(x.shape[:b] + (groups, -1) + x.shape[b + 1:])
+
+
+def _rows_of(x, rows):
+    """Rows `rows` [G, K] (within each group) of a cache leaf, as a leaf of G * K rows (reads those rows
+    only; a gather batched over the groups)."""
+    b = _batch_axis(x)
+    g, k = rows.shape
+    xg = _grouped(x, g)
+    index = rows.reshape((1,) * b + (g, k) + (1,) * (xg.ndim - b - 2))
+    picked = jnp.take_along_axis(xg, index, axis=b + 1)
+    return picked.reshape(picked.shape[:b] + (g * k,) + picked.shape[b + 2:])
 
 
 def _batch_axis(x) -> int:
