@@ -32,8 +32,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dgemma_jax.config import ModelConfig  # noqa: E402
 from dgemma_jax.perf import aot, roofline  # noqa: E402
 from dgemma_jax.perf import collectives as coll  # noqa: E402
+from dgemma_jax.parallel.rules import rules_for  # noqa: E402
 from dgemma_jax.perf.report import write  # noqa: E402
 from dgemma_jax.sampling.slots import COMMIT_SCOPE, commit_rows  # noqa: E402
+
+
+def commit_k(report: dict) -> int:
+    """Settled canvases one commit pass writes: `commit_rows` of each slot group, the groups being the
+    mesh's shards of the batch axis (`slots._commit_settled`)."""
+    n, mesh = report["batch"], report["mesh"]
+    entry = dict(rules_for(report["rules"])).get("batch")
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    groups = math.prod(mesh.get(a, 1) for a in axes)
+    groups = groups if groups > 0 and n % groups == 0 else 1
+    return groups * commit_rows(n // groups)
 
 
 def split(report: dict) -> dict:
@@ -43,7 +55,7 @@ def split(report: dict) -> dict:
     cfg = ModelConfig.preset(report["preset"])
     topo = aot.topology(report["topology"])
     n, tick = report["batch"], report["programs"]["slot_tick"]
-    k = commit_rows(n)
+    k = commit_k(report)
     step_f = roofline.denoise_step_flops(cfg, n, report["context"])
     commit_f = roofline.denoise_step_flops_by_part(cfg, k, report["context"])["trunk"]   # a commit has no head
     flops = {"step": tick["flops"] * step_f / (step_f + commit_f), "commit": tick["flops"] * commit_f / (step_f + commit_f)}
@@ -64,7 +76,7 @@ def rows_for(report: dict, steps: int, canvas: int) -> dict:
     n = report["batch"]
     tick = report["programs"]["slot_tick"]
     parts = split(report)
-    k = commit_rows(n)
+    k = commit_k(report)
     calls = math.ceil(n / k)
     step, ici = parts["step"]["seconds"], parts["step"]["ici_seconds"]
     c, c_ici = parts["commit"]["seconds"], parts["commit"]["ici_seconds"]
