@@ -120,6 +120,35 @@ def test_committing_k_slots_equals_a_commit_over_every_row_and_leaves_the_rest(l
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def test_a_commit_by_slot_group_writes_each_row_its_own_canvas():
+    """`_commit_settled` on a mesh whose data axis splits 4 slots in two groups commits each settled row
+    (one per group here) with its own canvas, exactly as one group does without a mesh."""
+    from dgemma_jax.parallel.mesh import make_mesh
+    from dgemma_jax.parallel.shardings import Shardings
+    from dgemma_jax.sampling.slots import _commit_settled
+
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (the suite runs with 8 fake CPU devices)")
+    cfg = _config("tiny-6layer")
+    params = dg.init_params(cfg, 3)
+    n, ctx, l = 4, 12, cfg.canvas_length
+    rng = np.random.default_rng(2)
+    prompts = rng.integers(3, cfg.vocab_size, (n, ctx)).astype(np.int32)
+    cache = dg.init_cache(cfg, n, ctx + 2 * l)
+    _, cache = dg.prefill(params, cfg, prompts, np.array([12, 7, 10, 5], np.int32), cache, logits="none")
+    canvases = rng.integers(3, cfg.vocab_size, (n, l)).astype(np.int32)
+    go_on = np.array([True, False, False, True])
+    run = jax.jit(_commit_settled, static_argnums=(1, 5))
+    want = run(params, cfg, cache, canvases, go_on, None)
+    sh = Shardings(cfg, make_mesh("data=2,expert=2", devices=jax.devices()[:4]), "serving")
+    rt = sh.runtime()
+    assert rt.shards(n, "batch") == 2
+    got = run(sh.place_params(params), cfg, cache, canvases, go_on, rt)
+    assert np.asarray(got.lengths).tolist() == [12 + l, 7, 10, 5 + l]
+    for g, w in zip(got.keys + got.values, want.keys + want.values):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5)
+
+
 # ------------------------------------------------------------------ per-row knobs
 def test_row_knobs_decide_each_row_exactly_as_its_own_sampler_config():
     cfg = _config("tiny-2layer")
@@ -367,16 +396,26 @@ def test_slots_sharded_over_a_mesh(bundled, mesh):
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices (the suite runs with 8 fake CPU devices)")
     sh = Shardings(cfg, make_mesh(mesh, devices=jax.devices()[:4]), "serving")
-    sch = Scheduler.for_model(cfg, sh.place_params(params), tok, sampler, slots=4, shardings=sh)
     prompts = ["s9350814272=", "s31415926535=", "s8877665544332211=", "s705182936="]
-    got = [_submit(sch, tok, sampler, p, seed=i, max_tokens=24)[0] for i, p in enumerate(prompts)]
-    sch.start()
-    try:
-        assert all(c.done.wait(300) for c in got)
-    finally:
-        sch.stop()
-    assert [c.final[0].text for c in got] == ["".join(sorted(p[1:-1])) for p in prompts]
+
+    def finals(sch):
+        """Every prompt's final event, all submitted before the server starts."""
+        runs = [_submit(sch, tok, sampler, p, seed=i, max_tokens=24)[0] for i, p in enumerate(prompts)]
+        sch.start()
+        try:
+            assert all(c.done.wait(300) for c in runs)
+        finally:
+            sch.stop()
+        return [c.final[0] for c in runs]
+
+    sch = Scheduler.for_model(cfg, sh.place_params(params), tok, sampler, slots=4, shardings=sh)
+    got = finals(sch)
+    assert [ev.text for ev in got] == ["".join(sorted(p[1:-1])) for p in prompts]
     assert len(sch._cache.keys[0].sharding.device_set) == 4
+    # the same requests on one device: the same tokens and denoising steps, choice by choice (with a
+    # data axis each slot group commits its own rows; the commit must not change what a row computes)
+    ref = finals(Scheduler.for_model(cfg, params, tok, sampler, slots=4))
+    assert [(ev.token_ids, ev.steps) for ev in got] == [(ev.token_ids, ev.steps) for ev in ref]
 
 
 def test_a_server_with_the_layers_scanned_gives_the_same_answers(bundled, scheduler):

@@ -28,7 +28,7 @@ def message_text(message: Mapping[str, Any]) -> str:
     content = message.get("content")
     if isinstance(content, str):
         return content
-    return "".join(p if isinstance(p, str) else p.get("text", "") for p in content or ()
+    return "".join(p if isinstance(p, str) else p.get("text") or "" for p in content or ()
                    if isinstance(p, str) or (isinstance(p, Mapping) and p.get("type") == "text"))
 
 

@@ -88,10 +88,7 @@ class RowKnobs:
     @classmethod
     def of(cls, sampler: SamplerConfig, batch: int) -> "RowKnobs":
         """Every one of `batch` rows with `sampler`'s settings (constants inside a trace)."""
-        n = sampler.max_denoising_steps
-        table = jnp.broadcast_to(jnp.asarray(_temperature_row(sampler, n)), (batch, n))
-        return cls(table, jnp.full((batch,), n, jnp.int32), jnp.full((batch,), sampler.entropy_bound, jnp.float32),
-                   jnp.full((batch,), sampler.confidence_threshold, jnp.float32))
+        return cls.from_samplers([sampler] * batch, sampler.max_denoising_steps)
 
     @classmethod
     def from_samplers(cls, samplers, budget: int) -> "RowKnobs":

@@ -19,16 +19,14 @@ class SlotPrograms:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.tick = None
         self.memory: dict[str, dict[str, int]] = {}
         self.image_compiles = 0
         self._prefills: dict[Any, Any] = {}
 
     def compile_tick(self, args: dict):
-        """Compile the tick for these arguments (`Scheduler._tick_args`); it becomes `tick`."""
+        """The tick compiled for these arguments (`Scheduler._tick_args`)."""
         compiled = self.engine.programs.slot_tick.lower(self.engine.params, **args).compile()
         self.memory["slot_tick"] = compiled_memory(compiled)
-        self.tick = compiled
         return compiled
 
     def prefill(self, width: int, cache, images=None):

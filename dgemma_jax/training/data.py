@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from dgemma_jax.io.chat import CHANNEL_END, CHANNEL_START, TURN_END, render_chat, strip_thinking
+from dgemma_jax.io.prompts import message_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,10 +199,7 @@ OVERFLOW = ("truncate", "drop")
 def _assistant_answer(message: dict) -> tuple[str, str]:
     """(thought, answer) of an assistant message: the thought from a thinking/reasoning field or
     from an inline `<|channel>thought\\n...<channel|>` block of the content."""
-    content = message.get("content") or ""
-    if isinstance(content, (list, tuple)):
-        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text")
-    thought, answer = strip_thinking(content)
+    thought, answer = strip_thinking(message_text(message))
     for key in _THINKING_KEYS:
         if isinstance(message.get(key), str) and message[key].strip():
             thought = message[key].strip()
