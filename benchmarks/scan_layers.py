@@ -36,7 +36,7 @@ from gemm_ceiling import samples  # noqa: E402
 from dgemma_jax.config import GLOBAL, SLIDING, ModelConfig  # noqa: E402
 from dgemma_jax.model.api import param_shapes  # noqa: E402
 from dgemma_jax.model.cache import init_cache  # noqa: E402
-from dgemma_jax.model.transformer import Block  # noqa: E402
+from dgemma_jax.model.block import Block  # noqa: E402
 from dgemma_jax.perf.compiled import compile_timed, cost  # noqa: E402
 from dgemma_jax.perf.report import write  # noqa: E402
 from dgemma_jax.runtime import Runtime  # noqa: E402

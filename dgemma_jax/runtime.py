@@ -66,7 +66,7 @@ class Runtime:
     attn_key_block: keys per block when attending over a longer key set (blocks merged by
       log-sum-exp, so no score array larger than one block is live).
     remat: recompute each block in the backward pass (training memory).
-    layers: how the layers are laid out in the program (`model.layout`): "unrolled" (one traced
+    layers: how the layers are laid out in the program (`model.scanned`, `model.layout`): "unrolled" (one traced
       block per layer), "scan" (a `lax.scan` over the repeated layer group, 5 sliding + 1 global on
       the 26B: one group compiled instead of 30 layers; parameters and cache stacked per group
       position) or "auto" = the platform's default (`LAYER_DEFAULTS`: "unrolled" everywhere). The

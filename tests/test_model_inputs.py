@@ -186,7 +186,7 @@ def test_image_features_are_what_the_prompt_pass_scatters_in():
     from dgemma_jax.io.bundled import VISION_NAME, load_bundled
     from dgemma_jax.io.images import prompt_with_images
     from dgemma_jax.model.api import image_features_pass
-    from dgemma_jax.sampling.generate import prefill_prompt
+    from dgemma_jax.sampling import generate as gen
 
     cfg, params, _, tok = load_bundled(VISION_NAME)
     digits = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "digits.png")
@@ -199,7 +199,7 @@ def test_image_features_are_what_the_prompt_pass_scatters_in():
     marks = tokens == cfg.image_token_id
     _, mine = prefill(params, cfg, tokens, lengths, init_cache(cfg, 1, 256), logits="none", image_features=feats,
                       image_tokens=marks)
-    engine_cache = jax.jit(lambda p, t, n, c, px, pos: prefill_prompt(p, cfg, t, n, c, images=(px, pos)))(
+    engine_cache = jax.jit(lambda p, t, n, c, px, pos: gen.prefill(p, cfg, t, n, c, images=(px, pos)))(
         params, jnp.asarray(tokens), jnp.asarray(lengths), init_cache(cfg, 1, 256), jnp.asarray(batch.pixel_values),
         jnp.asarray(batch.position_ids))
     for a, b in zip(mine.keys + mine.values, engine_cache.keys + engine_cache.values):

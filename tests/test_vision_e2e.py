@@ -8,7 +8,7 @@ and without self-conditioning, a commit, a second turn with an image per row and
 The reference computes its own features from the pixel values (its vision tower) and runs its encoder
 on the generate() mask path, each row alone; ours loads the same checkpoint with `load_hf` and runs
   * `prefill(..., image_features=image_features_pass(...), image_tokens=...)` (logits compared), and
-  * the engine's path, `sampling.generate.prefill_prompt(..., images=(pixel_values, position_ids))`
+  * the engine's path, `sampling.generate.prefill(..., images=(pixel_values, position_ids))`
     after `engine.inputs.check_images` (the cache it leaves is compared through the denoiser's logits).
 Two sources, the same comparisons: "golden" (default tier, no torch) reads
 tests/golden/vision_e2e_<preset>.npz; "live" (marker `ref`) runs transformers now.
@@ -24,7 +24,7 @@ from dgemma_jax import denoise, init_cache, load_hf, prefill
 from dgemma_jax.engine.inputs import check_images
 from dgemma_jax.io.images import ImageBatch, settings_for
 from dgemma_jax.model.api import image_features_pass
-from dgemma_jax.sampling.generate import prefill_prompt
+from dgemma_jax.sampling import generate as gen
 from tests.golden import store
 from tests.golden import vision_e2e_case as case
 from tests.helpers import parity
@@ -100,7 +100,7 @@ def test_vision_e2e_parity(models):
 
 
 def test_vision_e2e_engine_prefill(models):
-    """The engine's prefill (host check of ImageBatch inputs, then `prefill_prompt` running the tower inside
+    """The engine's prefill (host check of ImageBatch inputs, then `sampling.generate.prefill` running the tower inside
     the program) leaves a cache the denoiser reads as the reference's; the second turn too."""
     name, cfg, params, inp, hf = models
     tokens, _, lengths = _batch(inp["prompts"], inp["image_marks"])
@@ -110,7 +110,7 @@ def test_vision_e2e_engine_prefill(models):
     images = ImageBatch(pixel_values=inp["pixel_values"], position_ids=inp["position_ids"],
                         soft_tokens=tuple(inp["soft_tokens"]), settings=settings_for(cfg, case.MAX_SOFT_TOKENS))
     checked = check_images(cfg, tokens, lengths, images)
-    run = jax.jit(prefill_prompt, static_argnums=1)
+    run = jax.jit(gen.prefill, static_argnums=1)
     cache = run(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), init_cache(cfg, b, t + c + turn.shape[1] + c),
                 None, checked)
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)

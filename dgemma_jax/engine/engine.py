@@ -144,7 +144,7 @@ class Engine:
             program = self._program
             self._bound = Programs(
                 sampler=smp,
-                prefill=program(("prefill",), functools.partial(gen.prefill_prompt, **model)),
+                prefill=program(("prefill",), functools.partial(gen.prefill, **model)),
                 commit=program(("commit",), functools.partial(gen.commit, **model)),
                 canvas_start=program(("canvas_start",), functools.partial(gen.canvas_start, config=cfg, sampler=smp),
                                      donate=()),

@@ -22,61 +22,14 @@ from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model import masks
-from dgemma_jax.model.attention import Attention
-from dgemma_jax.model import layout
+from dgemma_jax.model import layout, scanned
 from dgemma_jax.model.cache import KVCache
-from dgemma_jax.model.layers import (QUANT_SCALE, QUANT_VALUES, GatedMLP, RMSNorm, dtype_of, is_quantized, ones_param,
+from dgemma_jax.model.layers import (QUANT_SCALE, QUANT_VALUES, GatedMLP, RMSNorm, dtype_of, is_quantized,
                                      param, rms_normalize, softcap)
-from dgemma_jax.model.moe import MoE
+from dgemma_jax.model.block import Block
 from dgemma_jax.model.vision import MultimodalEmbedder, VisionTower, compact_rows
 from dgemma_jax.parallel.rules import ACTIVATION_AXES
 from dgemma_jax.runtime import Runtime
-
-
-class Block(nn.Module):
-    cfg: ModelConfig
-    rt: Runtime
-    layer: int
-
-    def setup(self):
-        cfg = self.cfg
-        self.attn = Attention(cfg, self.rt, self.layer)
-        self.pre_attn_norm = RMSNorm(cfg)
-        self.post_attn_norm = RMSNorm(cfg)
-        self.pre_dense_norm = RMSNorm(cfg)
-        self.post_dense_norm = RMSNorm(cfg)
-        self.pre_moe_norm = RMSNorm(cfg)
-        self.post_moe_norm = RMSNorm(cfg)
-        self.post_ffw_norm = RMSNorm(cfg)
-        self.dense_mlp = GatedMLP(cfg, cfg.intermediate_size)
-        self.moe = MoE(cfg, self.rt)
-        self.encoder_scalar = ones_param(self, "encoder_scalar", (1,), (None,), cfg)
-        self.decoder_scalar = ones_param(self, "decoder_scalar", (1,), (None,), cfg)
-
-    def _ffw(self, x1, scalar):
-        xd = self.pre_dense_norm(x1)
-        kernels, adapters = self.dense_mlp(xd, kernels_only=True)
-        if adapters is None:  # offered to the experts' per-shard body: one all-reduce for both where the mesh allows
-            m, d = self.moe(x1, self.pre_moe_norm(x1), dense=(xd, kernels))
-        else:
-            m, d = self.moe(x1, self.pre_moe_norm(x1)), None
-        if d is None:
-            d = self.dense_mlp(xd)
-        d, m = self.post_dense_norm(d), self.post_moe_norm(m)
-        y = x1 + self.post_ffw_norm(d + m)
-        y = (y.astype(jnp.float32) * scalar.astype(jnp.float32)).astype(x1.dtype)
-        return self.rt.constrain(y, ACTIVATION_AXES)
-
-    def encode(self, x, starts, num_new, cache_k, cache_v, image_span=None, group=None):
-        a, cache_k, cache_v = self.attn.encode(self.pre_attn_norm(x), starts, num_new, cache_k, cache_v, image_span,
-                                               group)
-        x1 = x + self.post_attn_norm(a)
-        return self._ffw(x1, self.encoder_scalar), cache_k, cache_v
-
-    def denoise(self, x, context_end, cache_k, cache_v):
-        a = self.attn.denoise(self.pre_attn_norm(x), context_end, cache_k, cache_v)
-        x1 = x + self.post_attn_norm(a)
-        return self._ffw(x1, self.decoder_scalar)
 
 
 class Transformer(nn.Module):
@@ -144,117 +97,24 @@ class Transformer(nn.Module):
             emb = jnp.einsum("blv,vd->bld", probs.astype(e.dtype), e, preferred_element_type=jnp.float32)
         return emb.astype(dt) * jnp.asarray(self.cfg.embed_scale, jnp.float32).astype(dt)
 
-    # -------------------------------------------------------------- layer layout (model/layout.py)
-    def _scanning(self) -> bool:
-        """Scan the layer groups: the runtime says "scan", or "auto" and the parameters are stacked."""
-        if self.rt.layers == "scan":
-            return True
-        if self.rt.layers == "unrolled":
-            return False
-        return layout.is_stacked(self.variables.get("params", {}))
-
-    def _groups(self):
-        """{collection: {"blocks_j": stacked}}: the parameters (and LoRA collection) of the scanned
-        layers, stacked per group position (stacked here, a copy, when they were given unrolled);
-        `layout.PER_GROUP` kernels as `layout.PerGroup`s, which the scan passes whole to its body."""
-        out = {}
-        for col, tree in self.variables.items():
-            if not any(k == layout.GROUPS_KEY or k.startswith("blocks_") for k in tree):
-                continue
-            out[col] = layout.stack_layers(dict(tree), self.cfg)[layout.GROUPS_KEY]
-        return out
-
-    def _body_rt(self, plan):
-        """The runtime of the scan body: its observer hears each traced kernel call once per group."""
-        if self.rt.observer is None or plan.groups == 1:
-            return self.rt
-        return self.rt.replace(observer=_Repeated(self.rt.observer, plan.groups))
-
-    def _block_fn(self, position: int, method: str, rt):
-        cfg, remat = self.cfg, self.rt.remat
-
-        def run(block_vars, *args):
-            return Block(cfg, rt, position, parent=None).apply(block_vars, *args, method=method)
-
-        return jax.checkpoint(run) if remat else run
-
-    def _unrolled_blocks(self, method: str):
-        """Per layer, a callable running it: the bound blocks, or (stacked parameters run unrolled,
-        `Runtime(layers="unrolled")`) the blocks applied to their unstacked parameters (a copy)."""
-        if not layout.is_stacked(self.variables.get("params", {})):
-            return [getattr(blk, method) for blk in self.blocks]
-        per_layer = {col: layout.unstack_layers(dict(t), self.cfg) if layout.is_stacked(t) else t
-                     for col, t in self.variables.items()}
-        out = []
-        for i in range(self.cfg.num_layers):
-            fn = self._block_fn(i, method, self.rt)
-            block_vars = {col: t[f"blocks_{i}"] for col, t in per_layer.items() if f"blocks_{i}" in t}
-            out.append(lambda *a, fn=fn, v=block_vars: fn(v, *a))
-        return out
-
-    def _scan_parts(self, cache: KVCache, method: str):
-        """(layer plan, the cache stacked, one callable per group position running `method`)."""
-        plan = layout.check_scannable(self.cfg)
-        rt = self._body_rt(plan)
-        return plan, layout.stack_cache(cache, self.cfg), [self._block_fn(j, method, rt) for j in range(plan.period)]
-
+    # -------------------------------------------------------------- the layers
     def _encode_layers(self, x, starts, num_new, cache: KVCache, span=None):
+        if scanned.scanning(self):
+            return scanned.encode_layers(self, x, starts, num_new, cache, span)
         extra = () if span is None else (span,)  # image spans: the text-only program stays as before
-        if not self._scanning():
-            c = layout.unstack_cache(cache, self.cfg)
-            keys, values = list(c.keys), list(c.values)
-            for i, run in enumerate(self._unrolled_blocks("encode")):
-                x, keys[i], values[i] = run(x, starts, num_new, keys[i], values[i], *extra)
-            new = c.replace(keys=tuple(keys), values=tuple(values))
-            return x, (layout.stack_cache(new, self.cfg) if cache.groups else new)
-        plan, c, fns = self._scan_parts(cache, "encode")
-
-        sliced, whole = layout.split_per_group(self._groups())
-
-        def body(carry, xs):
-            h, ks, vs = carry
-            g, groups = xs
-            groups = layout.join_per_group(groups, whole, g)
-            ks, vs = list(ks), list(vs)
-            for j in range(plan.period):  # each layer writes its tokens into entry g of the stacked caches
-                block_vars = {col: t[f"blocks_{j}"] for col, t in groups.items()}
-                h, ks[j], vs[j] = fns[j](block_vars, h, starts, num_new, ks[j], vs[j], span, g)
-            return (h, tuple(ks), tuple(vs)), None
-
-        p = plan.period
-        with jax.named_scope(layout.LAYER_LOOP_SCOPE):
-            (x, ks, vs), _ = jax.lax.scan(body, (x, c.keys[:p], c.values[:p]),
-                                          (jnp.arange(plan.groups, dtype=jnp.int32), sliced))
-        keys, values = list(ks) + list(c.keys[p:]), list(vs) + list(c.values[p:])
-        for r, i in enumerate(plan.remainder):
-            x, keys[p + r], values[p + r] = self.blocks[i].encode(x, starts, num_new, keys[p + r], values[p + r],
-                                                                   *extra)
+        c = layout.unstack_cache(cache, self.cfg)
+        keys, values = list(c.keys), list(c.values)
+        for i, run in enumerate(scanned.unrolled_blocks(self, "encode")):
+            x, keys[i], values[i] = run(x, starts, num_new, keys[i], values[i], *extra)
         new = c.replace(keys=tuple(keys), values=tuple(values))
-        return x, (new if cache.groups else layout.unstack_cache(new, self.cfg))
+        return x, (layout.stack_cache(new, self.cfg) if cache.groups else new)
 
     def _denoise_layers(self, x, context_end, cache: KVCache):
-        if not self._scanning():
-            c = layout.unstack_cache(cache, self.cfg)
-            for i, run in enumerate(self._unrolled_blocks("denoise")):
-                x = run(x, context_end, c.keys[i], c.values[i])
-            return x
-        plan, c, fns = self._scan_parts(cache, "denoise")
-
-        sliced, whole = layout.split_per_group(self._groups())
-
-        def body(h, xs):
-            g, groups, ks, vs = xs
-            groups = layout.join_per_group(groups, whole, g)
-            for j in range(plan.period):
-                block_vars = {col: t[f"blocks_{j}"] for col, t in groups.items()}
-                h = fns[j](block_vars, h, context_end, ks[j], vs[j])
-            return h, None
-
-        p = plan.period
-        with jax.named_scope(layout.LAYER_LOOP_SCOPE):
-            x, _ = jax.lax.scan(body, x, (jnp.arange(plan.groups, dtype=jnp.int32), sliced, c.keys[:p], c.values[:p]))
-        for r, i in enumerate(plan.remainder):
-            x = self.blocks[i].denoise(x, context_end, c.keys[p + r], c.values[p + r])
+        if scanned.scanning(self):
+            return scanned.denoise_layers(self, x, context_end, cache)
+        c = layout.unstack_cache(cache, self.cfg)
+        for i, run in enumerate(scanned.unrolled_blocks(self, "denoise")):
+            x = run(x, context_end, c.keys[i], c.values[i])
         return x
 
     def image_features(self, pixel_values, position_ids):
@@ -329,13 +189,3 @@ class Transformer(nn.Module):
             pos = jnp.stack(jnp.meshgrid(jnp.arange(k), jnp.arange(k)), -1).reshape(1, k * k, 2)
             self.image_features(pixels, pos)
         return out
-
-
-class _Repeated:
-    """An observer wrapper: a kernel call traced once in a scan body runs `times` times."""
-
-    def __init__(self, observer, times: int):
-        self.observer, self.times = observer, times
-
-    def kernel_call(self, name: str, flops: float) -> None:
-        self.observer.kernel_call(name, flops * self.times)

@@ -74,12 +74,20 @@ def commit(params, config: ModelConfig, cache: KVCache, tokens: jax.Array, activ
     return encode_pass(params, config, tokens, cache.lengths, n, cache, runtime=runtime)[1]
 
 
-def prefill_prompt(params, config: ModelConfig, tokens, lengths, cache: KVCache,
-                   runtime: Runtime | None = None, images=None) -> KVCache:
-    """The causal pass over the prompt. images: None, or (pixel_values [N, P, 3 p^2], position_ids
-    [N, P, 2]) of the prompt's N images, in the row-major order of their runs of image tokens
-    (`config.image_token_id`) in `tokens`: the vision tower's soft tokens replace those tokens'
-    embeddings, and each image attends to itself bidirectionally."""
+def prefill(params, config: ModelConfig, tokens, lengths, cache: KVCache,
+            runtime: Runtime | None = None, images=None) -> KVCache:
+    """The causal pass over the prompts' tokens [B, T] (row b's first lengths[b]), traceable: what
+    `model.api.prefill` does after its host checks, and the engine's `prefill` program.
+
+    Args:
+      tokens: [B, T] int32; lengths: [B] valid tokens per row, written from `cache.lengths`.
+      images: None, or (pixel_values [N, P, 3 p^2], position_ids [N, P, 2]) of the prompt's N
+        images, in the row-major order of their runs of image tokens (`config.image_token_id`): the
+        vision tower's soft tokens replace those tokens' embeddings, and each image attends to
+        itself bidirectionally.
+    Returns:
+      the new cache (`lengths` advanced by `lengths`).
+    """
     if images is None:
         return encode_pass(params, config, tokens, cache.lengths, lengths, cache, runtime=runtime)[1]
     features, _ = image_features_pass(params, config, images[0], images[1], runtime=runtime)
@@ -170,7 +178,7 @@ def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_t
     b = prompt_tokens.shape[0]
     l = sampler.canvas_length
     n_canvas = num_canvases(max_new_tokens, l)
-    cache = prefill_prompt(params, config, prompt_tokens, prompt_lengths, cache, runtime, images)
+    cache = prefill(params, config, prompt_tokens, prompt_lengths, cache, runtime, images)
     out = jnp.full((b, n_canvas * l), sampler.pad_id, jnp.int32)
     steps = jnp.zeros((b, n_canvas), jnp.int32)
     finished = jnp.zeros((b,), bool)

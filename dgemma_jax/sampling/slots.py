@@ -30,7 +30,7 @@ from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.cache import KVCache
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.sampling.generate import canvas_start, commit, finish_canvas, prefill_prompt
+from dgemma_jax.sampling.generate import canvas_start, commit, finish_canvas, prefill
 from dgemma_jax.sampling.loop import Canvas, RowKnobs, denoise_step, where_rows
 
 
@@ -78,11 +78,11 @@ def prefill_slot(params, config: ModelConfig, cache: KVCache, slot: jax.Array, t
     previous chunk for the next ones, or the length of a prefix the row already holds (prefix reuse:
     the row's first `start` positions stay as they are and are attended to). What the row held beyond
     `start` stays behind its new length, where nothing reads it. images: None, or (pixel_values,
-    position_ids) of the images wholly inside this chunk (`prefill_prompt`): an image's tokens must all
+    position_ids) of the images wholly inside this chunk (`prefill`): an image's tokens must all
     be in one chunk, since it attends to itself bidirectionally."""
     row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, _batch_axis(x)), cache)
     row = row.replace(lengths=jnp.broadcast_to(jnp.asarray(start, row.lengths.dtype), row.lengths.shape))
-    row = prefill_prompt(params, config, tokens, length, row, runtime, images=images)
+    row = prefill(params, config, tokens, length, row, runtime, images=images)
     return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, _batch_axis(x)), cache, row)
 
 

@@ -1,0 +1,63 @@
+"""One transformer layer of DiffusionGemma, in both modes (the block's equations: `model.transformer`).
+
+Its own module so that the two drivers of the layers, the unrolled loop (`model.transformer`) and
+the scan over the repeated layer group (`model.scanned`), both build it.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import linen as nn
+
+from dgemma_jax.config import ModelConfig
+from dgemma_jax.model.attention import Attention
+from dgemma_jax.model.layers import GatedMLP, RMSNorm, ones_param
+from dgemma_jax.model.moe import MoE
+from dgemma_jax.parallel.rules import ACTIVATION_AXES
+from dgemma_jax.runtime import Runtime
+
+
+class Block(nn.Module):
+    cfg: ModelConfig
+    rt: Runtime
+    layer: int
+
+    def setup(self):
+        cfg = self.cfg
+        self.attn = Attention(cfg, self.rt, self.layer)
+        self.pre_attn_norm = RMSNorm(cfg)
+        self.post_attn_norm = RMSNorm(cfg)
+        self.pre_dense_norm = RMSNorm(cfg)
+        self.post_dense_norm = RMSNorm(cfg)
+        self.pre_moe_norm = RMSNorm(cfg)
+        self.post_moe_norm = RMSNorm(cfg)
+        self.post_ffw_norm = RMSNorm(cfg)
+        self.dense_mlp = GatedMLP(cfg, cfg.intermediate_size)
+        self.moe = MoE(cfg, self.rt)
+        self.encoder_scalar = ones_param(self, "encoder_scalar", (1,), (None,), cfg)
+        self.decoder_scalar = ones_param(self, "decoder_scalar", (1,), (None,), cfg)
+
+    def _ffw(self, x1, scalar):
+        xd = self.pre_dense_norm(x1)
+        kernels, adapters = self.dense_mlp(xd, kernels_only=True)
+        if adapters is None:  # offered to the experts' per-shard body: one all-reduce for both where the mesh allows
+            m, d = self.moe(x1, self.pre_moe_norm(x1), dense=(xd, kernels))
+        else:
+            m, d = self.moe(x1, self.pre_moe_norm(x1)), None
+        if d is None:
+            d = self.dense_mlp(xd)
+        d, m = self.post_dense_norm(d), self.post_moe_norm(m)
+        y = x1 + self.post_ffw_norm(d + m)
+        y = (y.astype(jnp.float32) * scalar.astype(jnp.float32)).astype(x1.dtype)
+        return self.rt.constrain(y, ACTIVATION_AXES)
+
+    def encode(self, x, starts, num_new, cache_k, cache_v, image_span=None, group=None):
+        a, cache_k, cache_v = self.attn.encode(self.pre_attn_norm(x), starts, num_new, cache_k, cache_v, image_span,
+                                               group)
+        x1 = x + self.post_attn_norm(a)
+        return self._ffw(x1, self.encoder_scalar), cache_k, cache_v
+
+    def denoise(self, x, context_end, cache_k, cache_v):
+        a = self.attn.denoise(self.pre_attn_norm(x), context_end, cache_k, cache_v)
+        x1 = x + self.post_attn_norm(a)
+        return self._ffw(x1, self.decoder_scalar)
