@@ -18,7 +18,7 @@ import math
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dgemma_jax.config import RUNTIME_CHOICES
 from dgemma_jax.parallel.rules import axes_of, check_rules, spec_for
@@ -159,15 +159,26 @@ class Runtime:
         """How many pieces a dimension of `size` named `logical` is split into on this mesh (1 without one)."""
         if self.mesh is None:
             return 1
-        axes = spec_for((size,), (logical,), self.rules, self.mesh)[0]
+        axes = self.spec((size,), (logical,))[0]
         return math.prod(self.mesh.shape[a] for a in axes_of(axes))
+
+    def spec(self, shape: tuple, logical: tuple) -> PartitionSpec:
+        """The mesh axes of an array of `shape` whose axes have the logical names `logical`: the one
+        place logical names become mesh axes (the rules; a dimension they do not divide stays
+        whole). Needs a mesh."""
+        if self.mesh is None:
+            raise ValueError("this Runtime has no mesh: placement needs one (Runtime(mesh=...), or Shardings)")
+        return spec_for(shape, logical, self.rules, self.mesh)
+
+    def sharding(self, shape: tuple, logical: tuple) -> NamedSharding:
+        """`spec` as a NamedSharding on the mesh."""
+        return NamedSharding(self.mesh, self.spec(shape, logical))
 
     def constrain(self, x: jax.Array, logical: tuple) -> jax.Array:
         """Pin x's sharding to the mesh axes its logical axis names map to (identity without a mesh)."""
         if self.mesh is None:
             return x
-        return jax.lax.with_sharding_constraint(
-            x, NamedSharding(self.mesh, spec_for(x.shape, logical, self.rules, self.mesh)))
+        return jax.lax.with_sharding_constraint(x, self.sharding(x.shape, logical))
 
 
 def split_choices(fields: dict) -> tuple[dict, dict]:

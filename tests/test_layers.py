@@ -326,3 +326,36 @@ def test_the_jit_check_sees_a_jit(tmp_path):
     fake.write_text("import functools, jax\n\n@functools.partial(jax.jit, static_argnums=1)\ndef step(x, n):\n"
                     "    return x\n")
     assert _jit_sites(str(fake), "dgemma_jax.pipeline") == {("dgemma_jax.pipeline", "step")}
+
+
+# the one place logical axis names become mesh axes (`Runtime.spec`), and where the rules themselves live
+PLACEMENT_OWNERS = {"dgemma_jax.runtime", "dgemma_jax.parallel.rules"}
+
+
+def _placement_sites(path: str, module: str) -> set:
+    """(module, line) of every call of `spec_for` or construction of a `Runtime` with a mesh in the file."""
+    tree = ast.parse(open(path).read(), path)
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name == "spec_for" or (name == "Runtime" and any(k.arg == "mesh" for k in node.keywords)):
+                out.add((module, node.lineno))
+    return out
+
+
+def test_one_owner_of_the_mesh_and_its_rules():
+    """Logical names become mesh axes only in `Runtime.spec`; the only Runtime built with a mesh is
+    the one a `Shardings` holds (`Shardings.placement`), which every runtime on that mesh derives from."""
+    sites = {s for m, p in MODULES for s in _placement_sites(p, m) if m not in PLACEMENT_OWNERS}
+    assert {m for m, _ in sites} == {"dgemma_jax.parallel.shardings"}, sorted(sites)
+    assert len(sites) == 1, sorted(sites)
+
+
+def test_the_placement_check_sees_a_second_owner(tmp_path):
+    fake = tmp_path / "m.py"
+    fake.write_text("from dgemma_jax.parallel.rules import spec_for\n\ndef f(x, rules, mesh):\n"
+                    "    return spec_for(x.shape, ('batch',), rules, mesh)\n")
+    assert _placement_sites(str(fake), "dgemma_jax.model.moe") == {("dgemma_jax.model.moe", 4)}
+    fake.write_text("from dgemma_jax.runtime import Runtime\n\nrt = Runtime(mesh=m, rules=r)\n")
+    assert _placement_sites(str(fake), "dgemma_jax.engine.engine") == {("dgemma_jax.engine.engine", 3)}

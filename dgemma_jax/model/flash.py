@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from dgemma_jax.parallel.rules import CACHE_AXES, axes_of, spec_for
+from dgemma_jax.parallel.rules import CACHE_AXES, axes_of
 from dgemma_jax.runtime import Runtime
 
 _NEG = -1e30
@@ -151,9 +151,9 @@ def head_parallel(rt: Runtime, fn, q, k, v, valid):
     """
     if rt.mesh is None:
         return fn(q, k, v, valid, rt=rt)
-    mesh, rules = rt.mesh, rt.rules
-    qs = spec_for(q.shape, ("batch", None, "heads", None), rules, mesh)
-    ks = spec_for(k.shape, CACHE_AXES, rules, mesh)
+    mesh = rt.mesh
+    qs = rt.spec(q.shape, ("batch", None, "heads", None))
+    ks = rt.spec(k.shape, CACHE_AXES)
     if ks[1] is not None or ks[3] is not None or axes_of(qs[0]) != axes_of(ks[0]) or axes_of(qs[2]) != axes_of(ks[2]):
         return None
     inner = rt.local()

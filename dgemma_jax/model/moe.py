@@ -50,7 +50,7 @@ from dgemma_jax.model import layout
 from dgemma_jax.model.layers import (GATED_MLP_AXES, QUANT_SCALE, adapter, dequantize, gated_mlp,
                                      gelu_tanh, is_int4, is_quantized, kernel_shape, ones_param, param, project,
                                      quant_values, rms_normalize)
-from dgemma_jax.parallel.rules import axes_of, entry_of, spec_for
+from dgemma_jax.parallel.rules import axes_of, entry_of
 from dgemma_jax.runtime import Runtime
 
 
@@ -406,10 +406,10 @@ def expert_parallel(rt: Runtime, fn, z, weights, experts, gate_up, down, adapter
     if rt.mesh is None:
         y = fn(rt, z, weights, experts, gate_up, down, adapters)
         return y if dense is None else (y, None)
-    mesh, rules = rt.mesh, rt.rules
-    tok = axes_of(spec_for(z.shape[:1], ("batch",), rules, mesh)[0])
+    mesh = rt.mesh
+    tok = axes_of(rt.spec(z.shape[:1], ("batch",))[0])
     n_experts = jax.tree.leaves(gate_up)[0].shape[0]  # a float kernel, or an int8 pair's values and scales
-    ex = tuple(a for a in axes_of(spec_for((n_experts,), ("experts",), rules, mesh)[0]) if a not in tok)
+    ex = tuple(a for a in axes_of(rt.spec((n_experts,), ("experts",))[0]) if a not in tok)
     dense_specs = None if dense is None else _dense_beside_experts(rt, dense.kernels, dense.axes, ex)
     if dense is not None and dense_specs is None:  # the caller's, partitioned by XLA
         return expert_parallel(rt, fn, z, weights, experts, gate_up, down, adapters), None
@@ -466,7 +466,7 @@ def _dense_beside_experts(rt: Runtime, kernels, axes, ex):
         logical = axes[name]
         leaf_specs = []
         for leaf in jax.tree.leaves(kernel):
-            spec = spec_for(leaf.shape, logical, rt.rules, rt.mesh)
+            spec = rt.spec(leaf.shape, logical)
             entries = tuple(spec) + (None,) * (leaf.ndim - len(spec))
             for entry, name_ in zip(entries, logical):
                 if entry is not None and (name_ != "mlp" or set(axes_of(entry)) != set(ex)):

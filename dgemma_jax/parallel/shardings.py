@@ -23,7 +23,7 @@ from dgemma_jax.model.api import _boxed_init, logical_axes, param_shapes
 from dgemma_jax.model.cache import KVCache, cache_shape, init_cache
 from dgemma_jax.model.layers import dtype_of, is_quantized
 from dgemma_jax.model.layout import stack_cache
-from dgemma_jax.parallel.rules import CACHE_AXES, _axis_size, rules_for, spec_for
+from dgemma_jax.parallel.rules import CACHE_AXES, rules_for
 from dgemma_jax.runtime import Runtime
 
 
@@ -33,25 +33,34 @@ class Shardings:
         (`parallel.rules.rules_for`); checked against `mesh` (an unknown logical or mesh axis is a
         ValueError naming it)."""
         self.config = config
-        self.mesh = mesh
-        self.rules = rules_for(rules, mesh)
+        # the one holder of the mesh and the rules: every runtime of these shardings is this one with
+        # execution choices added (`runtime`), and every NamedSharding comes from its `sharding`
+        self.placement = Runtime(mesh=mesh, rules=rules_for(rules, mesh))
         self.rules_name = rules if isinstance(rules, str) else "custom"
         shapes = param_shapes(config)
         axes = logical_axes(config)
         self.logical = axes
         self.params = jax.tree.map(
-            lambda s, a: NamedSharding(mesh, spec_for(s.shape, tuple(a), self.rules, mesh)), shapes, axes,
+            lambda s, a: self.named(s.shape, tuple(a)), shapes, axes,
             is_leaf=lambda x: isinstance(x, PartitionSpec))
         self.replicated = NamedSharding(mesh, PartitionSpec())
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def mesh(self) -> Mesh:
+        return self.placement.mesh
+
+    @property
+    def rules(self) -> tuple:
+        return self.placement.rules
+
     def named(self, shape, logical) -> NamedSharding:
-        return NamedSharding(self.mesh, spec_for(shape, logical, self.rules, self.mesh))
+        return self.placement.sharding(shape, logical)
 
     def runtime(self, **choices) -> Runtime:
         """A `Runtime` on this mesh and rule set (with the given execution choices): what the model's
         passes take so that their logical constraints map onto the mesh."""
-        return Runtime(mesh=self.mesh, rules=self.rules, **choices)
+        return self.placement.replace(**choices)
 
     @functools.cached_property
     def kv_replicas(self) -> tuple[int, ...]:
@@ -66,7 +75,7 @@ class Shardings:
         c = self.config
 
         def splits(size, name):  # how many ways the mesh splits a dimension of this size and name
-            return _axis_size(self.mesh, spec_for((size,), (name,), self.rules, self.mesh)[0])
+            return self.placement.shards(size, name)
 
         q_split = splits(c.num_heads, "heads")
         reps = []
