@@ -120,18 +120,30 @@ class DiffusionGemma:
                         quantize: str | None = None, compilation_cache: bool | str = True, mesh=None,
                         rules: str | tuple = "latency", mirror: bool | None = None,
                         progress: bool = False) -> "DiffusionGemma":
-        """checkpoint: a local directory, gs:// (any fsspec URL) or a Hub repo id[@revision]; None: bundled.
-        runtime: how the engine's programs run (`dgemma_jax.Runtime`; default: this backend).
-        quantize: "int8" / "int4" quantizes the weights on load, "auto" picks none / int8 / int4 by the
-        devices' memory, None or "none" keeps the checkpoint's dtype (`dgemma_jax.model.quant`).
-        compilation_cache: jax's persistent compilation cache, as `Engine` takes it (default on).
-        mesh: a `jax.sharding.Mesh` or a spec ("expert=8"): the weights are read straight into their shards
-        under `rules` and every program runs on the mesh (or pass `shardings` built yourself).
-        mirror: True: copy a gs:// (fsspec) checkpoint's weights into the local mirror (a Hub repo's into
-        the Hugging Face cache) and read them from there, so that later starts skip the store; False: each
-        process reads its shards' bytes straight from the store or the Hub; None (default): False, but a
-        Hub repo read by a single process is downloaded (`locations.locate`).
-        progress: show a bar while a Hugging Face checkpoint's tensors are read (and quantized)."""
+        """A ready model: checkpoint, tokenizer and engine, read from a directory, a store or the Hub.
+
+        Args:
+          checkpoint: a local directory, gs:// (any fsspec URL) or a Hub repo id[@revision]; None: the
+            bundled model.
+          dtype: parameter dtype (default: the checkpoint's). sampler: the `SamplerConfig` (default: the
+            checkpoint's). revision: the Hub revision.
+          shardings: `Shardings` built yourself (or give `mesh` and `rules`, not both).
+          runtime: how the engine's programs run (`dgemma_jax.Runtime`; default: this backend).
+          quantize: "int8" / "int4" quantizes the weights on load, "auto" picks none / int8 / int4 by the
+            devices' memory, None or "none" keeps the checkpoint's dtype (`dgemma_jax.model.quant`).
+          compilation_cache: jax's persistent compilation cache, as `Engine` takes it (default on).
+          mesh, rules: a `jax.sharding.Mesh` or a spec ("expert=8") and a rule set: the weights are read
+            straight into their shards and every program runs on the mesh.
+          mirror: True: copy a gs:// (fsspec) checkpoint's weights into the local mirror (a Hub repo's
+            into the Hugging Face cache) and read them from there, so that later starts skip the store;
+            False: each process reads its shards' bytes straight from the store or the Hub; None (default):
+            False, but a Hub repo read by a single process is downloaded (`locations.locate`).
+          progress: show a bar while a Hugging Face checkpoint's tensors are read (and quantized).
+        Returns:
+          a `DiffusionGemma`.
+        Raises:
+          ValueError naming the problem (both mesh and shardings; a checkpoint that cannot be read).
+        """
         if mesh is not None:
             if shardings is not None:
                 raise ValueError("pass mesh (and rules) or shardings, not both")
@@ -150,10 +162,26 @@ class DiffusionGemma:
         return self.engine.sampler
 
     def encode_with_images(self, text: str, images, max_soft_tokens: int | None = None, add_bos: bool = True):
-        """One prompt with images -> (tokens [1, T], lengths [1], ImageBatch) (`prompt_with_images`)."""
+        """One prompt with images, each `<|image|>` in the text expanded to its soft tokens (`prompt_with_images`).
+
+        Args:
+          text: the prompt, one `<|image|>` placeholder per image (none: one per image at its start).
+          images: one or a list (paths, bytes, PIL images or uint8 arrays), in the placeholders'
+            order, or an `ImageBatch` already preprocessed for this checkpoint.
+          max_soft_tokens: the vision budget per image (default: the processor's). add_bos: start with a BOS.
+        Returns:
+          (tokens [1, T] int32, lengths [1] int32, the `ImageBatch` the engine's `images=` takes).
+        """
         return prompt_with_images(self.config, self.tokenizer, text, images, max_soft_tokens, add_bos)
 
     def encode_batch(self, texts: Sequence[str]):
+        """Prompts as one right-padded batch, each with a BOS.
+
+        Args:
+          texts: the prompts (a non-empty sequence of strings).
+        Returns:
+          (tokens [B, T] int32, padded with `config.pad_id`; lengths [B] int32).
+        """
         if not texts:
             raise ValueError("no prompts: pass a string or a non-empty list of strings")
         ids = [self.tokenizer.encode(t, add_bos=True) for t in texts]

@@ -277,3 +277,55 @@ def test_the_logical_axes_table_lists_exactly_the_codes_names_and_rule_sets():
     # the rules-file example is a valid rule set
     (example,) = re.findall(r"^```json\n(.*?)^```", section, re.S | re.M)
     assert dict(rules_for(json.loads(example)))["experts"] == "expert"
+
+
+def _public_callables():
+    """(name, function) of the package's public functions (`dgemma_jax.__all__`) and the public
+    methods of its two front doors, `Engine` and `DiffusionGemma` (defined there, not inherited)."""
+    import inspect
+
+    import dgemma_jax
+    out = []
+    for name in dgemma_jax.__all__:
+        obj = getattr(dgemma_jax, name)
+        if inspect.isfunction(obj):
+            out.append((name, obj))
+    for cls in (dgemma_jax.Engine, dgemma_jax.DiffusionGemma):
+        for name, member in vars(cls).items():
+            fn = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
+            if not name.startswith("_") and inspect.isfunction(fn):
+                out.append((f"{cls.__name__}.{name}", fn))
+    return out
+
+
+def _undocumented(fn) -> list[str]:
+    """The sections a public function's docstring lacks: Args (when it takes any) and Returns."""
+    import inspect
+    doc = inspect.getdoc(fn) or ""
+    params = [p for p in inspect.signature(fn).parameters if p not in ("self", "cls")]
+    return [s for s, needed in (("Args:", bool(params)), ("Returns:", True)) if needed and s not in doc]
+
+
+def test_public_functions_document_their_arguments_and_results():
+    missing = {name: gaps for name, fn in _public_callables() if (gaps := _undocumented(fn))}
+    assert len(_public_callables()) > 25
+    assert not missing, f"public functions without Args / Returns sections: {missing}"
+
+
+def test_the_docstring_check_sees_a_prose_docstring():
+    def prose(x, y):
+        """Adds x to y and returns the sum."""
+        return x + y
+
+    def sectioned(x):
+        """One.
+
+        Args:
+          x: a number.
+        Returns:
+          x.
+        """
+        return x
+
+    assert _undocumented(prose) == ["Args:", "Returns:"]
+    assert _undocumented(sectioned) == []

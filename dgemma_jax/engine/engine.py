@@ -102,8 +102,14 @@ class Engine:
 
     # ------------------------------------------------------------------ programs
     def fused_program(self, max_new_tokens: int, donate_cache: bool = True):
-        """The jitted fused generate for `max_new_tokens` (cache donated unless `donate=False` or
-        `donate_cache=False`)."""
+        """The jitted fused generate (`generate_fused`) for `max_new_tokens`.
+
+        Args:
+          max_new_tokens: the token budget the program is built for (its canvas count).
+          donate_cache: give the cache argument's buffers to the program (unless the engine's `donate=False`).
+        Returns:
+          the jitted function, called as `generate_fused` is, with config, sampler and runtime bound.
+        """
         fn = functools.partial(gen.generate_fused, config=self.config, sampler=self.sampler,
                                max_new_tokens=int(max_new_tokens), runtime=self.runtime)
         if not donate_cache:
@@ -121,9 +127,14 @@ class Engine:
         return self._programs[key]
 
     def new_slots(self, slots: int) -> Canvas:
-        """`slots` idle slots: the first state the `slot_tick` program takes (host arrays, each its own
-        buffer, so the tick can take them donated; on the engine's mesh each slot's rows split like
-        the cache's batch, the keys replicated)."""
+        """Idle server slots: the first state the `slot_tick` program takes.
+
+        Args:
+          slots: N, the number of slots.
+        Returns:
+          a `Canvas` of N idle rows (each leaf its own buffer, so the tick can take it donated; on the
+          engine's mesh each slot's rows split like the cache's batch, the keys replicated).
+        """
         state = slots_lib.idle_slots(self.config, self.sampler, slots)
         keys = jax.random.wrap_key_data(self.place(np.array(jax.random.key_data(state.keys)))[0])
         if self.shardings is None:
@@ -158,14 +169,26 @@ class Engine:
         return self._bound
 
     def new_cache(self, batch: int, length: int) -> KVCache:
-        """An empty cache in the layout of the engine's programs (`Runtime.layers`)."""
+        """An empty cache in the layout of the engine's programs (`Runtime.layers`), placed on its mesh.
+
+        Args:
+          batch: B rows. length: S token slots per row (prompt plus committed canvases).
+        Returns:
+          a `KVCache` with every row's length 0.
+        """
         layers = self.runtime.layer_layout
         if self.shardings is not None:
             return self.shardings.init_cache(batch, length, layers)
         return init_cache(self.config, batch, length, dtype_of(self.config.dtype), layers=layers)
 
     def place(self, *arrays):
-        """Inputs as global (replicated) arrays on the mesh; unchanged without shardings."""
+        """Host inputs as global arrays on the engine's mesh (replicated).
+
+        Args:
+          *arrays: numpy arrays, identical on every process (or already global arrays).
+        Returns:
+          a tuple of global arrays (None stays None), or the inputs unchanged without shardings.
+        """
         if self.shardings is None:
             return arrays
         return tuple(None if a is None else self.shardings.global_array(a) for a in arrays)
@@ -175,24 +198,33 @@ class Engine:
                  seed_canvas=None, pinned=None, cache_length: int | None = None,
                  cache: KVCache | None = None, images=None, donate_cache: bool = False,
                  nonfinite: str = "warn") -> gen.GenerateOutput:
-        """Generate with the fused program: prompt_tokens [B, P] (right-padded), lengths [B].
+        """Generate with the fused program (prefill, then every canvas in one compiled loop).
 
-        rng: an int seed (every row uses that seed's stream), a list of B int seeds (one per prompt),
-        one key (every row uses its stream) or [B] keys (`row_keys`: a row's key never depends on
-        its index). With `batch_invariant` (default) each row then runs as its own program, so its
-        tokens do not depend on the rest of the batch (the class docstring says what is tested).
-        cache: continue an earlier cache (multi-turn chat: the prompt is then only the new tokens;
-        `out.cache` of a previous call holds everything committed so far, i.e. all but the last
-        canvas, earlier images included; rows run alone get caches of their own lengths, merged
-        padded to the longest). With `batch_invariant` all rows of a cache passed in keep its
-        length. The cache you
-        pass stays usable unless `donate_cache=True`, which gives its buffers to the program (no
-        copy of the cache; your handle is then deleted). images: the
-        prompt's images (`dgemma_jax.io.images.preprocess_images`: pixel values, positions, soft-token
-        counts), one run of `config.image_token_id` tokens per image in the prompts, in row-major
-        order (`check_images`). nonfinite: what a row that met NaN/Inf logits (`out.nonfinite`) gives:
-        "warn" (a DgemmaWarning; default), "raise" (`errors.NonFiniteLogits`) or "ignore" (no
-        host sync: the flags stay in the result for the caller). Returns `GenerateOutput`.
+        With `batch_invariant` (the default) each row runs as its own program, so its tokens do not
+        depend on the rest of the batch (the class docstring says what is tested).
+
+        Args:
+          prompt_tokens: [B, P] int token ids, right-padded.
+          lengths: [B] valid prompt tokens per row (default P).
+          rng: an int seed (every row uses that seed's stream), a list of B int seeds (one per prompt),
+            one key (every row uses its stream) or [B] keys (`row_keys`: a row's key never depends on its
+            index).
+          max_new_tokens: the token budget (default: one canvas, L), run as ceil(max_new_tokens / L) canvases.
+          seed_canvas, pinned: [B, L] the first canvas's start and the positions held at it (infilling).
+          cache_length: the cache's slots per row (default: prompt plus budget).
+          cache: continue an earlier cache (multi-turn chat: the prompt is then only the new tokens;
+            `out.cache` of a previous call holds everything committed so far, earlier images included; rows
+            run alone get caches of their own lengths, merged padded to the longest). It stays usable
+            unless `donate_cache=True`, which gives its buffers to the program (your handle is deleted).
+          images: the prompt's images (`dgemma_jax.io.images.preprocess_images`), one run of
+            `config.image_token_id` tokens per image in the prompts, in row-major order.
+          nonfinite: what a row that met NaN/Inf logits gives: "warn" (a DgemmaWarning), "raise"
+            (`errors.NonFiniteLogits`) or "ignore" (no host sync; the flags stay in `out.nonfinite`).
+        Returns:
+          a `GenerateOutput`: tokens [B, max_new_tokens] (EOS-truncated, pad after), steps [B, C] per
+          canvas, finished [B], num_canvases, the final cache, nonfinite [B].
+        Raises:
+          ValueError naming the bad input (token ids out of range, lengths, shapes, a cache too short).
         """
         max_new_tokens = self.sampler.canvas_length if max_new_tokens is None else max_new_tokens
         cache_given = cache
@@ -291,20 +323,36 @@ class Engine:
     def stream(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
                seed_canvas=None, pinned=None, cache_length: int | None = None,
                images=None) -> Iterator[gen.CanvasEvent]:
-        """Per-canvas driver: yields each finished canvas (same tokens as `generate`)."""
+        """Per-canvas driver: each finished canvas as it is committed (the same tokens as `generate`).
+
+        Args:
+          as `generate` (prompt_tokens [B, P], lengths [B], rng, max_new_tokens, seed_canvas, pinned,
+          cache_length, images).
+        Returns:
+          an iterator of `CanvasEvent`s (index, tokens [B, L], steps [B], finished [B]).
+        """
         return self._iter(gen.iter_canvases, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned,
                           cache_length, images)
 
     def steps(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
               seed_canvas=None, pinned=None, cache_length: int | None = None, images=None,
               cache: KVCache | None = None, final_cache: bool = False):
-        """Per-step driver: yields a `StepEvent` per denoising step and a `CanvasEvent` per canvas (same
-        tokens as `generate`). With `batch_invariant` each row runs its own step programs, in lockstep
-        (`gen.merge_row_events`: a row already done shows its last state, a finished row pad).
-        cache: continue an earlier cache, as `generate`'s (given to the programs, as with
-        `generate(..., donate_cache=True)`, unless the engine's `donate=False`). final_cache: the last
-        item yielded is then the `KVCache` holding everything committed (`generate`'s `out.cache`;
-        multi-turn chat carries it on)."""
+        """Per-step driver: every denoising step's state and every finished canvas (same tokens as `generate`).
+
+        With `batch_invariant` each row runs its own step programs, in lockstep (`gen.merge_row_events`:
+        a row already done shows its last state, a finished row pad).
+
+        Args:
+          as `generate` (prompt_tokens [B, P], lengths [B], rng, max_new_tokens, seed_canvas, pinned,
+            cache_length, images), and:
+          cache: continue an earlier cache, as `generate`'s (given to the programs, as with
+            `generate(..., donate_cache=True)`, unless the engine's `donate=False`).
+          final_cache: end with the `KVCache` holding everything committed (`generate`'s `out.cache`;
+            multi-turn chat carries it on).
+        Returns:
+          an iterator of a `StepEvent` per step (canvas_index, step, argmax [B, L], the next input
+          canvas [B, L], done [B]) and a `CanvasEvent` per canvas, then the final cache when `final_cache`.
+        """
         return self._iter(functools.partial(gen.iter_steps, final_cache=final_cache), prompt_tokens, lengths, rng,
                           max_new_tokens, seed_canvas, pinned, cache_length, images, cache, final_cache)
 
@@ -312,10 +360,18 @@ class Engine:
 def generate(params, config: ModelConfig, prompt_tokens, lengths=None, sampler_config: SamplerConfig | None = None,
              rng: Any = 0, *, max_new_tokens: int | None = None, seed_canvas=None, pinned=None,
              cache_length: int | None = None, runtime: Runtime | None = None) -> gen.GenerateOutput:
-    """Prefill + multi-canvas denoising, one compiled program. See `Engine.generate`.
+    """Prefill and multi-canvas denoising in one compiled program, without building an `Engine` first.
 
     It checks its inputs on the host, so it cannot run inside `jax.jit`: there, call the traceable
-    `generate_fused` (docs/api.md, "Your own loop")."""
+    `generate_fused` (docs/api.md, "Your own loop").
+
+    Args:
+      params, config: the model. sampler_config: the sampler (default `SamplerConfig.for_model(config)`).
+      prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length: as `Engine.generate`.
+      runtime: how it runs (default: this backend, one device).
+    Returns:
+      a `GenerateOutput`, as `Engine.generate`.
+    """
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, prompt_tokens, lengths, rng))):
         raise ValueError("dgemma_jax.generate checks its inputs on the host and cannot be traced: inside jax.jit "
                          "call dgemma_jax.generate_fused (traceable; keys from dgemma_jax.row_keys)")

@@ -509,30 +509,33 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
             progress: Callable[[Iterator], Iterator] | None = None, revision: str | None = None,
             vision: bool | None = None, mirror: bool | None = None, weights: str | None = None,
             quantize: str | None = None):
-    """Read a Hugging Face DiffusionGemma directory (config.json + safetensors) -> (ModelConfig, params).
+    """Read a Hugging Face DiffusionGemma checkpoint (config.json + safetensors).
 
-    vision: whether to read the vision tower (`model.encoder.vision_tower.*`, `model.encoder.embed_vision.*`)
-    into the params `vision_tower` / `embed_vision` (config.vision set). None (default): when config.json
-    has a `vision_config` and the files hold vision tensors (a checkpoint without any, such as one `save_hf`
-    wrote for a text-only model, loads text-only); True: required; False: text only, the tower left unread.
-
-    path: a local directory, a gs:// (or other fsspec) URL, or a Hub repo id[@revision]
-    (`dgemma_jax.io.locations.locate`): from a URL the config and tokenizer files are copied into the
-    local mirror and the weights are read straight from the store, unless mirror=True (the whole
-    directory copied first, so that later starts read the local copy); revision: the Hub revision
-    (branch, tag or commit). weights: the fsspec URL of the *.safetensors when `path` is the local
-    directory of the other files (what `locate` returns).
-
-    dtype: parameter dtype ("float32", "bfloat16"; default: float32 for float32 files, else bfloat16).
-    shardings: optional pytree of `jax.sharding.Sharding` matching the params: each process reads only the
-    bytes of its own shards (its devices' slices of each tensor, each distinct slice once) and puts them
-    straight into the devices; without, each tensor is read whole. Never more than one tensor's slices are
-    held on the host beyond the parameters themselves. Raises ValueError naming missing, unexpected or
-    mis-shaped tensors.
-
-    quantize: "int8" or "int4" quantizes each kernel right after it is read (`model.quant.quantize_leaf`),
-    so the float model is never whole, neither on the host nor on the devices: the peak is the quantized
-    parameters plus one float tensor.
+    Args:
+      path: a local directory, a gs:// (or other fsspec) URL, or a Hub repo id[@revision]
+        (`dgemma_jax.io.locations.locate`). From a URL the config and tokenizer files are copied into
+        the local mirror and the weights are read straight from the store, unless `mirror=True` (the
+        whole directory copied first, so that later starts read the local copy).
+      dtype: parameter dtype ("float32", "bfloat16"; default: float32 for float32 files, else bfloat16).
+      shardings: optional pytree of `jax.sharding.Sharding` matching the params: each process reads
+        only the bytes of its own shards (each distinct slice once) and puts them straight into the
+        devices; without, each tensor is read whole. Never more than one tensor's slices are held on
+        the host beyond the parameters themselves.
+      config_overrides: `ModelConfig` fields to change after reading config.json.
+      progress: wraps the iterator over tensors (a progress bar).
+      revision: the Hub revision (branch, tag or commit).
+      vision: read the vision tower (`model.encoder.vision_tower.*`, `model.encoder.embed_vision.*`)
+        into `vision_tower` / `embed_vision`. None (default): when config.json has a `vision_config`
+        and the files hold vision tensors; True: required; False: text only, the tower left unread.
+      mirror: see `path`. weights: the fsspec URL of the *.safetensors when `path` is the local
+        directory of the other files (what `locate` returns).
+      quantize: "int8" or "int4" quantizes each kernel right after it is read
+        (`model.quant.quantize_leaf`): the float model is never whole, neither on the host nor on the
+        devices; the peak is the quantized parameters plus one float tensor.
+    Returns:
+      (ModelConfig, params): params a nested dict of arrays in the unrolled layout.
+    Raises:
+      ValueError naming missing, unexpected or mis-shaped tensors.
     """
     if weights is None:
         path, weights = locate(path, revision, mirror=mirror)
@@ -625,7 +628,17 @@ def _stored_name(st: SafetensorsDir, table: list[Entry], name: str) -> str:
 # ---------------------------------------------------------------------------- writing
 def save_hf(params, cfg: ModelConfig, path: str | os.PathLike, *, canvas_length: int | None = None,
             dtype: str | None = None, generation_config: dict | None = None):
-    """Write params as a Hugging Face DiffusionGemma directory (config.json + model.safetensors)."""
+    """Write params as a Hugging Face DiffusionGemma directory, which transformers and `load_hf` read.
+
+    Args:
+      params: float parameters of `cfg` (unrolled layout, as `load_hf` returns them).
+      cfg: the model. path: the directory (created when missing).
+      canvas_length: the config's canvas length (default `cfg.canvas_length`).
+      dtype: the tensors' dtype (default `cfg.param_dtype`).
+      generation_config: written as generation_config.json when given.
+    Returns:
+      None; path holds config.json, model.safetensors (and generation_config.json).
+    """
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     np_dtype = np.dtype(dtype or cfg.param_dtype) if (dtype or cfg.param_dtype) != "bfloat16" else None

@@ -114,12 +114,24 @@ def init_params(config: ModelConfig, rng: jax.Array | int = 0) -> Params:
 
 
 def param_shapes(config: ModelConfig) -> Params:
-    """The parameter tree as `jax.ShapeDtypeStruct`s (nothing allocated)."""
+    """The parameter tree's shapes and dtypes (nothing allocated).
+
+    Args:
+      config: the model.
+    Returns:
+      the parameter tree with a `jax.ShapeDtypeStruct` at every leaf.
+    """
     return nn.meta.unbox(jax.eval_shape(functools.partial(_boxed_init, config), jax.random.key(0)))
 
 
 def logical_axes(config: ModelConfig) -> Params:
-    """The parameter tree with a `PartitionSpec` of logical axis names at every leaf."""
+    """The parameter tree's logical axis names (what `parallel.rules` maps onto a mesh).
+
+    Args:
+      config: the model.
+    Returns:
+      the parameter tree with a `PartitionSpec` of logical axis names at every leaf.
+    """
     boxed = jax.eval_shape(functools.partial(_boxed_init, config), jax.random.key(0))
     return nn.get_partition_spec(boxed)
 
@@ -199,20 +211,30 @@ def prefill(params: Params, config: ModelConfig, tokens, lengths=None, cache: KV
             padding: str = "right"):
     """Causal encoder pass: append tokens [B, T] to the cache at each row's current end.
 
-    lengths: [B] number of valid tokens per row, default T. padding: "right" (default: row b's
-    tokens are tokens[b, :lengths[b]]) or "left" (tokens[b, T - lengths[b]:], e.g. a tokenizer's
-    left-padded batch). Either way row b's i-th valid token sits at position cache.lengths[b] + i and
-    in that cache slot, so a left-padded batch gives the right-padded batch's cache and logits (the
-    "all" logits come back in the layout given; at padding they mean nothing). Padding is never
-    written to the cache and never visible. cache: from `init_cache` (default: a new one of
-    exactly T slots). logits: "all" -> [B, T, V], "last" -> [B, V] at each row's last valid
-    token, "none" -> None. runtime: how it runs (default: this backend, one device).
-    image_features: [N, hidden_size] float, the projected soft tokens of this pass's images in
-    row-major order (the vision tower's output; unused trailing rows allowed); image_tokens: [B, T]
-    bool, True on the image placeholder tokens (mm_token_type_ids == 1), only among each row's
-    valid tokens, at most N of them. The k-th placeholder (row-major) takes feature row k; each run
-    of placeholders is one image, which attends to itself bidirectionally. Give both or neither;
-    an image must lie wholly in one call (image_tokens in the layout of `tokens`). Returns (logits, new_cache).
+    Row b's i-th valid token sits at position cache.lengths[b] + i and in that cache slot whichever
+    side its padding is on; padding is never written to the cache and never visible. An image must
+    lie wholly in one call; the k-th image placeholder (row-major) takes feature row k, and each run
+    of placeholders is one image, which attends to itself bidirectionally.
+
+    Args:
+      params, config: the model.
+      tokens: [B, T] int token ids (each in [0, vocab_size)).
+      lengths: [B] valid tokens per row (default T).
+      cache: from `init_cache` (default: a new one of exactly T slots).
+      logits: "all" -> [B, T, V] float32 (in the layout of `tokens`; at padding they mean nothing),
+        "last" -> [B, V] at each row's last valid token, "none" -> None.
+      runtime: how it runs (default: this backend, one device).
+      image_features: [N, hidden_size] float, the projected soft tokens of this pass's images in
+        row-major order (the vision tower's output; unused trailing rows allowed).
+      image_tokens: [B, T] bool, True on the image placeholders (mm_token_type_ids == 1), only among
+        each row's valid tokens, at most N of them. Give both image arguments or neither.
+      padding: "right" (row b's tokens are tokens[b, :lengths[b]]) or "left" (tokens[b, T - lengths[b]:],
+        a tokenizer's left-padded batch: the same cache and logits as the right-padded batch).
+    Returns:
+      (logits, new cache), the cache's lengths advanced by `lengths`.
+    Raises:
+      ValueError naming the problem: token ids out of range, a cache too short for the pass, lengths
+      out of [0, T], image arguments that do not match.
     """
     tokens = check_tokens(config, tokens)
     b, t = tokens.shape

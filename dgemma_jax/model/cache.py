@@ -99,7 +99,13 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
 
 def cache_shape(config: ModelConfig, batch_size: int, max_length: int, dtype=None, kv_replicas=None,
                 layers: str = "unrolled") -> KVCache:
-    """The cache as `jax.ShapeDtypeStruct`s (for AOT compilation; nothing is allocated)."""
+    """The cache as `jax.ShapeDtypeStruct`s, for AOT compilation (nothing is allocated).
+
+    Args:
+      as `init_cache` (config, batch_size, max_length, dtype, kv_replicas, layers).
+    Returns:
+      a `KVCache` whose leaves are `jax.ShapeDtypeStruct`s.
+    """
     return jax.eval_shape(lambda: init_cache(config, batch_size, max_length, dtype, kv_replicas, layers))
 
 

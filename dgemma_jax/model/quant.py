@@ -155,12 +155,19 @@ def quantize_params(config: ModelConfig, params, mode: str = "int8", *, embeddin
                     vision: bool | None = None):
     """Float parameters -> the same tree with every target kernel a quantized pair (module docstring).
 
-    mode: "int8" (per-channel) or "int4" (group-wise). embedding: quantize the tied embedding / head
-    too, in int8 (default: False for int8, see benchmarks/results/quant_quality.json; True for int4,
-    whose point is fitting one chip). vision: quantize the vision tower's kernels too, in `mode`
-    (default: False for int8, True for int4; nothing to do without a tower). Params in, new params
-    out (nothing is changed in place); arrays stay on the devices / shardings they were on. Raises a
-    ValueError for an unknown mode, parameters already quantized, or a tree that is not this config's."""
+    Args:
+      config: the model. params: float parameters of `config` (not changed in place; arrays stay on
+        the devices / shardings they were on).
+      mode: "int8" (per-channel) or "int4" (group-wise).
+      embedding: quantize the tied embedding / head too, in int8 (default: False for int8, see
+        benchmarks/results/quant_quality.json; True for int4, whose point is fitting one chip).
+      vision: quantize the vision tower's kernels too, in `mode` (default: False for int8, True for
+        int4; nothing to do without a tower).
+    Returns:
+      the new parameter tree, each quantized kernel a {"int8" or "int4", "scale"} pair.
+    Raises:
+      ValueError for an unknown mode, parameters already quantized, or a tree that is not this config's.
+    """
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; choose one of {', '.join(QUANT_MODES)}")
     embedding = _int4_default(mode, embedding)

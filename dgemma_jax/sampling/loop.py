@@ -155,13 +155,19 @@ def choice_keys(seed: int, n: int) -> jax.Array:
 
 
 def row_keys(rng, batch: int) -> jax.Array:
-    """[B] per-row keys, each from its own row's seed and never from the row's index in the batch.
+    """Per-row keys, each from its own row's seed and never from the row's index in the batch.
 
-    rng: an int seed (any 64-bit value): every row uses that seed's stream, `prompt_key(seed)` (so a
-    prompt gets the same key alone or in any batch; rows with the same prompt get the same answer);
-    a list/tuple/1-d array of B int seeds: row b uses `prompt_key(seeds[b])`; one PRNG key (or its
-    uint32 data [2]): every row uses `fold_in(key, 0)`; [B] keys (or uint32 key data [B, 2]): passed
-    through unchanged. Anything else is a ValueError that says what is accepted.
+    Args:
+      rng: an int seed (any 64-bit value): every row uses that seed's stream, `prompt_key(seed)` (so
+        a prompt gets the same key alone or in any batch; rows with the same prompt get the same
+        answer); a list/tuple/1-d array of B int seeds: row b uses `prompt_key(seeds[b])`; one PRNG
+        key (or its uint32 data [2]): every row uses `fold_in(key, 0)`; [B] keys (or uint32 key data
+        [B, 2]): passed through unchanged.
+      batch: B.
+    Returns:
+      [B] typed PRNG keys.
+    Raises:
+      ValueError saying what is accepted, for anything else.
     """
     if isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_)):
         return _broadcast(prompt_key(rng), batch)
