@@ -205,23 +205,74 @@ def test_one_chips_scan_draws_what_the_vocabulary_split_full_pass_draws(chunk):
     np.testing.assert_allclose(np.asarray(soft_scan), np.asarray(soft_full), atol=5e-5)
 
 
-def test_head_step_runs_the_scan_where_the_vocabulary_is_whole_and_the_full_pass_where_a_mesh_splits_it():
-    """The choice `head_step` makes, read from the lowered program: the scan's loop (its named scope) is
-    there on CPU and on one accelerator device, not on a mesh that splits the vocabulary."""
+def _split_runtime(mesh: str, rules: str = "latency"):
     from dgemma_jax.parallel import make_mesh
     from dgemma_jax.parallel.rules import rules_for
-    from dgemma_jax.sampling.fused import VOCAB_LOOP_SCOPE, head_step
 
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 (fake) devices")
+    m = make_mesh(mesh, devices=jax.devices()[:4])
+    return Runtime(platform="tpu", mesh=m, rules=rules_for(rules, m))
+
+
+def test_head_step_scans_the_vocabulary_on_every_layout_it_can():
+    """The choice `head_step` makes, read from the lowered program: the scan's loop (its named scope) is
+    there on CPU, on one accelerator device and, inside a `shard_map`, on a mesh that splits the
+    vocabulary; only a layout the per-shard scan cannot take (the table's hidden axis split too) keeps
+    the full pass."""
+    from dgemma_jax.sampling.fused import VOCAB_LOOP_SCOPE, head_step
+
     h, emb = _setup(v=1024, d=32, l=8)
     keys = jax.random.split(jax.random.key(0), h.shape[0])
-    split = Runtime(platform="tpu", mesh=make_mesh("expert=4", devices=jax.devices()[:4]), rules=rules_for("latency"))
+    split = _split_runtime("expert=4")
     assert split.shards(emb.shape[0], "vocab") == 4
+    hidden_split = split.replace(rules=tuple(r for r in split.rules if r[0] != "embed") + (("embed", "expert"),))
 
-    def scans(rt):
-        lowered = jax.jit(lambda h, e, k: head_step(h, e, 30.0, jnp.float32(0.7), k, 1.0, rt)).lower(h, emb, keys)
-        return f"{VOCAB_LOOP_SCOPE}/while" in lowered.as_text(debug_info=True)
+    def lowered(rt):
+        return jax.jit(lambda h, e, k: head_step(h, e, 30.0, jnp.float32(0.7), k, 1.0, rt)).lower(
+            h, emb, keys).as_text(debug_info=True)
 
-    assert scans(Runtime(platform="cpu")) and scans(Runtime(platform="tpu"))
-    assert not scans(split)
+    for rt in (Runtime(platform="cpu"), Runtime(platform="tpu"), split):
+        assert f"{VOCAB_LOOP_SCOPE}/while" in lowered(rt)
+    assert "shard_map" in lowered(split)
+    assert f"{VOCAB_LOOP_SCOPE}/while" not in lowered(hidden_split)
+
+
+@pytest.mark.parametrize("mesh, rules, int8", [("expert=4", "latency", False), ("expert=4", "latency", True),
+                                               ("data=2,expert=2", "serving", False)])
+def test_the_vocabulary_split_scan_draws_what_the_full_pass_draws(mesh, rules, int8):
+    """On a mesh that splits the vocabulary (4 CPU devices), each device scanning its own rows of the
+    table and the shards' statistics merged gives the full pass's tokens for the same seed (sampled and
+    argmax, per-row temperatures, an int8 table), and its entropy and soft embedding up to float32
+    rounding; on the serving mesh the rows are split over `data` as well."""
+    from dgemma_jax.model.quant import quantize_kernel
+    from dgemma_jax.sampling.fused import head_sample_stats_split
+
+    rt = _split_runtime(mesh, rules)
+    h, emb = _setup(v=1024, d=32, l=24, b=4, seed=3)
+    table = quantize_kernel(emb, (1,)) if int8 else emb
+    keys = jax.random.split(jax.random.key(11), h.shape[0])
+    temps = jnp.asarray([0.6, 1.0, 0.8, 1.3], jnp.float32).reshape(4, 1, 1)
+    split, soft_split = jax.jit(lambda h, e, k: head_sample_stats_split(h, e, 30.0, temps, k, 5.0, rt, chunk=128))(
+        h, table, keys)
+    full, soft_full = jax.jit(lambda h, e, k: head_sample_stats_full(h, e, 30.0, temps, k, 5.0, rt))(h, table, keys)
+    np.testing.assert_array_equal(np.asarray(split.sampled), np.asarray(full.sampled))
+    np.testing.assert_array_equal(np.asarray(split.argmax), np.asarray(full.argmax))
+    assert (np.asarray(split.sampled) != np.asarray(split.argmax)).any()   # the draw is not the argmax
+    assert len({int(t) // 256 for t in np.asarray(split.sampled).ravel()}) == 4   # tokens from every shard
+    np.testing.assert_allclose(np.asarray(split.entropy), np.asarray(full.entropy), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(soft_split), np.asarray(soft_full), atol=5e-5)
+
+
+def test_the_vocabulary_split_scan_gives_a_tie_to_the_lower_token_id():
+    """Equal maxima on two shards: the argmax is the lower id, as jnp.argmax gives it."""
+    from dgemma_jax.sampling.fused import head_sample_stats_split
+
+    rt = _split_runtime("expert=4")
+    h, emb = _setup(v=1024, d=32, l=8, b=2, seed=5)
+    emb = emb.at[700].set(emb[300] * 3.0).at[300].set(emb[300] * 3.0)   # ids 300 (shard 1) and 700 (shard 2)
+    keys = jax.random.split(jax.random.key(2), 2)
+    split, _ = jax.jit(lambda h, e, k: head_sample_stats_split(h, e, 30.0, jnp.float32(1.0), k, 1.0, rt))(h, emb, keys)
+    full, _ = jax.jit(lambda h, e, k: head_sample_stats_full(h, e, 30.0, jnp.float32(1.0), k, 1.0, rt))(h, emb, keys)
+    np.testing.assert_array_equal(np.asarray(split.argmax), np.asarray(full.argmax))
+    assert (np.asarray(full.argmax) == 300).any() and not (np.asarray(split.argmax) == 700).any()

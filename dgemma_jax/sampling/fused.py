@@ -31,13 +31,17 @@ sample the same tokens for a seed; the CPU keeps the streaming draw above.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.random import threefry2x32_p
+from jax.sharding import PartitionSpec as P
 
 from dgemma_jax.model.layers import QUANT_SCALE, QUANT_VALUES, is_quantized, softcap
+from dgemma_jax.parallel.rules import axes_of
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.ops import StepStats, sanitize_logits
 
@@ -79,9 +83,26 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
     that one chip samples what a vocabulary-split slice samples; else the streaming inverse-CDF draw.
     Returns (StepStats(sampled, argmax, entropy) each [B, L], soft embedding [B, L, D] in h.dtype).
     """
+    table, row_scale = _head_table(embedding)
+    out = _scan_stats(h, table, row_scale, cap, temperature, keys, chunk, gumbel)
+    return _finish(out, embed_scale, h.dtype)
+
+
+def _finish(out: dict, embed_scale: float, dtype):
+    """The step's statistics and soft embedding from the scan's running statistics."""
+    entropy = jnp.log(out["s"]) - out["t"] / out["s"]
+    soft = (out["acc"] / out["s"][..., None]) * embed_scale
+    return StepStats(sampled=out["sample"], argmax=out["arg"], entropy=entropy), soft.astype(dtype)
+
+
+def _scan_stats(h, embedding, row_scale, cap, temperature, keys, chunk=None, gumbel=False, offset=0,
+                total: int | None = None) -> dict:
+    """The running statistics of the module doc (m, s, t, arg, sample, acc; gmax with `gumbel`) after
+    a scan over the rows of `embedding` [V, D] (`row_scale` [V] or None): the table's rows are the
+    vocabulary's [offset, offset + V) of `total` (token ids and Gumbel columns are global)."""
     b, l, d = h.shape
-    embedding, row_scale = _head_table(embedding)
     v = embedding.shape[0]
+    total = v if total is None else total
     c = chunk or vocab_chunk(v)
     n = v // c
     init = dict(
@@ -121,7 +142,7 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
         cmax = sub_max.max(-1)
         j_max = jnp.min(jnp.where(sub_max == cmax[..., None], sub_iota, nsub), -1)
         z_blk = jnp.take_along_axis(zs, j_max[..., None, None], 2)[..., 0, :]
-        carg = j_max * sub + jnp.min(jnp.where(z_blk == cmax[..., None], iota, sub), -1) + idx * c
+        carg = j_max * sub + jnp.min(jnp.where(z_blk == cmax[..., None], iota, sub), -1) + idx * c + offset
         m_new = jnp.maximum(carry["m"], cmax)
         alpha = jnp.exp(carry["m"] - m_new)  # 0 at the first chunk (m = -inf)
         shifted = z - m_new[..., None]
@@ -140,9 +161,9 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
             "blc,cd->bld", w if row_scale is None else w * rs_c, e_c.astype(jnp.float32))
         common = dict(m=m_new, s=s, t=t, arg=jnp.where(cmax > carry["m"], carg, carry["arg"]), acc=acc)
         if gumbel:  # the running Gumbel-max: a later chunk wins only with a strictly larger value
-            zg = z + row_gumbel(keys, (l, c), idx * c, v)
+            zg = z + row_gumbel(keys, (l, c), offset + idx * c, total)
             gmax = zg.max(-1)
-            garg = jnp.min(jnp.where(zg == gmax[..., None], jnp.arange(c, dtype=jnp.int32), c), -1) + idx * c
+            garg = jnp.min(jnp.where(zg == gmax[..., None], jnp.arange(c, dtype=jnp.int32), c), -1) + idx * c + offset
             better = gmax > carry["gmax"]
             return dict(common, gmax=jnp.where(better, gmax, carry["gmax"]),
                         sample=jnp.where(better, garg, carry["sample"])), None
@@ -156,15 +177,67 @@ def head_sample_stats(h: jax.Array, embedding: jax.Array, cap: float, temperatur
         w_sub = jnp.take_along_axis(w.reshape(b, l, nsub, sub), j[..., None, None], 2)[..., 0, :]
         cum_in = jnp.cumsum(w_sub, axis=-1)
         inside = jnp.minimum(jnp.sum(cum_in < (target - before)[..., None], axis=-1), sub - 1).astype(jnp.int32)
-        inside = j * sub + inside + idx * c
+        inside = j * sub + inside + idx * c + offset
         switch = u[:, 1] * s < s_c  # probability s_c / s of moving the sample into this chunk
         return dict(common, sample=jnp.where(switch, inside, carry["sample"])), None
 
     with jax.named_scope(VOCAB_LOOP_SCOPE):  # perf.hbm_traffic counts the body once per chunk
         out, _ = jax.lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
-    entropy = jnp.log(out["s"]) - out["t"] / out["s"]
-    soft = (out["acc"] / out["s"][..., None]) * embed_scale
-    return StepStats(sampled=out["sample"], argmax=out["arg"], entropy=entropy), soft.astype(h.dtype)
+    return out
+
+
+def head_sample_stats_split(h: jax.Array, embedding, cap: float, temperature: jax.Array, keys: jax.Array,
+                            embed_scale: float, rt: Runtime, chunk: int | None = None):
+    """`head_sample_stats_full` (same contract, the same tokens for a seed) on a mesh that splits the
+    vocabulary, as the scan: each device scans its own rows of the table (no [B, L, V] logits, the
+    table read once), drawing the Gumbel noise of its rows' global columns, and the devices' running
+    statistics are merged over the vocabulary's mesh axes (`_merge`: maxima, then the sums rescaled to
+    the common max; a tie goes to the lower token id, as `argmax` gives it).
+
+    temperature: [B, 1, 1] or []. Returns None where the layout does not allow it (the table's
+    hidden axis, or h's sequence or hidden axis, split; the rows split over a vocabulary axis): the
+    caller then keeps the full pass."""
+    table, row_scale = _head_table(embedding)
+    v, d = table.shape
+    mesh = rt.mesh
+    spec_e = rt.spec((v, d), ("vocab", "embed"))
+    spec_h = rt.spec(h.shape, ("batch", "seq", "embed"))
+    vocab, batch = axes_of(spec_e[0]), axes_of(spec_h[0])
+    if not vocab or spec_e[1] is not None or spec_h[1] is not None or spec_h[2] is not None \
+            or set(vocab) & set(batch):
+        return None
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32).reshape((-1, 1, 1)), (h.shape[0], 1, 1))
+    rows = P(spec_h[0])
+    local = v // math.prod(mesh.shape[a] for a in vocab)
+    args = (h, table, temperature, keys) + (() if row_scale is None else (row_scale,))
+    specs = (P(spec_h[0], None, None), P(spec_e[0], None), P(spec_h[0], None, None), rows) \
+        + (() if row_scale is None else (P(spec_e[0]),))
+
+    def body(h, table, temperature, keys, row_scale=None):
+        shard = jnp.zeros((), jnp.int32)
+        for a in vocab:   # the device's position along the vocabulary's axes, major to minor
+            shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
+        out = _scan_stats(h, table, row_scale, cap, temperature, keys, chunk, gumbel=True, offset=shard * local,
+                          total=v)
+        return _finish(_merge(out, vocab, v), embed_scale, h.dtype)
+
+    row_out = P(spec_h[0], None)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, check_vma=False,
+                         out_specs=(StepStats(row_out, row_out, row_out), P(spec_h[0], None, None)))(*args)
+
+
+def _merge(out: dict, axes: tuple, vocab: int) -> dict:
+    """Running statistics of disjoint vocabulary shards (one per device along `axes`) merged into
+    those of the whole vocabulary, on every device."""
+    m = jax.lax.pmax(out["m"], axes)
+    scale = jnp.exp(out["m"] - m)
+    s = jax.lax.psum(out["s"] * scale, axes)
+    t = jax.lax.psum((out["t"] + out["s"] * (out["m"] - m)) * scale, axes)
+    acc = jax.lax.psum(out["acc"] * scale[..., None], axes)
+    arg = jax.lax.pmin(jnp.where(out["m"] == m, out["arg"], vocab), axes)
+    gmax = jax.lax.pmax(out["gmax"], axes)
+    sample = jax.lax.pmin(jnp.where(out["gmax"] == gmax, out["sample"], vocab), axes)
+    return dict(m=m, s=s, t=t, arg=arg, sample=sample, acc=acc, gmax=gmax)
 
 
 def head_sample_stats_full(h: jax.Array, embedding: jax.Array, cap: float, temperature: jax.Array,
@@ -245,4 +318,7 @@ def head_step(h, embedding, cap, temperature, keys, embed_scale, rt: Runtime):
         return head_sample_stats(h, embedding, cap, temperature, keys, embed_scale)
     if rt.shards(_head_table(embedding)[0].shape[0], "vocab") == 1:
         return head_sample_stats(h, embedding, cap, temperature, keys, embed_scale, gumbel=True)
+    split = head_sample_stats_split(h, embedding, cap, temperature, keys, embed_scale, rt)
+    if split is not None:
+        return split
     return head_sample_stats_full(h, embedding, cap, temperature, keys, embed_scale, rt)

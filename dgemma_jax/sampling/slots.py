@@ -208,12 +208,18 @@ def _grouped(x, groups: int):
 
 def _rows_of(x, rows):
     """Rows `rows` [G, K] (within each group) of a cache leaf, as a leaf of G * K rows (reads those rows
-    only; a gather batched over the groups)."""
+    only). Each row is a dynamic slice, batched over the groups: a gather of whole rows
+    (`take_along_axis`) made XLA:TPU keep the 26B's sliding-layer caches in another layout inside the
+    commit loop and copy every one of them into it and back on each tick: at 32 slots on a v6e-8 split
+    data=2,expert=4 the tick moved 84.6 GB per chip with the gather, 70.4 GB with the slices."""
     b = _batch_axis(x)
     g, k = rows.shape
     xg = _grouped(x, g)
-    index = rows.reshape((1,) * b + (g, k) + (1,) * (xg.ndim - b - 2))
-    picked = jnp.take_along_axis(xg, index, axis=b + 1)
+
+    def group_rows(xgi, ri):   # one group's leaf (its rows on axis b) -> its K rows
+        return jnp.stack([jax.lax.dynamic_index_in_dim(xgi, ri[j], b, keepdims=False) for j in range(k)], axis=b)
+
+    picked = jax.vmap(group_rows, in_axes=(b, 0), out_axes=b)(xg, rows)
     return picked.reshape(picked.shape[:b] + (g * k,) + picked.shape[b + 2:])
 
 
