@@ -130,3 +130,32 @@ def test_async_collectives_nested_in_custom_call_fusions_and_async_wrappers_coun
         ("all-gather", 8 * 512 * 2, 4, 1), ("all-reduce", 8 * 512 * 2, 4, 1),
         ("collective-permute", 8 * 512 * 2, 2, 1), ("reduce-scatter", 8 * 512 * 2, 4, 1)]
     assert coll.summary(found)["all-reduce"]["count"] == 1
+
+
+def test_an_op_the_compiler_inserted_takes_the_scope_of_the_loop_that_holds_it():
+    """A copy without source metadata (the compiler's own) counts under the scope of the while loop
+    whose body holds it, so a projection that splits a program by scope (the serving tick's commit
+    loop) charges it to that loop; at the top level it keeps its op kind."""
+    text = "\n".join([
+        "%body (p: (s32[], f32[1024])) -> (s32[], f32[1024]) {",
+        "  %p = (s32[], f32[1024]) parameter(0)",
+        "  %i = s32[] get-tuple-element(%p), index=0",
+        "  %x = f32[1024] get-tuple-element(%p), index=1",
+        "  %c = f32[1024] copy(%x)",
+        "  ROOT %t = (s32[], f32[1024]) tuple(%i, %c)",
+        "}",
+        "%cond (q: (s32[], f32[1024])) -> pred[] {",
+        "  %q = (s32[], f32[1024]) parameter(0)",
+        "  ROOT %r = pred[] constant(true)",
+        "}",
+        "ENTRY %main (a: f32[1024]) -> (s32[], f32[1024]) {",
+        "  %a = f32[1024] parameter(0)",
+        "  %top = f32[1024] copy(%a)",
+        "  %z = s32[] constant(0)",
+        "  %init = (s32[], f32[1024]) tuple(%z, %top)",
+        '  ROOT %w = (s32[], f32[1024]) while(%init), condition=%cond, body=%body, '
+        'metadata={op_name="jit(tick)/slot_commit/while"}',
+        "}",
+    ])
+    scopes = hbm_traffic(text)["by_scope"]
+    assert scopes == {"slot_commit/while/copy": 8192.0, "copy": 8192.0}

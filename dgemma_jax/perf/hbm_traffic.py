@@ -111,10 +111,12 @@ def _computation(hlo_text: str, name: str) -> str:
     return m.group(1) if m else ""
 
 
-def _scope(op: str, rest: str) -> str:
-    """The op's source scope (its `op_name` metadata, layer numbers folded: blocks_N)."""
+def _scope(op: str, rest: str, within: str = "") -> str:
+    """The op's source scope (its `op_name` metadata, layer numbers folded: blocks_N). An op the
+    compiler inserted (a copy, a prefetch: no metadata) takes the scope of the loop or branch whose
+    body holds it (`within`), "<that scope>/<op>", or its op kind at the top level."""
     m = re.search(r'op_name="([^"]*)"', rest)
-    name = re.sub(r"^jit\([^)]*\)/", "", m.group(1)) if m else op
+    name = re.sub(r"^jit\([^)]*\)/", "", m.group(1)) if m else (f"{within}/{op}" if within else op)
     return re.sub(r"blocks_\d+", "blocks_N", name)
 
 
@@ -177,12 +179,12 @@ def hbm_traffic(hlo_text: str) -> dict:
         return sum(read_of(called.group(1), params[j], size) if size and j in params else size
                    for j, size in enumerate(sizes))
 
-    def walk(comp: str) -> Counter:
+    def walk(comp: str, within: str = "") -> Counter:
         shapes = {name: typ for name, typ, *_ in comps[comp]}
         out: Counter = Counter()
         for name, typ, op, args, rest in comps[comp]:
             if op == "while":
-                body = walk(re.search(r"body=%?([\w.\-]+)", rest).group(1))
+                body = walk(re.search(r"body=%?([\w.\-]+)", rest).group(1), _scope(op, rest, within))
                 runs = loop_runs(hlo_text, rest)
                 out += Counter({k: v * runs for k, v in body.items()})
             elif op == "conditional":
@@ -190,9 +192,9 @@ def hbm_traffic(hlo_text: str) -> dict:
                 names = ([b.strip().lstrip("%") for b in m.group(1).split(",")] if m else
                          [re.search(k + r"=%?([\w.\-]+)", rest).group(1)
                           for k in ("true_computation", "false_computation")])
-                out += max((walk(b) for b in names), key=lambda c: sum(c.values()))
+                out += max((walk(b, _scope(op, rest, within)) for b in names), key=lambda c: sum(c.values()))
             elif op == "call":
-                out += walk(re.search(r"to_apply=%?([\w.\-]+)", rest).group(1))
+                out += walk(re.search(r"to_apply=%?([\w.\-]+)", rest).group(1), within)
             elif op in _NO_TRAFFIC or op.endswith("-done"):
                 continue
             elif op in ("copy-start", "slice-start"):
@@ -202,16 +204,16 @@ def hbm_traffic(hlo_text: str) -> dict:
                 parts = _arrays(typ)
                 dest = parts[:1] if op == "copy-start" else parts[len(source):][:1]
                 if source and dest:
-                    out[(op, _scope(op, rest))] += dest[0][0] * ((not source[0][1]) + (not dest[0][1]))
+                    out[(op, _scope(op, rest, within))] += dest[0][0] * ((not source[0][1]) + (not dest[0][1]))
             elif op == "fusion" and (called := re.search(r"calls=%?([\w.\-]+)", rest)) and \
                     (written := in_place_update(called.group(1))) is not None:
                 # the update's bytes written; the other operands (indices, the update) read as usual
-                out[(op, _scope(op, rest))] += written + operand_bytes(shapes, op, [""] + args[1:], rest)
+                out[(op, _scope(op, rest, within))] += written + operand_bytes(shapes, op, [""] + args[1:], rest)
             elif op in _IN_PLACE:
                 written = _hbm(shapes.get(args[_IN_PLACE[op]], ""))
-                out[(op, _scope(op, rest))] += written + sum(_hbm(shapes.get(a, "")) for a in args[1:])
+                out[(op, _scope(op, rest, within))] += written + sum(_hbm(shapes.get(a, "")) for a in args[1:])
             else:
-                out[(op, _scope(op, rest))] += _hbm(typ) + operand_bytes(shapes, op, args, rest)
+                out[(op, _scope(op, rest, within))] += _hbm(typ) + operand_bytes(shapes, op, args, rest)
         return out
 
     counts = walk(entry)

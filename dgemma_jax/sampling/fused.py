@@ -18,15 +18,19 @@ drawing only two uniforms per position and chunk (Gumbel-max would need one per 
 The semantics equal `sampling.ops` (sanitize -> temperature -> sample/argmax/entropy,
 softmax @ E) up to float32 rounding and the random stream; the separate ops remain the reference.
 
-On an accelerator mesh that splits the vocabulary, `head_sample_stats_full` does the same in plain
-full-vocabulary reductions over ONE [B, L, V] float32 tile (the per-chip tile is V / shards wide, and
-the reductions become small all-reduces), with Gumbel-max sampling: a sequential scan over vocab
-chunks would make the partitioner gather the vocab-sharded embedding. `head_step` picks the
-variant: the scan on CPU and where each device holds the whole vocabulary (one TPU chip: for the
-26B's head at 2 rows on a v5e-1 the scan needs no temporaries and 1.85 GB of HBM traffic, the full
-pass 0.5 GB of logits and 4.17 GB), the full pass on a mesh that splits it. On an accelerator the scan
-draws Gumbel-max over the full pass's own noise (`row_gumbel`), so one chip and a vocabulary-split slice
-sample the same tokens for a seed; the CPU keeps the streaming draw above.
+On an accelerator mesh that splits the vocabulary, `head_sample_stats_split` runs the same scan on
+each device over its own rows of the table (inside a `shard_map`) and merges the devices' running
+statistics over the vocabulary's mesh axes: maxima first, then the sums rescaled to the common max,
+ties to the lower token id. `head_sample_stats_full` does the same in plain full-vocabulary
+reductions over ONE [B, L, V] float32 tile (the per-chip tile is V / shards wide); it remains for a
+layout the per-device scan cannot take (the table's hidden axis split, or the rows split over a
+vocabulary axis). `head_step` picks the variant: the scan on CPU and where each device holds the
+whole vocabulary (one TPU chip: for the 26B's head at 2 rows on a v5e-1 the scan needs no
+temporaries and 1.85 GB of HBM traffic, the full pass 0.5 GB of logits and 4.17 GB), the per-device
+scan on a mesh that splits it, else the full pass. On an accelerator every variant draws Gumbel-max
+over the full pass's own noise (`row_gumbel`, each value at its global vocabulary column), so one
+chip and a vocabulary-split slice sample the same tokens for a seed; the CPU keeps the streaming
+draw above.
 """
 
 from __future__ import annotations
