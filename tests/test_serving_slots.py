@@ -357,12 +357,12 @@ def test_a_long_prompt_goes_into_its_slot_in_chunks_equal_to_one_prefill(bundled
     cfg, params, sampler, tok = bundled
     sch = Scheduler.for_model(cfg, params, tok, sampler, slots=3, context=64, prefill_chunk=8)
     assert sch.prefill_widths == (8, 8)
-    sch._cache = sch.engine.new_cache(3, 64)
+    sch.runner.cache = sch.engine.new_cache(3, 64)
     ids = np.asarray(tok.encode("s8877665544332211=", add_bos=True), np.int32)    # 19 tokens: chunks of 8, 8, 3
     assert _prefill_into(sch, 1, ids) == 3
     _, ref = dg.prefill(params, cfg, ids[None], None, dg.init_cache(cfg, 1, 64), logits="none")
-    assert np.asarray(sch._cache.lengths).tolist() == [0, 19, 0]
-    for got, want in zip(sch._cache.keys + sch._cache.values, ref.keys + ref.values):
+    assert np.asarray(sch.runner.cache.lengths).tolist() == [0, 19, 0]
+    for got, want in zip(sch.runner.cache.keys + sch.runner.cache.values, ref.keys + ref.values):
         np.testing.assert_allclose(np.asarray(got)[1, :19], np.asarray(want)[0, :19], atol=2e-5)
         assert not np.asarray(got)[[0, 2]].any()          # the other rows untouched
 
@@ -372,7 +372,7 @@ def test_a_prompt_continued_from_a_rows_prefix_equals_its_own_prefill(bundled):
     tokens) written from position 11 on, holds B's cache as a prefill of B alone would."""
     cfg, params, sampler, tok = bundled
     sch = Scheduler.for_model(cfg, params, tok, sampler, slots=2, context=64, prefill_chunk=8)
-    sch._cache = sch.engine.new_cache(2, 64)
+    sch.runner.cache = sch.engine.new_cache(2, 64)
     a = np.asarray(tok.encode("s8877665544332211=", add_bos=True), np.int32)
     b = np.asarray(tok.encode("s8877665543=", add_bos=True), np.int32)
     shared = common_prefix(content_keys(a, None), content_keys(b, None))
@@ -380,8 +380,8 @@ def test_a_prompt_continued_from_a_rows_prefix_equals_its_own_prefill(bundled):
     _prefill_into(sch, 0, a)
     assert _prefill_into(sch, 0, b, start=shared) == 1 and sch._rows[0].tolist() == b.tolist()
     _, ref = dg.prefill(params, cfg, b[None], None, dg.init_cache(cfg, 1, 64), logits="none")
-    assert int(np.asarray(sch._cache.lengths)[0]) == len(b)
-    for got, want in zip(sch._cache.keys + sch._cache.values, ref.keys + ref.values):
+    assert int(np.asarray(sch.runner.cache.lengths)[0]) == len(b)
+    for got, want in zip(sch.runner.cache.keys + sch.runner.cache.values, ref.keys + ref.values):
         np.testing.assert_allclose(np.asarray(got)[0, :len(b)], np.asarray(want)[0, :len(b)], atol=2e-5)
 
 
@@ -411,7 +411,7 @@ def test_slots_sharded_over_a_mesh(bundled, mesh):
     sch = Scheduler.for_model(cfg, sh.place_params(params), tok, sampler, slots=4, shardings=sh)
     got = finals(sch)
     assert [ev.text for ev in got] == ["".join(sorted(p[1:-1])) for p in prompts]
-    assert len(sch._cache.keys[0].sharding.device_set) == 4
+    assert len(sch.runner.cache.keys[0].sharding.device_set) == 4
     # the same requests on one device: the same tokens and denoising steps, choice by choice (with a
     # data axis each slot group commits its own rows; the commit must not change what a row computes)
     ref = finals(Scheduler.for_model(cfg, params, tok, sampler, slots=4))

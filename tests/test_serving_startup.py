@@ -31,15 +31,15 @@ def _held_scheduler(bundled, fail=False):
     cfg, params, sampler, tok = bundled
     sch = Scheduler.for_model(cfg, params, tok, sampler, slots=2, context=64)
     gate = threading.Event()
-    compile_tick = sch._compile_tick
+    compile_tick = sch.runner.compile_tick
 
-    def held():
+    def held(args):
         gate.wait(120)
         if fail:
             raise RuntimeError("out of memory compiling the tick (a test)")
-        return compile_tick()
+        return compile_tick(args)
 
-    sch._compile_tick = held
+    sch.runner.compile_tick = held
     return sch, gate
 
 
@@ -48,7 +48,7 @@ def test_health_says_starting_and_requests_get_retry_after_until_the_programs_ar
     sch.start(wait=False)
     client = TestClient(create_app(sch, "m"))
     deadline = time.monotonic() + 60
-    while sch.programs["slot_tick"]["state"] != "compiling" and time.monotonic() < deadline:
+    while sch.runner.programs["slot_tick"]["state"] != "compiling" and time.monotonic() < deadline:
         time.sleep(0.02)
     r = client.get("/health")
     assert r.status_code == 503

@@ -44,7 +44,7 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or cfg.name
     compiles = CompileCounter()
     scheduler.start(wait=False)
-    print(f"dgemma serve: listening on http://{args.host}:{args.port}/v1; compiling {len(scheduler.programs)} "
+    print(f"dgemma serve: listening on http://{args.host}:{args.port}/v1; compiling {len(scheduler.runner.programs)} "
           f"programs for {args.slots} slot(s) x {context} tokens (/health answers 503 \"starting\" until they "
           "are ready)", file=sys.stderr, flush=True)
 
@@ -55,7 +55,7 @@ def cmd_serve(args) -> int:
                       file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's shutdown; the exit status says it failed
                 return
-        need = scheduler.compiled.memory.get("slot_tick", {}).get("total_bytes", 0)
+        need = scheduler.runner.memory.get("slot_tick", {}).get("total_bytes", 0)
         print(f"dgemma serve: {name} ready: {args.slots} slot(s), context {context} tokens per slot, canvas "
               f"{sampler.canvas_length}, up to {scheduler.engine.sampler.max_denoising_steps} steps per canvas; "
               f"ready {scheduler.stats['startup_compile_ms'] / 1e3:.1f} s after the start of compilation "

@@ -1,7 +1,7 @@
 """Continuous batching at step granularity: a queue, N slots and one worker thread.
 
     scheduler = Scheduler(engine, tokenizer, slots=8, context=4096)
-    scheduler.start()                        # compiles the slot programs, reports their memory
+    scheduler.start()                        # the runner compiles the slot programs, reports their memory
     req = scheduler.submit(Request(prompt_ids, n=1, max_tokens=64, sampler=..., seed=0, stop=(), ...))
     ... req.on_event (a callback) receives a `SeqEvent` per committed canvas, per choice's end, and
         with `provisional=True` one per denoising step (the canvas as it stands) ...
@@ -24,10 +24,11 @@ prefilling only the rest; the least recently used slot is overwritten when none 
 short beginning (under `SMALL_PREFILL` tokens and half its row). The reused tokens are
 `SeqEvent.cached_tokens` (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
 
-The scheduler keeps the books (the queue, the slots, what each cache row holds, the tick arguments);
-a prompt's chunks and its identity for prefix matching are `serving/chunks.py`, what a client sees of
-a choice's tokens (text, stop strings, previews) `serving/output.py`, the compiled programs
-`serving/programs.py`.
+The scheduler keeps the books (the queue, the slots, what each cache row holds, the tick arguments)
+and decides what each tick runs; the device side (the slots' cache and state, the compiled programs,
+the calls that run them) is `serving/runner.py`. A prompt's chunks and its identity for prefix
+matching are `serving/chunks.py`, what a client sees of a choice's tokens (text, stop strings,
+previews) `serving/output.py`.
 
 Reproducibility: choice i of a request with seed s uses the row key `choice_keys(s, n)[i]` (for n=1
 the key `Engine.generate(rng=s)` gives the prompt, `prompt_key(s)`), its own sampler settings (`RowKnobs`), and
@@ -38,9 +39,7 @@ else ran and with or without a reused prefix (tests/test_serving_*.py); not veri
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -56,7 +55,7 @@ from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, choice_keys
 from dgemma_jax.serving import chunks as chunks_lib
 from dgemma_jax.serving.output import OutputProcessor, SeqEvent
-from dgemma_jax.serving.programs import SlotPrograms
+from dgemma_jax.serving.runner import SlotRunner
 
 log = logging.getLogger("dgemma_jax.serving")
 
@@ -150,11 +149,9 @@ class Scheduler:
         big = min(int(prefill_chunk), self.context)
         self.prefill_widths = (min(SMALL_PREFILL, big), big)   # (short prompts and tails, whole chunks)
         self.prefix_reuse = bool(prefix_reuse)
-        self.compiled = SlotPrograms(engine)   # the compiled tick and prefills, with their memory
-        self._tick_program = None
+        # the device side: the slots' cache and state, the compiled tick and prefills
+        self.runner = SlotRunner(engine, self.slots, self.context, self.prefill_widths)
         self.ticks_per_call = int(ticks_per_call)
-        self._cache = None
-        self._slots_state = None
         self._busy: list[_Choice | None] = [None] * self.slots
         # prefix reuse: what each row holds (`content_keys` of its committed tokens) and its last use
         self._rows: list[np.ndarray] = [np.zeros((0,), np.int64) for _ in range(self.slots)]
@@ -166,10 +163,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.stats = collections.Counter()
         self.error: BaseException | None = None
-        # start-up: each program's state ("pending", "compiling", "ready" with its seconds), and when
-        # every one is compiled and the worker runs
-        self.programs: dict[str, dict[str, Any]] = {}
-        self.ready = threading.Event()
+        self.ready = threading.Event()   # every program compiled and the worker running
         self._started_at: float | None = None
 
     @classmethod
@@ -211,13 +205,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, wait: bool = True) -> None:
-        """Allocate the slots' cache, compile the tick and the prefill widths (side by side: XLA
-        compiles them in parallel threads), then start the worker. wait=False returns at once and does
-        all that in a thread: until `ready` is set, `status()` reports each program's progress and
-        `submit` raises `Starting`; a failed compile sets `error`."""
+        """Start the runner (`SlotRunner.start`: the slots' cache, the compiled tick and prefill widths),
+        then the worker. wait=False returns at once and does all that in a thread: until `ready` is
+        set, `status()` reports each program's progress and `submit` raises `Starting`; a failed
+        compile sets `error`."""
         self._started_at = time.perf_counter()
-        self.programs = {"slot_tick": {"state": "pending"}}
-        self.programs.update({f"prefill_slot_{w}": {"state": "pending"} for w in sorted(set(self.prefill_widths))})
         if wait:
             self._start_up()
             if self.error is not None:
@@ -227,35 +219,14 @@ class Scheduler:
 
     def _start_up(self) -> None:
         try:
-            self._cache = self.engine.new_cache(self.slots, self.context)
-            self._slots_state = self.engine.new_slots(self.slots)
-            jobs = {"slot_tick": self._compile_tick}
-            jobs.update({f"prefill_slot_{w}": functools.partial(self._prefill_for, w)
-                         for w in sorted(set(self.prefill_widths))})
-            with concurrent.futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="dgemma-compile") as pool:
-                done = {name: pool.submit(self._timed, name, job) for name, job in jobs.items()}
-            tick_program = done["slot_tick"].result()
-            for future in done.values():
-                future.result()
+            self.runner.start(self._tick_args())
         except BaseException as e:  # noqa: BLE001 - reported through status(), /health and start(wait=True)
             self.error = e
             return
-        self._tick_program = tick_program
         self.stats["startup_compile_ms"] = int(1e3 * (time.perf_counter() - self._started_at))
         self._thread = threading.Thread(target=self._run, name="dgemma-scheduler", daemon=True)
         self._thread.start()
         self.ready.set()
-
-    def _timed(self, name: str, compile_fn):
-        self.programs[name] = {"state": "compiling"}
-        t0 = time.perf_counter()
-        try:
-            out = compile_fn()
-        except BaseException:
-            self.programs[name] = {"state": "failed"}
-            raise
-        self.programs[name] = {"state": "ready", "seconds": round(time.perf_counter() - t0, 2)}
-        return out
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop taking requests, finish every submitted one, then end the worker."""
@@ -287,7 +258,7 @@ class Scheduler:
         if self._started_at is not None and not self.ready.is_set():  # compiling (before start: queued)
             if self.error is not None:
                 raise ShuttingDown(f"the server failed to start ({self.error}); restart it")
-            raise Starting(f"the server is still compiling its programs ({self.progress()}); retry shortly")
+            raise Starting(f"the server is still compiling its programs ({self.runner.progress()}); retry shortly")
         with self._cond:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down and takes no new requests")
@@ -301,11 +272,6 @@ class Scheduler:
             self._cond.notify_all()
         return list(requests)
 
-    def progress(self) -> str:
-        """Start-up progress in words: "1 of 3 programs compiled"."""
-        ready = sum(p["state"] == "ready" for p in self.programs.values())
-        return f"{ready} of {len(self.programs)} programs compiled"
-
     def status(self) -> dict:
         with self._cond:
             busy = sum(c is not None for c in self._busy)
@@ -313,8 +279,8 @@ class Scheduler:
             return {"slots": self.slots, "busy_slots": busy, "queued": len(self._queue), "context": self.context,
                     "canvas_length": self.canvas_length, "stopping": self._stopping, "ready": self.ready.is_set(),
                     "worker_alive": bool(self._thread and self._thread.is_alive()),
-                    "memory": self.compiled.memory,
-                    "programs": {k: dict(v) for k, v in self.programs.items()},
+                    "memory": self.runner.memory,
+                    "programs": {k: dict(v) for k, v in self.runner.programs.items()},
                     "seconds_since_start": round(time.perf_counter() - since, 1) if since is not None else None,
                     "stats": dict(self.stats)}
 
@@ -332,7 +298,7 @@ class Scheduler:
                 keys[s], canvas_index[s] = c.key, c.canvas
                 last[s] = c.canvas + 1 >= c.n_canvases
                 keep[s] = self._keeps(s)
-        return dict(cache=self._cache, state=self._slots_state, keys=jax.random.wrap_key_data(keys),
+        return dict(keys=jax.random.wrap_key_data(keys),
                     canvas_index=canvas_index, begin=np.zeros(n, bool) if begin is None else begin,
                     active=np.zeros(n, bool) if active is None else active, last=last, keep=keep,
                     knobs=self._knobs[1], max_ticks=np.int32(max_ticks))
@@ -340,16 +306,6 @@ class Scheduler:
     def _keeps(self, s: int) -> bool:
         """Slot s's last canvas goes into its row too (prefix reuse keeps the answer), when it fits."""
         return self.prefix_reuse and len(self._rows[s]) + self.canvas_length <= self.context
-
-    def _compile_tick(self):
-        return self.compiled.compile_tick(self._tick_args())
-
-    def _prefill_for(self, width: int, images=None):
-        """The compiled prefill of a chunk of `width` tokens (`SlotPrograms.prefill`)."""
-        before = self.compiled.image_compiles
-        program = self.compiled.prefill(width, self._cache, images)
-        self.stats["image_prefill_compiles"] += self.compiled.image_compiles - before
-        return program
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
@@ -424,14 +380,9 @@ class Scheduler:
         n = end - start
         tokens = np.full((1, width), self.engine.config.pad_id, np.int32)
         tokens[0, :n] = ids[start:end]
-        kw = dict(cache=self._cache, slot=np.int32(c.slot), tokens=tokens, length=np.asarray([n], np.int32),
-                  start=np.int32(start))
-        if imgs is None:
-            self._cache = self._prefill_for(width)(self.engine.params, **kw)
-        else:
-            pixels = self.engine.place(np.asarray(imgs.pixel_values, np.float32),
-                                        np.asarray(imgs.position_ids, np.int32))
-            self._cache = self._prefill_for(width, pixels)(self.engine.params, images=tuple(pixels), **kw)
+        before = self.runner.image_compiles
+        self.runner.prefill(c.slot, tokens, n, start, imgs)
+        self.stats["image_prefill_compiles"] += self.runner.image_compiles - before
         self._rows[c.slot] = np.concatenate([self._rows[c.slot][:start], c.request.content[start:end]])
         self.stats["prefill_chunks"] += 1
         if not c.chunks:
@@ -462,12 +413,7 @@ class Scheduler:
         one = prefilled or previews or not active.all()
         begin = np.array([bool(c is not None and c.begin) for c in busy], bool)
         args = self._tick_args(busy, begin, active, 1 if one else self.ticks_per_call)
-        out = self._tick_program(self.engine.params, **args)
-        self._cache, self._slots_state = out.cache, out.state
-        fetched = (out.ticks, out.settled, out.tokens, out.eos, out.steps, out.nonfinite)
-        fetched += (out.argmax,) if previews else ()
-        ticks, settled, tokens, eos, steps, nonfinite, *argmax = jax.device_get(fetched)   # one transfer
-        ticks, argmax = int(ticks), (argmax[0] if previews else None)
+        ticks, settled, tokens, eos, steps, nonfinite, argmax = self.runner.tick(args, previews)
         self.stats["slot_steps"] += int(active.sum()) * ticks
         self.stats["tick_calls"] += 1
         self.stats["ticks"] += ticks - 1     # the last tick is counted below, after its events

@@ -1,0 +1,129 @@
+"""The device side of the server: the slots' KV cache and canvas state, the engine's slot tick and
+slot prefill compiled ahead of time for the server's shapes, and the calls that run them. The
+scheduler (`serving/scheduler.py`) decides what runs; the runner runs it and hands back host arrays."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import time
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from dgemma_jax.engine import Engine
+from dgemma_jax.engine.programs import compiled_memory
+
+
+class TickResult(NamedTuple):
+    """What one call of the tick program tells the host (numpy, one transfer): ticks run; per slot
+    [N] whether its canvas settled, its tokens [N, L] (EOS-truncated), whether they end in EOS, its
+    denoising steps, whether it met non-finite logits; the canvases' argmax [N, L] when asked for
+    (previews), else None."""
+
+    ticks: int
+    settled: np.ndarray
+    tokens: np.ndarray
+    eos: np.ndarray
+    steps: np.ndarray
+    nonfinite: np.ndarray
+    argmax: np.ndarray | None
+
+
+class SlotRunner:
+    """The slots' cache and state and the compiled `slot_tick` and `prefill_slot` programs of one engine.
+
+    `programs` holds each start-up program's progress ("pending", "compiling", "ready" with its
+    seconds, "failed"); `memory` each compiled program's device memory (`compiled_memory`) by name;
+    `image_compiles` counts the image prefills compiled on first use (a new image shape)."""
+
+    def __init__(self, engine: Engine, slots: int, context: int, prefill_widths: tuple[int, ...]):
+        self.engine, self.slots, self.context = engine, int(slots), int(context)
+        self.prefill_widths = tuple(sorted(set(prefill_widths)))
+        self.programs: dict[str, dict[str, Any]] = {"slot_tick": {"state": "pending"}}
+        self.programs.update({f"prefill_slot_{w}": {"state": "pending"} for w in self.prefill_widths})
+        self.memory: dict[str, dict[str, int]] = {}
+        self.image_compiles = 0
+        self.cache = None
+        self.state = None
+        self._tick = None
+        self._prefills: dict[Any, Any] = {}
+
+    # ------------------------------------------------------------------ start-up
+    def start(self, tick_args: dict) -> None:
+        """Allocate the slots' cache and state, then compile the tick (for `tick_args`, the
+        scheduler's idle arguments) and the prefill widths side by side (XLA compiles them in
+        parallel threads), each program's progress in `programs`. Raises what a compile raised."""
+        self.cache = self.engine.new_cache(self.slots, self.context)
+        self.state = self.engine.new_slots(self.slots)
+        jobs = {"slot_tick": functools.partial(self.compile_tick, tick_args)}
+        jobs.update({f"prefill_slot_{w}": functools.partial(self.prefill_program, w) for w in self.prefill_widths})
+        with concurrent.futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="dgemma-compile") as pool:
+            done = {name: pool.submit(self._timed, name, job) for name, job in jobs.items()}
+        for future in done.values():
+            future.result()
+        self._tick = done["slot_tick"].result()
+
+    def progress(self) -> str:
+        """Start-up progress in words: "1 of 3 programs compiled"."""
+        ready = sum(p["state"] == "ready" for p in self.programs.values())
+        return f"{ready} of {len(self.programs)} programs compiled"
+
+    def _timed(self, name: str, compile_fn):
+        self.programs[name] = {"state": "compiling"}
+        t0 = time.perf_counter()
+        try:
+            out = compile_fn()
+        except BaseException:
+            self.programs[name] = {"state": "failed"}
+            raise
+        self.programs[name] = {"state": "ready", "seconds": round(time.perf_counter() - t0, 2)}
+        return out
+
+    def compile_tick(self, args: dict):
+        """The tick compiled for these arguments (the scheduler's, without the cache and state)."""
+        compiled = self.engine.programs.slot_tick.lower(self.engine.params, cache=self.cache, state=self.state,
+                                                        **args).compile()
+        self.memory["slot_tick"] = compiled_memory(compiled)
+        return compiled
+
+    def prefill_program(self, width: int, images=None):
+        """The compiled prefill of a chunk of `width` tokens into one slot's row; with images
+        (pixel_values, position_ids) one program per (width, images' shapes), compiled on first use."""
+        key = width if images is None else (width, tuple(images[0].shape), tuple(images[1].shape))
+        if key in self._prefills:
+            return self._prefills[key]
+        kw = dict(cache=self.cache, slot=np.int32(0), tokens=np.zeros((1, width), np.int32),
+                  length=np.ones((1,), np.int32), start=np.int32(0))
+        name = f"prefill_slot_{width}"
+        if images is not None:
+            kw["images"] = images
+            name += f"_images_{images[0].shape[0]}x{images[0].shape[1]}"
+            self.image_compiles += 1
+        compiled = self.engine.programs.prefill_slot.lower(self.engine.params, **kw).compile()
+        self.memory[name] = compiled_memory(compiled)
+        self._prefills[key] = compiled
+        return compiled
+
+    # ------------------------------------------------------------------ running
+    def prefill(self, slot: int, tokens: np.ndarray, length: int, start: int, images=None) -> None:
+        """One prompt chunk, tokens [1, W] (its first `length` valid), into slot `slot`'s row from
+        position `start`; images: the chunk's `ImageBatch`, or None."""
+        kw = dict(cache=self.cache, slot=np.int32(slot), tokens=tokens, length=np.asarray([length], np.int32),
+                  start=np.int32(start))
+        width = tokens.shape[1]
+        if images is None:
+            self.cache = self.prefill_program(width)(self.engine.params, **kw)
+            return
+        pixels = self.engine.place(np.asarray(images.pixel_values, np.float32), np.asarray(images.position_ids, np.int32))
+        self.cache = self.prefill_program(width, pixels)(self.engine.params, images=tuple(pixels), **kw)
+
+    def tick(self, args: dict, previews: bool) -> TickResult:
+        """One call of the compiled tick on the slots' cache and state (both replaced by its output)."""
+        out = self._tick(self.engine.params, cache=self.cache, state=self.state, **args)
+        self.cache, self.state = out.cache, out.state
+        fetched = (out.ticks, out.settled, out.tokens, out.eos, out.steps, out.nonfinite)
+        fetched += (out.argmax,) if previews else ()
+        ticks, settled, tokens, eos, steps, nonfinite, *argmax = jax.device_get(fetched)   # one transfer
+        return TickResult(int(ticks), settled, tokens, eos, steps, nonfinite, argmax[0] if previews else None)
