@@ -276,16 +276,3 @@ def test_the_vocabulary_split_scan_gives_a_tie_to_the_lower_token_id():
     full, _ = jax.jit(lambda h, e, k: head_sample_stats_full(h, e, 30.0, jnp.float32(1.0), k, 1.0, rt))(h, emb, keys)
     np.testing.assert_array_equal(np.asarray(split.argmax), np.asarray(full.argmax))
     assert (np.asarray(full.argmax) == 300).any() and not (np.asarray(split.argmax) == 700).any()
-
-
-def test_a_sum_too_large_for_the_chip_takes_fewer_vocab_chunks_only_where_the_draw_allows():
-    """The Gumbel-max head (its draw is the same for any chunking, tested above) scans 4 chunks when
-    its running [B, L, D] float32 sum does not fit on chip; the CPU's streaming draw, whose random
-    stream is drawn per chunk, keeps 2048-wide chunks."""
-    from dgemma_jax.model.moe import ON_CHIP_BYTES
-    from dgemma_jax.sampling.fused import _chunk_target
-
-    v = 65536
-    assert vocab_chunk(v, _chunk_target(ON_CHIP_BYTES + 1, v, gumbel=True)) == v // 4
-    assert vocab_chunk(v, _chunk_target(ON_CHIP_BYTES, v, gumbel=True)) == 2048
-    assert vocab_chunk(v, _chunk_target(ON_CHIP_BYTES + 1, v, gumbel=False)) == 2048

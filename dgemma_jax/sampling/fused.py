@@ -45,7 +45,6 @@ from jax.extend.random import threefry2x32_p
 from jax.sharding import PartitionSpec as P
 
 from dgemma_jax.model.layers import QUANT_SCALE, QUANT_VALUES, is_quantized, softcap
-from dgemma_jax.model.moe import ON_CHIP_BYTES
 from dgemma_jax.parallel.rules import axes_of
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.ops import StepStats, sanitize_logits
@@ -63,17 +62,6 @@ def vocab_chunk(vocab: int, target: int = 2048) -> int:
         if vocab % c == 0:
             return c
     return vocab
-
-
-def _chunk_target(acc_bytes: int, vocab: int, gumbel: bool) -> int:
-    """The vocab chunk to aim for. The running soft-embedding sum (`acc`, float32 [B, L, D]) is read
-    and written once a chunk when it is too large to stay on chip (`moe.ON_CHIP_BYTES`): then the
-    Gumbel-max head (whose draw does not depend on the chunking) takes 4 chunks, not V / 2048 (the
-    26B's 32-slot serving tick on a v6e-8 data=2,expert=4: 16 rows of 256 a chip, a 46 MB sum). The
-    CPU's streaming draw keeps its chunks: its random stream is drawn per chunk."""
-    if gumbel and acc_bytes > ON_CHIP_BYTES:
-        return max(2048, vocab // 4)
-    return 2048
 
 
 def _sub_block(c: int, target: int = 64) -> int:
@@ -119,7 +107,7 @@ def _scan_stats(h, embedding, row_scale, cap, temperature, keys, chunk=None, gum
     b, l, d = h.shape
     v = embedding.shape[0]
     total = v if total is None else total
-    c = chunk or vocab_chunk(v, _chunk_target(b * l * d * 4, v, gumbel))
+    c = chunk or vocab_chunk(v)
     n = v // c
     init = dict(
         m=jnp.full((b, l), -jnp.inf, jnp.float32), s=jnp.zeros((b, l), jnp.float32),
