@@ -1,6 +1,7 @@
 """The step-level server's throughput on a TPU slice, projected from its compiled programs.
 
-    python benchmarks/serve_projection.py --topology v6e-8 --out benchmarks/results/serve_projection_v6e-8.json
+    python benchmarks/serve_projection.py --topology v6e-8 --mesh data=2,expert=4 --rules serving \
+        --out benchmarks/results/serve_projection_v6e-8.json
 
 For each slot count N it compiles the 26B's `slot_tick` (one denoising step of every slot per loop
 trip) and `commit_slots` (K = max(1, N // 8) settled canvases committed in one causal pass) for the
