@@ -128,9 +128,10 @@ def _scan_stats(h, embedding, row_scale, cap, temperature, keys, chunk=None, gum
     # XLA:TPU relayout the whole int8 table (738 MB for the 26B) before the loop
     chunks = embedding.reshape(n, c, d)
 
+    def first(idx):   # the chunk's first global token id (no add where the table is the whole vocabulary)
+        return idx * c if isinstance(offset, int) and offset == 0 else idx * c + offset
+
     def body(carry, idx):
-        # the chunk's first global token id (no add where the table is the whole vocabulary)
-        first = idx * c if isinstance(offset, int) and offset == 0 else idx * c + offset
         e_c = jax.lax.dynamic_index_in_dim(chunks, idx, 0, keepdims=False)
         logits = jnp.einsum("bld,cd->blc", h, e_c.astype(h.dtype), preferred_element_type=jnp.float32)
         if row_scale is not None:
@@ -148,7 +149,7 @@ def _scan_stats(h, embedding, row_scale, cap, temperature, keys, chunk=None, gum
         cmax = sub_max.max(-1)
         j_max = jnp.min(jnp.where(sub_max == cmax[..., None], sub_iota, nsub), -1)
         z_blk = jnp.take_along_axis(zs, j_max[..., None, None], 2)[..., 0, :]
-        carg = j_max * sub + jnp.min(jnp.where(z_blk == cmax[..., None], iota, sub), -1) + first
+        carg = j_max * sub + jnp.min(jnp.where(z_blk == cmax[..., None], iota, sub), -1) + first(idx)
         m_new = jnp.maximum(carry["m"], cmax)
         alpha = jnp.exp(carry["m"] - m_new)  # 0 at the first chunk (m = -inf)
         shifted = z - m_new[..., None]
@@ -167,9 +168,9 @@ def _scan_stats(h, embedding, row_scale, cap, temperature, keys, chunk=None, gum
             "blc,cd->bld", w if row_scale is None else w * rs_c, e_c.astype(jnp.float32))
         common = dict(m=m_new, s=s, t=t, arg=jnp.where(cmax > carry["m"], carg, carry["arg"]), acc=acc)
         if gumbel:  # the running Gumbel-max: a later chunk wins only with a strictly larger value
-            zg = z + row_gumbel(keys, (l, c), first, total)
+            zg = z + row_gumbel(keys, (l, c), first(idx), total)
             gmax = zg.max(-1)
-            garg = jnp.min(jnp.where(zg == gmax[..., None], jnp.arange(c, dtype=jnp.int32), c), -1) + first
+            garg = jnp.min(jnp.where(zg == gmax[..., None], jnp.arange(c, dtype=jnp.int32), c), -1) + first(idx)
             better = gmax > carry["gmax"]
             return dict(common, gmax=jnp.where(better, gmax, carry["gmax"]),
                         sample=jnp.where(better, garg, carry["sample"])), None
@@ -183,7 +184,7 @@ def _scan_stats(h, embedding, row_scale, cap, temperature, keys, chunk=None, gum
         w_sub = jnp.take_along_axis(w.reshape(b, l, nsub, sub), j[..., None, None], 2)[..., 0, :]
         cum_in = jnp.cumsum(w_sub, axis=-1)
         inside = jnp.minimum(jnp.sum(cum_in < (target - before)[..., None], axis=-1), sub - 1).astype(jnp.int32)
-        inside = j * sub + inside + first
+        inside = j * sub + inside + first(idx)
         switch = u[:, 1] * s < s_c  # probability s_c / s of moving the sample into this chunk
         return dict(common, sample=jnp.where(switch, inside, carry["sample"])), None
 
