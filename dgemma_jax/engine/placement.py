@@ -3,8 +3,6 @@ converted to once (`layers_for`) and the runtime on the shardings' mesh (`runtim
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 
 from dgemma_jax.config import ModelConfig
@@ -38,8 +36,7 @@ def runtime_for(runtime: Runtime | None, shardings) -> Runtime:
     if shardings is None:
         return runtime
     if runtime.mesh is None:   # the execution choices given, on the shardings' placement (its mesh and rules)
-        return shardings.runtime(**{f.name: getattr(runtime, f.name) for f in dataclasses.fields(runtime)
-                                    if f.name not in ("mesh", "rules")})
+        return runtime.replace(mesh=shardings.mesh, rules=shardings.rules)
     if runtime.mesh != shardings.mesh or runtime.rules != tuple(shardings.rules):
         raise ValueError("the runtime's mesh and rules differ from the shardings': build it with "
                          "shardings.runtime(...) or leave its mesh unset")
