@@ -28,6 +28,7 @@ setup(
         "ml-dtypes",
         "tokenizers>=0.20",
         "sentencepiece>=0.2",
+        "prometheus_client>=0.20",  # the server's GET /metrics (dgemma_jax/serving/metrics.py)
         "Pillow>=10.1",  # images (dgemma_jax.io.images): loading, RGB conversion, the bicubic resize
         "jinja2>=3.1",  # checkpoints' chat templates (dgemma_jax.io.chat); not pulled by anything else without [ref]
         "tqdm",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -15,12 +16,23 @@ from dgemma_jax.parallel.profiling import profile
 from dgemma_jax.sampling.config import SamplerConfig
 
 DEFAULT_CONTEXT = 8192     # KV-cache tokens per slot when --context is not given (capped at the model's)
+API_KEY_ENV = "DGEMMA_API_KEY"   # the API key when --api-key is not given
+
+
+def _port(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {s!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {v}")
+    return v
 
 
 def cmd_serve(args) -> int:
     # deferred: the serving runtime loads only when `dgemma serve` runs, not for every `dgemma` command
     from dgemma_jax.serving.scheduler import Scheduler
-    from dgemma_jax.serving.server import serve  # deferred: its web stack (fastapi, uvicorn) takes ~0.6 s to import
+    from dgemma_jax.serving.server import bind_socket, serve  # deferred: its web stack takes ~0.6 s to import
 
     image_dirs = []
     for d in args.allowed_image_dirs or ():
@@ -28,6 +40,13 @@ def cmd_serve(args) -> int:
             print(f"dgemma: error: --allowed-image-dir {d}: no such directory", file=sys.stderr)
             return 2
         image_dirs.append(os.path.realpath(d))
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    try:   # before the model loads: a port in use is one line now, not a failure minutes later
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"dgemma: error: cannot listen on {args.host}:{args.port} ({e.strerror or e}): pick another --port "
+              "(or stop what holds it) or --host", file=sys.stderr)
+        return 2
     cfg, params, sampler, tok, shardings = load_model_for_cli(args)
     if args.max_soft_tokens is not None and cfg.vision is None:
         print(f"dgemma: error: --max-soft-tokens: {cfg.name} is a text-only checkpoint (no vision tower)",
@@ -44,12 +63,17 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or cfg.name
     compiles = CompileCounter()
     scheduler.start(wait=False)
-    print(f"dgemma serve: listening on http://{args.host}:{args.port}/v1; compiling {len(scheduler.runner.programs)} "
-          f"programs for {args.slots} slot(s) x {context} tokens (/health answers 503 \"starting\" until they "
-          "are ready)", file=sys.stderr, flush=True)
+    listening = threading.Event()
+    port = sock.getsockname()[1]
+
+    def on_listening() -> None:   # uvicorn accepts connections on the bound socket
+        print(f"dgemma serve: listening on http://{args.host}:{port}/v1{' (API key required)' if api_key else ''}; "
+              f"compiling {len(scheduler.runner.programs)} programs for {args.slots} slot(s) x {context} tokens "
+              "(/health answers 503 \"starting\" until they are ready)", file=sys.stderr, flush=True)
+        listening.set()
 
     def announce() -> None:
-        while not scheduler.ready.wait(0.2):
+        while not (scheduler.ready.wait(0.2) and listening.wait(0.2)):
             if scheduler.error is not None:
                 print(f"dgemma: error: the server could not compile its programs: {scheduler.error}",
                       file=sys.stderr, flush=True)
@@ -64,10 +88,12 @@ def cmd_serve(args) -> int:
 
     threading.Thread(target=announce, name="dgemma-announce", daemon=True).start()
     with profile(args.profile):  # --profile DIR: a jax.profiler trace of the serving, written when the server stops
-        drained = serve(scheduler, name, host=args.host, port=args.port, drain_seconds=args.drain_seconds,
-                        log_level=args.log_level, default_max_tokens=args.default_max_tokens,
-                        allowed_image_dirs=image_dirs, max_soft_tokens=args.max_soft_tokens,
-                        max_body_bytes=args.max_body_bytes)
+        drained = serve(scheduler, name, host=args.host, port=port, sock=sock, on_listening=on_listening,
+                        drain_seconds=args.drain_seconds, log_level=args.log_level,
+                        default_max_tokens=args.default_max_tokens, allowed_image_dirs=image_dirs,
+                        max_soft_tokens=args.max_soft_tokens, max_body_bytes=args.max_body_bytes,
+                        api_key=api_key, api_docs=args.api_docs, header_timeout=args.header_timeout,
+                        body_timeout=args.body_timeout)
     if scheduler.error is not None and not scheduler.ready.is_set():
         return 1
     return 0 if drained else 1
@@ -82,7 +108,16 @@ def add_command(sub, positive) -> None:
                    help="weight-only int8 (per channel) or int4 (group-wise) kernels, quantized on load; auto: the "
                         "first of none/int8/int4 whose weights fit the devices' memory (none on CPU); default none")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=positive(int), default=8000)
+    s.add_argument("--port", type=_port, default=8000, help="0-65535 (0: any free port, printed when listening)")
+    s.add_argument("--api-key", dest="api_key", default=None,
+                   help=f"clients must send Authorization: Bearer KEY on every route but /health and /metrics "
+                        f"(401 without; default: ${API_KEY_ENV}, else none)")
+    s.add_argument("--enable-api-docs", action="store_true", dest="api_docs",
+                   help="serve /docs, /redoc and /openapi.json (default off)")
+    s.add_argument("--header-timeout", type=positive(float), dest="header_timeout", default=10.0,
+                   help="seconds a connection has to send a request's line and headers (default 10)")
+    s.add_argument("--body-timeout", type=positive(float), dest="body_timeout", default=30.0,
+                   help="seconds a request has to send its body once its headers are in (HTTP 408; default 30)")
     s.add_argument("--slots", type=positive(int), default=8, help="requests denoised together (one cache row each)")
     s.add_argument("--context", type=positive(int), default=None,
                    help=f"KV-cache tokens per slot: prompt + all but the last canvas (default {DEFAULT_CONTEXT}, "

@@ -48,6 +48,7 @@ class OutputProcessor:
         if preview is not None and not hit:
             canvas = text_lib.truncate_at(preview, self.eos_ids)
             full = decode(ids + tuple(int(t) for t in canvas if t != self.pad_id))
-            provisional = text_lib.delta(decode(ids), full)
+            # a preview ends where a stop string would end the answer (it may begin in the committed text)
+            provisional = text_lib.delta(text, text_lib.cut_at_stop(full, request.stop)[0])
         return SeqEvent(choice.index, text, len(ids), choice.steps + preview_steps, choice.canvas, reason, ids,
                         choice.admitted_tick, tick, choice.cached, provisional)

@@ -54,6 +54,7 @@ from dgemma_jax.io.prompts import common_prefix
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, choice_keys
 from dgemma_jax.serving import chunks as chunks_lib
+from dgemma_jax.serving.metrics import Metrics
 from dgemma_jax.serving.output import OutputProcessor, SeqEvent
 from dgemma_jax.serving.runner import SlotRunner
 
@@ -162,6 +163,7 @@ class Scheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.stats = collections.Counter()
+        self.metrics = Metrics(self.status)   # its Prometheus metrics (`GET /metrics`), its own registry
         self.error: BaseException | None = None
         self.ready = threading.Event()   # every program compiled and the worker running
         self._started_at: float | None = None
@@ -228,11 +230,20 @@ class Scheduler:
         self._thread.start()
         self.ready.set()
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Stop taking requests, finish every submitted one, then end the worker."""
+    def close(self) -> None:
+        """Stop taking requests (`submit` raises ShuttingDown); the submitted ones go on."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+
+    def pending(self) -> int:
+        """Sequences queued or in a slot."""
+        with self._cond:
+            return len(self._queue) + sum(c is not None for c in self._busy)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop taking requests, finish every submitted one, then end the worker."""
+        self.close()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -270,6 +281,7 @@ class Scheduler:
             self._queue.extend(choices)
             self.stats["requests"] += len(requests)
             self._cond.notify_all()
+        self.metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in requests))
         return list(requests)
 
     def status(self) -> dict:
@@ -338,6 +350,7 @@ class Scheduler:
             while choice is not None and choice.request.cancelled.is_set():
                 self._emit(choice, "cancelled")
                 self.stats["finished_cancelled"] += 1
+                self._finished(choice, "cancelled")
                 with self._cond:
                     choice = self._queue.popleft() if self._queue else None
             if choice is None:
@@ -359,6 +372,9 @@ class Scheduler:
             self._rows[slot] = self._rows[slot][:reuse]
             self._row_used[slot] = self.stats["ticks"] + 1
             self.stats["prefix_tokens_reused"] += reuse
+            self.metrics.prefix_queries.inc(len(ids))
+            self.metrics.prefix_hits.inc(reuse)
+            self.metrics.queue_time.observe(time.monotonic() - req.submitted)
             with self._cond:
                 self._busy[slot] = choice
             self.stats["prefills"] += 1
@@ -442,6 +458,11 @@ class Scheduler:
             self.stats["commits"] += 1
         owed = c.request.max_tokens - c.canvas * l
         c.tokens.extend(int(t) for t in tokens[:owed])
+        self.metrics.generation_tokens.inc(int(np.count_nonzero(tokens[:owed] != self.engine.sampler.pad_id)))
+        self.metrics.steps.inc(steps)
+        self.metrics.canvases.inc()
+        if c.canvas == 0:
+            self.metrics.ttft.observe(time.monotonic() - c.request.submitted)
         c.steps += steps
         c.canvas += 1
         self.stats["slot_canvases"] += 1
@@ -456,9 +477,14 @@ class Scheduler:
 
     def _free(self, s: int, reason: str) -> None:
         with self._cond:
-            self._busy[s] = None
+            c, self._busy[s] = self._busy[s], None
             self.stats["finished_" + reason] += 1
         self._row_used[s] = self.stats["ticks"] + 1
+        self._finished(c, reason)
+
+    def _finished(self, c: _Choice, reason: str) -> None:
+        self.metrics.finished(reason)
+        self.metrics.e2e.observe(time.monotonic() - c.request.submitted)
 
     def _emit(self, c: _Choice, reason: str | None, preview=None, preview_steps: int = 0) -> str | None:
         """Send the choice's event (`output.OutputProcessor`) to its listener; returns its finish reason."""
@@ -476,6 +502,7 @@ class Scheduler:
             self._queue.clear()
             self._busy = [None] * self.slots
         for c in pending:
+            self.metrics.finished("error")
             try:
                 c.request.on_event(SeqEvent(c.index, "", 0, c.steps, c.canvas, "error"))
             except Exception:  # noqa: BLE001

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from dgemma_jax.sampling.loop import SEED_RANGE
 
 MAX_N = 64
+MAX_STOPS = 16          # stop strings a request may send (each is searched for in every event's text)
+MAX_STOP_CHARS = 256    # characters of each stop string
 
 
 class StreamOptions(BaseModel):
@@ -65,6 +67,19 @@ class _Common(BaseModel):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if self.stop == "":
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        return self
+
+    @model_validator(mode="after")
+    def _bounded_stops_and_streaming(self):
+        stops = self.stops
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"stop has {len(stops)} strings; this server takes at most {MAX_STOPS}")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string has {longest} characters; this server takes at most {MAX_STOP_CHARS} "
+                             "per stop string")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs \"stream\": true (it only shapes a streamed response)")
         return self
 
     @property

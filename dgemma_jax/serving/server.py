@@ -21,24 +21,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import signal
+import socket
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgemma_jax.serving import images as images_lib
 from dgemma_jax.serving.handler import DEFAULT_MAX_TOKENS, APIError, RequestHandler
+from dgemma_jax.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dgemma_jax.serving.scheduler import Scheduler
 from dgemma_jax.serving.schema import ChatRequest, CompletionRequest
 
 DRAIN_BODY_GRACE_S = 1.0    # while draining, how long a request that just began may take to send its body
+HEADER_TIMEOUT_S = 10.0     # a connection's request line and headers must arrive within this (dgemma serve --header-timeout)
+BODY_TIMEOUT_S = 30.0       # and its body within this once the headers are in (--body-timeout)
 MIN_BODY_BYTES = 2 ** 20    # the smallest default body limit
 BODY_BYTES_PER_TOKEN = 64   # the default body limit per token of context (JSON-escaped text, token id lists)
 
@@ -85,6 +93,59 @@ class _Drain:
                 f.set_result(None)
 
 
+OPEN_ROUTES = ("/health", "/metrics")   # answered without the API key (probes, scrapers)
+
+
+class _Guard:
+    """The outermost ASGI layer: the API key (`Authorization: Bearer KEY` on every route but
+    `OPEN_ROUTES`; 401 in OpenAI's error shape before the body is read) and the metrics of every
+    response (`dgemma:http_responses_total` by route and status; an error's code, or its type,
+    counts in `dgemma:requests_rejected_total`)."""
+
+    def __init__(self, app, api_key: str | None, metrics):
+        self.app, self.metrics = app, metrics
+        self.api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        state = {"status": None, "error": None}
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+                self.metrics.response(path, message["status"])
+            elif message["type"] == "http.response.body" and state["status"] and state["status"] >= 400 \
+                    and state["error"] is None:
+                state["error"] = _error_code(message.get("body", b""))
+                self.metrics.rejected.labels(state["error"]).inc()
+            await send(message)
+
+        if self.api_key is not None and path not in OPEN_ROUTES:
+            sent = b""
+            for k, v in scope.get("headers", ()):
+                if k.lower() == b"authorization":
+                    sent = v
+            scheme, _, token = sent.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                what = "no API key" if not sent else "an invalid API key"
+                return await _BodyGate._answer(
+                    counted, 401, f"{what}: this server needs its API key as the header Authorization: Bearer "
+                    "<key> (the openai client's api_key)", "invalid_request_error", "invalid_api_key", close=True,
+                    extra=[(b"www-authenticate", b"Bearer")])
+        await self.app(scope, receive, counted)
+
+
+def _error_code(body: bytes) -> str:
+    """An error body's code (else its type) for the rejection metric."""
+    try:
+        err = json.loads(body)["error"]
+        return str(err.get("code") or err.get("type") or "unknown")
+    except Exception:  # noqa: BLE001 - not an OpenAI error body
+        return "unknown"
+
+
 class _BodyGate:
     """ASGI middleware in front of the app: reads each request's whole body first.
 
@@ -97,15 +158,18 @@ class _BodyGate:
 
     DISCARD_BYTES = 16 * 2 ** 20   # an oversized body is read and dropped up to this much, so the client sees the 413
 
-    def __init__(self, app, max_body_bytes: int, drain: _Drain):
+    def __init__(self, app, max_body_bytes: int, drain: _Drain, body_timeout: float = BODY_TIMEOUT_S):
         self.app, self.max_body_bytes, self.drain = app, int(max_body_bytes), drain
+        self.body_timeout = float(body_timeout)
 
     @staticmethod
-    async def _answer(send, status: int, message: str, kind: str, code: str | None, close: bool = False):
+    async def _answer(send, status: int, message: str, kind: str, code: str | None, close: bool = False,
+                      extra: list | None = None):
         body = json.dumps({"error": {"message": message, "type": kind, "code": code, "param": None}}).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if close:
             headers.append((b"connection", b"close"))
+        headers += extra or []
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -127,12 +191,21 @@ class _BodyGate:
         if body is None:   # the client left
             return
         if isinstance(body, str):
+            if body == "slow":
+                return await self._answer(send, 408, f"the request body did not arrive within {self.body_timeout:g} s "
+                                          "(dgemma serve --body-timeout)", "invalid_request_error", "request_timeout",
+                                          close=True)
             if body == "draining":
                 return await self._answer(send, 503, "the server is shutting down and stopped waiting for this "
                                           "request's body; send it to another server or retry after the restart",
                                           "server_error", "shutting_down", close=True)
             return await self._too_large(send, "sent in chunks")
         if scope["method"] == "POST":
+            try:
+                body.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return await self._answer(send, 400, f"the body is not valid UTF-8 (byte {e.start}: {e.reason}): send "
+                                          "the JSON encoded as UTF-8", "invalid_request_error", "invalid_utf8")
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
             if kind and kind != "application/json" and not kind.endswith("+json"):
                 return await self._answer(send, 400, f"the body's content-type is {kind!r}: send the request as JSON "
@@ -146,19 +219,23 @@ class _BodyGate:
 
     async def _read(self, receive, keep: bool):
         """The whole body (bytes); None when the client left; "draining" when the server drains first;
-        "large" when it passes the limit (the rest is read and dropped, up to DISCARD_BYTES)."""
+        "large" when it passes the limit (the rest is read and dropped, up to DISCARD_BYTES); "slow"
+        when it takes longer than `body_timeout`."""
         loop = asyncio.get_running_loop()
         stop = loop.create_future()
-        grace = DRAIN_BODY_GRACE_S if self.drain.draining else None   # a request that began as the drain did
+        deadline = loop.time() + self.body_timeout
+        if self.drain.draining:   # a request that began as the drain did
+            deadline = min(deadline, loop.time() + DRAIN_BODY_GRACE_S)
         self.drain.reading.add(stop)
         body, size = bytearray(), 0
         try:
             while True:
                 get = asyncio.ensure_future(receive())
-                await asyncio.wait({get, stop}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({get, stop}, timeout=max(deadline - loop.time(), 0),
+                                   return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():
                     get.cancel()
-                    return "draining"
+                    return "draining" if self.drain.draining else "slow"
                 message = get.result()
                 if message["type"] == "http.disconnect":
                     return None
@@ -207,12 +284,15 @@ class _BodyGate:
 
 def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
                allowed_image_dirs: Sequence[str] = (), max_soft_tokens: int | None = None,
-               max_body_bytes: int | None = None) -> FastAPI:
+               max_body_bytes: int | None = None, api_key: str | None = None, api_docs: bool = False,
+               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     """The ASGI app serving `scheduler` under `model_name`. Its lifespan stops the scheduler (after
     uvicorn has drained the open requests). allowed_image_dirs: directories whose files chat image
     parts may name (default none: data URLs only); max_soft_tokens: each image's soft-token budget
     (default: the checkpoint's image processor's, `dgemma_jax.io.images.settings_for`);
     max_body_bytes: the largest request body (default `default_max_body_bytes`), larger ones get 413.
+    api_key: every route but /health and /metrics needs `Authorization: Bearer <api_key>` (401 without);
+    api_docs: serve /docs, /redoc and /openapi.json (default off).
     `app.state.drain()` makes requests whose body is still arriving answer 503 (`serve` calls it on SIGTERM)."""
     cfg = scheduler.engine.config
     created = int(time.time())
@@ -225,9 +305,22 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
         if not app.state.drain.forced:
             await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
 
-    app = FastAPI(title="dgemma_jax", lifespan=lifespan)
+    docs = {} if api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="dgemma_jax", lifespan=lifespan, **docs)
     app.state.drain = _Drain()
-    app.add_middleware(_BodyGate, max_body_bytes=max_body_bytes, drain=app.state.drain)
+    app.add_middleware(_BodyGate, max_body_bytes=max_body_bytes, drain=app.state.drain, body_timeout=body_timeout)
+    app.add_middleware(_Guard, api_key=api_key, metrics=scheduler.metrics)   # outermost: before any body is read
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            msg, code = (f"no route {request.url.path!r}: this server answers POST /v1/chat/completions, POST "
+                         "/v1/completions, GET /v1/models, GET /health and GET /metrics"), "not_found"
+        elif e.status_code == 405:
+            msg, code = f"{request.method} is not allowed on {request.url.path}", "method_not_allowed"
+        else:
+            msg, code = str(e.detail), None
+        return _error(e.status_code, msg, "invalid_request_error", code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -262,6 +355,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
         handler.check_size(body, 1)
         # off the event loop: decoding and resizing an image takes a while
         ids, images = await asyncio.get_running_loop().run_in_executor(None, handler.chat_ids, body)
+        handler.check_prompt_length(len(ids), "messages")   # the prompt, not max_tokens, is what does not fit
         return await handler.run(http, body, [ids], chat=True, images=images)
 
     @app.post("/v1/completions")
@@ -276,6 +370,10 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "dgemma_jax", "max_model_len": scheduler.context}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(scheduler.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/health")
     async def health():
@@ -294,12 +392,68 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
     return app
 
 
+class _TimedH11(H11Protocol):
+    """uvicorn's h11 protocol with a header timeout: a connection whose request line and headers are
+    not all in `header_timeout` seconds after it opened (or after its last response) is closed
+    (uvicorn itself waits for them forever; its keep-alive timeout ends at the first byte)."""
+
+    header_timeout = HEADER_TIMEOUT_S
+
+    def _arm(self) -> None:
+        armed = self.cycle
+        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_late, armed)
+
+    def _headers_late(self, armed) -> None:
+        if self.cycle is armed and not self.transport.is_closing():   # no new request began since
+            try:
+                self.conn.send(h11.ConnectionClosed())
+            except h11.LocalProtocolError:
+                pass
+            self.transport.close()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        self._header_timer.cancel()
+        super().on_response_complete()
+        self._arm()
+
+    def connection_lost(self, exc) -> None:
+        self._header_timer.cancel()
+        super().connection_lost(exc)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (not yet listening): OSError when it cannot be (the port in use,
+    an address this machine does not have), so that `dgemma serve` says so before loading a model."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          drain_seconds: float | None = None, log_level: str = "info", **app_kwargs: Any) -> bool:
-    """Run the app with uvicorn until SIGINT/SIGTERM; the generations in flight finish first (up to
-    `drain_seconds`), requests whose body is still arriving get 503, then the scheduler stops. A
-    second signal exits at once. Returns False when a second signal cut the drain short."""
+          drain_seconds: float | None = None, log_level: str = "info", sock: socket.socket | None = None,
+          on_listening: Callable[[], None] | None = None, header_timeout: float = HEADER_TIMEOUT_S,
+          **app_kwargs: Any) -> bool:
+    """Run the app with uvicorn until SIGINT/SIGTERM, on `sock` (from `bind_socket`) or host:port;
+    `on_listening()` is called once it accepts connections. On the signal, new requests get 503 while
+    the generations in flight finish (up to `drain_seconds`) and /health answers 503 "draining";
+    requests whose body is still arriving get 503; then the server stops listening and the scheduler
+    stops. A second signal exits at once. Returns False when the drain was cut short (a second
+    signal, or `drain_seconds` ran out with generations still running)."""
     class _Server(uvicorn.Server):
+        cut = False
+
         @contextlib.contextmanager
         def capture_signals(self):
             # uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done, so a server that
@@ -320,21 +474,42 @@ def serve(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: 
                 self.left_behind = scheduler.status()   # what it cuts short (freed at once after this)
             self.should_exit = True
 
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started and on_listening is not None:
+                on_listening()
+
         async def shutdown(self, sockets=None):
             app.state.drain()      # a half-sent request gets 503 and holds nothing up
+            scheduler.close()      # new requests get 503; /health says "draining"
+            loop = asyncio.get_running_loop()
+            deadline = None if drain_seconds is None else loop.time() + drain_seconds
+            # still listening while the generations in flight finish, so /health reports the drain
+            while not self.force_exit and scheduler.pending() and scheduler.ready.is_set() \
+                    and scheduler.error is None:
+                if deadline is not None and loop.time() >= deadline:
+                    self.cut = True
+                    break
+                await asyncio.sleep(0.05)
+            if deadline is not None:   # what is left of the drain time for the responses to go out
+                self.config.timeout_graceful_shutdown = max(deadline - loop.time(), 0.05)
             await super().shutdown(sockets)
             if self.force_exit:    # uvicorn leaves the lifespan hanging then (a traceback at exit): end it
                 app.state.drain.forced = True
                 await self.lifespan.shutdown()
 
     app = create_app(scheduler, model_name, **app_kwargs)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    protocol = type("_TimedH11", (_TimedH11,), {"header_timeout": float(header_timeout)})
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
                             timeout_graceful_shutdown=drain_seconds)
     server = _Server(config)
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
     if server.force_exit:
         st = getattr(server, "left_behind", None) or scheduler.status()
         print(f"dgemma serve: a second signal: exiting without waiting for {st['busy_slots']} running and "
               f"{st['queued']} queued sequence(s)", file=sys.stderr, flush=True)
         scheduler.stop(timeout=10)   # the cancelled requests' choices end at their next canvas
-    return not server.force_exit
+    elif server.cut:
+        print(f"dgemma serve: the drain time (--drain-seconds {drain_seconds:g}) ran out: the requests still "
+              "running were ended with 503", file=sys.stderr, flush=True)
+    return not (server.force_exit or server.cut)
