@@ -114,10 +114,24 @@ check_serve() {  # check_serve TPU_TYPE PORT
     || die "--serve runs the server on one host; '$1' is a multi-host slice. Choose one of: $SINGLE_HOST_TPUS"
   [[ $2 =~ ^[1-9][0-9]{0,4}$ ]] && (($2 <= 65535)) || die "--port must be a TCP port (1-65535); got '$2'"
 }
-serve_command() {  # serve_command PORT [dgemma serve options...] -> SERVE_CMD array
-  local port=$1
+# The server listens beyond loopback, so it takes an API key (`dgemma serve` reads DGEMMA_API_KEY): the
+# one given (--api-key in its options, --env DGEMMA_API_KEY=..., or DGEMMA_API_KEY in this script's
+# environment), else a new random one, printed once. It goes to the host as an --env variable (ENVS).
+serve_command() {  # serve_command PORT [dgemma serve options...] -> SERVE_CMD array (and ENVS)
+  local port=$1 a kv
   shift
   SERVE_CMD=(dgemma serve --host 0.0.0.0 --port "$port" "$@")
+  for a in "$@"; do [[ $a != --api-key && $a != --api-key=* ]] || return 0; done
+  for kv in "${ENVS[@]}"; do [[ $kv != DGEMMA_API_KEY=* ]] || return 0; done
+  if [[ -n ${DGEMMA_API_KEY:-} ]]; then
+    ENVS+=("DGEMMA_API_KEY=$DGEMMA_API_KEY")
+    note "the server takes the API key in \$DGEMMA_API_KEY (clients: Authorization: Bearer <key>)"
+  else
+    local key
+    key="dg-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
+    ENVS+=("DGEMMA_API_KEY=$key")
+    note "the server listens on every interface, so it requires an API key: $key (clients send Authorization: Bearer $key; set DGEMMA_API_KEY to choose it)"
+  fi
 }
 
 # host_command DIR VENV CMD...: the shell string each host runs, in a real launch and in --simulate alike:

@@ -692,6 +692,24 @@ class TestServeMode:
             "dgemma", "serve", "--host", "0.0.0.0", "--port", "8123", "--checkpoint", "gs://b/ckpt", "--mesh",
             "expert=8", "--slots", "8"]
 
+    def test_serve_sets_an_api_key_since_it_listens_beyond_loopback(self, monkeypatch):
+        def run(*extra):
+            r = sh(TPU_VM, "--dry-run", *BASE, "--serve", *extra)
+            assert r.returncode == 0 and r.stderr == "", r.stderr
+            return r.stdout, flag(gcloud(commands(r.stdout), "compute", "tpus", "tpu-vm", "ssh")[-1], "--command")
+
+        monkeypatch.delenv("DGEMMA_API_KEY", raising=False)
+        out, command = run()
+        keys = re.findall(r"requires an API key: (dg-[0-9a-f]{32})", out)
+        assert len(keys) == 1, out
+        assert f"export DGEMMA_API_KEY={keys[0]}" in command
+        assert run()[1] != command                        # a new random key each launch
+        monkeypatch.setenv("DGEMMA_API_KEY", "chosen")    # the operator's own key: passed on, not printed
+        out, command = run()
+        assert "export DGEMMA_API_KEY=chosen" in command and "chosen" not in out.replace(command, "")
+        out, command = run("--", "--api-key", "k")       # a key among the server's options: nothing added
+        assert "DGEMMA_API_KEY" not in command and "--api-key k" in command
+
     def test_tpu_vm_serve_without_options_serves_the_bundled_model(self):
         ssh = gcloud(dry(TPU_VM, *BASE, "--serve"), "compute", "tpus", "tpu-vm", "ssh")[-1]
         assert after_last_and(flag(ssh, "--command")) == ["dgemma", "serve", "--host", "0.0.0.0", "--port", "8000"]

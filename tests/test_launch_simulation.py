@@ -139,7 +139,8 @@ def test_chat_with_piped_input_on_a_simulated_pod_answers_as_one_process(tmp_pat
 def test_serve_on_one_simulated_host_answers_the_openai_client(tmp_path):
     """`--serve` runs one host per replica (the scheduler takes requests on one process, and a mesh over
     several hosts would need every process to run each program): `--simulate 1` runs that host under
-    jax.distributed, as on a pod; SIGTERM to the script stops the server."""
+    jax.distributed, as on a pod; SIGTERM to the script stops the server. It listens on every interface,
+    so it takes the API key of $DGEMMA_API_KEY: a client without it gets 401."""
     import httpx
     import openai
 
@@ -147,7 +148,7 @@ def test_serve_on_one_simulated_host_answers_the_openai_client(tmp_path):
     proc = subprocess.Popen(["bash", str(TPU_VM), "--simulate", "1", "--simulate-devices", "2", "--serve",
                              "--port", str(port), "--", "--mesh", "expert=2", "--slots", "2"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(tmp_path), cwd=ROOT, start_new_session=True)
+                            env={**_env(tmp_path), "DGEMMA_API_KEY": "sim-key"}, cwd=ROOT, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -159,7 +160,8 @@ def test_serve_on_one_simulated_host_answers_the_openai_client(tmp_path):
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 401
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sim-key", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == ["dgemma-tiny-digits"]
         r = client.completions.create(model="dgemma-tiny-digits", prompt=PROMPT, seed=0, max_tokens=32)
         assert r.choices[0].text == "0122345789" and r.choices[0].finish_reason == "stop"

@@ -13,6 +13,7 @@ from dgemma_jax.io.chat import render_chat
 from dgemma_jax.io.tokenizer import load_tokenizer
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.serving import text as text_lib
+from dgemma_jax.serving.metrics import Metrics
 from dgemma_jax.serving.output import SeqEvent
 from dgemma_jax.serving.server import create_app
 from tests.helpers.gemma_tokenizer import gemma_like_tokenizer_json
@@ -29,6 +30,7 @@ class ScriptedScheduler:
         self.engine = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=tok.vocab_size),
                                             sampler=self.default_sampler.replace(max_denoising_steps=64))
         self.canvas_length, self.context, self.error, self.max_queue = L, 4096, None, 256
+        self.metrics = Metrics(self.status)
 
     def default_max_tokens(self, prompt_len, limit):
         return limit
@@ -56,6 +58,12 @@ class ScriptedScheduler:
 
     def status(self):
         return {"slots": 1, "busy_slots": 0, "queued": 0, "worker_alive": True, "stopping": False}
+
+    def close(self):
+        pass
+
+    def pending(self):
+        return 0
 
     def stop(self):
         pass

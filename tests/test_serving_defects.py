@@ -119,11 +119,12 @@ def test_wrong_content_type_empty_body_and_a_non_object_get_clear_400s(idle):
 
 
 def test_the_body_limit_follows_the_context_and_an_oversized_body_is_a_413(idle):
-    assert default_max_body_bytes(64) == 2 ** 20 and default_max_body_bytes(2 ** 16) == 64 * 2 ** 16
+    # no 1 MiB floor (issue 45): 64 bytes a token of context and 64 KiB for the JSON around it
+    assert default_max_body_bytes(64) == 64 * 64 + 2 ** 16 and default_max_body_bytes(2 ** 16) == 64 * 2 ** 16 + 2 ** 16
     assert default_max_body_bytes(64, vision=True) > 32 * 2 ** 20     # one image's data URL fits
-    r = idle[1].post("/v1/completions", json={**PROMPT, "prompt": "s" + "1" * 2 ** 20 + "="})
+    r = idle[1].post("/v1/completions", json={**PROMPT, "prompt": "s" + "1" * 2 ** 17 + "="})
     err = _error(r, 413)
-    assert "limit of 1048576 bytes" in err["message"] and "--max-body-bytes" in err["message"]
+    assert f"limit of {64 * 64 + 2 ** 16} bytes" in err["message"] and "--max-body-bytes" in err["message"]
 
 
 # ------------------------------------------------------------------ real servers
@@ -205,12 +206,13 @@ def test_a_large_prompt_does_not_stall_health_and_sigterm_ignores_a_half_sent_re
 def test_a_second_sigterm_exits_at_once_and_an_oversized_body_gets_413_over_a_socket():
     srv = ServerProcess("--slots", "1", "--max-steps", "1024")   # no --drain-seconds: drain until they finish
     try:
+        limit = default_max_body_bytes(256)   # the bundled model's context
         for extra in ({}, {"transfer-encoding": "chunked"}):   # by its content-length, or as it arrives
-            body = b'{"prompt": "' + b"1" * (2 ** 20 + 10) + b'"}'
+            body = b'{"prompt": "' + b"1" * (limit + 10) + b'"}'
             content = body if not extra else iter([body[i:i + 65536] for i in range(0, len(body), 65536)])
             r = httpx.post(srv.url + "/v1/completions", content=content, timeout=30,
                            headers={"content-type": "application/json", **extra})
-            assert r.status_code == 413 and "limit of 1048576 bytes" in r.json()["error"]["message"], r.text
+            assert r.status_code == 413 and f"limit of {limit} bytes" in r.json()["error"]["message"], r.text
         box = {}
         t = threading.Thread(target=_long_request, args=(srv, box))
         t.start()
@@ -243,13 +245,19 @@ def test_drain_seconds_ends_a_running_request_with_503_and_no_traceback():
         srv.terminate()
         assert _read_response(half).startswith(b"HTTP/1.1 503")   # at once, not after the drain time
         assert time.monotonic() - t0 < 2.5
-        assert srv.proc.wait(30) == 0
+        # while it drains the server still answers /health (503 "draining") and refuses new requests
+        r = httpx.get(srv.url + "/health", timeout=5)
+        assert r.status_code == 503 and r.json()["status"] == "draining" and r.json()["busy_slots"] == 1
+        r = httpx.post(srv.url + "/v1/completions", json=PROMPT, timeout=5)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert srv.proc.wait(30) == 1      # the drain time cut a request short: not a clean exit
         t.join(60)
         assert isinstance(box["result"], openai.InternalServerError) and box["result"].status_code == 503
         assert "drain time" in str(box["result"])
     finally:
         srv.stop()
     assert "Traceback" not in srv.log() and "CancelledError" not in srv.log()
+    assert "the drain time (--drain-seconds 3) ran out" in srv.log()
 
 
 # ------------------------------------------------------------------ images

@@ -93,7 +93,7 @@ def cmd_serve(args) -> int:
                         default_max_tokens=args.default_max_tokens, allowed_image_dirs=image_dirs,
                         max_soft_tokens=args.max_soft_tokens, max_body_bytes=args.max_body_bytes,
                         api_key=api_key, api_docs=args.api_docs, header_timeout=args.header_timeout,
-                        body_timeout=args.body_timeout)
+                        body_timeout=args.body_timeout, decode_pixels=args.decode_pixels)
     if scheduler.error is not None and not scheduler.ready.is_set():
         return 1
     return 0 if drained else 1
@@ -141,6 +141,10 @@ def add_command(sub, positive) -> None:
     s.add_argument("--max-soft-tokens", type=int, choices=[70, 140, 280, 560, 1120], default=None,
                    dest="max_soft_tokens",
                    help="each image's soft-token budget (its prompt tokens; default the image processor's, 280)")
+    s.add_argument("--max-decode-pixels", type=positive(int), dest="decode_pixels", default=100_000_000,
+                   help="image pixels decoded at once across requests (read from each image's header first; "
+                        "a request whose images would pass it waits; default 100,000,000, about 0.3-1 GB of "
+                        "memory)")
     mesh_flags(s, rules="serving")
     s.add_argument("--served-model-name", dest="served_model_name", default=None,
                    help="the model id clients send (default: the checkpoint's name)")
@@ -150,7 +154,7 @@ def add_command(sub, positive) -> None:
                         "at once, status 1)")
     s.add_argument("--max-body-bytes", type=positive(int), dest="max_body_bytes", default=None,
                    help="the largest request body; larger ones get HTTP 413 (default: 64 bytes per token of "
-                        "--context, at least 1 MiB, plus one 32 MiB image as a data URL for a checkpoint with "
+                        "--context plus 64 KiB, plus one 32 MiB image as a data URL for a checkpoint with "
                         "a vision tower)")
     s.add_argument("--log-level", dest="log_level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])

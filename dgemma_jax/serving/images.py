@@ -13,15 +13,21 @@ client's HTTP 400.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
+import io
 import os
 import urllib.parse
+import warnings
 from typing import Sequence
 
 MAX_IMAGE_BYTES = 32 * 2 ** 20   # the largest encoded image a request may carry (data URL or file)
 
-__all__ = ["MAX_IMAGE_BYTES", "resolve_image_parts", "has_image_parts"]
+DECODE_PIXELS = 100_000_000   # pixels decoded at once across requests (dgemma serve --max-decode-pixels)
+
+__all__ = ["MAX_IMAGE_BYTES", "DECODE_PIXELS", "resolve_image_parts", "has_image_parts", "pixels", "PixelBudget"]
 
 
 def has_image_parts(messages: Sequence[dict]) -> bool:
@@ -127,3 +133,50 @@ def resolve_image_parts(messages: list[dict], allowed_dirs: Sequence[str] = ()) 
                 parts.append(p)
         out.append({**m, "content": parts})
     return out
+
+
+def pixels(messages: Sequence[dict]) -> int:
+    """The pixels the resolved image parts of `messages` will decode to, read from their headers
+    (Pillow opens a file lazily: nothing is decoded); an unreadable image counts 0 (its decode
+    answers the 400)."""
+    from PIL import Image   # deferred: only image requests need it
+
+    total = 0
+    for m in messages:
+        for p in m.get("content") if isinstance(m.get("content"), list) else ():
+            if not (isinstance(p, dict) and p.get("type") == "image"):
+                continue
+            source = io.BytesIO(p["image"]) if "image" in p else p.get("path")
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    with Image.open(source) as img:
+                        w, h = img.size
+                total += w * h
+            except Exception:  # noqa: BLE001 - the decoder's own checks name the problem
+                pass
+    return total
+
+
+class PixelBudget:
+    """The pixels being decoded at once across requests: a request whose images would pass `limit`
+    waits (on the event loop) until others finish; one larger than the whole budget runs alone."""
+
+    def __init__(self, limit: int = DECODE_PIXELS):
+        self.limit, self.used = int(limit), 0
+        self._cond: asyncio.Condition | None = None
+
+    @contextlib.asynccontextmanager
+    async def hold(self, n: int):
+        n = min(int(n), self.limit)
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self.used -= n
+                self._cond.notify_all()

@@ -20,6 +20,7 @@ their stream ends); a second SIGTERM/SIGINT exits at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -47,14 +48,17 @@ from dgemma_jax.serving.schema import ChatRequest, CompletionRequest
 DRAIN_BODY_GRACE_S = 1.0    # while draining, how long a request that just began may take to send its body
 HEADER_TIMEOUT_S = 10.0     # a connection's request line and headers must arrive within this (dgemma serve --header-timeout)
 BODY_TIMEOUT_S = 30.0       # and its body within this once the headers are in (--body-timeout)
-MIN_BODY_BYTES = 2 ** 20    # the smallest default body limit
 BODY_BYTES_PER_TOKEN = 64   # the default body limit per token of context (JSON-escaped text, token id lists)
+BODY_ENVELOPE_BYTES = 2 ** 16   # and for the rest of the JSON (fields, message wrappers)
+TEXT_WORKERS = 2            # threads that tokenize prompts and build chat prompts (off the event loop)
+IMAGE_WORKERS = 2           # threads that decode and resize images (apart from the text ones)
 
 
 def default_max_body_bytes(context: int, vision: bool = False) -> int:
-    """The default request body limit: 64 bytes per token of a slot's context, at least 1 MiB, plus
-    one image's data URL (`images.MAX_IMAGE_BYTES` in base64) for a checkpoint with a vision tower."""
-    text = max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * int(context))
+    """The default request body limit: 64 bytes per token of a slot's context plus 64 KiB for the
+    JSON around it, plus one image's data URL (`images.MAX_IMAGE_BYTES` in base64) for a checkpoint
+    with a vision tower."""
+    text = BODY_BYTES_PER_TOKEN * int(context) + BODY_ENVELOPE_BYTES
     return text + (images_lib.MAX_IMAGE_BYTES * 4 // 3 + 4 if vision else 0)
 
 
@@ -285,14 +289,15 @@ class _BodyGate:
 def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
                allowed_image_dirs: Sequence[str] = (), max_soft_tokens: int | None = None,
                max_body_bytes: int | None = None, api_key: str | None = None, api_docs: bool = False,
-               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
+               body_timeout: float = BODY_TIMEOUT_S, decode_pixels: int = images_lib.DECODE_PIXELS) -> FastAPI:
     """The ASGI app serving `scheduler` under `model_name`. Its lifespan stops the scheduler (after
     uvicorn has drained the open requests). allowed_image_dirs: directories whose files chat image
     parts may name (default none: data URLs only); max_soft_tokens: each image's soft-token budget
     (default: the checkpoint's image processor's, `dgemma_jax.io.images.settings_for`);
     max_body_bytes: the largest request body (default `default_max_body_bytes`), larger ones get 413.
     api_key: every route but /health and /metrics needs `Authorization: Bearer <api_key>` (401 without);
-    api_docs: serve /docs, /redoc and /openapi.json (default off).
+    api_docs: serve /docs, /redoc and /openapi.json (default off); body_timeout: seconds a body may
+    take to arrive (408 after); decode_pixels: the image pixels decoded at once across requests.
     `app.state.drain()` makes requests whose body is still arriving answer 503 (`serve` calls it on SIGTERM)."""
     cfg = scheduler.engine.config
     created = int(time.time())
@@ -304,6 +309,8 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
         yield
         if not app.state.drain.forced:
             await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+        for pool in app.state.pools:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     docs = {} if api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="dgemma_jax", lifespan=lifespan, **docs)
@@ -347,14 +354,35 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
 
     handler = RequestHandler(scheduler, model_name, default_max_tokens=default_max_tokens,
                              allowed_image_dirs=allowed_image_dirs, max_soft_tokens=max_soft_tokens)
+    # prompts and images in pools of their own: many large images never hold up a text request
+    text_pool = concurrent.futures.ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="dgemma-text")
+    image_pool = concurrent.futures.ThreadPoolExecutor(IMAGE_WORKERS, thread_name_prefix="dgemma-images")
+    budget = images_lib.PixelBudget(decode_pixels)
+    app.state.pools = (text_pool, image_pool)
+
+    def image_pixels(body: ChatRequest) -> int:
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            return images_lib.pixels(images_lib.resolve_image_parts(messages, allowed_image_dirs))
+        except ValueError:   # chat_ids answers the 400
+            return 0
 
     # ------------------------------------------------------------------ routes
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HTTPRequest):
         handler.check_model(body)
         handler.check_size(body, 1)
-        # off the event loop: decoding and resizing an image takes a while
-        ids, images = await asyncio.get_running_loop().run_in_executor(None, handler.chat_ids, body)
+        loop = asyncio.get_running_loop()
+        handler.sampler_for(body)   # the cheap checks first
+        if images_lib.has_image_parts([m.model_dump(include={"content"}) for m in body.messages]) \
+                and getattr(cfg, "vision", None) is not None:
+            # decoding and resizing takes a while and memory: its own threads, within the pixel budget
+            # (the images' sizes read from their headers first)
+            n_pixels = await loop.run_in_executor(image_pool, image_pixels, body)
+            async with budget.hold(n_pixels):
+                ids, images = await loop.run_in_executor(image_pool, handler.chat_ids, body)
+        else:
+            ids, images = await loop.run_in_executor(text_pool, handler.chat_ids, body)
         handler.check_prompt_length(len(ids), "messages")   # the prompt, not max_tokens, is what does not fit
         return await handler.run(http, body, [ids], chat=True, images=images)
 
@@ -363,7 +391,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
         handler.check_model(body)
         handler.check_size(body, len(body.prompts()))
         # off the event loop: a long prompt takes a while to tokenize, and /health and the streams wait for none
-        prompts = await asyncio.get_running_loop().run_in_executor(None, handler.completion_ids, body)
+        prompts = await asyncio.get_running_loop().run_in_executor(text_pool, handler.completion_ids, body)
         return await handler.run(http, body, prompts, chat=False)
 
     @app.get("/v1/models")
