@@ -116,7 +116,10 @@ check_serve() {  # check_serve TPU_TYPE PORT
 }
 # The server listens beyond loopback, so it takes an API key (`dgemma serve` reads DGEMMA_API_KEY): the
 # one given (--api-key in its options, --env DGEMMA_API_KEY=..., or DGEMMA_API_KEY in this script's
-# environment), else a new random one, printed once. It goes to the host as an --env variable (ENVS).
+# environment), else a new random one, printed once (serve_note, after the checks). It goes to the host
+# as an --env variable (ENVS).
+SERVE_NOTE=""
+serve_note() { [[ -z $SERVE_NOTE ]] || note "$SERVE_NOTE"; }
 serve_command() {  # serve_command PORT [dgemma serve options...] -> SERVE_CMD array (and ENVS)
   local port=$1 a kv
   shift
@@ -125,12 +128,12 @@ serve_command() {  # serve_command PORT [dgemma serve options...] -> SERVE_CMD a
   for kv in "${ENVS[@]}"; do [[ $kv != DGEMMA_API_KEY=* ]] || return 0; done
   if [[ -n ${DGEMMA_API_KEY:-} ]]; then
     ENVS+=("DGEMMA_API_KEY=$DGEMMA_API_KEY")
-    note "the server takes the API key in \$DGEMMA_API_KEY (clients: Authorization: Bearer <key>)"
+    SERVE_NOTE="the server takes the API key in \$DGEMMA_API_KEY (clients: Authorization: Bearer <key>)"
   else
     local key
     key="dg-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
     ENVS+=("DGEMMA_API_KEY=$key")
-    note "the server listens on every interface, so it requires an API key: $key (clients send Authorization: Bearer $key; set DGEMMA_API_KEY to choose it)"
+    SERVE_NOTE="the server listens on every interface, so it requires an API key: $key (clients send Authorization: Bearer $key; set DGEMMA_API_KEY to choose it)"
   fi
 }
 

@@ -193,6 +193,7 @@ fi
 
 USER_CMD=$(shell_command "${CMD[@]}")
 
+serve_note
 # ------------------------------------------------------------------ --simulate
 # What every container runs after its install step (COMMAND, with the --env variables), in this
 # checkout, as SIM_HOSTS local processes; nothing is submitted or written.

@@ -211,6 +211,7 @@ if ((!USE_GIT && !SKIP_COPY)); then
   [[ -d $SOURCE_DIR && -f $SOURCE_DIR/setup.py ]] || die "--source-dir '$SOURCE_DIR' is not a dgemma_jax checkout (no setup.py)"
 fi
 
+serve_note
 # ------------------------------------------------------------------ commands
 LOC=(--zone="$ZONE")
 [[ -z $PROJECT ]] || LOC+=(--project="$PROJECT")

@@ -315,9 +315,10 @@ def real_host_command(example: list[str]) -> tuple[list[str], list[str]]:
     return exports, shlex.split(command)
 
 
-def test_every_readme_example_runs_on_each_host_what_the_simulation_runs(tmp_path):
+def test_every_readme_example_runs_on_each_host_what_the_simulation_runs(tmp_path, monkeypatch):
     """Each example of launch/README.md, dry-run as written, runs on every host the command (and --env
     variables) that the same example with `--simulate` runs on each simulated host (one host for --serve)."""
+    monkeypatch.setenv("DGEMMA_API_KEY", "readme-key")   # --serve's key: the same in both (else random each)
     examples = readme_examples()
     assert len(examples) >= 10 and {e[0] for e in examples} == {"launch/tpu_vm.sh", "launch/gke_xpk.sh"}
     simulated_examples = 0

@@ -127,6 +127,21 @@ def test_the_body_limit_follows_the_context_and_an_oversized_body_is_a_413(idle)
     assert f"limit of {64 * 64 + 2 ** 16} bytes" in err["message"] and "--max-body-bytes" in err["message"]
 
 
+def test_a_long_prompt_is_refused_from_its_head_without_tokenizing_the_rest(idle, monkeypatch):
+    """A text of more than 8 characters per token of context: only its head is tokenized before the 400
+    (issue 45: 1 MB prompts were tokenized whole before the length check)."""
+    sch, client = idle
+    seen = []
+    encode = sch.tokenizer.encode
+    monkeypatch.setattr(sch.tokenizer, "encode", lambda text, **kw: seen.append(len(text)) or encode(text, **kw))
+    r = client.post("/v1/completions", json={**PROMPT, "prompt": "s" + "1" * 60000 + "="})
+    err = _error(r, 400)
+    assert "its first 512 of 60002 characters" in err["message"] and err["param"] == "prompt"
+    r = client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "1" * 60000}]})
+    assert "its first 512 of 60000 characters" in _error(r, 400)["message"]
+    assert seen and max(seen) == 512, seen
+
+
 # ------------------------------------------------------------------ real servers
 def _half_request(port: int) -> socket.socket:
     """A socket that sent a request's headers and half its body."""

@@ -193,11 +193,12 @@ def test_image_url_parts_resolve_with_clear_errors(tmp_path):
 def test_a_text_only_checkpoint_refuses_images_with_400():
     from fastapi.testclient import TestClient
 
+    from dgemma_jax.serving.metrics import Metrics
     from dgemma_jax.serving.server import create_app
     tok = types.SimpleNamespace(has_chat_template=True, vocab_size=384)
     sch = types.SimpleNamespace(tokenizer=tok, engine=types.SimpleNamespace(
         config=types.SimpleNamespace(vocab_size=384, vision=None), sampler=None), stop=lambda: None,
-        context=256, max_queue=8)
+        context=256, max_queue=8, metrics=Metrics(lambda: {}))
     client = TestClient(create_app(sch, "text-only"))
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
         {"type": "text", "text": "hi"}, _part(_data_url(_png(8, 8)))]}]})

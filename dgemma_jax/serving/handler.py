@@ -26,6 +26,7 @@ DEFAULT_MAX_TOKENS = 256   # when a request names no max_tokens (capped to what 
 DISCONNECT_POLL_S = 0.1
 STARTING_RETRY_AFTER_S = 5  # Retry-After of a request that arrives while the programs compile
 QUEUE_RETRY_AFTER_S = 1     # Retry-After of a request that finds the queue full
+HEAD_CHARS_PER_TOKEN = 8    # a text longer than this many characters per token of context: its head is tokenized first
 
 
 class APIError(Exception):
@@ -63,6 +64,22 @@ class RequestHandler:
             raise APIError(400, f"the prompt is {n} tokens; with one canvas of {l} it exceeds this server's context "
                                 f"of {ctx} tokens per request: shorten the prompt", param=param)
 
+    def check_text_head(self, text: str, param: str) -> None:
+        """Bounded work for a long text: when it has more than `HEAD_CHARS_PER_TOKEN` characters per token
+        of context, its head of that many characters is tokenized first, and a head that alone could
+        never fit is the 400 (the rest is never tokenized)."""
+        ctx, head = self.scheduler.context, HEAD_CHARS_PER_TOKEN * self.scheduler.context
+        if len(text) <= head:
+            return
+        try:
+            n = len(self.tok.encode(text[:head]))
+        except ValueError:
+            return   # the whole text's tokenization names the problem
+        if n - 4 + self.scheduler.canvas_length > ctx:   # 4: tokens a cut may split or merge
+            raise APIError(400, f"the prompt is more than {n - 4} tokens (its first {head} of {len(text)} characters "
+                                f"alone); with one canvas of {self.scheduler.canvas_length} it exceeds this server's "
+                                f"context of {ctx} tokens per request: shorten the prompt", param=param)
+
     def completion_ids(self, body: CompletionRequest) -> list[list[int]]:
         """The prompts' ids, each checked against the context as soon as it is tokenized (off the event loop)."""
         out = []
@@ -85,6 +102,7 @@ class RequestHandler:
         if isinstance(item, str):
             if not item:
                 raise APIError(400, "the prompt is empty", param="prompt")
+            self.check_text_head(item, "prompt")
             try:
                 return self.tok.encode(item, add_bos=True)
             except ValueError as e:
@@ -100,6 +118,7 @@ class RequestHandler:
         own checks: the model takes images, a template-less model gets one user message, image paths
         only from the allowed directories)."""
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        self.check_text_head("".join(message_text(m) for m in messages), "messages")
         with_images = images_lib.has_image_parts(messages)
         if with_images and self.cfg.vision is None:
             raise APIError(400, f"{self.model_name} is a text-only checkpoint (no vision tower): it cannot take images; "

@@ -3,18 +3,22 @@
     app = create_app(scheduler, model_name="dgemma-tiny-digits")
     uvicorn.run(app, host="127.0.0.1", port=8000)          # or `dgemma serve`
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
-Client mistakes get OpenAI-style errors (`{"error": {"message", "type", "code", "param"}}`): a bad
-body or a request that cannot fit (a slot or the whole queue) is 400, a body over the size limit
-413, an unknown model 404, a full queue 429 with Retry-After, a draining server 503. A streamed
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics
+(Prometheus, `serving/metrics.py`). With an API key every route but /health and /metrics needs
+`Authorization: Bearer <key>` (401). Client mistakes get OpenAI-style errors (`{"error": {"message",
+"type", "code", "param"}}`): a bad body or a request that cannot fit (a slot or the whole queue) is
+400, a body over the size limit 413, a body slower than its timeout 408, an unknown model or route
+404, a wrong method 405, a full queue 429 with Retry-After, a draining server 503. A streamed
 response sends one SSE chunk per committed canvas and `data: [DONE]`; a client that goes away frees
 its slots at the next canvas boundary.
 
 A request's body is read whole (up to `max_body_bytes`) before the app sees it, and prompts are
 tokenized off the event loop, so one large request does not stall the others or `/health`. On
-SIGTERM the server stops listening, answers 503 to requests whose body is still arriving, and waits
+SIGTERM the server answers 503 to new requests and to those whose body is still arriving, and waits
 for the generations in flight (up to `drain_seconds`; requests still running then get a 503 or
-their stream ends); a second SIGTERM/SIGINT exits at once.
+their stream ends) while /health says "draining"; then it stops listening. A second SIGTERM/SIGINT
+exits at once. A connection's headers must arrive within `header_timeout` (`_TimedH11`), a body
+within `body_timeout`.
 """
 
 from __future__ import annotations
@@ -373,9 +377,9 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
         handler.check_model(body)
         handler.check_size(body, 1)
         loop = asyncio.get_running_loop()
-        handler.sampler_for(body)   # the cheap checks first
         if images_lib.has_image_parts([m.model_dump(include={"content"}) for m in body.messages]) \
                 and getattr(cfg, "vision", None) is not None:
+            handler.sampler_for(body)   # the cheap checks first
             # decoding and resizing takes a while and memory: its own threads, within the pixel budget
             # (the images' sizes read from their headers first)
             n_pixels = await loop.run_in_executor(image_pool, image_pixels, body)
