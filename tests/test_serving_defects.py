@@ -311,3 +311,24 @@ def test_the_bundled_vision_model_takes_an_image_over_http():
         assert srv.health()["busy_slots"] == 0
     finally:
         srv.stop()
+
+
+def test_a_lower_priority_value_is_admitted_first_and_equal_ones_in_arrival_order(idle):
+    """vLLM's `priority` (issue 45): the free slot goes to the waiting sequence with the lowest value."""
+    sch, client = idle
+    ids = sch.tokenizer.encode("s12=", add_bos=True)
+    reqs = [Request(ids, 8, sch.default_sampler, i, lambda ev: None, priority=p) for i, p in enumerate((0, 3, -2, 0))]
+    try:
+        sch.submit_many(reqs)
+        order = []
+        for _ in reqs:
+            sch._admit()
+            order.append(sch._busy[0].request.seed)
+            sch._busy[0] = None
+        assert order == [2, 0, 3, 1]
+    finally:
+        with sch._cond:
+            sch._queue.clear()
+            sch._busy = [None] * sch.slots
+    err = _error(client.post("/v1/completions", json={**PROMPT, "priority": "high"}), 400)
+    assert err["param"] == "priority"

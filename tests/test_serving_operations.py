@@ -288,5 +288,12 @@ def test_twelve_huge_images_keep_a_text_request_fast_and_memory_bounded(tmp_path
         assert len(results) == 12 and all(r in ("stop", "length") for r in results), results
         assert worst < 1.0, f"a text chat took {worst:.2f} s beside 12 huge images"
         assert peak - base < 1.5 * 2 ** 30, f"the server grew by {(peak - base) / 2 ** 30:.2f} GB"
+        # four such images take at least 4 x 66 prompt tokens, more than the context (256): a 400 from their
+        # headers, before any of them is decoded (each decode takes seconds)
+        t0 = time.monotonic()
+        with pytest.raises(openai.BadRequestError, match="at least 264 tokens"):
+            cl.chat.completions.create(model="dgemma-tiny-vision-digits", max_tokens=8, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"file://{big}"}}] * 4}])
+        assert time.monotonic() - t0 < 1.5
     finally:
         srv.stop()

@@ -178,6 +178,7 @@ class RequestHandler:
             n_tok = budget if budget is not None else self.scheduler.default_max_tokens(len(ids), self.default_max_tokens)
             previews = bool(body.stream and body.stream_options and body.stream_options.include_provisional)
             reqs.append(Request(ids, n_tok, sampler, seed, n=body.n, stop=body.stops, provisional=previews,
+                                priority=body.priority,
                                 keep_special=chat and self.tok.has_chat_template, images=images,
                                 on_event=functools.partial(_deliver, loop, queue, p)))
         try:

@@ -27,7 +27,7 @@ MAX_IMAGE_BYTES = 32 * 2 ** 20   # the largest encoded image a request may carry
 
 DECODE_PIXELS = 100_000_000   # pixels decoded at once across requests (dgemma serve --max-decode-pixels)
 
-__all__ = ["MAX_IMAGE_BYTES", "DECODE_PIXELS", "resolve_image_parts", "has_image_parts", "pixels", "PixelBudget"]
+__all__ = ["MAX_IMAGE_BYTES", "DECODE_PIXELS", "resolve_image_parts", "has_image_parts", "sizes", "PixelBudget"]
 
 
 def has_image_parts(messages: Sequence[dict]) -> bool:
@@ -135,13 +135,12 @@ def resolve_image_parts(messages: list[dict], allowed_dirs: Sequence[str] = ()) 
     return out
 
 
-def pixels(messages: Sequence[dict]) -> int:
-    """The pixels the resolved image parts of `messages` will decode to, read from their headers
-    (Pillow opens a file lazily: nothing is decoded); an unreadable image counts 0 (its decode
-    answers the 400)."""
+def sizes(messages: Sequence[dict]) -> list[tuple[int, int]]:
+    """(height, width) of each resolved image part of `messages`, read from its header (Pillow opens
+    a file lazily: nothing is decoded); an unreadable image is left out (its decode answers the 400)."""
     from PIL import Image   # deferred: only image requests need it
 
-    total = 0
+    out = []
     for m in messages:
         for p in m.get("content") if isinstance(m.get("content"), list) else ():
             if not (isinstance(p, dict) and p.get("type") == "image"):
@@ -152,10 +151,10 @@ def pixels(messages: Sequence[dict]) -> int:
                     warnings.simplefilter("ignore")
                     with Image.open(source) as img:
                         w, h = img.size
-                total += w * h
+                out.append((h, w))
             except Exception:  # noqa: BLE001 - the decoder's own checks name the problem
                 pass
-    return total
+    return out
 
 
 class PixelBudget:

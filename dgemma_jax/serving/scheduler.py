@@ -93,6 +93,7 @@ class Request:
     keep_special: bool = False      # decode with special tokens (chat: the thought channel's markers)
     images: Any = None              # the prompt's images (`dgemma_jax.io.images.ImageBatch`), in prompt order
     provisional: bool = False
+    priority: int = 0               # lower runs first (vLLM's); equal priorities in arrival order
     content: Any = dataclasses.field(default=None, init=False, repr=False)  # set by `Scheduler.submit`
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     submitted: float = dataclasses.field(default_factory=time.monotonic)
@@ -345,14 +346,12 @@ class Scheduler:
             free = [s for s in range(self.slots) if self._busy[s] is None]
             if not free:
                 return
-            with self._cond:
-                choice = self._queue.popleft() if self._queue else None
+            choice = self._next()
             while choice is not None and choice.request.cancelled.is_set():
                 self._emit(choice, "cancelled")
                 self.stats["finished_cancelled"] += 1
                 self._finished(choice, "cancelled")
-                with self._cond:
-                    choice = self._queue.popleft() if self._queue else None
+                choice = self._next()
             if choice is None:
                 return
             req = choice.request
@@ -378,6 +377,16 @@ class Scheduler:
             with self._cond:
                 self._busy[slot] = choice
             self.stats["prefills"] += 1
+
+    def _next(self) -> "_Choice | None":
+        """The waiting choice to admit next: the lowest priority value, the earliest among equals."""
+        with self._cond:
+            if not self._queue:
+                return None
+            i = min(range(len(self._queue)), key=lambda k: self._queue[k].request.priority)
+            choice = self._queue[i]
+            del self._queue[i]
+            return choice
 
     def _reusable(self, slot: int, content: np.ndarray, length: int, blocks) -> int:
         """How many of a prompt's first tokens slot `slot`'s row holds already: the common beginning of

@@ -55,6 +55,8 @@ class _Common(BaseModel):
     entropy_bound: float | None = None
     confidence_threshold: float | None = None
     canvas_length: int | None = Field(None, ge=1)
+    # vLLM's: a lower value is admitted to a free slot first (equal values in arrival order)
+    priority: int = Field(0, ge=-2 ** 31, lt=2 ** 31)
 
     @model_validator(mode="after")
     def _no_autoregressive_sampling(self):

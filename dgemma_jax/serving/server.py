@@ -43,6 +43,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dgemma_jax.io.images import settings_for as image_settings_for, soft_token_count
+from dgemma_jax.io.prompts import message_text
 from dgemma_jax.serving import images as images_lib
 from dgemma_jax.serving.handler import DEFAULT_MAX_TOKENS, APIError, RequestHandler
 from dgemma_jax.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -365,11 +367,23 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
     app.state.pools = (text_pool, image_pool)
 
     def image_pixels(body: ChatRequest) -> int:
+        """The pixels the request's images decode to (from their headers), after a 400 when its text
+        and images could never fit the context (the least its prompt can be: its text's tokens and
+        each image's soft tokens and two markers)."""
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
-            return images_lib.pixels(images_lib.resolve_image_parts(messages, allowed_image_dirs))
+            found = images_lib.sizes(images_lib.resolve_image_parts(messages, allowed_image_dirs))
+            settings = image_settings_for(cfg, max_soft_tokens)
         except ValueError:   # chat_ids answers the 400
             return 0
+        text = handler.tok.encode("".join(message_text(m) for m in messages))
+        least = len(text) + sum(soft_token_count(h, w, settings) + 2 for h, w in found)
+        if least + scheduler.canvas_length > scheduler.context:
+            raise APIError(400, f"the prompt is at least {least} tokens ({len(text)} of text, {len(found)} image(s)); "
+                                f"with one canvas of {scheduler.canvas_length} it exceeds this server's context of "
+                                f"{scheduler.context} tokens per request: send fewer or smaller images or less text",
+                           param="messages")
+        return sum(h * w for h, w in found)
 
     # ------------------------------------------------------------------ routes
     @app.post("/v1/chat/completions")
