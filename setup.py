@@ -37,6 +37,8 @@ setup(
         # the server (`dgemma serve`)
         "fastapi>=0.110",
         "uvicorn>=0.29",
+        "starlette>=0.37",  # the server's 404/405 handler (fastapi's own dependency)
+        "h11>=0.14",  # the server's header timeout on uvicorn's h11 protocol (uvicorn's own dependency)
         "pydantic>=2",
     ],
     extras_require={
