@@ -261,10 +261,8 @@ def test_twelve_huge_images_keep_a_text_request_fast_and_memory_bounded(tmp_path
                         "--allowed-image-dir", str(tmp_path))
     try:
         cl = srv.client()
-        text = [{"role": "user", "content": "s8812="}]
-        cl.chat.completions.create(model="dgemma-tiny-vision-digits", messages=text, max_tokens=8, seed=0)
-        base = _rss(srv.proc.pid)
-        results, peak, worst = [], base, 0.0
+        text = [{"role": "user", "content": "sort the digits"}]
+        results, worst = [], 0.0
 
         def image_chat():
             try:
@@ -275,6 +273,14 @@ def test_twelve_huge_images_keep_a_text_request_fast_and_memory_bounded(tmp_path
             except Exception as e:  # noqa: BLE001 - what the client saw is the result
                 results.append(e)
 
+        # warm up: the text programs, and the image prefill program (compiled on first use, which stalls
+        # every slot once: not what this measures)
+        cl.chat.completions.create(model="dgemma-tiny-vision-digits", messages=text, max_tokens=8, seed=0)
+        image_chat()
+        assert results == ["stop"] or results == ["length"], results
+        results.clear()
+        base = _rss(srv.proc.pid)
+        peak = base
         threads = [threading.Thread(target=image_chat) for _ in range(12)]
         for t in threads:
             t.start()
@@ -282,7 +288,7 @@ def test_twelve_huge_images_keep_a_text_request_fast_and_memory_bounded(tmp_path
             t0 = time.monotonic()
             r = cl.chat.completions.create(model="dgemma-tiny-vision-digits", messages=text, max_tokens=8, seed=0)
             worst = max(worst, time.monotonic() - t0)
-            assert r.choices[0].message.content
+            assert r.choices[0].finish_reason in ("stop", "length")
             peak = max(peak, _rss(srv.proc.pid))
             time.sleep(0.1)
         assert len(results) == 12 and all(r in ("stop", "length") for r in results), results

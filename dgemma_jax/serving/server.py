@@ -57,7 +57,7 @@ BODY_TIMEOUT_S = 30.0       # and its body within this once the headers are in (
 BODY_BYTES_PER_TOKEN = 64   # the default body limit per token of context (JSON-escaped text, token id lists)
 BODY_ENVELOPE_BYTES = 2 ** 16   # and for the rest of the JSON (fields, message wrappers)
 TEXT_WORKERS = 2            # threads that tokenize prompts and build chat prompts (off the event loop)
-IMAGE_WORKERS = 2           # threads that decode and resize images (apart from the text ones)
+IMAGE_WORKERS = 1           # the thread that decodes and resizes images (apart from the text ones)
 
 
 def default_max_body_bytes(context: int, vision: bool = False) -> int:
