@@ -17,6 +17,10 @@ slot is busy decoding (nothing can be admitted) one call of the tick program run
 (one of a request's `n`) ends at EOS, at `max_tokens`, at a stop string, or when its client is gone
 (its slot is free after the current call).
 
+Admission: a free slot takes the waiting choice with the lowest `Request.priority` (vLLM's field),
+the earliest among equals; a running choice is never preempted. Every counter and latency of
+`GET /metrics` is kept here (`self.metrics`, `serving/metrics.py`).
+
 Prefix reuse: with `prefix_reuse` (default) a slot keeps what its cache row holds after its request
 ends (the prompt, every committed canvas, and the last canvas committed too), and a new prompt goes
 into the free slot whose row shares the longest beginning with it (images count by their pixels),
