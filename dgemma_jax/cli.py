@@ -12,7 +12,6 @@ import os
 import sys
 
 from dgemma_jax import cli_run, compile_cache
-from dgemma_jax.backends import skip_absent_tpu
 from dgemma_jax.cli_run import checkpoint_flags
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import UsageError, print_warnings_as_lines
@@ -310,8 +309,8 @@ def main(argv=None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    if args.command != "compile":  # AOT compilation for a TPU topology needs JAX's TPU plugin registered
-        skip_absent_tpu()  # no libtpu probing noise on a machine without a TPU
+    if args.command != "compile":
+        # (importing dgemma_jax dropped JAX's TPU probe on a machine without a TPU: backends.skip_absent_tpu)
         # one process of a multi-host run: join the others before any device is touched (a multi-host TPU
         # slice is found by itself; elsewhere DGEMMA_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID); one host: nothing
         distributed.initialize()

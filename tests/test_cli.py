@@ -225,6 +225,28 @@ def test_no_libtpu_probing_noise_on_a_machine_without_a_tpu():
     assert r.stdout.strip() == "0122345789" and r.stderr.strip() == "", r.stderr
 
 
+LIBRARY_GENERATE = ("import dgemma_jax as dg, jax\n"
+                    "print(dg.DiffusionGemma.from_pretrained().generate('s9350814272='))\n"
+                    "print(jax.default_backend())\n")
+
+
+def test_the_library_is_as_quiet_as_the_cli_without_a_tpu():
+    # `import dgemma_jax` then a generate printed libtpu's probing lines (host bounds,
+    # TPU_WORKER_HOSTNAMES) on a CPU-only machine with the [tpu] extra; only the CLI hid them
+    from dgemma_jax.backends import tpu_chips
+
+    if tpu_chips() != 0:
+        pytest.skip("this machine has a TPU (or JAX cannot count its chips)")
+    pytest.importorskip("libtpu")  # without libtpu there is no noise to hide
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["PYTHONPATH"] = ROOT
+    r = subprocess.run([sys.executable, "-c", LIBRARY_GENERATE], capture_output=True, text=True, timeout=600,
+                       env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["0122345789", "cpu"], r.stdout
+    assert "libtpu" not in r.stderr and "TPU_" not in r.stderr and r.stderr.strip() == "", r.stderr
+
+
 def test_config_that_disagrees_with_its_parameters_names_the_tensor(tmp_path):
     # an edited dgemma_model.json ended in a flax ScopeParamShapeError traceback (exit 1)
     import shutil
