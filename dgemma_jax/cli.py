@@ -243,7 +243,7 @@ def _print_memory_peak(name, peak):
 
 # ---------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="dgemma", description="DiffusionGemma in JAX: generate, chat, convert, "
+    p = _Parser(prog="dgemma", description="DiffusionGemma in JAX: generate, chat, serve, convert, "
                                 "train, bench, compile, inspect")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 

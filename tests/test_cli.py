@@ -514,3 +514,49 @@ def test_chat_session_steps_give_the_fused_turns_and_cache_without_batch_invaria
         for a, b in zip(*(jax.tree.leaves(s.cache) for s in sessions)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert shown.reused == 10 and shown.answer == "00011234569"
+
+
+# ------------------------------------------------------------------ issue 46: a new user's CLI mistakes
+def _subcommands():
+    import argparse
+
+    from dgemma_jax.cli import build_parser
+
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return parser, action.choices
+
+
+def test_top_level_help_names_every_command_and_every_generate_flag_has_help():
+    # the description left out `serve`; --t-max, --t-min, --entropy-bound, --canvas-length, --dtype,
+    # --mask-char and --max-prompt had no help; --steps said "default 48" where the bundled model uses 16
+    parser, commands = _subcommands()
+    description = parser.description
+    for name in commands:
+        assert name in description, (name, description)
+    generate = commands["generate"]
+    bare = [a.option_strings[0] for a in generate._actions if a.option_strings and not a.help]
+    assert not bare, f"generate flags without help: {bare}"
+    steps = next(a for a in generate._actions if "--steps" in a.option_strings)
+    assert "16" in steps.help and "bundled" in steps.help, steps.help
+
+
+def test_convert_into_a_missing_parent_directory_is_refused(tmp_path, capsys):
+    # `dgemma convert SRC /typo/dir/out` created the whole missing path silently
+    from dgemma_jax.cli import main
+    from dgemma_jax.training.bundled import asset_path
+
+    dst = tmp_path / "no" / "such" / "out"
+    assert main(["convert", str(asset_path()), str(dst), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dgemma: error:") and "does not exist" in err[0], err
+    assert not (tmp_path / "no").exists()
+
+
+def test_profile_into_an_unwritable_place_is_one_line(tmp_path):
+    # --profile to a path under a file ended in a 20-line traceback from the profiler
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    msg = _one_line_error(dgemma("generate", "--prompt", "s9350814272=", "--quiet",
+                                 "--profile", str(blocker / "trace")))
+    assert "--profile" in msg and "writable" in msg, msg

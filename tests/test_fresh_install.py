@@ -7,7 +7,8 @@ Slow and needs the network (PyPI), so it runs only with DGEMMA_VENV_TEST=1:
 It clones the repository's committed HEAD, creates a venv with the interpreter running this test, runs the
 README's install command in it, checks that no torch / transformers / nvidia / cuda / triton distribution
 got installed, that the library generates with the bundled model and prints nothing on stderr (no libtpu
-probing lines on a machine without a TPU, though `[tpu]` installs libtpu), then runs the README's test command in the clone and requires it to pass. The install's
+probing lines on a machine without a TPU, though `[tpu]` installs libtpu), then runs the README's test
+command in the clone and requires it to pass. The install's
 time and the venv's size are printed (docs/install.md quotes them).
 """
 
