@@ -20,6 +20,7 @@ from dgemma_jax.io import locations
 from dgemma_jax.io.model_dir import load_config
 from dgemma_jax.parallel import distributed
 from dgemma_jax.parallel.mesh import make_mesh
+from dgemma_jax.parallel.rules import rules_for
 from dgemma_jax.serving import cli as serve_cli
 
 
@@ -316,6 +317,8 @@ def main(argv=None) -> int:
         distributed.initialize()
     compile_cache.enable()  # programs compiled by an earlier start are read back, not compiled again
     try:
+        if isinstance(getattr(args, "rules", None), str):
+            rules_for(args.rules)  # a typo'd --rules is an error with or without --mesh
         return int(args.fn(args) or 0)
     except (UsageError, ValueError, FileNotFoundError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

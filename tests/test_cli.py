@@ -560,3 +560,28 @@ def test_profile_into_an_unwritable_place_is_one_line(tmp_path):
     msg = _one_line_error(dgemma("generate", "--prompt", "s9350814272=", "--quiet",
                                  "--profile", str(blocker / "trace")))
     assert "--profile" in msg and "writable" in msg, msg
+
+
+def test_a_rules_typo_is_an_error_without_mesh(capsys):
+    # `--rules servng` passed silently when no --mesh was given (the rules were never read)
+    from dgemma_jax.cli import main
+
+    assert main(["generate", "--prompt", "s12=", "--rules", "servng"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dgemma: error:") and "servng" in err[0] and "serving" in err[0], err
+
+
+def test_train_refuses_a_config_that_is_not_a_recipe_without_running_it(tmp_path, capsys):
+    # a non-recipe said "'NoneType' object has no attribute 'loader'"; setup.py was executed
+    from dgemma_jax.cli import main
+
+    ran = tmp_path / "ran"
+    script = tmp_path / "setup.py"
+    script.write_text(f"open({str(ran)!r}, 'w').write('x')\n")
+    data = tmp_path / "data.json"
+    data.write_text("{}")
+    for path, words in ((script, "defines no get_config"), (data, "not a Python recipe")):
+        assert main(["train", "--config", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("dgemma: error:") and words in err[0], err
+    assert not ran.exists(), "the non-recipe file was executed"

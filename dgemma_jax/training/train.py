@@ -588,10 +588,29 @@ def recipe_keys(cfg) -> set[str]:
     return keys
 
 
+def _check_recipe(path: str) -> None:
+    """Refuse, without running it, a --config that is not a recipe: not a .py file, not Python, or no
+    top-level `def get_config` (setup.py, a JSON file, a data file)."""
+    import ast
+
+    fix = "give a recipe: a .py file defining get_config() (see configs/)"
+    if not path.endswith(".py"):
+        raise ValueError(f"--config {path!r} is not a Python recipe (.py); {fix}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (SyntaxError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {path!r} is not valid Python ({e}); {fix}") from None
+    if not any(isinstance(node, ast.FunctionDef) and node.name == "get_config" for node in tree.body):
+        raise ValueError(f"--config {path!r} defines no get_config(), so it is not a recipe (not run); {fix}")
+
+
 def load_config(path: str, overrides: dict[str, Any] | None = None):
     """`get_config()` of a recipe file (e.g. configs/train_bundled.py), with dotted-key overrides
     such as {"train.num_steps": 10}. A key that is neither in the recipe nor read by the trainer is a
-    ValueError naming the nearest valid key."""
+    ValueError naming the nearest valid key. A recipe is Python and is run; a file that is not Python or
+    defines no top-level `get_config` is refused before anything in it runs."""
+    _check_recipe(path)
     spec = importlib.util.spec_from_file_location(f"_recipe_{abs(hash(path))}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
