@@ -19,6 +19,7 @@ from dgemma_jax.io.bundled import bundled_choice, bundled_dir
 from dgemma_jax.io import locations
 from dgemma_jax.io.model_dir import load_config
 from dgemma_jax.parallel import distributed
+from dgemma_jax.model.quant import weight_bytes
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.rules import rules_for
 from dgemma_jax.serving import cli as serve_cli
@@ -81,7 +82,7 @@ def cmd_inspect(args) -> int:
         "params_total": counts["total"],
         "params_active_per_token": counts["active"],
     }
-    vis = counts.get("vision", 0)  # the vision tower stays in the parameter dtype under int8
+    vis = counts.get("vision", 0)
     if cfg.vision is not None:
         v = cfg.vision
         info["vision"] = (f"{v.num_layers} layers x {v.hidden_size}, {v.num_heads} heads x {v.head_dim}, "
@@ -91,7 +92,8 @@ def cmd_inspect(args) -> int:
         "param_dtype": cfg.param_dtype,
         "memory_bytes": {"checkpoint (" + cfg.param_dtype + ")": (counts["total"] + vis) * bytes_per,
                          "float32": (counts["total"] + vis) * 4, "bfloat16": (counts["total"] + vis) * 2,
-                         "int8": counts["total"] + vis * bytes_per},
+                         # from the quantized parameters' shapes (scales, float embedding and norms included)
+                         "int8": weight_bytes(cfg, "int8"), "int4": weight_bytes(cfg, "int4")},
     })
     if args.json:
         print(json.dumps(info, indent=2))

@@ -585,3 +585,14 @@ def test_train_refuses_a_config_that_is_not_a_recipe_without_running_it(tmp_path
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("dgemma: error:") and words in err[0], err
     assert not ran.exists(), "the non-recipe file was executed"
+
+
+def test_inspect_gives_the_quantized_sizes_the_docs_give(capsys):
+    # `dgemma inspect` gave int8 as 25.25 GB (one byte per parameter) where the README says 26.07
+    # (scales and the float embedding included), and had no int4 line
+    from dgemma_jax.cli import main
+
+    assert main(["inspect", "--preset", "diffusiongemma-26b-a4b", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory_bytes"]
+    assert round(memory["int8"] / 1e9, 2) == 26.07 and round(memory["int4"] / 1e9, 2) == 13.52, memory
+    assert round(memory["bfloat16"] / 1e9, 1) == 50.5, memory
