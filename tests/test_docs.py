@@ -349,3 +349,15 @@ def test_api_shape_comments_say_the_budget_of_the_call_above():
         checked += 1
     assert checked >= 2
     assert "`engine.inputs.bucket_length`" not in "\n".join(lines)  # a module function, not the engine's
+
+
+def test_readme_says_how_long_the_cpu_training_command_takes():
+    """The README's from-scratch CPU training command ran for ~40-50 minutes without saying so."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    at = text.index("configs/train_bundled.py --set train.workdir=/tmp/digits")
+    after = text[at:at + 800]
+    assert re.search(r"\d+ minutes", after), after
+    with open(os.path.join(ROOT, "docs", "bundled_model.md")) as f:
+        source = f.read()
+    assert "2927 s of training (49 min)" in source and "49 minutes" in after  # the number the docs measured
