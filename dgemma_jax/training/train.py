@@ -24,6 +24,7 @@ and joins each checkpoint save, restore and the export; process 0 alone writes t
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import importlib.util
@@ -591,7 +592,6 @@ def recipe_keys(cfg) -> set[str]:
 def _check_recipe(path: str) -> None:
     """Refuse, without running it, a --config that is not a recipe: not a .py file, not Python, or no
     top-level `def get_config` (setup.py, a JSON file, a data file)."""
-    import ast
 
     fix = "give a recipe: a .py file defining get_config() (see configs/)"
     if not path.endswith(".py"):
