@@ -468,7 +468,10 @@ def train(config) -> dict[str, Any]:
     eval_every = int(tc.eval_every)
     time_limit = float(tc.time_limit_s or 0)
     throttle = float(tc.throttle_s or 0)  # sleep per step: lets tests kill a run mid-way
-    bar = _progress(tc, start, run.num_steps) if lead else None
+    # the bar starts after the first step, so that its rate and ETA leave the step's compile out
+    bar = None
+    if lead and tc.progress and start < run.num_steps:
+        print("train: compiling the train step (the progress bar starts after it) ...", file=sys.stderr, flush=True)
     t0 = time.time()
     train_time = float(metrics.rows[-1].get("time_s", 0.0)) if metrics.rows else 0.0
     step = start
@@ -488,6 +491,9 @@ def train(config) -> dict[str, Any]:
                 bar.set_postfix(loss=f"{m['loss']:.4f}", acc=f"{m['canvas_token_acc']:.3f}")
         if bar is not None:
             bar.update(1)
+        elif lead and tc.progress:  # the first step ran: its compile is done
+            jax.block_until_ready(m)
+            bar = _progress(tc, step, run.num_steps)
         if ckpt_every and step % ckpt_every == 0 and step < run.num_steps:
             metrics.flush()
             evals.flush()
