@@ -727,3 +727,21 @@ class TestServeMode:
         c = xpk_create(commands(r.stdout))
         assert flag(c, "--command").endswith("dgemma serve --host 0.0.0.0 --port 8000")
         assert "kubectl port-forward" in r.stdout + r.stderr
+
+
+def test_launch_readme_agrees_with_the_notebook_and_the_code_on_quantize_auto():
+    """issue 46: launch/README.md said 85% (the code and the notebook: 90%), "no int4 path" and that a
+    v5e-1 / v6e-1 holds neither size, which the notebook contradicts (int8 on a v6e-1, int4 on a v5e-1)."""
+    from dgemma_jax.model.quant import WEIGHT_SHARE
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "launch", "README.md")) as f:
+        readme = f.read()
+    with open(os.path.join(root, "launch", "make_colab.py")) as f:
+        notebook = f.read()
+    share = f"{round(WEIGHT_SHARE * 100)}%"
+    assert f"fit {share} of the chip" in notebook and f"fit {share} of the chips'" in readme
+    for stale in ("85%", "no int4 path", "holds neither"):
+        assert stale not in readme, stale
+    for claim in ("v6e-1 (32 GB) chip holds it in int8", "v5e-1 (16 GB) in int4"):
+        assert claim in readme, claim
