@@ -294,7 +294,9 @@ ax0.set(xlabel="denoising step", ylabel="fraction equal to the final argmax", yl
         title="convergence per canvas")
 ax0.legend()
 rows = history[min(history)]
-ax1.imshow(np.stack([r == rows[-1] for r in rows]), aspect="auto", cmap="Greens", interpolation="nearest")
+# vmin/vmax fixed: a canvas settled from its first step is all dark green, not scaled to one pale colour
+ax1.imshow(np.stack([r == rows[-1] for r in rows]).astype(float), aspect="auto", cmap="Greens", vmin=0, vmax=1,
+           interpolation="nearest")
 ax1.set(xlabel="canvas position", ylabel="step", title="canvas 0: positions already at their final token")
 plt.tight_layout()
 plt.show()

@@ -745,3 +745,28 @@ def test_launch_readme_agrees_with_the_notebook_and_the_code_on_quantize_auto():
         assert stale not in readme, stale
     for claim in ("v6e-1 (32 GB) chip holds it in int8", "v5e-1 (16 GB) in int4"):
         assert claim in readme, claim
+
+
+def test_the_heatmap_draws_a_fully_settled_canvas_dark(monkeypatch):
+    """issue 46: the settled-positions heatmap scaled its colours to the data, so a canvas settled from its
+    first step (all True) was drawn in the palest colour, as if nothing had settled."""
+    import matplotlib
+    import numpy as np
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sys.path.insert(0, str(LAUNCH))
+    try:
+        import make_colab
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(plt, "show", lambda: None)
+    settled = np.arange(8)
+    history = {0: [settled.copy() for _ in range(3)]}
+    exec(make_colab.PLOT, {"np": np, "history": history})
+    image = plt.gcf().axes[1].images[0]
+    rgba = image.to_rgba(image.get_array())
+    top = plt.get_cmap("Greens")(1.0)
+    assert np.allclose(rgba[..., :3], top[:3]), "a fully settled canvas must take the colour of 'settled'"
+    plt.close("all")
