@@ -527,7 +527,7 @@ class TestColabNotebook:
             assert found, f"no code cell contains {needles}"
             return found[0]
 
-        cell_with("pip", "install", "install_source(UPLOAD_DIR)")
+        cell_with("pip", "install", "install_source(UPLOAD_DIR, PACKAGE_URL)")
         cell_with("jax.devices()")
         cell_with("DiffusionGemma.from_pretrained(", "resolve_quantize(")
         cell_with("model.generate(", "model.chat(")
@@ -537,7 +537,7 @@ class TestColabNotebook:
         text = json.dumps(nb)
         assert "YOUR_ORG" not in text and "REPO_URL" not in text
         settings = code_sources(nb)[0]
-        for name in ("CHECKPOINT", "PROMPT", "QUANTIZE", "MAX_NEW_TOKENS", "SEED", "PACKAGE"):
+        for name in ("CHECKPOINT", "PROMPT", "QUANTIZE", "MAX_NEW_TOKENS", "SEED", "PACKAGE_URL"):
             assert f"{name} = " in settings and "# @param" in settings
         ns = {}
         exec(settings, ns)
@@ -575,7 +575,7 @@ class TestColabNotebook:
         src = self._install_cell(nb).replace('UPLOAD_DIR = "/content"', f"UPLOAD_DIR = {str(upload)!r}")
         import importlib.util
         real_find_spec = importlib.util.find_spec
-        ns = {"PACKAGE": "dgemma_jax[tpu]"}
+        ns = {"PACKAGE_URL": ""}
         try:
             importlib.util.find_spec = lambda name, *a: None if name == "dgemma_jax" else real_find_spec(name, *a)
             subprocess_run, subprocess.run = subprocess.run, fake_run
@@ -585,8 +585,16 @@ class TestColabNotebook:
             subprocess.run = subprocess_run
         assert calls == [[sys.executable, "-m", "pip", "install", "--quiet", f"{upload / wheel.name}[tpu]"]]
         assert f"installing dgemma_jax from the uploaded file {wheel.name}" in capsys.readouterr().out
-        # nothing uploaded: the package name, said so
-        assert ns["install_source"](str(tmp_path / "empty")) == ("dgemma_jax[tpu]", "the package 'dgemma_jax[tpu]'")
+        # nothing uploaded: the URL set, checked (issue 46: the default was `dgemma_jax[tpu]`, on no index)
+        empty = str(tmp_path / "empty")
+        repo = "git+https://github.com/example/dgemma_jax"
+        assert ns["install_source"](empty, repo) == (f"dgemma_jax[tpu] @ {repo}", f"the repository {repo}")
+        url = "https://example.org/dist/dgemma_jax-0.1.0-py3-none-any.whl"
+        assert ns["install_source"](empty, url) == (f"dgemma_jax[tpu] @ {url}", f"the archive {url}")
+        with pytest.raises(SystemExit, match="set PACKAGE_URL"):
+            ns["install_source"](empty, "")
+        with pytest.raises(SystemExit, match="on no package index"):
+            ns["install_source"](empty, "dgemma_jax[tpu]")
 
     def test_install_cell_failure_says_how_to_upload_a_wheel(self, nb, tmp_path):
         src = self._install_cell(nb).replace('UPLOAD_DIR = "/content"', f"UPLOAD_DIR = {str(tmp_path)!r}")
@@ -600,7 +608,7 @@ class TestColabNotebook:
             importlib.util.find_spec = lambda name, *a: None if name == "dgemma_jax" else real_find_spec(name, *a)
             subprocess_run, subprocess.run = subprocess.run, failing_run
             with pytest.raises(SystemExit, match="pip wheel --no-deps -w dist"):
-                exec(src, {"PACKAGE": "dgemma_jax[tpu]"})
+                exec(src, {"PACKAGE_URL": "git+https://github.com/example/dgemma_jax"})
         finally:
             importlib.util.find_spec = real_find_spec
             subprocess.run = subprocess_run
