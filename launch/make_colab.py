@@ -164,6 +164,46 @@ if jax.default_backend() != "tpu":
           jax.default_backend(), "- slowly, so keep to the small model.")
 """
 
+HUB_MD = """\
+## Hugging Face Hub login (gated checkpoints)
+
+The released checkpoint is gated: accept its license on its Hub page with your account, then give
+this session a token with read access: a Colab secret named `HF_TOKEN` (the key icon on the left,
+with notebook access on), or `from huggingface_hub import notebook_login; notebook_login()`. The cell
+below checks for a token when `CHECKPOINT` is a Hub repo id and does nothing otherwise.
+"""
+
+HUB_LOGIN = """\
+import os  # noqa: F811 (this cell runs on its own too)
+
+
+def is_hub_repo(checkpoint):
+    \"\"\"A Hub repo id (owner/name[@revision]), not a local or gs:// path.\"\"\"
+    return (bool(checkpoint) and "://" not in checkpoint and not checkpoint.startswith(("/", ".", "~"))
+            and not os.path.exists(checkpoint) and checkpoint.split("@")[0].count("/") == 1)
+
+
+if is_hub_repo(CHECKPOINT):
+    from huggingface_hub import get_token
+
+    token = os.environ.get("HF_TOKEN") or get_token()
+    if not token:
+        try:  # a Colab secret named HF_TOKEN
+            from google.colab import userdata
+
+            token = userdata.get("HF_TOKEN")
+        except Exception:  # not in Colab, or no such secret / no notebook access
+            token = None
+    if not token:
+        raise SystemExit(f"{CHECKPOINT} is on the Hugging Face Hub and may be gated: accept its license on its Hub "
+                         "page, then add a Colab secret HF_TOKEN (a read token) or run `from huggingface_hub import "
+                         "notebook_login; notebook_login()`, and run this cell again")
+    os.environ["HF_TOKEN"] = token
+    print(f"a Hugging Face token is set for {CHECKPOINT}")
+else:
+    print("no Hub login needed" + (f" for {CHECKPOINT}" if CHECKPOINT else " (the bundled model)"))
+"""
+
 LOAD_MD = """\
 ## Load a model
 
@@ -329,6 +369,8 @@ CELLS = [
     ("markdown", INSTALL_MD),
     ("code", INSTALL),
     ("code", DEVICES),
+    ("markdown", HUB_MD),
+    ("code", HUB_LOGIN),
     ("markdown", LOAD_MD),
     ("code", LOAD),
     ("markdown", GENERATE_MD),

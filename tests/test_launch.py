@@ -778,3 +778,27 @@ def test_the_heatmap_draws_a_fully_settled_canvas_dark(monkeypatch):
     top = plt.get_cmap("Greens")(1.0)
     assert np.allclose(rgba[..., :3], top[:3]), "a fully settled canvas must take the colour of 'settled'"
     plt.close("all")
+
+
+def test_the_notebook_asks_for_a_hub_token_for_a_hub_checkpoint(tmp_path, monkeypatch, capsys):
+    """issue 46: the gated Hub repo needs a login the notebook never mentioned. The login cell does nothing
+    for the bundled model or a path, stops with how to log in for a Hub id without a token, and passes a
+    token it finds on."""
+    sys.path.insert(0, str(LAUNCH))
+    try:
+        import make_colab
+    finally:
+        sys.path.pop(0)
+    names = [src for kind, src in make_colab.CELLS]
+    cell = make_colab.HUB_LOGIN
+    assert names.index(cell) < names.index(make_colab.LOAD)  # before the model is loaded
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no token file either
+    for checkpoint in ("", str(tmp_path), "gs://bucket/dg"):
+        exec(cell, {"CHECKPOINT": checkpoint})
+        assert "no Hub login needed" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="HF_TOKEN"):
+        exec(cell, {"CHECKPOINT": "google/diffusiongemma-26B-A4B-it"})
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    exec(cell, {"CHECKPOINT": "google/diffusiongemma-26B-A4B-it@main"})
+    assert "token is set" in capsys.readouterr().out
