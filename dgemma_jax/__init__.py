@@ -15,17 +15,21 @@ Public API (see README "Library API"; in full: docs/api.md):
   quantize_params                 weight-only int8 kernels (`Engine(..., quantize="int8")` does it for you)
 """
 
-from dgemma_jax.config import ModelConfig
-from dgemma_jax.engine import Engine, generate
-from dgemma_jax.io.hf import load_hf, save_hf
-from dgemma_jax.model import (KVCache, cache_shape, denoise, image_features, init_cache, init_params, logical_axes,
-                              param_shapes, prefill, soft_embed)
-from dgemma_jax.model.quant import quantize_params
-from dgemma_jax.pipeline import DiffusionGemma
-from dgemma_jax.runtime import Runtime
-from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.sampling.generate import generate_fused
-from dgemma_jax.sampling.loop import denoise_step, init_state, initial_canvas, row_keys
+from dgemma_jax.backends import skip_absent_tpu
+
+skip_absent_tpu()  # before JAX starts its backends: no libtpu probing noise on a machine without a TPU
+
+from dgemma_jax.config import ModelConfig  # noqa: E402
+from dgemma_jax.engine import Engine, generate  # noqa: E402
+from dgemma_jax.io.hf import load_hf, save_hf  # noqa: E402
+from dgemma_jax.model import (KVCache, cache_shape, denoise, image_features, init_cache, init_params,  # noqa: E402
+                              logical_axes, param_shapes, prefill, soft_embed)
+from dgemma_jax.model.quant import quantize_params  # noqa: E402
+from dgemma_jax.pipeline import DiffusionGemma  # noqa: E402
+from dgemma_jax.runtime import Runtime  # noqa: E402
+from dgemma_jax.sampling.config import SamplerConfig  # noqa: E402
+from dgemma_jax.sampling.generate import generate_fused  # noqa: E402
+from dgemma_jax.sampling.loop import denoise_step, init_state, initial_canvas, row_keys  # noqa: E402
 
 __all__ = ["DiffusionGemma", "Engine", "KVCache", "ModelConfig", "Runtime", "SamplerConfig", "cache_shape", "denoise",
            "denoise_step", "generate", "generate_fused", "image_features", "init_cache", "init_params", "init_state",

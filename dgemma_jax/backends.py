@@ -3,13 +3,15 @@
 With libtpu installed (the `[tpu]` extra) JAX probes for a TPU at its first computation, and on a
 machine without one libtpu prints about five error lines (host bounds, worker hostnames, a source
 location trace) before JAX falls back to the CPU. `skip_absent_tpu()` removes that probe when the
-machine has no TPU chip, so that a command's own output is all the user sees; `quiet_libtpu_load()`
-drops the same lines where libtpu is loaded on purpose (AOT compilation for a TPU topology).
+machine has no TPU chip, so that a command's own output is all the user sees: importing `dgemma_jax`
+runs it, so the library is as quiet as the CLI. `quiet_libtpu_load()` drops the same lines where
+libtpu is loaded on purpose (AOT compilation for a TPU topology).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import tempfile
@@ -38,10 +40,12 @@ def tpu_chips() -> int | None:
 
 
 def skip_absent_tpu() -> bool:
-    """Drop JAX's TPU backend when no TPU chip is present and the user named no platforms
-    (JAX_PLATFORMS / jax_platforms). Must run before JAX initialises its backends; returns whether
-    the TPU backend was dropped. AOT compilation for a TPU topology (`dgemma compile`) loads libtpu on
-    its own and is unaffected."""
+    """Stop JAX from starting its TPU backend when no TPU chip is present and the user named no
+    platforms (JAX_PLATFORMS / jax_platforms). Must run before JAX initialises its backends; returns
+    whether the TPU backend was skipped. "tpu" stays a known platform (its registration is kept, its
+    factory answers "no TPU here" without loading libtpu), so TPU lowering rules still register (Pallas)
+    and AOT compilation for a TPU topology (`dgemma compile`), which loads libtpu on its own, is
+    unaffected."""
     if os.environ.get("JAX_PLATFORMS"):
         return False
     if tpu_chips() != 0:  # a TPU is present, or we cannot tell: keep JAX's behaviour
@@ -53,8 +57,22 @@ def skip_absent_tpu() -> bool:
     factories = getattr(xla_bridge, "_backend_factories", None)
     if not isinstance(factories, dict) or "tpu" not in factories:
         return False
-    del factories["tpu"]
+    registration = factories["tpu"]
+    if getattr(registration.factory, "_dgemma_no_tpu", False):
+        return True  # skipped already (an earlier import)
+    try:
+        factories["tpu"] = dataclasses.replace(registration, factory=_no_tpu_here, fail_quietly=True)
+    except TypeError:  # pragma: no cover - another JAX layout
+        return False
     return True
+
+
+def _no_tpu_here():
+    """The TPU backend's factory on a machine without a TPU chip: JAX records 'no backend' quietly."""
+    return None
+
+
+_no_tpu_here._dgemma_no_tpu = True
 
 
 @contextlib.contextmanager

@@ -65,7 +65,7 @@ class ChatSession:
     tokenizer: one that can encode the chat template's markers (a Gemma tokenizer); a character
     tokenizer (the bundled digits model) cannot, and then every turn is the user's line alone.
     context: KV cache tokens (capped at the model's positions). max_new_tokens: per turn (default:
-    `pipeline.DEFAULT_NEW_TOKENS`, capped to what fits). seed: turn t uses seed + t (mod 2**64).
+    `engine.inputs.DEFAULT_NEW_TOKENS`, capped to what fits). seed: turn t uses seed + t (mod 2**64).
     max_soft_tokens: the per-image token budget (default: the checkpoint's, 280 for the released model).
     """
 

@@ -12,7 +12,6 @@ import os
 import sys
 
 from dgemma_jax import cli_run, compile_cache
-from dgemma_jax.backends import skip_absent_tpu
 from dgemma_jax.cli_run import checkpoint_flags
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import UsageError, print_warnings_as_lines
@@ -20,7 +19,9 @@ from dgemma_jax.io.bundled import bundled_choice, bundled_dir
 from dgemma_jax.io import locations
 from dgemma_jax.io.model_dir import load_config
 from dgemma_jax.parallel import distributed
+from dgemma_jax.model.quant import weight_bytes
 from dgemma_jax.parallel.mesh import make_mesh
+from dgemma_jax.parallel.rules import rules_for
 from dgemma_jax.serving import cli as serve_cli
 
 
@@ -81,7 +82,7 @@ def cmd_inspect(args) -> int:
         "params_total": counts["total"],
         "params_active_per_token": counts["active"],
     }
-    vis = counts.get("vision", 0)  # the vision tower stays in the parameter dtype under int8
+    vis = counts.get("vision", 0)
     if cfg.vision is not None:
         v = cfg.vision
         info["vision"] = (f"{v.num_layers} layers x {v.hidden_size}, {v.num_heads} heads x {v.head_dim}, "
@@ -91,7 +92,8 @@ def cmd_inspect(args) -> int:
         "param_dtype": cfg.param_dtype,
         "memory_bytes": {"checkpoint (" + cfg.param_dtype + ")": (counts["total"] + vis) * bytes_per,
                          "float32": (counts["total"] + vis) * 4, "bfloat16": (counts["total"] + vis) * 2,
-                         "int8": counts["total"] + vis * bytes_per},
+                         # from the quantized parameters' shapes (scales, float embedding and norms included)
+                         "int8": weight_bytes(cfg, "int8"), "int4": weight_bytes(cfg, "int4")},
     })
     if args.json:
         print(json.dumps(info, indent=2))
@@ -244,7 +246,7 @@ def _print_memory_peak(name, peak):
 
 # ---------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="dgemma", description="DiffusionGemma in JAX: generate, chat, convert, "
+    p = _Parser(prog="dgemma", description="DiffusionGemma in JAX: generate, chat, serve, convert, "
                                 "train, bench, compile, inspect")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
@@ -310,13 +312,15 @@ def main(argv=None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    if args.command != "compile":  # AOT compilation for a TPU topology needs JAX's TPU plugin registered
-        skip_absent_tpu()  # no libtpu probing noise on a machine without a TPU
+    if args.command != "compile":
+        # (importing dgemma_jax dropped JAX's TPU probe on a machine without a TPU: backends.skip_absent_tpu)
         # one process of a multi-host run: join the others before any device is touched (a multi-host TPU
         # slice is found by itself; elsewhere DGEMMA_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID); one host: nothing
         distributed.initialize()
     compile_cache.enable()  # programs compiled by an earlier start are read back, not compiled again
     try:
+        if isinstance(getattr(args, "rules", None), str):
+            rules_for(args.rules)  # a typo'd --rules is an error with or without --mesh
         return int(args.fn(args) or 0)
     except (UsageError, ValueError, FileNotFoundError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -375,18 +375,26 @@ def checkpoint_flags(s, weights: bool = True):
 
 def add_commands(sub, positive):
     def sampler_flags(s):
-        s.add_argument("--steps", type=positive(int), help="max denoising steps per canvas (default 48)")
-        s.add_argument("--t-max", type=positive(float), dest="t_max")
-        s.add_argument("--t-min", type=positive(float), dest="t_min")
-        s.add_argument("--entropy-bound", type=positive(float), dest="entropy_bound")
+        s.add_argument("--steps", type=positive(int),
+                       help="max denoising steps per canvas (default: the checkpoint's sampler, 16 for the bundled "
+                            "model, 48 for the released one)")
+        s.add_argument("--t-max", type=positive(float), dest="t_max",
+                       help="sampling temperature at the first step (default: the checkpoint's sampler)")
+        s.add_argument("--t-min", type=positive(float), dest="t_min",
+                       help="sampling temperature at the last step (default: the checkpoint's sampler)")
+        s.add_argument("--entropy-bound", type=positive(float), dest="entropy_bound",
+                       help="the sampler's entropy bound for keeping positions each step (default: the "
+                            "checkpoint's sampler)")
         s.add_argument("--confidence", type=float, help="confidence threshold (mean entropy)")
         s.add_argument("--stability", type=positive(int), help="stability threshold (steps)")
-        s.add_argument("--canvas-length", type=positive(int), dest="canvas_length")
+        s.add_argument("--canvas-length", type=positive(int), dest="canvas_length",
+                       help="tokens per canvas (default: the one the model was trained with)")
         s.add_argument("--seed", type=_seed, default=0, help="any 64-bit integer (default 0)")
         s.add_argument("--max-new-tokens", type=positive(int), dest="max_new_tokens",
                        help=f"default: {DEFAULT_NEW_TOKENS}, or as many whole canvases as fit the model's positions")
         checkpoint_flags(s)
-        s.add_argument("--dtype", choices=["float32", "bfloat16"])
+        s.add_argument("--dtype", choices=["float32", "bfloat16"],
+                       help="parameter dtype (default: the checkpoint's)")
         s.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
                        help="weight-only int8 (per channel) or int4 (group-wise) expert, attention and MLP kernels, "
                             "quantized on load; auto: the first of none/int8/int4 whose weights fit the devices' "
@@ -397,8 +405,10 @@ def add_commands(sub, positive):
     s.add_argument("--show-steps", action="store_true", help="draw the canvas converging step by step")
     s.add_argument("--plain", action="store_true", help="with --show-steps: one line per step, no colours")
     s.add_argument("--seed-canvas", dest="seed_canvas", help="start canvas text; --mask-char marks free positions")
-    s.add_argument("--mask-char", dest="mask_char", default="_")
-    s.add_argument("--max-prompt", type=positive(int), dest="max_prompt", default=None)
+    s.add_argument("--mask-char", dest="mask_char", default="_",
+                   help="the character of --seed-canvas that marks a free position (default _)")
+    s.add_argument("--max-prompt", type=positive(int), dest="max_prompt", default=None,
+                   help="refuse prompts longer than this many tokens (default: no limit but the model's positions)")
     s.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image for the prompt (repeatable; a checkpoint with a vision tower): each goes at a "
                         "<|image|> marker of the prompt, or before the prompt when it has none; without --checkpoint, "

@@ -109,9 +109,9 @@ class DiffusionGemma:
     """config + params + tokenizer + `Engine`; `.generate(text)`, `.chat(messages)`."""
 
     def __init__(self, config, params, tokenizer, sampler=None, shardings=None, runtime=None,
-                 quantize: str | None = None, compilation_cache: bool | str = True):
+                 quantize: str | None = None, compilation_cache: bool | str = True, batch_invariant: bool = True):
         self.engine = Engine(config, params, sampler, shardings=shardings, runtime=runtime, quantize=quantize,
-                             compilation_cache=compilation_cache)
+                             compilation_cache=compilation_cache, batch_invariant=batch_invariant)
         self.config, self.params, self.tokenizer = config, self.engine.params, tokenizer
 
     @classmethod
@@ -119,7 +119,7 @@ class DiffusionGemma:
                         shardings=None, revision: str | None = None, runtime=None,
                         quantize: str | None = None, compilation_cache: bool | str = True, mesh=None,
                         rules: str | tuple = "latency", mirror: bool | None = None,
-                        progress: bool = False) -> "DiffusionGemma":
+                        progress: bool = False, batch_invariant: bool = True) -> "DiffusionGemma":
         """A ready model: checkpoint, tokenizer and engine, read from a directory, a store or the Hub.
 
         Args:
@@ -139,6 +139,9 @@ class DiffusionGemma:
             False: each process reads its shards' bytes straight from the store or the Hub; None (default):
             False, but a Hub repo read by a single process is downloaded (`locations.locate`).
           progress: show a bar while a Hugging Face checkpoint's tensors are read (and quantized).
+          batch_invariant: `Engine`'s: True (default) a prompt with its seed gets the same text alone or in
+            any list (each prompt its own program); False one batched program for a list (faster for big
+            lists; a row's text can change with the rest of the list).
         Returns:
           a `DiffusionGemma`.
         Raises:
@@ -155,7 +158,8 @@ class DiffusionGemma:
         if mesh is not None:
             shardings = Shardings(cfg, mesh, rules)
         return cls(cfg, params, tok, sampler or saved_sampler, shardings, runtime,
-                   quantize if shardings is not None and on_load is None else None, compilation_cache)
+                   quantize if shardings is not None and on_load is None else None, compilation_cache,
+                   batch_invariant)
 
     @property
     def sampler(self):

@@ -89,8 +89,9 @@ MAX_NEW_TOKENS = 0  # @param {type:"integer"}
 SEED = 0  # @param {type:"integer"}
 # Where dgemma_jax comes from when it is not installed yet: a wheel or source archive uploaded to
 # /content (dgemma_jax-*.whl / dgemma_jax-*.tar.gz, built with `pip wheel --no-deps -w dist .`),
-# else this package name (a requirement pip understands, e.g. a git URL).
-PACKAGE = "dgemma_jax[tpu]"  # @param {type:"string"}
+# else this URL: a wheel's (https://.../dgemma_jax-0.1.0-py3-none-any.whl) or the repository's
+# (git+https://github.com/OWNER/dgemma_jax). dgemma_jax is on no package index, so a bare name fails.
+PACKAGE_URL = ""  # @param {type:"string"}
 """
 
 INSTALL_MD = """\
@@ -98,7 +99,8 @@ INSTALL_MD = """\
 
 Nothing is installed when `dgemma_jax` is already importable. Otherwise a wheel or source archive
 of dgemma_jax uploaded to `/content` (the file browser on the left) is installed with the `[tpu]`
-extra, which pins `jax[tpu]`; without one, `PACKAGE`. The cell says which it used. If Colab had
+extra, which pins `jax[tpu]`; without one, `PACKAGE_URL` (a wheel's URL or `git+https://` of the
+repository; dgemma_jax is on no package index). The cell checks the setting and says which it used. If Colab had
 already imported another jax version, restart the session (Runtime > Restart session) after this
 cell.
 """
@@ -114,26 +116,36 @@ import sys
 UPLOAD_DIR = "/content"  # where Colab's file browser uploads go
 
 
-def install_source(search_dir):
-    \"\"\"(pip requirement, what it is): the newest uploaded wheel or source archive, else PACKAGE.\"\"\"
+def install_source(search_dir, url):
+    \"\"\"(pip requirement, what it is): the newest uploaded wheel or source archive, else the URL, checked.\"\"\"
     found = sorted(glob.glob(os.path.join(search_dir, "dgemma_jax-*.whl"))
                    + glob.glob(os.path.join(search_dir, "dgemma_jax-*.tar.gz")), key=os.path.getmtime)
     if found:
         return f"{found[-1]}[tpu]", f"the uploaded file {os.path.basename(found[-1])}"
-    return PACKAGE, f"the package {PACKAGE!r}"
+    url = url.strip()
+    if not url:
+        raise SystemExit(f"dgemma_jax is not installed: upload a wheel (dgemma_jax-*.whl, built with `pip wheel "
+                         f"--no-deps -w dist .`) to {search_dir}, or set PACKAGE_URL in the settings cell to a "
+                         "wheel's URL or git+https://... of the repository, and run this cell again")
+    if url.startswith("git+"):
+        return f"dgemma_jax[tpu] @ {url}", f"the repository {url}"
+    if url.startswith(("https://", "http://")) and url.split("?")[0].endswith((".whl", ".tar.gz", ".zip")):
+        return f"dgemma_jax[tpu] @ {url}", f"the archive {url}"
+    raise SystemExit(f"PACKAGE_URL={url!r} is neither a wheel or archive URL (https://.../dgemma_jax-*.whl) nor a "
+                     "repository (git+https://...): dgemma_jax is on no package index, so pip cannot find it by name")
 
 
 if importlib.util.find_spec("dgemma_jax") is not None:
     print("dgemma_jax is already installed; nothing to install")
 else:
-    requirement, what = install_source(UPLOAD_DIR)
+    requirement, what = install_source(UPLOAD_DIR, PACKAGE_URL)
     print("installing dgemma_jax from", what)
     try:
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", requirement], check=True)
     except subprocess.CalledProcessError:
         raise SystemExit(f"pip could not install {requirement!r}. Build a wheel from a dgemma_jax checkout "
                          f"with `pip wheel --no-deps -w dist .`, upload dist/dgemma_jax-*.whl to {UPLOAD_DIR} "
-                         "and run this cell again (or set PACKAGE to a requirement pip can reach)") from None
+                         "and run this cell again (or set PACKAGE_URL to a wheel or repository pip can reach)") from None
 importlib.invalidate_caches()
 """
 
@@ -150,6 +162,46 @@ for d in jax.devices():
 if jax.default_backend() != "tpu":
     print("No TPU here (Runtime > Change runtime type > TPU); the cells below still run on",
           jax.default_backend(), "- slowly, so keep to the small model.")
+"""
+
+HUB_MD = """\
+## Hugging Face Hub login (gated checkpoints)
+
+The released checkpoint is gated: accept its license on its Hub page with your account, then give
+this session a token with read access: a Colab secret named `HF_TOKEN` (the key icon on the left,
+with notebook access on), or `from huggingface_hub import notebook_login; notebook_login()`. The cell
+below checks for a token when `CHECKPOINT` is a Hub repo id and does nothing otherwise.
+"""
+
+HUB_LOGIN = """\
+import os  # noqa: F811 (this cell runs on its own too)
+
+
+def is_hub_repo(checkpoint):
+    \"\"\"A Hub repo id (owner/name[@revision]), not a local or gs:// path.\"\"\"
+    return (bool(checkpoint) and "://" not in checkpoint and not checkpoint.startswith(("/", ".", "~"))
+            and not os.path.exists(checkpoint) and checkpoint.split("@")[0].count("/") == 1)
+
+
+if is_hub_repo(CHECKPOINT):
+    from huggingface_hub import get_token
+
+    token = os.environ.get("HF_TOKEN") or get_token()
+    if not token:
+        try:  # a Colab secret named HF_TOKEN
+            from google.colab import userdata
+
+            token = userdata.get("HF_TOKEN")
+        except Exception:  # not in Colab, or no such secret / no notebook access
+            token = None
+    if not token:
+        raise SystemExit(f"{CHECKPOINT} is on the Hugging Face Hub and may be gated: accept its license on its Hub "
+                         "page, then add a Colab secret HF_TOKEN (a read token) or run `from huggingface_hub import "
+                         "notebook_login; notebook_login()`, and run this cell again")
+    os.environ["HF_TOKEN"] = token
+    print(f"a Hugging Face token is set for {CHECKPOINT}")
+else:
+    print("no Hub login needed" + (f" for {CHECKPOINT}" if CHECKPOINT else " (the bundled model)"))
 """
 
 LOAD_MD = """\
@@ -294,7 +346,9 @@ ax0.set(xlabel="denoising step", ylabel="fraction equal to the final argmax", yl
         title="convergence per canvas")
 ax0.legend()
 rows = history[min(history)]
-ax1.imshow(np.stack([r == rows[-1] for r in rows]), aspect="auto", cmap="Greens", interpolation="nearest")
+# vmin/vmax fixed: a canvas settled from its first step is all dark green, not scaled to one pale colour
+ax1.imshow(np.stack([r == rows[-1] for r in rows]).astype(float), aspect="auto", cmap="Greens", vmin=0, vmax=1,
+           interpolation="nearest")
 ax1.set(xlabel="canvas position", ylabel="step", title="canvas 0: positions already at their final token")
 plt.tight_layout()
 plt.show()
@@ -315,6 +369,8 @@ CELLS = [
     ("markdown", INSTALL_MD),
     ("code", INSTALL),
     ("code", DEVICES),
+    ("markdown", HUB_MD),
+    ("code", HUB_LOGIN),
     ("markdown", LOAD_MD),
     ("code", LOAD),
     ("markdown", GENERATE_MD),

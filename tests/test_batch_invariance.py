@@ -81,3 +81,14 @@ def test_one_seed_for_a_batch_gives_every_row_that_seeds_stream(gemma):
     np.testing.assert_array_equal(out[0], out[2])  # the same prompt twice with one seed: the same answer
     key = jax.random.key(5)  # a key is a seed's stream too
     np.testing.assert_array_equal(out, np.asarray(eng.generate(tokens, lengths, rng=key, max_new_tokens=NEW).tokens))
+
+
+def test_diffusion_gemma_takes_the_batch_invariant_switch():
+    """`DiffusionGemma(batch_invariant=)` and `from_pretrained(batch_invariant=)` reach the engine (there
+    was no switch: the library's text API always ran each prompt as its own program)."""
+    bundled = DiffusionGemma.from_pretrained(None, batch_invariant=False)
+    assert bundled.engine.batch_invariant is False
+    assert DiffusionGemma.from_pretrained(None).engine.batch_invariant is True
+    fast = DiffusionGemma(bundled.config, bundled.params, bundled.tokenizer, batch_invariant=False)
+    assert fast.engine.batch_invariant is False
+    assert fast.generate(["s9350814272=", "s31415926535="]) == ["0122345789", "11233455569"]

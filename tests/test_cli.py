@@ -225,6 +225,28 @@ def test_no_libtpu_probing_noise_on_a_machine_without_a_tpu():
     assert r.stdout.strip() == "0122345789" and r.stderr.strip() == "", r.stderr
 
 
+LIBRARY_GENERATE = ("import dgemma_jax as dg, jax\n"
+                    "print(dg.DiffusionGemma.from_pretrained().generate('s9350814272='))\n"
+                    "print(jax.default_backend())\n")
+
+
+def test_the_library_is_as_quiet_as_the_cli_without_a_tpu():
+    # `import dgemma_jax` then a generate printed libtpu's probing lines (host bounds,
+    # TPU_WORKER_HOSTNAMES) on a CPU-only machine with the [tpu] extra; only the CLI hid them
+    from dgemma_jax.backends import tpu_chips
+
+    if tpu_chips() != 0:
+        pytest.skip("this machine has a TPU (or JAX cannot count its chips)")
+    pytest.importorskip("libtpu")  # without libtpu there is no noise to hide
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["PYTHONPATH"] = ROOT
+    r = subprocess.run([sys.executable, "-c", LIBRARY_GENERATE], capture_output=True, text=True, timeout=600,
+                       env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["0122345789", "cpu"], r.stdout
+    assert "libtpu" not in r.stderr and "TPU_" not in r.stderr and r.stderr.strip() == "", r.stderr
+
+
 def test_config_that_disagrees_with_its_parameters_names_the_tensor(tmp_path):
     # an edited dgemma_model.json ended in a flax ScopeParamShapeError traceback (exit 1)
     import shutil
@@ -492,3 +514,85 @@ def test_chat_session_steps_give_the_fused_turns_and_cache_without_batch_invaria
         for a, b in zip(*(jax.tree.leaves(s.cache) for s in sessions)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert shown.reused == 10 and shown.answer == "00011234569"
+
+
+# ------------------------------------------------------------------ issue 46: a new user's CLI mistakes
+def _subcommands():
+    import argparse
+
+    from dgemma_jax.cli import build_parser
+
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return parser, action.choices
+
+
+def test_top_level_help_names_every_command_and_every_generate_flag_has_help():
+    # the description left out `serve`; --t-max, --t-min, --entropy-bound, --canvas-length, --dtype,
+    # --mask-char and --max-prompt had no help; --steps said "default 48" where the bundled model uses 16
+    parser, commands = _subcommands()
+    description = parser.description
+    for name in commands:
+        assert name in description, (name, description)
+    generate = commands["generate"]
+    bare = [a.option_strings[0] for a in generate._actions if a.option_strings and not a.help]
+    assert not bare, f"generate flags without help: {bare}"
+    steps = next(a for a in generate._actions if "--steps" in a.option_strings)
+    assert "16" in steps.help and "bundled" in steps.help, steps.help
+
+
+def test_convert_into_a_missing_parent_directory_is_refused(tmp_path, capsys):
+    # `dgemma convert SRC /typo/dir/out` created the whole missing path silently
+    from dgemma_jax.cli import main
+    from dgemma_jax.training.bundled import asset_path
+
+    dst = tmp_path / "no" / "such" / "out"
+    assert main(["convert", str(asset_path()), str(dst), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dgemma: error:") and "does not exist" in err[0], err
+    assert not (tmp_path / "no").exists()
+
+
+def test_profile_into_an_unwritable_place_is_one_line(tmp_path):
+    # --profile to a path under a file ended in a 20-line traceback from the profiler
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    msg = _one_line_error(dgemma("generate", "--prompt", "s9350814272=", "--quiet",
+                                 "--profile", str(blocker / "trace")))
+    assert "--profile" in msg and "writable" in msg, msg
+
+
+def test_a_rules_typo_is_an_error_without_mesh(capsys):
+    # `--rules servng` passed silently when no --mesh was given (the rules were never read)
+    from dgemma_jax.cli import main
+
+    assert main(["generate", "--prompt", "s12=", "--rules", "servng"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dgemma: error:") and "servng" in err[0] and "serving" in err[0], err
+
+
+def test_train_refuses_a_config_that_is_not_a_recipe_without_running_it(tmp_path, capsys):
+    # a non-recipe said "'NoneType' object has no attribute 'loader'"; setup.py was executed
+    from dgemma_jax.cli import main
+
+    ran = tmp_path / "ran"
+    script = tmp_path / "setup.py"
+    script.write_text(f"open({str(ran)!r}, 'w').write('x')\n")
+    data = tmp_path / "data.json"
+    data.write_text("{}")
+    for path, words in ((script, "defines no get_config"), (data, "not a Python recipe")):
+        assert main(["train", "--config", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("dgemma: error:") and words in err[0], err
+    assert not ran.exists(), "the non-recipe file was executed"
+
+
+def test_inspect_gives_the_quantized_sizes_the_docs_give(capsys):
+    # `dgemma inspect` gave int8 as 25.25 GB (one byte per parameter) where the README says 26.07
+    # (scales and the float embedding included), and had no int4 line
+    from dgemma_jax.cli import main
+
+    assert main(["inspect", "--preset", "diffusiongemma-26b-a4b", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory_bytes"]
+    assert round(memory["int8"] / 1e9, 2) == 26.07 and round(memory["int4"] / 1e9, 2) == 13.52, memory
+    assert round(memory["bfloat16"] / 1e9, 1) == 50.5, memory

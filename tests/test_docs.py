@@ -329,3 +329,35 @@ def test_the_docstring_check_sees_a_prose_docstring():
 
     assert _undocumented(prose) == ["Args:", "Returns:"]
     assert _undocumented(sectioned) == []
+
+
+def test_api_shape_comments_say_the_budget_of_the_call_above():
+    """docs/api.md said `out.tokens  # [B, 32]` under a call with max_new_tokens=16: every `# [B, N]`
+    comment on a generated-tokens line names the max_new_tokens of the nearest call above it."""
+    import re
+
+    with open(os.path.join(ROOT, "docs", "api.md")) as f:
+        lines = f.read().splitlines()
+    checked = 0
+    for i, line in enumerate(lines):
+        m = re.search(r"(tokens|my_tokens)\b.*#\s*\[B, (\d+)\]", line)
+        if not m:
+            continue
+        budget = next(re.search(r"max_new_tokens=(\d+)", lines[j]) for j in range(i, -1, -1)
+                      if re.search(r"max_new_tokens=(\d+)", lines[j]))
+        assert budget.group(1) == m.group(2), f"docs/api.md line {i + 1}: {line.strip()}"
+        checked += 1
+    assert checked >= 2
+    assert "`engine.inputs.bucket_length`" not in "\n".join(lines)  # a module function, not the engine's
+
+
+def test_readme_says_how_long_the_cpu_training_command_takes():
+    """The README's from-scratch CPU training command ran for ~40-50 minutes without saying so."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    at = text.index("configs/train_bundled.py --set train.workdir=/tmp/digits")
+    after = text[at:at + 800]
+    assert re.search(r"\d+ min", after.splitlines()[0]), after
+    with open(os.path.join(ROOT, "docs", "bundled_model.md")) as f:
+        source = f.read()
+    assert "2927 s of training (49 min)" in source and "49 min" in after  # the number the docs measured

@@ -6,7 +6,9 @@ Slow and needs the network (PyPI), so it runs only with DGEMMA_VENV_TEST=1:
 
 It clones the repository's committed HEAD, creates a venv with the interpreter running this test, runs the
 README's install command in it, checks that no torch / transformers / nvidia / cuda / triton distribution
-got installed, then runs the README's test command in the clone and requires it to pass. The install's
+got installed, that the library generates with the bundled model and prints nothing on stderr (no libtpu
+probing lines on a machine without a TPU, though `[tpu]` installs libtpu), then runs the README's test
+command in the clone and requires it to pass. The install's
 time and the venv's size are printed (docs/install.md quotes them).
 """
 
@@ -84,6 +86,13 @@ def test_fresh_venv_from_clean_clone(tmp_path):
     bad = [n for n in names if FORBIDDEN.match(n)]
     assert not bad, f"the README's install pulled {bad}"
     assert "dgemma_jax" in {n.replace("-", "_") for n in names}
+    from tests.test_cli import LIBRARY_GENERATE
+
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", LIBRARY_GENERATE], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[0] == "0122345789", r.stdout
+    assert "libtpu" not in r.stderr and "TPU_" not in r.stderr and r.stderr.strip() == "", r.stderr
     t0 = time.time()
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", test], cwd=clone, env=env, timeout=5400)
     print(f"tests: {time.time() - t0:.0f} s (`{test}`)")

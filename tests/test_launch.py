@@ -527,7 +527,7 @@ class TestColabNotebook:
             assert found, f"no code cell contains {needles}"
             return found[0]
 
-        cell_with("pip", "install", "install_source(UPLOAD_DIR)")
+        cell_with("pip", "install", "install_source(UPLOAD_DIR, PACKAGE_URL)")
         cell_with("jax.devices()")
         cell_with("DiffusionGemma.from_pretrained(", "resolve_quantize(")
         cell_with("model.generate(", "model.chat(")
@@ -537,7 +537,7 @@ class TestColabNotebook:
         text = json.dumps(nb)
         assert "YOUR_ORG" not in text and "REPO_URL" not in text
         settings = code_sources(nb)[0]
-        for name in ("CHECKPOINT", "PROMPT", "QUANTIZE", "MAX_NEW_TOKENS", "SEED", "PACKAGE"):
+        for name in ("CHECKPOINT", "PROMPT", "QUANTIZE", "MAX_NEW_TOKENS", "SEED", "PACKAGE_URL"):
             assert f"{name} = " in settings and "# @param" in settings
         ns = {}
         exec(settings, ns)
@@ -575,7 +575,7 @@ class TestColabNotebook:
         src = self._install_cell(nb).replace('UPLOAD_DIR = "/content"', f"UPLOAD_DIR = {str(upload)!r}")
         import importlib.util
         real_find_spec = importlib.util.find_spec
-        ns = {"PACKAGE": "dgemma_jax[tpu]"}
+        ns = {"PACKAGE_URL": ""}
         try:
             importlib.util.find_spec = lambda name, *a: None if name == "dgemma_jax" else real_find_spec(name, *a)
             subprocess_run, subprocess.run = subprocess.run, fake_run
@@ -585,8 +585,16 @@ class TestColabNotebook:
             subprocess.run = subprocess_run
         assert calls == [[sys.executable, "-m", "pip", "install", "--quiet", f"{upload / wheel.name}[tpu]"]]
         assert f"installing dgemma_jax from the uploaded file {wheel.name}" in capsys.readouterr().out
-        # nothing uploaded: the package name, said so
-        assert ns["install_source"](str(tmp_path / "empty")) == ("dgemma_jax[tpu]", "the package 'dgemma_jax[tpu]'")
+        # nothing uploaded: the URL set, checked (issue 46: the default was `dgemma_jax[tpu]`, on no index)
+        empty = str(tmp_path / "empty")
+        repo = "git+https://github.com/example/dgemma_jax"
+        assert ns["install_source"](empty, repo) == (f"dgemma_jax[tpu] @ {repo}", f"the repository {repo}")
+        url = "https://example.org/dist/dgemma_jax-0.1.0-py3-none-any.whl"
+        assert ns["install_source"](empty, url) == (f"dgemma_jax[tpu] @ {url}", f"the archive {url}")
+        with pytest.raises(SystemExit, match="set PACKAGE_URL"):
+            ns["install_source"](empty, "")
+        with pytest.raises(SystemExit, match="on no package index"):
+            ns["install_source"](empty, "dgemma_jax[tpu]")
 
     def test_install_cell_failure_says_how_to_upload_a_wheel(self, nb, tmp_path):
         src = self._install_cell(nb).replace('UPLOAD_DIR = "/content"', f"UPLOAD_DIR = {str(tmp_path)!r}")
@@ -600,7 +608,7 @@ class TestColabNotebook:
             importlib.util.find_spec = lambda name, *a: None if name == "dgemma_jax" else real_find_spec(name, *a)
             subprocess_run, subprocess.run = subprocess.run, failing_run
             with pytest.raises(SystemExit, match="pip wheel --no-deps -w dist"):
-                exec(src, {"PACKAGE": "dgemma_jax[tpu]"})
+                exec(src, {"PACKAGE_URL": "git+https://github.com/example/dgemma_jax"})
         finally:
             importlib.util.find_spec = real_find_spec
             subprocess.run = subprocess_run
@@ -745,3 +753,70 @@ class TestServeMode:
         c = xpk_create(commands(r.stdout))
         assert flag(c, "--command").endswith("dgemma serve --host 0.0.0.0 --port 8000")
         assert "kubectl port-forward" in r.stdout + r.stderr
+
+
+def test_launch_readme_agrees_with_the_notebook_and_the_code_on_quantize_auto():
+    """issue 46: launch/README.md said 85% (the code and the notebook: 90%), "no int4 path" and that a
+    v5e-1 / v6e-1 holds neither size, which the notebook contradicts (int8 on a v6e-1, int4 on a v5e-1)."""
+    from dgemma_jax.model.quant import WEIGHT_SHARE
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "launch", "README.md")) as f:
+        readme = f.read()
+    with open(os.path.join(root, "launch", "make_colab.py")) as f:
+        notebook = f.read()
+    share = f"{round(WEIGHT_SHARE * 100)}%"
+    assert f"fit {share} of the chip" in notebook and f"fit {share} of the chips'" in readme
+    for stale in ("85%", "no int4 path", "holds neither"):
+        assert stale not in readme, stale
+    for claim in ("v6e-1 (32 GB) chip holds it in int8", "v5e-1 (16 GB) in int4"):
+        assert claim in readme, claim
+
+
+def test_the_heatmap_draws_a_fully_settled_canvas_dark(monkeypatch):
+    """issue 46: the settled-positions heatmap scaled its colours to the data, so a canvas settled from its
+    first step (all True) was drawn in the palest colour, as if nothing had settled."""
+    import matplotlib
+    import numpy as np
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sys.path.insert(0, str(LAUNCH))
+    try:
+        import make_colab
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(plt, "show", lambda: None)
+    settled = np.arange(8)
+    history = {0: [settled.copy() for _ in range(3)]}
+    exec(make_colab.PLOT, {"np": np, "history": history})
+    image = plt.gcf().axes[1].images[0]
+    rgba = image.to_rgba(image.get_array())
+    top = plt.get_cmap("Greens")(1.0)
+    assert np.allclose(rgba[..., :3], top[:3]), "a fully settled canvas must take the colour of 'settled'"
+    plt.close("all")
+
+
+def test_the_notebook_asks_for_a_hub_token_for_a_hub_checkpoint(tmp_path, monkeypatch, capsys):
+    """issue 46: the gated Hub repo needs a login the notebook never mentioned. The login cell does nothing
+    for the bundled model or a path, stops with how to log in for a Hub id without a token, and passes a
+    token it finds on."""
+    sys.path.insert(0, str(LAUNCH))
+    try:
+        import make_colab
+    finally:
+        sys.path.pop(0)
+    names = [src for kind, src in make_colab.CELLS]
+    cell = make_colab.HUB_LOGIN
+    assert names.index(cell) < names.index(make_colab.LOAD)  # before the model is loaded
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no token file either
+    for checkpoint in ("", str(tmp_path), "gs://bucket/dg"):
+        exec(cell, {"CHECKPOINT": checkpoint})
+        assert "no Hub login needed" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="HF_TOKEN"):
+        exec(cell, {"CHECKPOINT": "google/diffusiongemma-26B-A4B-it"})
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    exec(cell, {"CHECKPOINT": "google/diffusiongemma-26B-A4B-it@main"})
+    assert "token is set" in capsys.readouterr().out

@@ -415,3 +415,17 @@ def test_eval_overlapping_the_training_data_is_an_error(tmp_path):
     held_out = [("s98=", "89"), ("s77=", "77")]
     run = Run(load_config(recipe, {**over, "eval.path": write("held_out.jsonl", held_out)}))
     assert run.eval_pairs() == held_out
+
+
+def test_the_progress_bar_starts_after_the_step_compiles(tmp_path, capsys):
+    """issue 46: the bar sat at 0 through the compile and its ETA counted the compile as a step (a
+    31-minute ETA for an 82 s run); now a line says the step is compiling and the bar starts after the
+    first step, at step 1."""
+    from dgemma_jax.training.train import train
+
+    over = {"train.workdir": str(tmp_path), "train.num_steps": 3, "train.export": False, "train.progress": True}
+    train(load_config(os.path.join(ROOT, "configs", "train_tiny.py"), over))
+    err = capsys.readouterr().err
+    at = err.index("train: compiling the train step")
+    bar = err[at:].split("\n", 1)[1]
+    assert "train:" in bar and "0/3" not in bar and "1/3" in bar, err

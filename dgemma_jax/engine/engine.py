@@ -1,9 +1,11 @@
 """The engine: a model and a sampler with their compiled programs (`Engine`), and `generate`.
 
-The engine is the one place that knows about `jax.jit`, buffer donation, shardings and AOT
-compilation. Everything it runs is the pure code of `dgemma_jax.model` and `dgemma_jax.sampling`,
-given the engine's `Runtime` (mesh and rules, platform, MoE dispatch, attention kernel) as a static
-argument: one code path with or without a mesh.
+The engine owns every compiled program that runs the model for generation (`jax.jit`, buffer
+donation, shardings, AOT compilation); the other jit sites compile no generation program (the
+trainer's steps, the checked one-call passes of `model/api.py`, quantizing, allocating, the
+load-time finite check: the list `tests/test_layers.py` keeps). Everything it runs is the pure code
+of `dgemma_jax.model` and `dgemma_jax.sampling`, given the engine's `Runtime` (mesh and rules,
+platform, MoE dispatch, attention kernel) as a static argument: one code path with or without a mesh.
 
     engine = Engine(config, params, SamplerConfig(...))
     out = engine.generate(prompt_tokens, lengths, rng=0, max_new_tokens=512)
@@ -55,7 +57,8 @@ class Engine:
     given); "auto" picks the first of none / int8 / int4 whose weights fit the devices' memory
     (`model.quant.resolve_quantize`; nothing on the CPU); params already quantized are passed as they
     are, without it (or with "auto"). None or "none" (default): run `params` as given.
-    batch_invariant: True (default): `generate`, `stream` and `steps` run each prompt of a batch as its
+    batch_invariant (also `DiffusionGemma(batch_invariant=)`): True (default): `generate`, `stream` and
+    `steps` run each prompt of a batch as its
     own batch-1 program, whose shapes (prompt width, cache length) come from that prompt alone, with
     the key of its own seed (`row_keys`): a prompt with its seed gets the same tokens whatever else is
     in the call (its size, order, the prompt's position; tests/test_batch_invariance.py on XLA:CPU,

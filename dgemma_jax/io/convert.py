@@ -472,6 +472,10 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
                          "replace it with dgemma convert --force (overwrite=True)")
     if os.path.isfile(dst):
         raise ValueError(f"the destination {dst!r} is a file; convert into a directory")
+    parent = os.path.dirname(os.path.abspath(dst))
+    if "://" not in dst and not os.path.isdir(parent):
+        raise ValueError(f"the destination's parent directory {parent!r} does not exist (a typo?); "
+                         "create it first (mkdir -p) or convert into an existing directory")
     wrap = tensor_bar("tensors" + (f" into {quantize}" if quantize else "")) if progress else None
     sampler = None
     multimodal, skipped = {}, []

@@ -16,6 +16,7 @@ own devices): one trace per run, as process 0 alone writes the commands' other o
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 import jax
@@ -29,6 +30,15 @@ def profile(log_dir: str | None):
     if not log_dir or jax.process_index() != 0:
         yield
         return
+    try:  # an unwritable place is one clear line before anything runs, not the profiler's traceback
+        os.makedirs(log_dir, exist_ok=True)
+        probe = os.path.join(log_dir, ".dgemma_write_check")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"--profile {log_dir}: cannot write there ({e.strerror or e}); give a writable directory") \
+            from None
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0  # no Python function events (see the module docstring)
     with jax.profiler.trace(log_dir, profiler_options=options):

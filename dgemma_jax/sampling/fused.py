@@ -318,9 +318,10 @@ def _head_table(embedding):
 
 
 def head_step(h, embedding, cap, temperature, keys, embed_scale, rt: Runtime):
-    """The denoising step's fused head for where `rt` compiles (see the module doc): the scan over vocab
-    chunks on CPU and wherever each device holds the whole vocabulary (one TPU chip), the full pass on
-    an accelerator mesh that splits it."""
+    """The denoising step's fused head for where `rt` compiles (see the module doc), tried in this order:
+    on CPU the scan over vocab chunks; where each device holds the whole vocabulary (one TPU chip) the
+    same scan with Gumbel noise; on a mesh that splits the vocabulary the per-device scan with merged
+    statistics (`head_sample_stats_split`); where its layout does not allow that, the full pass."""
     if rt.platform == "cpu":
         return head_sample_stats(h, embedding, cap, temperature, keys, embed_scale)
     if rt.shards(_head_table(embedding)[0].shape[0], "vocab") == 1:

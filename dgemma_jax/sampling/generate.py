@@ -10,7 +10,9 @@ truncation and the commit). `canvas_step` is the three in a row. Every driver ru
   `canvas_end` itself and yields every denoising step.
 * the server's slots (`sampling.slots`): `canvas_start` per slot, `denoise_step` per tick,
   `finish_canvas` and `commit` for the settled ones.
-Everything here is pure and traceable; the engine (`dgemma_jax.engine`) owns the jits.
+The canvas functions and `generate_fused` are pure and traceable; `iter_canvases`, `iter_steps` and
+the output merging are host drivers over the engine's jitted programs (Python loops, host reads), not
+traceable. The engine (`dgemma_jax.engine`) owns the jits.
 
 Canvas c of a row uses the key `fold_in(row_key, c)`. A row that emitted an EOS is finished: its
 later canvases are all pad and are neither denoised nor committed. The output has exactly

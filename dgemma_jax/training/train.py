@@ -24,6 +24,7 @@ and joins each checkpoint save, restore and the export; process 0 alone writes t
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import importlib.util
@@ -467,7 +468,10 @@ def train(config) -> dict[str, Any]:
     eval_every = int(tc.eval_every)
     time_limit = float(tc.time_limit_s or 0)
     throttle = float(tc.throttle_s or 0)  # sleep per step: lets tests kill a run mid-way
-    bar = _progress(tc, start, run.num_steps) if lead else None
+    # the bar starts after the first step, so that its rate and ETA leave the step's compile out
+    bar = None
+    if lead and tc.progress and start < run.num_steps:
+        print("train: compiling the train step (the progress bar starts after it) ...", file=sys.stderr, flush=True)
     t0 = time.time()
     train_time = float(metrics.rows[-1].get("time_s", 0.0)) if metrics.rows else 0.0
     step = start
@@ -487,6 +491,9 @@ def train(config) -> dict[str, Any]:
                 bar.set_postfix(loss=f"{m['loss']:.4f}", acc=f"{m['canvas_token_acc']:.3f}")
         if bar is not None:
             bar.update(1)
+        elif lead and tc.progress:  # the first step ran: its compile is done
+            jax.block_until_ready(m)
+            bar = _progress(tc, step, run.num_steps)
         if ckpt_every and step % ckpt_every == 0 and step < run.num_steps:
             metrics.flush()
             evals.flush()
@@ -588,10 +595,28 @@ def recipe_keys(cfg) -> set[str]:
     return keys
 
 
+def _check_recipe(path: str) -> None:
+    """Refuse, without running it, a --config that is not a recipe: not a .py file, not Python, or no
+    top-level `def get_config` (setup.py, a JSON file, a data file)."""
+
+    fix = "give a recipe: a .py file defining get_config() (see configs/)"
+    if not path.endswith(".py"):
+        raise ValueError(f"--config {path!r} is not a Python recipe (.py); {fix}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (SyntaxError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {path!r} is not valid Python ({e}); {fix}") from None
+    if not any(isinstance(node, ast.FunctionDef) and node.name == "get_config" for node in tree.body):
+        raise ValueError(f"--config {path!r} defines no get_config(), so it is not a recipe (not run); {fix}")
+
+
 def load_config(path: str, overrides: dict[str, Any] | None = None):
     """`get_config()` of a recipe file (e.g. configs/train_bundled.py), with dotted-key overrides
     such as {"train.num_steps": 10}. A key that is neither in the recipe nor read by the trainer is a
-    ValueError naming the nearest valid key."""
+    ValueError naming the nearest valid key. A recipe is Python and is run; a file that is not Python or
+    defines no top-level `get_config` is refused before anything in it runs."""
+    _check_recipe(path)
     spec = importlib.util.spec_from_file_location(f"_recipe_{abs(hash(path))}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
