@@ -58,9 +58,10 @@ class Runtime:
     mesh, rules: the device mesh and the logical-axis rule set (`parallel.rules.rules_for`: pairs or a
       mapping, checked against the mesh: an unknown logical or mesh axis is an error); None / () =
       one device, no placement constraints.
-    moe_dispatch: "auto" (capacity buffers on CPU, the Pallas grouped-matmul kernel on TPU, XLA's
-      grouped matmuls on GPU), "dense", "ragged", "capacity" or "gmm" (model/moe.py; "gmm" off TPU:
-      the kernel in Pallas's interpreter). moe_capacity_factor, moe_shard_rows_factor: their buffer sizes.
+    moe_dispatch: "auto" (capacity buffers on CPU, grouped matmuls elsewhere), "dense", "ragged",
+      "capacity" or "gmm" (the Pallas grouped-matmul kernel, model/gmm.py; off TPU in Pallas's
+      interpreter; not "auto"'s choice yet: projected slower than "ragged" on the 26B's serving tick).
+      moe_capacity_factor, moe_shard_rows_factor: their buffer sizes.
     attn_kernel: how the denoiser's canvas attends to the cache where the mask allows: "auto" = the
       fused Pallas kernel (model/flash.py) when compiling for TPU, XLA elsewhere; "xla"; "splash" =
       the kernel on any backend (interpreted off TPU).
@@ -129,7 +130,7 @@ class Runtime:
         """The MoE dispatch strategy "auto" stands for on this platform."""
         if self.moe_dispatch != "auto":
             return self.moe_dispatch
-        return {"cpu": "capacity", "tpu": "gmm"}.get(self.platform, "ragged")
+        return "capacity" if self.platform == "cpu" else "ragged"
 
     @property
     def layer_layout(self) -> str:

@@ -106,9 +106,9 @@ def test_the_gmm_dispatch_on_an_expert_mesh_equals_dense():
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_auto_is_the_kernel_on_tpu_only():
-    assert Runtime(platform="tpu").dispatch == "gmm"
-    assert Runtime(platform="cpu").dispatch == "capacity" and Runtime(platform="gpu").dispatch == "ragged"
+def test_the_kernel_is_opt_in():
+    assert Runtime(moe_dispatch="gmm").dispatch == "gmm"
+    assert Runtime(platform="tpu").dispatch == "ragged" and Runtime(platform="cpu").dispatch == "capacity"
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8", "bf16"])

@@ -19,7 +19,10 @@ Dispatch strategies (all dropless, all equal to the dense oracle):
              int8 / int4 kernels as stored and widens and scales them on chip, and scales each
              pair's output row by its combine weight before it leaves the chip; LoRA adapters take
              the "ragged" path. Off TPU the kernel runs in Pallas's interpreter (tests).
-* "auto"     "capacity" on CPU, "gmm" on TPU, "ragged" elsewhere (`Runtime.dispatch`).
+* "auto"     "capacity" on CPU, "ragged" elsewhere (`Runtime.dispatch`). "gmm" is opt-in: compiled for
+             the 26B's serving tick it moved more HBM bytes than "ragged" in bfloat16 (v6e-8, 32 slots:
+             55.9 vs 48.1 GB a step) and its int4 tick on a v5e-1 moved fewer (37.1 vs 63.1 GB) but
+             did not fit (16.17 GB of 15.75; benchmarks/results/gmm_kernel_projection.json).
 
 int8 (`model.quant`): an expert kernel may be an int8 pair {"int8" [E, ., .], "scale" [E, 1, .]}; every
 strategy reads the int8 values, casts them to the activation dtype inside its matmul and scales the
