@@ -273,8 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "slot_tick, prefill_slot (the server's programs: --batch slots, one --prompt per prefill), "
                         "prefill_images, prefill_slot_images (with --images)")
     s.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
-    s.add_argument("--moe-dispatch", choices=["auto", "ragged", "capacity", "dense"], default="auto",
-                   help="MoE dispatch the programs are compiled with (auto: ragged on TPU)")
+    s.add_argument("--moe-dispatch", choices=["auto", "ragged", "capacity", "dense", "gmm"], default="auto",
+                   help="MoE dispatch the programs are compiled with (auto: ragged on TPU; gmm: the Pallas "
+                        "grouped-matmul kernel)")
     s.add_argument("--layers", choices=["auto", "unrolled", "scan"], default="auto",
                    help="layer layout (Runtime.layers): scan = one repeated layer group compiled and scanned "
                         "(auto: Runtime.LAYER_DEFAULTS, unrolled; the entry points' own choice on TPU is "

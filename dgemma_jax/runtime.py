@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dgemma_jax.config import RUNTIME_CHOICES
 from dgemma_jax.parallel.rules import axes_of, check_rules, spec_for
 
-MOE_DISPATCH = ("auto", "dense", "ragged", "capacity")
+MOE_DISPATCH = ("auto", "dense", "ragged", "capacity", "gmm")
 ATTN_KERNELS = ("auto", "xla", "splash")
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 LAYER_LAYOUTS = ("auto", "unrolled", "scan")
@@ -58,8 +58,10 @@ class Runtime:
     mesh, rules: the device mesh and the logical-axis rule set (`parallel.rules.rules_for`: pairs or a
       mapping, checked against the mesh: an unknown logical or mesh axis is an error); None / () =
       one device, no placement constraints.
-    moe_dispatch: "auto" (capacity buffers on CPU, grouped matmuls elsewhere), "dense", "ragged"
-      or "capacity" (model/moe.py). moe_capacity_factor, moe_shard_rows_factor: their buffer sizes.
+    moe_dispatch: "auto" (capacity buffers on CPU, grouped matmuls elsewhere), "dense", "ragged",
+      "capacity" or "gmm" (the Pallas grouped-matmul kernel, model/gmm.py; off TPU in Pallas's
+      interpreter; not "auto"'s choice yet: projected slower than "ragged" on the 26B's serving tick).
+      moe_capacity_factor, moe_shard_rows_factor: their buffer sizes.
     attn_kernel: how the denoiser's canvas attends to the cache where the mask allows: "auto" = the
       fused Pallas kernel (model/flash.py) when compiling for TPU, XLA elsewhere; "xla"; "splash" =
       the kernel on any backend (interpreted off TPU).

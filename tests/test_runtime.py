@@ -106,13 +106,15 @@ def _denoise_jaxpr(rt):
 
 
 def test_the_dispatch_the_runtime_names_is_the_one_traced():
-    """Each strategy traces its own program (grouped matmuls only for ragged)."""
+    """Each strategy traces its own program (grouped matmuls only for ragged, the Pallas kernel only for gmm)."""
     dense, ragged, capacity = (_denoise_jaxpr(Runtime(platform="cpu", moe_dispatch=s))
                                for s in ("dense", "ragged", "capacity"))
     assert "ragged_dot" in ragged and "ragged_dot" not in dense and "ragged_dot" not in capacity
     assert dense != capacity
     # "auto" traces exactly what it resolves to on the platform named
     assert _denoise_jaxpr(Runtime(platform="cpu")) == capacity
+    tpu_gmm = _denoise_jaxpr(Runtime(platform="tpu", moe_dispatch="gmm", attn_kernel="xla"))
+    assert "pallas_call" in tpu_gmm and "pallas_call" not in ragged and "ragged_dot" not in tpu_gmm
     assert _denoise_jaxpr(Runtime(platform="tpu", attn_kernel="xla")) == ragged
 
 

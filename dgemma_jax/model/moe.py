@@ -15,7 +15,14 @@ Dispatch strategies (all dropless, all equal to the dense oracle):
              load x (1, 1.1, 1.2, 1.3, 1.45, 1.6) and the token count that holds the busiest
              expert (steps of ~10%: the batched matmul's time follows its rows), so nothing
              is ever dropped and each expert's weights are read once. Fast on CPU.
-* "auto"     "capacity" on CPU, "ragged" elsewhere (`Runtime.dispatch`).
+* "gmm"      "ragged" with its grouped matmuls as one Pallas TPU kernel each (`model.gmm`), which reads
+             int8 / int4 kernels as stored and widens and scales them on chip, and scales each
+             pair's output row by its combine weight before it leaves the chip; LoRA adapters take
+             the "ragged" path. Off TPU the kernel runs in Pallas's interpreter (tests).
+* "auto"     "capacity" on CPU, "ragged" elsewhere (`Runtime.dispatch`). "gmm" is opt-in: compiled for
+             the 26B's serving tick it moved more HBM bytes than "ragged" in bfloat16 (v6e-8, 32 slots:
+             55.9 vs 48.1 GB a step) and its int4 tick on a v5e-1 moved fewer (37.1 vs 63.1 GB) but
+             did not fit (16.17 GB of 15.75; benchmarks/results/gmm_kernel_projection.json).
 
 int8 (`model.quant`): an expert kernel may be an int8 pair {"int8" [E, ., .], "scale" [E, 1, .]}; every
 strategy reads the int8 values, casts them to the activation dtype inside its matmul and scales the
@@ -46,7 +53,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model import layout
+from dgemma_jax.model import gmm, layout
 from dgemma_jax.model.layers import (GATED_MLP_AXES, QUANT_SCALE, adapter, dequantize, gated_mlp,
                                      gelu_tanh, is_int4, is_quantized, kernel_shape, ones_param, param, project,
                                      quant_values, rms_normalize)
@@ -172,8 +179,23 @@ def dispatch_dense(z, weights, experts, gate_up, down, valid=None, adapters=None
     return jnp.einsum("ned,ne->nd", y, combine.astype(y.dtype))
 
 
-def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | None = None, adapters=None):
+def _kernel_matmul(rt: Runtime):
+    """The "gmm" dispatch's grouped matmul: mm(x, w, sizes, row_scale=None) by the Pallas kernel, its FLOPs
+    told to the runtime's observer (the compiler's cost analysis cannot see into it)."""
+    def mm(x, w, sizes, row_scale=None):
+        k, n = kernel_shape(w)[1:]
+        rt.kernel_call("grouped_matmul", gmm.flops(x.shape[0], k, n))
+        return gmm.grouped_matmul(x, w, sizes, row_scale, interpret=rt.kernel_interpreted)
+    return mm
+
+
+def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | None = None, adapters=None,
+                    kernel=None):
     """Grouped matmuls over the (token, expert) pairs sorted by expert; dropless.
+
+    kernel: None for XLA's grouped matmuls (`lax.ragged_dot`, `_ragged`), or the "gmm" dispatch's
+    `mm(x, w, sizes, row_scale)` (`_kernel_matmul`), which also scales each pair's row by its combine
+    weight on chip and hands out the activation dtype.
 
     valid: optional bool [N, k], the pairs this shard serves (the rest are sorted last and skipped).
     rows: process the sorted pairs in blocks of `rows` (a `lax.scan` whose blocks past the last
@@ -198,10 +220,14 @@ def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | 
         idx = jax.lax.dynamic_slice_in_dim(order, lo, length)
         token = idx // k
         in_block = jnp.clip(jnp.minimum(ends, lo + length) - jnp.maximum(starts, lo), 0, length).astype(jnp.int32)
-        h = _gated(_ragged(z[token], gate_up, in_block, _ab(adapters, "gate_up")), f)
-        y = _ragged(h, down, in_block, _ab(adapters, "down"))
         live = (lo + jnp.arange(length)) < total  # rows past the groups are not defined outputs
         wgt = jax.lax.dynamic_slice_in_dim(w_sorted, lo, length)
+        if kernel is not None:
+            h = _gated(kernel(z[token], gate_up, in_block), f)
+            y = jnp.where(live[:, None], kernel(h, down, in_block, wgt), 0)
+            return (jnp.zeros((n, d), jnp.float32) if acc is None else acc).at[token].add(y.astype(jnp.float32))
+        h = _gated(_ragged(z[token], gate_up, in_block, _ab(adapters, "gate_up")), f)
+        y = _ragged(h, down, in_block, _ab(adapters, "down"))
         y = jnp.where(live[:, None], y * wgt[:, None].astype(y.dtype), 0)
         return (jnp.zeros((n, d), jnp.float32) if acc is None else acc).at[token].add(y.astype(jnp.float32))
 
@@ -318,7 +344,10 @@ def _dispatch_here(cfg, rt, z, weights, experts, gate_up, down, adapters, offset
     """`dispatch` on these kernels (arrays or quantized pairs), in z's dtype. The ragged grouped matmuls
     read int4 pairs as they are (`_ragged`); the dense and capacity strategies (CPU, tests) dequantize
     them to z's dtype here, on the experts held here (inside the expert-parallel body)."""
-    if rt.dispatch != "ragged":
+    strategy = rt.dispatch
+    if strategy == "gmm" and adapters is not None:  # the kernel adds no LoRA term
+        strategy = "ragged"
+    if strategy not in ("ragged", "gmm"):
         gate_up, down = (dequantize(w, z.dtype) if is_int4(w) else w for w in (gate_up, down))
     e_local = kernel_shape(gate_up)[0]
     valid = None
@@ -326,14 +355,14 @@ def _dispatch_here(cfg, rt, z, weights, experts, gate_up, down, adapters, offset
         local = experts - offset
         valid = (local >= 0) & (local < e_local)
         experts = jnp.where(valid, local, 0)
-    strategy = rt.dispatch
     if strategy == "dense":
         y = dispatch_dense(z, weights, experts, gate_up, down, valid, adapters, rt)
-    elif strategy == "ragged":
+    elif strategy in ("ragged", "gmm"):
         rows = None
         if shards > 1:  # blocks of ~factor x this shard's expected share of the pairs
             rows = -(-int(math.ceil(rt.moe_shard_rows_factor * z.shape[0] * cfg.top_k / shards)) // 8) * 8
-        y = dispatch_ragged(z, weights, experts, gate_up, down, valid, rows, adapters)
+        y = dispatch_ragged(z, weights, experts, gate_up, down, valid, rows, adapters,
+                            kernel=_kernel_matmul(rt) if strategy == "gmm" else None)
     else:
         levels = capacity_levels(z.shape[0], cfg.top_k, cfg.num_experts, rt.moe_capacity_factor)
         y = dispatch_capacity(z, weights, experts, gate_up, down, levels, valid, adapters, rt)
