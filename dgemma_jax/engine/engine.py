@@ -250,8 +250,17 @@ class Engine:
     def infill(self, prompt_tokens, lengths=None, *, suffixes, rng: Any = 0, max_new_tokens: int | None = None,
                **kw):
         """The middle between each prompt (the prefix) and its suffix: the suffix pinned on the canvas
-        after the middle, several middle lengths tried, the most likely kept (`engine.infill.infill`,
-        which documents `suffixes`, `max_candidates` and `middle_lengths`). Returns an `InfillOutput`."""
+        after the middle, several middle lengths tried, the most likely kept (`engine.infill.infill`).
+
+        Args:
+          prompt_tokens: [B, P] right-padded prompts; lengths: [B] (default P).
+          suffixes: B lists of suffix token ids (no BOS, at least one token each).
+          rng: as `generate`. max_new_tokens: the middle's most tokens (default one canvas).
+          **kw: `max_candidates` (most middle lengths tried, default 32), `middle_lengths` (the lengths
+            to try instead), `nonfinite` (as `generate`).
+        Returns:
+          an `InfillOutput` (middles without the suffix, chosen lengths, every candidate's score).
+        """
         from dgemma_jax.engine.infill import infill
         return infill(self, prompt_tokens, lengths, suffixes, rng=rng, max_new_tokens=max_new_tokens, **kw)
 
