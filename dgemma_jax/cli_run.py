@@ -166,6 +166,7 @@ def cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else _strip_final_newline(read_on_main_process(sys.stdin.read))
     if not prompt:
         raise UsageError("empty prompt: pass --prompt TEXT or pipe text on stdin")
+    _check_infill_flags(args)
     checkpoint = args.checkpoint
     if args.image and checkpoint in (None, ""):  # the default model for a picture: the bundled one that reads them
         checkpoint = f"{BUNDLED}:{VISION_NAME}"
@@ -186,6 +187,8 @@ def cmd_generate(args) -> int:
     if args.max_prompt and len(ids) > args.max_prompt:
         raise UsageError(f"the prompt is {len(ids)} tokens, longer than --max-prompt {args.max_prompt}")
     engine = Engine(cfg, params, sampler, shardings=shardings, runtime=runtime_for(args))
+    if args.suffix is not None:
+        return _generate_infill(args, engine, tok, tokens, compiles)
     seed, pinned = _seed_canvas(args, tok, sampler, 1)
     max_new = default_new_tokens(cfg, sampler, len(ids)) if args.max_new_tokens is None else args.max_new_tokens
     kw = dict(rng=args.seed, max_new_tokens=max_new, seed_canvas=seed, pinned=pinned, images=images)
@@ -214,6 +217,37 @@ def cmd_generate(args) -> int:
         print(f"[{len(ran)} canvas(es), steps per canvas {ran.tolist()}, tokens per forward pass {tpf:.2f}, "
               f"{n_tok} tokens in {dt:.2f} s = {n_tok / dt:.1f} tokens/s incl. compilation; {compiles.summary()}]",
               file=sys.stderr)
+    return 0
+
+
+def _check_infill_flags(args) -> None:
+    if args.suffix is None:
+        return
+    for flag, given in (("--seed-canvas", args.seed_canvas), ("--show-steps", args.show_steps),
+                        ("--image", args.image), ("--profile", args.profile)):
+        if given:
+            raise UsageError(f"--suffix cannot be combined with {flag}: infill pins its own canvas")
+    if not args.suffix:
+        raise UsageError("--suffix is empty: give the text that follows the answer, or leave --suffix out")
+
+
+def _generate_infill(args, engine, tok, tokens, compiles) -> int:
+    """--suffix: print the middle between the prompt and the suffix (`Engine.infill`)."""
+    suffix_ids = tok.encode(args.suffix)
+    if not suffix_ids:
+        raise UsageError(f"--suffix {args.suffix!r} has no tokens")
+    max_new = engine.sampler.canvas_length if args.max_new_tokens is None else args.max_new_tokens
+    t0 = time.perf_counter()
+    try:
+        out = engine.infill(tokens, None, suffixes=[suffix_ids], rng=args.seed, max_new_tokens=max_new)
+    except ValueError as e:
+        raise UsageError(f"--suffix: {e}") from None
+    dt = time.perf_counter() - t0
+    main_print(tok.decode(out.middles[0], skip_special=True))
+    if not args.quiet and is_main_process():
+        print(f"[infill: {len(out.candidates[0])} middle lengths tried (0..{max_new}), chose {int(out.lengths[0])}, "
+              f"{len(out.middles[0])} tokens, {int(out.steps[0])} steps, {dt:.2f} s incl. compilation; "
+              f"{compiles.summary()}]", file=sys.stderr)
     return 0
 
 
@@ -407,6 +441,9 @@ def add_commands(sub, positive):
     s.add_argument("--seed-canvas", dest="seed_canvas", help="start canvas text; --mask-char marks free positions")
     s.add_argument("--mask-char", dest="mask_char", default="_",
                    help="the character of --seed-canvas that marks a free position (default _)")
+    s.add_argument("--suffix", default=None, metavar="TEXT",
+                   help="infill: print the middle between the prompt and TEXT (the suffix is pinned on the canvas; "
+                        "--max-new-tokens bounds the middle, default one canvas)")
     s.add_argument("--max-prompt", type=positive(int), dest="max_prompt", default=None,
                    help="refuse prompts longer than this many tokens (default: no limit but the model's positions)")
     s.add_argument("--image", action="append", default=[], metavar="PATH",

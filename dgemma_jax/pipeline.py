@@ -196,7 +196,8 @@ class DiffusionGemma:
         return tokens, np.array([len(x) for x in ids], np.int32)
 
     def generate(self, text: str | Sequence[str], max_new_tokens: int | None = None, seed: int | Sequence[int] = 0,
-                 images=None, max_soft_tokens: int | None = None, **kw) -> Any:
+                 images=None, max_soft_tokens: int | None = None, suffix: str | Sequence[str] | None = None,
+                 **kw) -> Any:
         """Text in, text out.
 
         Args:
@@ -212,6 +213,11 @@ class DiffusionGemma:
             `dgemma_jax.io.images`), placed at the `<|image|>` markers of `text` (or, without
             markers, before it).
           max_soft_tokens: the per-image token budget (default: the checkpoint's).
+          suffix: infill: the text that follows the answer (one, or one per prompt). The answer is then
+            the middle between the prompt and the suffix (`Engine.infill`: the suffix is pinned on the
+            canvas after each candidate middle length, the most likely kept); prompt + answer + suffix
+            is the whole text, and the suffix is not in the answer. max_new_tokens bounds the middle
+            (default: one canvas); `kw` may hold `max_candidates` / `middle_lengths`.
           **kw: more `Engine.generate` arguments (cache_length, ...).
         Returns:
           the generated text (special tokens skipped), or a list of them for a list of prompts.
@@ -219,6 +225,8 @@ class DiffusionGemma:
           errors.NonFiniteLogits: the model met NaN/Inf logits (not pad text).
         """
         single = isinstance(text, str)
+        if suffix is not None:
+            return self._infill(text, suffix, max_new_tokens, seed, images, kw)
         if images is not None:
             if not single:
                 raise ValueError("images go with one prompt: pass text as a string (batch prompts with images "
@@ -236,6 +244,24 @@ class DiffusionGemma:
             warn_if_cut_short(self.config, max_new_tokens, out.finished, context, kw.get("cache_length"))
         texts = [self.tokenizer.decode_generated(row, skip_special=True) for row in np.asarray(out.tokens)]
         return texts[0] if single else texts
+
+    def _infill(self, text, suffix, max_new_tokens, seed, images, kw) -> Any:
+        single = isinstance(text, str)
+        texts = [text] if single else list(text)
+        suffixes = [suffix] * len(texts) if isinstance(suffix, str) else list(suffix)
+        if images is not None:
+            raise ValueError("infill (suffix=) takes text prompts only, without images")
+        if len(suffixes) != len(texts) or not all(isinstance(x, str) for x in suffixes):
+            raise ValueError(f"suffix must be one string or one string per prompt ({len(texts)}); got {suffix!r}"[:300])
+        ids = [self.tokenizer.encode(x) for x in suffixes]
+        for x, i in zip(suffixes, ids):
+            if not i:
+                raise ValueError(f"suffix {x!r} has no tokens: give a non-empty suffix, or call generate without it")
+        tokens, lengths = self.encode_batch(texts)
+        out = self.engine.infill(tokens, lengths, suffixes=ids, rng=seed, max_new_tokens=max_new_tokens,
+                                 nonfinite="raise", **kw)
+        middles = [self.tokenizer.decode(m, skip_special=True) for m in out.middles]
+        return middles[0] if single else middles
 
     def chat(self, messages: Sequence[dict], max_new_tokens: int | None = None, enable_thinking: bool = False,
              seed: int = 0, max_soft_tokens: int | None = None) -> str:

@@ -192,6 +192,18 @@ def test_bundled_show_steps_and_errors():
     assert "not in the vocabulary" in msg
 
 
+def test_generate_suffix_fills_the_middle_with_the_bundled_model():
+    # sorted "31415926535" is 11233455569: the prompt ends at the canvas boundary, the suffix "9" follows
+    r = dgemma("generate", "--prompt", "s31415926535=", "--suffix", "9", "--max-new-tokens", "12")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "1123345556"
+    assert "middle lengths tried" in r.stderr
+    msg = _one_line_error(dgemma("generate", "--prompt", "s3=", "--suffix", "9", "--seed-canvas", "1__"))
+    assert "--suffix cannot be combined with --seed-canvas" in msg
+    msg = _one_line_error(dgemma("generate", "--prompt", "s3=", "--suffix", ""))
+    assert "--suffix is empty" in msg
+
+
 # ------------------------------------------------------------------ one-line errors (issue 20, item 6)
 def test_every_64_bit_seed_works_and_2_to_the_64_is_a_one_line_error():
     # 2**63 .. 2**64-1 ended in an OverflowError traceback (jax.random.key takes a signed 64-bit int)

@@ -213,7 +213,8 @@ class Engine:
             one key (every row uses its stream) or [B] keys (`row_keys`: a row's key never depends on its
             index).
           max_new_tokens: the token budget (default: one canvas, L), run as ceil(max_new_tokens / L) canvases.
-          seed_canvas, pinned: [B, L] the first canvas's start and the positions held at it (infilling).
+          seed_canvas, pinned: [B, n * L] the first n canvases' starts and the positions held at them
+            (infilling; `infill` writes a middle before a suffix with them).
           cache_length: the cache's slots per row (default: prompt plus budget).
           cache: continue an earlier cache (multi-turn chat: the prompt is then only the new tokens;
             `out.cache` of a previous call holds everything committed so far, earlier images included; rows
@@ -248,6 +249,23 @@ class Engine:
                  seed_canvas=seed_canvas, pinned=pinned, images=images)
         report_nonfinite(out.nonfinite, nonfinite)
         return out
+
+    def infill(self, prompt_tokens, lengths=None, *, suffixes, rng: Any = 0, max_new_tokens: int | None = None,
+               **kw):
+        """The middle between each prompt (the prefix) and its suffix: the suffix pinned on the canvas
+        after the middle, several middle lengths tried, the most likely kept (`engine.infill.infill`).
+
+        Args:
+          prompt_tokens: [B, P] right-padded prompts; lengths: [B] (default P).
+          suffixes: B lists of suffix token ids (no BOS, at least one token each).
+          rng: as `generate`. max_new_tokens: the middle's most tokens (default one canvas).
+          **kw: `max_candidates` (most middle lengths tried, default 32), `middle_lengths` (the lengths
+            to try instead), `nonfinite` (as `generate`).
+        Returns:
+          an `InfillOutput` (middles without the suffix, chosen lengths, every candidate's score).
+        """
+        from dgemma_jax.engine.infill import infill
+        return infill(self, prompt_tokens, lengths, suffixes, rng=rng, max_new_tokens=max_new_tokens, **kw)
 
     def _prepare(self, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache=None,
                  images=None):

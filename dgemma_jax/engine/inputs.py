@@ -100,8 +100,11 @@ def prepare_inputs(config: ModelConfig, sampler: SamplerConfig, prompt_tokens, l
                          f"(= {max_new_tokens})")
     if seed_canvas is not None:
         seed_canvas = check_tokens(config, seed_canvas, "seed_canvas")
-        if seed_canvas.shape != (b, sampler.canvas_length):
-            raise ValueError(f"seed_canvas must have shape [{b}, {sampler.canvas_length}]; got {seed_canvas.shape}")
+        l = sampler.canvas_length
+        if seed_canvas.ndim != 2 or seed_canvas.shape[0] != b or seed_canvas.shape[1] % l \
+                or not l <= seed_canvas.shape[1] <= n_canvas * l:
+            raise ValueError(f"seed_canvas must have shape [{b}, n * {l}] for n in 1..{n_canvas} (the first n "
+                             f"canvases' starts); got {tuple(seed_canvas.shape)}")
     if pinned is not None:
         if seed_canvas is None:
             raise ValueError("pinned positions need a seed_canvas holding their tokens")

@@ -113,18 +113,27 @@ def canvas_start(config: ModelConfig, sampler: SamplerConfig, keys: jax.Array, i
       index: [] the canvas number for every row, or [B] each row's own; may be traced. The step
         counter takes its shape.
       finished: [B] rows that are done (frozen from the start); default none.
-      seed_canvas, pinned: [B, L] the first canvas's start and the positions held at its tokens
-        (infilling); later canvases start from noise and hold none.
+      seed_canvas, pinned: [B, n * L] the starts of the first n canvases and the positions held at
+        their tokens (infilling: canvas c takes columns [c * L, (c + 1) * L)); later canvases start
+        from noise and hold none.
     Returns:
       a `Canvas` of uniform noise from the canvas keys (or the seed), its loop state fresh.
     """
     keys = canvas_keys(keys, index)
-    start = initial_canvas(keys, sampler.canvas_length, config.vocab_size)
+    l = sampler.canvas_length
+    start = initial_canvas(keys, l, config.vocab_size)
     seed = None
     if seed_canvas is not None:
-        first = jnp.asarray(index) == 0
-        start = jnp.where(first, seed_canvas.astype(jnp.int32), start)
-        pinned = None if pinned is None else pinned & first
+        b, n = seed_canvas.shape[0], seed_canvas.shape[1] // l
+        row_index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b,))
+        covered = (row_index < n)[:, None]                                   # [B, 1]
+        which = jnp.clip(row_index, 0, n - 1)[:, None, None]
+
+        def piece(x):  # [B, n * L] -> [B, L]: each row's canvas `index` of the seed
+            return jnp.take_along_axis(x.reshape(b, n, l), which, axis=1)[:, 0]
+
+        start = jnp.where(covered, piece(seed_canvas.astype(jnp.int32)), start)
+        pinned = None if pinned is None else piece(pinned) & covered
         seed = start if pinned is not None else None
     state = init_state(config, sampler, start, finished)
     return Canvas(state.replace(step=jnp.zeros(jnp.shape(index), jnp.int32)), keys, seed,
@@ -170,7 +179,7 @@ def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_t
       cache: a `KVCache` [B, S], S >= the longest prompt + all but the last canvas.
       keys: [B] PRNG keys, one per row (`row_keys`); canvas c of row b uses `fold_in(keys[b], c)`.
       max_new_tokens: the output's width; `ceil(max_new_tokens / L)` canvases at most.
-      seed_canvas, pinned: [B, L] the first canvas's start and its held positions (infilling), or None.
+      seed_canvas, pinned: [B, n * L] the first n canvases' starts and their held positions (infilling), or None.
       runtime: how the passes run (default: this backend, one device).
       images: the prompt's images (pixel_values [N, P, 3 p^2], position_ids [N, P, 2]), or None.
     Returns:
