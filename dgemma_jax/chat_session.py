@@ -34,7 +34,7 @@ from dgemma_jax.engine.outputs import warn_if_cut_short
 from dgemma_jax.io.chat import strip_thinking
 from dgemma_jax.io.images import image_runs
 from dgemma_jax.io.prompts import chat_prompt, common_prefix
-from dgemma_jax.model.cache import KVCache
+from dgemma_jax.model.cache import KVCache, rewind_ok
 from dgemma_jax.sampling.generate import CanvasEvent, collect
 
 
@@ -123,7 +123,10 @@ class ChatSession:
         keep = 0
         if self.cache is not None:
             keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)  # at least one token to prefill
-        keep, batch = self._new_images(ids, keep, batch)
+        kept, picked = self._new_images(ids, keep, batch)
+        if kept > 0 and not rewind_ok(engine.config, self.cache.max_length, int(np.asarray(self.cache.lengths)[0]), kept):
+            kept, picked = self._new_images(ids, 0, batch)   # the rings no longer hold the window before it
+        keep, batch = kept, picked
         if keep > 0:
             cache = self.cache.replace(lengths=jnp.full_like(self.cache.lengths, keep))
         else:

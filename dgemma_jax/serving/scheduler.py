@@ -51,6 +51,7 @@ import numpy as np
 from dgemma_jax.engine import Engine
 from dgemma_jax.engine.inputs import new_tokens_that_fit
 from dgemma_jax.io.prompts import common_prefix
+from dgemma_jax.model.cache import rewind_ok
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, choice_keys
 from dgemma_jax.serving import chunks as chunks_lib
@@ -366,11 +367,15 @@ class Scheduler:
     def _reusable(self, slot: int, content: np.ndarray, length: int, blocks) -> int:
         """How many of a prompt's first tokens slot `slot`'s row holds already: the common beginning of
         the row and the prompt's `content_keys`, at least one of its `length` tokens left to prefill,
-        never ending inside one of its image `blocks`."""
+        never ending inside one of its image `blocks`; 0 when rewinding the row that far would need
+        tokens its sliding layers' ring caches have overwritten (`model.cache.rewind_ok`: at most
+        canvas_length + 1 tokens back from the row's end, unless the ring holds the whole row)."""
         m = min(common_prefix(self._rows[slot], content), length - 1)
         for b, e in blocks:
             if b < m < e:
                 m = b
+        if m > 0 and not rewind_ok(self.engine.config, self.context, len(self._rows[slot]), m):
+            return 0   # the row's sliding-layer rings no longer hold the window before that prefix's end
         return max(m, 0)
 
     def _prefill_chunk(self, c: _Choice) -> None:
