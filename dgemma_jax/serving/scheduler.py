@@ -21,7 +21,8 @@ Prefix reuse: with `prefix_reuse` (default) a slot keeps what its cache row hold
 ends (the prompt, every committed canvas, and the last canvas committed too), and a new prompt goes
 into the free slot whose row shares the longest beginning with it (images count by their pixels),
 prefilling only the rest; the least recently used slot is overwritten when none shares more than a
-short beginning (under `SMALL_PREFILL` tokens and half its row). The reused tokens are
+short beginning (under `SMALL_PREFILL` tokens and half its row); a row longer than its sliding layers' ring
+caches is reused only up to canvas + 1 tokens before its end (`model.cache.rewind_ok`). The reused tokens are
 `SeqEvent.cached_tokens` (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
 
 The scheduler keeps the books (the queue, the slots, what each cache row holds, the tick arguments)
