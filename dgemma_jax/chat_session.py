@@ -67,6 +67,9 @@ class ChatSession:
     context: KV cache tokens (capped at the model's positions). max_new_tokens: per turn (default:
     `pipeline.DEFAULT_NEW_TOKENS`, capped to what fits). seed: turn t uses seed + t (mod 2**64).
     max_soft_tokens: the per-image token budget (default: the checkpoint's, 280 for the released model).
+    A turn reuses the cache's common prefix with its prompt while the sliding layers' ring caches still hold
+    the window before that prefix's end (`model.cache.rewind_ok`: within canvas_length + 1 tokens of the
+    cached row's end, or a row no longer than the ring); otherwise it prefills the whole conversation.
     """
 
     def __init__(self, engine, tokenizer, *, system: str = "", thinking: bool = False, context: int = 4096,
