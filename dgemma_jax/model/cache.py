@@ -3,7 +3,7 @@
 `lengths[b]` is the number of committed tokens of row `b`. A global layer's slot `s` holds the
 key/value of the token at absolute position `s` (`max_length` slots; slots `>= lengths[b]` are unused
 and never visible). A sliding-window layer reads only the last `window - 1` committed tokens, so its
-cache is a ring of `ring_size` = min(max_length, window + canvas_length) slots: position p lives in
+cache is a ring of `ring_size` = min(max_length, window + canvas_length, in 128-slot tiles above 128) slots: position p lives in
 slot p mod ring_size, and a row whose committed end is E holds positions [E - ring_size, E) there
 (`slot_positions`). The extra canvas_length slots beyond the window let a row be rewound (prefix
 reuse) by up to canvas_length + 1 tokens and still hold the window before its new end
@@ -56,8 +56,12 @@ class KVCache:
 
 def ring_size(config: ModelConfig, max_length: int) -> int:
     """Slots of a sliding-window layer's cache for rows of `max_length` tokens: the window plus one
-    canvas (see the module docstring), never more than max_length."""
-    return min(int(max_length), config.sliding_window + config.canvas_length)
+    canvas (see the module docstring), from 128 up a whole number of 128-slot tiles (what the
+    denoiser's cache kernel, `model.flash`, takes; the 26B: 1,280), never more than max_length."""
+    size = config.sliding_window + config.canvas_length
+    if size > 128:
+        size = -(-size // 128) * 128
+    return min(int(max_length), size)
 
 
 def layer_slots(config: ModelConfig, layer: int, max_length: int) -> int:
