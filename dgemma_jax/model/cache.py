@@ -3,8 +3,8 @@
 `lengths[b]` is the number of committed tokens of row `b`. A global layer's slot `s` holds the
 key/value of the token at absolute position `s` (`max_length` slots; slots `>= lengths[b]` are unused
 and never visible). A sliding-window layer reads only the last `window - 1` committed tokens, so its
-cache is a ring of `ring_size` = min(max_length, window + canvas_length, in 128-slot tiles above 128) slots: position p lives in
-slot p mod ring_size, and a row whose committed end is E holds positions [E - ring_size, E) there
+cache is a ring of `ring_size` = min(max_length, window + canvas_length, in 128-slot tiles above 128)
+slots: position p lives in slot p mod ring_size, and a row whose committed end is E holds positions [E - ring_size, E) there
 (`slot_positions`). The extra canvas_length slots beyond the window let a row be rewound (prefix
 reuse) by up to canvas_length + 1 tokens and still hold the window before its new end
 (`rewind_ok`); when max_length <= ring_size the ring is the identity (slot = position).
