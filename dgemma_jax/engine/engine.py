@@ -24,6 +24,7 @@ import numpy as np
 
 from dgemma_jax import compile_cache
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.engine import infill as infill_driver
 from dgemma_jax.engine.inputs import canvas_length_warning, check_images, check_images_host, check_sampler, prepare_inputs
 from dgemma_jax.engine.outputs import report_nonfinite, reporting
 from dgemma_jax.engine.placement import layers_for, runtime_for
@@ -264,8 +265,7 @@ class Engine:
         Returns:
           an `InfillOutput` (middles without the suffix, chosen lengths, every candidate's score).
         """
-        from dgemma_jax.engine.infill import infill
-        return infill(self, prompt_tokens, lengths, suffixes, rng=rng, max_new_tokens=max_new_tokens, **kw)
+        return infill_driver.infill(self, prompt_tokens, lengths, suffixes, rng=rng, max_new_tokens=max_new_tokens, **kw)
 
     def _prepare(self, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache=None,
                  images=None):

@@ -59,8 +59,8 @@ def grouped_matmul(x: jax.Array, w, sizes: jax.Array, row_scale: jax.Array | Non
     (their sum <= M; rows past it are undefined in the output). row_scale: optional [M] float32, each
     output row's factor (applied to the float32 product in the kernel)."""
     from jax.experimental import pallas as pl  # deferred: Mosaic machinery only the kernel path needs
-    from jax.experimental.pallas import tpu as pltpu
-    from jax.experimental.pallas.ops.tpu.megablox.gmm import make_group_metadata
+    from jax.experimental.pallas import tpu as pltpu  # deferred: as above
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import make_group_metadata  # deferred: as above
 
     out_dtype = x.dtype if out_dtype is None else out_dtype
     quant = "int4" if is_int4(w) else ("int8" if is_quantized(w) else None)
