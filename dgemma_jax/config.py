@@ -452,7 +452,10 @@ class ModelConfig:
                              "DiffusionGemma uses 'default' on sliding and 'proportional' on full layers")
         _no_runtime_choices(overrides)
         kw.update(overrides)
-        return ModelConfig(**kw)
+        config = ModelConfig(**kw)
+        if "name" not in overrides and not cfg.get("_name_or_path"):
+            config = _preset_name_of(config)
+        return config
 
     def to_hf_text_config(self) -> dict[str, Any]:
         """The `DiffusionGemmaTextConfig` kwargs describing this model (used by tests and converters)."""
@@ -517,3 +520,17 @@ _PRESETS: dict[str, dict[str, Any]] = {
         sliding_window=16, canvas_length=16, eos_ids=(1,),
     ),
 }
+
+
+def _preset_name_of(config: ModelConfig) -> ModelConfig:
+    """`config` named after the preset it equals in everything but its name, else as it is. A checkpoint
+    that `save_hf` wrote from a preset loads back under that name (the name is part of the programs'
+    cache key); nothing is added to its config.json, which stays what transformers reads."""
+    for name in _PRESETS:
+        try:
+            preset = ModelConfig.preset(name)
+        except (TypeError, ValueError):
+            continue
+        if dataclasses.replace(config, name=name) == preset:
+            return preset
+    return config

@@ -663,7 +663,6 @@ def save_hf(params, cfg: ModelConfig, path: str | os.PathLike, *, canvas_length:
     config = {
         "architectures": ["DiffusionGemmaForBlockDiffusion"],
         "model_type": "diffusion_gemma",
-        "_name_or_path": cfg.name,  # load_hf gives the config its name back (a program cache key)
         "canvas_length": canvas_length or cfg.canvas_length,
         "text_config": text,
         # a text-only model keeps a tiny stub (transformers would otherwise build its default 768x16 tower);
