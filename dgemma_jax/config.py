@@ -452,10 +452,7 @@ class ModelConfig:
                              "DiffusionGemma uses 'default' on sliding and 'proportional' on full layers")
         _no_runtime_choices(overrides)
         kw.update(overrides)
-        config = ModelConfig(**kw)
-        if "name" not in overrides and not cfg.get("_name_or_path"):
-            config = _preset_name_of(config)
-        return config
+        return ModelConfig(**kw)
 
     def to_hf_text_config(self) -> dict[str, Any]:
         """The `DiffusionGemmaTextConfig` kwargs describing this model (used by tests and converters)."""
@@ -522,10 +519,12 @@ _PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _preset_name_of(config: ModelConfig) -> ModelConfig:
+def preset_name_of(config: ModelConfig) -> ModelConfig:
     """`config` named after the preset it equals in everything but its name, else as it is. A checkpoint
     that `save_hf` wrote from a preset loads back under that name (the name is part of the programs'
     cache key); nothing is added to its config.json, which stays what transformers reads."""
+    if config.name != "hf":  # named by its config.json's _name_or_path or by the caller
+        return config
     for name in _PRESETS:
         try:
             preset = ModelConfig.preset(name)

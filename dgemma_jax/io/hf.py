@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from dgemma_jax.config import ModelConfig
+from dgemma_jax.config import ModelConfig, preset_name_of
 from dgemma_jax.errors import read_json
 from dgemma_jax.io.finite import check_finite
 from dgemma_jax.io.locations import kind, locate, open_fs, remote_error
@@ -554,7 +554,7 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
     _check(cfg, st, table)
     if dtype is None:
         dtype = "float32" if st.dtype(table[1].hf) == np.float32 else "bfloat16"
-    cfg = cfg.replace(param_dtype=dtype, dtype=dtype, **(config_overrides or {}))
+    cfg = preset_name_of(cfg).replace(param_dtype=dtype, dtype=dtype, **(config_overrides or {}))
     np_dtype = jnp.dtype(dtype)
 
     flat_shardings = {}

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dgemma_jax.config import ModelConfig
+from dgemma_jax.config import ModelConfig, preset_name_of
 from dgemma_jax.errors import read_json
 from dgemma_jax.io.char_tokenizer import CharTokenizer
 from dgemma_jax.io.finite import check_finite
@@ -63,7 +63,7 @@ def load_config(path: str | os.PathLike, need_weights: bool = True, weights: str
         # like load_hf: a vision_config whose tower the files do not hold (save_hf's text-only stub) is no tower
         if cfg.vision is not None and vision_tensors_present(weights or path) is False:
             cfg = cfg.replace(vision=None)
-        return cfg
+        return preset_name_of(cfg)
     return config_from_dict(_read_meta(path)["config"])
 
 
