@@ -140,8 +140,7 @@ def worker(url: str, mesh_spec: str, dtype: str, out: str) -> None:
     import numpy as np
 
     from dgemma_jax.errors import DgemmaWarning
-    from dgemma_jax.io.locations import locate
-    from dgemma_jax.io.model_dir import load_config, load_model_tokenizer
+    from dgemma_jax.io.model_dir import load_model_tokenizer, open_checkpoint
     from dgemma_jax.parallel.mesh import make_mesh
     from dgemma_jax.parallel.shardings import Shardings
     from dgemma_jax.pipeline import load_checkpoint
@@ -149,9 +148,9 @@ def worker(url: str, mesh_spec: str, dtype: str, out: str) -> None:
     mesh = make_mesh(mesh_spec)
     # what the load does besides reading weights, done first so that the RSS before the load holds it: the
     # config and tokenizer files mirrored, the parameter shapes traced for the shardings, the tokenizer read
-    local, weights = locate(url)
-    Shardings(load_config(local, weights=weights), mesh)
-    load_model_tokenizer(local)
+    source = open_checkpoint(url)
+    Shardings(source.config, mesh)
+    load_model_tokenizer(source)
     counting.count[0] = 0
     rss_before = _rss_mb()
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import UsageError, print_warnings_as_lines
 from dgemma_jax.io.bundled import bundled_choice, bundled_dir
 from dgemma_jax.io import locations
-from dgemma_jax.io.model_dir import load_config
+from dgemma_jax.io.model_dir import read_checkpoint
 from dgemma_jax.parallel import distributed
 from dgemma_jax.model.quant import weight_bytes
 from dgemma_jax.parallel.mesh import make_mesh
@@ -58,13 +58,13 @@ def cmd_inspect(args) -> int:
             if args.revision is not None:
                 raise UsageError("--revision applies to a Hugging Face Hub checkpoint; pass --checkpoint REPO_ID too")
             try:
-                cfg = load_config(bundled_dir(name))
+                cfg = read_checkpoint(bundled_dir(name)).config
             except FileNotFoundError as e:
                 raise UsageError(str(e)) from None
         else:  # a remote checkpoint: its config files only, not the weights
             local = locations.kind(args.checkpoint) == "local"
-            cfg = load_config(locations.resolve(args.checkpoint, args.revision, files="all" if local else "config"),
-                              need_weights=local)
+            cfg = read_checkpoint(locations.resolve(args.checkpoint, args.revision, files="all" if local else "config"),
+                                  need_weights=local).config
     counts = cfg.param_count()
     bytes_per = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.param_dtype]
     info = {

@@ -26,8 +26,7 @@ from dgemma_jax.engine.outputs import warn_if_cut_short
 from dgemma_jax.errors import DgemmaWarning, UsageError
 from dgemma_jax.io.bundled import bundled_choice, load_bundled
 from dgemma_jax.io.images import prompt_with_images
-from dgemma_jax.io.locations import locate
-from dgemma_jax.io.model_dir import checkpoint_quantization, load_config, load_model, load_model_tokenizer
+from dgemma_jax.io.model_dir import load_model, load_model_tokenizer, open_checkpoint
 from dgemma_jax.io.prompts import chat_prompt
 from dgemma_jax.model.quant import mode_for, quantize_params
 from dgemma_jax.parallel.mesh import make_mesh
@@ -73,14 +72,12 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
         if mesh is not None:  # a small model: read, then placed
             params = Shardings(cfg, mesh, rules).place_params(params)
         return cfg, params, sampler, tok
-    checkpoint, weights = locate(checkpoint, revision, mirror=mirror)
-    config = load_config(checkpoint, weights=weights)
-    shardings = Shardings(config, mesh, rules) if mesh is not None else None
-    mode = _quantize_mode(config, quantize, mesh, checkpoint_quantization(checkpoint))
+    source = open_checkpoint(checkpoint, revision, mirror=mirror)  # located, and its metadata read, once
+    shardings = Shardings(source.config, mesh, rules) if mesh is not None else None
+    mode = _quantize_mode(source.config, quantize, mesh, source.quantized)
     bar = tensor_bar("reading weights" + (f" into {mode}" if mode else "")) if progress else None
-    cfg, params, sampler = load_model(checkpoint, dtype=dtype, shardings=shardings, weights=weights, quantize=mode,
-                                      progress=bar)
-    tokenizer = load_model_tokenizer(checkpoint)
+    cfg, params, sampler = load_model(source, dtype=dtype, shardings=shardings, quantize=mode, progress=bar)
+    tokenizer = load_model_tokenizer(source)
     mismatch = vocab_mismatch(cfg, tokenizer)
     if mismatch:
         warnings.warn(mismatch, DgemmaWarning, stacklevel=2)

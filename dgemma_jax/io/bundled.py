@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from dgemma_jax.io.model_dir import load_model, load_model_tokenizer
+from dgemma_jax.io.model_dir import load_model, load_model_tokenizer, read_checkpoint
 
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 DEFAULT_NAME = "dgemma-tiny-digits"
@@ -54,9 +54,9 @@ def bundled_dir(name: str | None = None, path: str | None = None) -> str:
 
 def load_bundled(name: str | None = None, path: str | None = None):
     """(ModelConfig, params, SamplerConfig, tokenizer) of a bundled model (default: the digits model)."""
-    root = bundled_dir(name, path)
-    config, params, sampler = load_model(root)
-    return config, params, sampler, load_model_tokenizer(root)
+    source = read_checkpoint(bundled_dir(name, path))
+    config, params, sampler = load_model(source)
+    return config, params, sampler, load_model_tokenizer(source)
 
 
 def load_metadata(name: str | None = None, path: str | None = None) -> dict[str, Any]:

@@ -106,9 +106,17 @@ class CharTokenizer(Tokenizer):
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CharTokenizer":
-        with open(path) as f:
-            d = json.load(f)
-        if d.get("type") != "char" or tuple(d.get("specials", ())) != SPECIALS:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read(), path)
+
+    @classmethod
+    def from_json(cls, text: str, path: str | os.PathLike = "<text>") -> "CharTokenizer":
+        """From the content of a vocab file (`save`); path names it in the error."""
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{path} is not a CharTokenizer vocab file ({e})") from None
+        if not isinstance(d, dict) or d.get("type") != "char" or tuple(d.get("specials", ())) != SPECIALS:
             raise ValueError(f"{path} is not a CharTokenizer vocab file")
         return cls(d["chars"], d.get("markers", ()))
 

@@ -57,9 +57,10 @@ from etils import epath
 
 from dgemma_jax.config import ModelConfig, VisionConfig
 from dgemma_jax.errors import DgemmaWarning
+from dgemma_jax.io.formats import detect_format
 from dgemma_jax.io.hf import load_hf
 from dgemma_jax.io.locations import resolve
-from dgemma_jax.io.model_dir import checkpoint_quantization, hf_sampler, load_model, save_model
+from dgemma_jax.io.model_dir import load_model, read_checkpoint, save_model
 from dgemma_jax.model.api import param_shapes
 from dgemma_jax.model.quant import QUANT_MODES, quantization_of, quantize_params
 from dgemma_jax.progress import tensor_bar
@@ -118,11 +119,11 @@ _STACKED = re.compile(r"^(.*?)stacked_layers/attention_type_(\d+)/(.*)$")
 def detect_source(path: str) -> str:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"source checkpoint {path!r} does not exist or is not a directory")
+    try:  # ours (re-written, e.g. with --quantize int8) or Hugging Face: the loaders' own detection
+        return detect_format(path)
+    except ValueError:
+        pass
     files = os.listdir(path)
-    if "dgemma_model.json" in files:  # already ours: re-written (e.g. with --quantize int8)
-        return "dgemma"
-    if "config.json" in files and any(f.endswith(".safetensors") for f in files):
-        return "hf"
     if any(f in files for f in ("_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt", "checkpoint")) or \
             any(f.startswith("ocdbt") or f == "d" for f in files):
         return "gemma"
@@ -479,14 +480,17 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
     wrap = tensor_bar("tensors" + (f" into {quantize}" if quantize else "")) if progress else None
     sampler = None
     multimodal, skipped = {}, []
-    already = checkpoint_quantization(src) if src_format == "dgemma" and quantize is not None else None
-    if already is not None:
-        raise ValueError(f"{src!r} is already quantized ({already}); convert it without --quantize")
+    source = read_checkpoint(src) if src_format in ("hf", "dgemma") else None  # its metadata read once
+    if source is not None and source.format != src_format:
+        raise ValueError(f"{src!r} is a {source.format!r} checkpoint, not {src_format!r}; convert it with "
+                         f"--from {source.format} (or without --from)")
+    if src_format == "dgemma" and quantize is not None and source.quantized is not None:
+        raise ValueError(f"{src!r} is already quantized ({source.quantized}); convert it without --quantize")
     if src_format == "hf":
-        cfg, params = load_hf(src, dtype=dtype, progress=wrap, quantize=quantize)
-        sampler = hf_sampler(src, cfg)
+        cfg, params = load_hf(source, dtype=dtype, progress=wrap, quantize=quantize)
+        sampler = source.sampler
     elif src_format == "dgemma":
-        cfg, params, sampler = load_model(src, dtype=dtype, quantize=quantize)
+        cfg, params, sampler = load_model(source, dtype=dtype, quantize=quantize)
         params = jax.device_get(params)
     elif src_format == "gemma":
         cfg = ModelConfig.preset(preset or "diffusiongemma-26b-a4b")

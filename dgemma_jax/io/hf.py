@@ -27,8 +27,10 @@ from safetensors.numpy import save_file
 from dgemma_jax.config import ModelConfig, preset_name_of
 from dgemma_jax.errors import read_json
 from dgemma_jax.io.finite import check_finite
+from dgemma_jax.io.formats import CheckpointSource
 from dgemma_jax.io.locations import kind, locate, open_fs, remote_error
 from dgemma_jax.model.quant import quantize_leaf
+from dgemma_jax.sampling.config import SamplerConfig
 
 DECODER = "model.decoder."
 ENCODER_LAYERS = "model.encoder.language_model.layers."
@@ -494,26 +496,57 @@ def _check(cfg: ModelConfig, st: SafetensorsDir, table: list[Entry]):
         raise ValueError(f"checkpoint {st.path!r} does not match its config ({cfg.name}): " + " | ".join(problems))
 
 
-def vision_tensors_present(path: str | os.PathLike) -> bool | None:
-    """Whether the safetensors of an HF directory (local or a URL) hold any vision tensor (None: no readable
-    weights). Reads the files' headers only."""
+def read_hf_source(path: str | os.PathLike, weights: str | None = None, need_weights: bool = True) -> CheckpointSource:
+    """A Hugging Face directory's metadata, each file read once: config.json, generation_config.json and the
+    safetensors headers (at `weights`, a URL, when they are not in `path`). need_weights=False: a directory
+    without readable weights describes its model as config.json states it."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no config.json at {file!r}: pass a Hugging Face model directory")
+    files = {"config.json": read_json(file)}
+    declared = ModelConfig.from_hf(files["config.json"])
+    if declared.vision is not None:  # the image budget of the directory's processor, as transformers' would make it
+        declared = declared.replace(vision=declared.vision.with_processor(path))
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen):
+        files["generation_config.json"] = read_json(gen)
     try:
-        st = SafetensorsDir(os.fspath(path))
+        st = SafetensorsDir(weights or path)
     except (OSError, ValueError):
+        if need_weights:
+            raise
+        st = None
+    cfg = declared
+    # a vision_config whose tower the files do not hold (save_hf's text-only stub) is no tower
+    if cfg.vision is not None and st is not None and not any(k.startswith(VISION_PREFIXES) for k in st.keys()):
+        cfg = cfg.replace(vision=None)
+    cfg = preset_name_of(cfg)
+    return CheckpointSource(path=path, weights=weights, format="hf", config=cfg, declared=declared,
+                            sampler=hf_sampler(files.get("generation_config.json"), cfg), files=files, tensors=st)
+
+
+def hf_sampler(generation_config: dict | None, cfg: ModelConfig) -> SamplerConfig | None:
+    """The SamplerConfig of a generation_config.json's content (None: no such file)."""
+    if generation_config is None:
         return None
-    return any(k.startswith(VISION_PREFIXES) for k in st.keys())
+    d = generation_config
+    d = dict(d, eos_token_id=[e for e in np.atleast_1d(d.get("eos_token_id", [])).tolist() if e < cfg.vocab_size])
+    return SamplerConfig.from_hf_generation_config(d, canvas_length=cfg.canvas_length)
 
 
-def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
+def load_hf(path: str | os.PathLike | CheckpointSource, dtype: str | None = None, *,
             shardings: Any | None = None, config_overrides: dict | None = None,
             progress: Callable[[Iterator], Iterator] | None = None, revision: str | None = None,
-            vision: bool | None = None, mirror: bool | None = None, weights: str | None = None,
-            quantize: str | None = None):
+            vision: bool | None = None, mirror: bool | None = None, quantize: str | None = None):
     """Read a Hugging Face DiffusionGemma checkpoint (config.json + safetensors).
 
     Args:
       path: a local directory, a gs:// (or other fsspec) URL, or a Hub repo id[@revision]
-        (`dgemma_jax.io.locations.locate`). From a URL the config and tokenizer files are copied into
+        (`dgemma_jax.io.locations.locate`), or the `CheckpointSource` of one (`model_dir.open_checkpoint`:
+        its metadata already read). From a URL the config and tokenizer files are copied into
         the local mirror and the weights are read straight from the store, unless `mirror=True` (the
         whole directory copied first, so that later starts read the local copy).
       dtype: parameter dtype ("float32", "bfloat16"; default: float32 for float32 files, else bfloat16).
@@ -527,8 +560,7 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
       vision: read the vision tower (`model.encoder.vision_tower.*`, `model.encoder.embed_vision.*`)
         into `vision_tower` / `embed_vision`. None (default): when config.json has a `vision_config`
         and the files hold vision tensors; True: required; False: text only, the tower left unread.
-      mirror: see `path`. weights: the fsspec URL of the *.safetensors when `path` is the local
-        directory of the other files (what `locate` returns).
+      mirror: see `path`.
       quantize: "int8" or "int4" quantizes each kernel right after it is read
         (`model.quant.quantize_leaf`): the float model is never whole, neither on the host nor on the
         devices; the peak is the quantized parameters plus one float tensor.
@@ -537,15 +569,10 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, *,
     Raises:
       ValueError naming missing, unexpected or mis-shaped tensors.
     """
-    if weights is None:
-        path, weights = locate(path, revision, mirror=mirror)
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
-    cfg = ModelConfig.from_hf(path)
-    st = SafetensorsDir(weights or path)
+    source = path if isinstance(path, CheckpointSource) else read_hf_source(*locate(path, revision, mirror=mirror))
+    path, st, cfg = source.path, source.tensors, source.declared
     if vision is None:
-        vision = cfg.vision is not None and any(k.startswith(VISION_PREFIXES) for k in st.keys())
+        vision = source.config.vision is not None
     if vision and cfg.vision is None:
         raise ValueError(f"checkpoint {st.path!r}: vision=True but its config.json has no vision_config")
     if not vision:

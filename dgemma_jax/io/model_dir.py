@@ -22,15 +22,14 @@ import shutil
 from typing import Any
 
 import jax
-import numpy as np
 
-from dgemma_jax.config import ModelConfig, preset_name_of
+from dgemma_jax.config import ModelConfig
 from dgemma_jax.errors import read_json
 from dgemma_jax.io.char_tokenizer import CharTokenizer
 from dgemma_jax.io.finite import check_finite
-from dgemma_jax.io.formats import FORMAT, META, detect_format  # noqa: F401 (also this module's API)
-from dgemma_jax.io.hf import load_hf, vision_tensors_present
-from dgemma_jax.io.locations import open_fs, orbax_path, remote_error
+from dgemma_jax.io.formats import FORMAT, META, CheckpointSource, detect_format  # noqa: F401 (also this module's API)
+from dgemma_jax.io.hf import load_hf, read_hf_source
+from dgemma_jax.io.locations import locate, open_fs, orbax_path, remote_error
 from dgemma_jax.io.tokenizer import load_tokenizer
 from dgemma_jax.model.api import param_shapes
 from dgemma_jax.model.quant import (embedding_quantized, quantization_of, quantize_params, quantized_shapes,
@@ -54,24 +53,32 @@ def config_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
-def load_config(path: str | os.PathLike, need_weights: bool = True, weights: str | None = None) -> ModelConfig:
-    """The ModelConfig of a checkpoint directory; weights: the URL of its *.safetensors when they are not in
-    `path` (`locations.locate`)."""
-    fmt = detect_format(path, need_weights and weights is None)
-    if fmt == "hf":
-        cfg = ModelConfig.from_hf(path)
-        # like load_hf: a vision_config whose tower the files do not hold (save_hf's text-only stub) is no tower
-        if cfg.vision is not None and vision_tensors_present(weights or path) is False:
-            cfg = cfg.replace(vision=None)
-        return preset_name_of(cfg)
-    return config_from_dict(_read_meta(path)["config"])
-
-
-def _read_meta(path) -> dict:
-    meta = read_json(os.path.join(os.fspath(path), META), require=("format", "config"))
+def read_ours(path: str | os.PathLike, weights: str | None = None, need_weights: bool = True) -> CheckpointSource:
+    """Our format's metadata (dgemma_model.json, read once); weights: the URL of the directory holding its
+    params/ when orbax restores them from there (`locations.locate`)."""
+    path = os.fspath(path)
+    meta = read_json(os.path.join(path, META), require=("format", "config"))
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path!r}: {META} has format {meta.get('format')!r}, expected {FORMAT!r}")
-    return meta
+    return CheckpointSource(path=path, weights=weights, format="dgemma", config=config_from_dict(meta["config"]),
+                            quantization=meta.get("quantization") or None,
+                            sampler=SamplerConfig(**meta["sampler"]) if meta.get("sampler") else None,
+                            tokenizer=meta.get("tokenizer"), files={META: meta})
+
+
+def read_checkpoint(path: str | os.PathLike, weights: str | None = None, need_weights: bool = True) -> CheckpointSource:
+    """The `CheckpointSource` of a local checkpoint directory: its format detected and its metadata read, once.
+    weights: the URL its weights are read from when they are not in `path` (`locations.locate`);
+    need_weights=False: a Hugging Face config.json alone will do (describing a model, not loading it)."""
+    fmt = detect_format(path, need_weights and weights is None)
+    return FORMATS[fmt][0](path, weights, need_weights)
+
+
+def open_checkpoint(location: str | os.PathLike, revision: str | None = None, *, mirror: bool | None = None,
+                    progress: bool = True) -> CheckpointSource:
+    """The `CheckpointSource` of a checkpoint anywhere (a local directory, an fsspec URL, a Hub repo
+    id[@revision]): its location resolved (`locations.locate`), then `read_checkpoint`."""
+    return read_checkpoint(*locate(location, revision, mirror=mirror, progress=progress))
 
 
 def save_params(path: str | os.PathLike, params: Any) -> None:
@@ -225,40 +232,40 @@ def _file_sizes(directory: str) -> dict[str, int]:
             if info.get("type") != "directory"}
 
 
-def checkpoint_quantization(path: str | os.PathLike) -> str | None:
-    """The quantization a checkpoint directory was saved with ("int8", "int4"; None: float, or Hugging Face)."""
-    if detect_format(path, need_weights=False) != "dgemma":
-        return None
-    return (_read_meta(path).get("quantization") or {}).get("mode")
-
-
-def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None, weights: str | None = None,
+def load_model(checkpoint: CheckpointSource | str | os.PathLike, dtype: str | None = None, shardings=None,
                quantize: str | None = None, progress=None):
-    """Any supported checkpoint directory -> (ModelConfig, params, SamplerConfig | None); weights: the URL
-    of the checkpoint's weights when they are not in `path` (`locations.locate`), read from there (with
-    shardings: each process its own shards): a Hugging Face checkpoint's *.safetensors, or the gs://
-    directory holding our format's params/ tree (orbax restores it in place). quantize: "int8" / "int4" quantizes
-    a float checkpoint's kernels as they are read (Hugging Face: one tensor at a time, `load_hf`; ours:
-    after the restore), placed like the float ones; a checkpoint saved quantized is a ValueError then.
-    progress: wraps the Hugging Face loader's tensor iterator (`load_hf`; e.g. `progress.tensor_bar()`)."""
-    fmt = detect_format(path, need_weights=weights is None)
-    if fmt == "hf":  # a `Shardings`, or a pytree of shardings matching the parameters
-        cfg, params = load_hf(path, dtype=dtype, shardings=getattr(shardings, "params", shardings),
-                              weights=weights or os.fspath(path), quantize=quantize, progress=progress)
-        if quantize is not None and callable(getattr(shardings, "place_params", None)):
-            params = shardings.place_params(params)  # the pairs laid out as `Shardings.for_params` says
-        return cfg, params, hf_sampler(path, cfg)
-    meta = _read_meta(path)
-    if quantize is not None and meta.get("quantization"):
-        raise ValueError(f"checkpoint {os.fspath(path)!r} is already quantized ({meta['quantization'].get('mode')}); "
-                         "load it without quantize")
-    cfg = config_from_dict(meta["config"])
-    params_dir = posixpath.join(weights.rstrip("/"), "params") if weights else os.path.join(os.fspath(path), "params")
+    """A checkpoint -> (ModelConfig, params, SamplerConfig | None).
+
+    checkpoint: its `CheckpointSource` (`open_checkpoint`: read from where `locate` put it, with shardings
+    each process its own shards: a Hugging Face checkpoint's *.safetensors, or the gs:// directory holding
+    our format's params/ tree, which orbax restores in place), or a local directory of either format.
+    quantize: "int8" / "int4" quantizes a float checkpoint's kernels as they are read (Hugging Face: one
+    tensor at a time, `load_hf`; ours: after the restore), placed like the float ones; a checkpoint saved
+    quantized is a ValueError then. progress: wraps the Hugging Face loader's tensor iterator (`load_hf`;
+    e.g. `progress.tensor_bar()`)."""
+    source = checkpoint if isinstance(checkpoint, CheckpointSource) else read_checkpoint(checkpoint)
+    return FORMATS[source.format][1](source, dtype, shardings, quantize, progress)
+
+
+def _load_hf_model(source: CheckpointSource, dtype, shardings, quantize, progress):
+    # shardings: a `Shardings`, or a pytree of shardings matching the parameters
+    cfg, params = load_hf(source, dtype=dtype, shardings=getattr(shardings, "params", shardings),
+                          quantize=quantize, progress=progress)
+    if quantize is not None and callable(getattr(shardings, "place_params", None)):
+        params = shardings.place_params(params)  # the pairs laid out as `Shardings.for_params` says
+    return cfg, params, source.sampler
+
+
+def _load_ours(source: CheckpointSource, dtype, shardings, quantize, progress):
+    path, weights, meta, quant = source.path, source.weights, source.files[META], source.quantization
+    if quantize is not None and quant:
+        raise ValueError(f"checkpoint {path!r} is already quantized ({source.quantized}); load it without quantize")
+    cfg = source.config
+    params_dir = posixpath.join(weights.rstrip("/"), "params") if weights else os.path.join(path, "params")
     if isinstance(meta.get("params_files"), dict):
-        _check_params_files(weights or os.fspath(path), params_dir, meta["params_files"])
+        _check_params_files(weights or path, params_dir, meta["params_files"])
     if dtype:
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
-    quant = meta.get("quantization")
     if quant:  # int8 kernels: restored as int8 (never through a float copy)
         abstract = quantized_shapes(cfg, quant.get("mode"), embedding=bool(quant.get("embedding")),
                                     vision=bool(quant.get("vision")))  # absent: written before towers were
@@ -275,42 +282,37 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, shardings=None
     except ParamsMismatch:
         raise
     except (ValueError, KeyError) as e:
-        raise ValueError(f"could not restore the parameters of checkpoint {os.fspath(path)!r}: they are damaged or do "
+        raise ValueError(f"could not restore the parameters of checkpoint {path!r}: they are damaged or do "
                          f"not match its config ({e})") from None
-    check_finite(params, os.fspath(path))
-    sampler = SamplerConfig(**meta["sampler"]) if meta.get("sampler") else None
+    check_finite(params, path)
     if quantize is not None:
         params = quantize_params(cfg, params, quantize)
         if callable(getattr(shardings, "place_params", None)):
             params = shardings.place_params(params)
-    return cfg, params, sampler
+    return cfg, params, source.sampler
 
 
-def hf_sampler(path, cfg: ModelConfig):
-    """The SamplerConfig of a Hugging Face directory's generation_config.json (None if absent)."""
-    gen = os.path.join(os.fspath(path), "generation_config.json")
-    if not os.path.isfile(gen):
-        return None
-    d = read_json(gen)
-    d = dict(d, eos_token_id=[e for e in np.atleast_1d(d.get("eos_token_id", [])).tolist() if e < cfg.vocab_size])
-    return SamplerConfig.from_hf_generation_config(d, canvas_length=cfg.canvas_length)
+# format -> (its metadata reader, its weight loader): a new format is one entry (and `detect_format`)
+FORMATS = {"dgemma": (read_ours, _load_ours), "hf": (read_hf_source, _load_hf_model)}
 
 
-def load_model_tokenizer(path: str | os.PathLike):
-    """The tokenizer stored with a checkpoint (ours: the file named in the metadata; HF: tokenizer.json/.model)."""
-    path = os.fspath(path)
-    if detect_format(path, need_weights=False) == "dgemma":
-        name = _read_meta(path).get("tokenizer")
+def load_model_tokenizer(checkpoint: CheckpointSource | str | os.PathLike):
+    """The tokenizer stored with a checkpoint (ours: the file named in the metadata; HF: tokenizer.json/.model),
+    its special ids from the metadata files the `CheckpointSource` already read."""
+    source = checkpoint if isinstance(checkpoint, CheckpointSource) else read_checkpoint(checkpoint, need_weights=False)
+    path = source.path
+    if source.format == "dgemma":
+        name = source.tokenizer
         if not name:  # converted without one: a tokenizer file copied in since then counts
             name = next((n for n in ("tokenizer.json", "tokenizer.model") if os.path.isfile(os.path.join(path, n))),
                         None)
         if not name:
             raise FileNotFoundError(f"checkpoint {path!r} has no tokenizer: copy the model's tokenizer.json or "
                                     f"tokenizer.model into {path!r}")
-        file = os.path.join(path, name)
-        with open(file) as f:
-            head = f.read(200)
-        if '"type": "char"' in head or '"type":"char"' in head:
-            return CharTokenizer.load(file)
-        path = file
-    return load_tokenizer(path)
+        path = os.path.join(path, name)
+        if name.endswith(".json"):  # ours (a CharTokenizer vocab) or a Hugging Face tokenizer.json: read once
+            with open(path, encoding="utf-8") as f:
+                head = f.read(200)
+                if '"type": "char"' in head or '"type":"char"' in head:
+                    return CharTokenizer.from_json(head + f.read(), path)
+    return load_tokenizer(path, known=source.known_json())

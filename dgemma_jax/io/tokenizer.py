@@ -384,17 +384,22 @@ def _token_string(value: Any) -> str | None:
 
 
 def read_special_ids(config_dirs: str | os.PathLike | Sequence[str | os.PathLike],
-                     piece_to_id=None) -> dict[str, Any]:
+                     piece_to_id=None, known: Mapping[str, Mapping] | None = None) -> dict[str, Any]:
     """Special ids configured in the checkpoint's JSON files, highest priority first.
 
     Returns a dict with some of `bos_id`, `eos_ids`, `pad_id`, `unk_id` (only the ones found) and
     `extra_special_ids` (ids marked special in tokenizer_config.json's `added_tokens_decoder`).
     `piece_to_id` maps the token strings of tokenizer_config.json to ids; without it they are ignored.
+    known: {absolute path: content} of files already read (used instead of reading them again).
     """
     if isinstance(config_dirs, (str, os.PathLike)):
         config_dirs = [config_dirs]
-    dirs = list(dict.fromkeys(os.fspath(d) for d in config_dirs))
+    dirs = list(dict.fromkeys(os.path.abspath(os.fspath(d)) for d in config_dirs))
     found: dict[str, Any] = {}
+    known = known or {}
+
+    def read(src):
+        return known[src] if src in known else _read_json(src)
 
     def put(key, value, src):
         if key in found or value is None:
@@ -413,7 +418,7 @@ def read_special_ids(config_dirs: str | os.PathLike | Sequence[str | os.PathLike
     for name in ("generation_config.json", "config.json"):
         for d in dirs:
             src = os.path.join(d, name)
-            data = _read_json(src)
+            data = read(src)
             if data is None:
                 continue
             for scope in ([data.get("text_config")] if isinstance(data.get("text_config"), dict) else []) + [data]:
@@ -423,7 +428,7 @@ def read_special_ids(config_dirs: str | os.PathLike | Sequence[str | os.PathLike
     extra: list[int] = []
     for d in dirs:
         src = os.path.join(d, "tokenizer_config.json")
-        data = _read_json(src)
+        data = read(src)
         if data is None:
             continue
         decoder = data.get("added_tokens_decoder") or {}
@@ -452,19 +457,20 @@ def read_special_ids(config_dirs: str | os.PathLike | Sequence[str | os.PathLike
 
 def load_tokenizer(path_or_dir: str | os.PathLike, *, prefer: str | None = None, bos_id: int | None = _UNSET,
                    eos_ids: int | Sequence[int] | None = _UNSET, pad_id: int | None = _UNSET,
-                   unk_id: int | None = _UNSET) -> Tokenizer:
+                   unk_id: int | None = _UNSET, known: Mapping[str, Mapping] | None = None) -> Tokenizer:
     """Load the tokenizer of a checkpoint directory, or a `tokenizer.json` / `tokenizer.model` file.
 
     Special ids not given as arguments are read from generation_config.json, config.json and
     tokenizer_config.json (in that priority order), looked up in the given directory and in the
-    directory that holds the tokenizer file, then from the tokenizer file itself.
+    directory that holds the tokenizer file, then from the tokenizer file itself. known: {absolute
+    path: content} of those JSON files already read (`CheckpointSource.known_json`), not read again.
     """
     path = os.fspath(path_or_dir)
     file = find_tokenizer_file(path, prefer)
     dirs = ([path] if os.path.isdir(path) else []) + [os.path.dirname(os.path.abspath(file))]
     cls = HFTokenizer if file.endswith(".json") else SentencePieceTokenizer
     base = cls(file)  # first without config ids: needed to map tokenizer_config.json strings to ids
-    cfg = read_special_ids(dirs, base.piece_to_id)
+    cfg = read_special_ids(dirs, base.piece_to_id, known)
     explicit = {"bos_id": bos_id, "eos_ids": eos_ids, "pad_id": pad_id, "unk_id": unk_id}
     kwargs = {k: v for k, v in explicit.items() if v is not _UNSET}
     for k in explicit:
