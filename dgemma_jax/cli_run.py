@@ -21,7 +21,7 @@ from dgemma_jax.engine.inputs import DEFAULT_NEW_TOKENS, default_new_tokens
 from dgemma_jax.engine.outputs import warn_if_cut_short
 from dgemma_jax.errors import UsageError
 from dgemma_jax.io import convert
-from dgemma_jax.io.bundled import BUNDLED, VISION_NAME
+from dgemma_jax.io.bundled import BUNDLED, DEFAULT_NAME, VISION_NAME, bundled_choice
 from dgemma_jax.io.locations import resolve
 from dgemma_jax.model.quant import QUANTIZE_CHOICES
 from dgemma_jax.parallel.distributed import is_main_process, main_print, read_on_main_process
@@ -30,6 +30,7 @@ from dgemma_jax.parallel.profiling import profile
 from dgemma_jax.parallel.shardings import Shardings, fetch
 from dgemma_jax.io.images import SOFT_TOKEN_BUDGETS, load_image, prompt_with_images
 from dgemma_jax.pipeline import load_checkpoint as load_for_cli
+from dgemma_jax.progress import StartReport
 from dgemma_jax.runtime import LAYER_LAYOUTS, Runtime, layers_for_entry
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.generate import CanvasEvent, collect
@@ -106,11 +107,23 @@ def load_model_for_cli(args, checkpoint=None):
     mesh = make_mesh(args.mesh) if getattr(args, "mesh", None) else None
     rules = getattr(args, "rules", "latency")
     checkpoint = args.checkpoint if checkpoint is None else checkpoint
-    cfg, params, sampler, tok = load_for_cli(checkpoint, args.dtype, args.revision, mesh=mesh, rules=rules,
-                                             mirror=getattr(args, "mirror", None),
-                                             quantize=getattr(args, "quantize", None))
+    is_bundled, name = bundled_choice(checkpoint)
+    what = (f"the bundled model {name or DEFAULT_NAME}" if is_bundled else checkpoint) + \
+        (f" into {args.quantize}" if getattr(args, "quantize", None) not in (None, "none") else "")
+    with start_report(args).loading(what) as wrap:
+        cfg, params, sampler, tok = load_for_cli(checkpoint, args.dtype, args.revision, mesh=mesh, rules=rules,
+                                                 mirror=getattr(args, "mirror", None),
+                                                 quantize=getattr(args, "quantize", None), progress=wrap)
     shardings = Shardings(cfg, mesh, rules) if mesh is not None else None
     return cfg, params, sampler, tok, shardings
+
+
+def start_report(args) -> StartReport:
+    """Load and compile progress on stderr (bars on a terminal, a few lines otherwise); off with --quiet and
+    on every host but the first. One per command run (kept on `args`)."""
+    if getattr(args, "start_report", None) is None:
+        args.start_report = StartReport(sys.stderr, enabled=not getattr(args, "quiet", False) and is_main_process())
+    return args.start_report
 
 
 # ---------------------------------------------------------------------------- generate
@@ -193,7 +206,7 @@ def cmd_generate(args) -> int:
     max_new = default_new_tokens(cfg, sampler, len(ids)) if args.max_new_tokens is None else args.max_new_tokens
     kw = dict(rng=args.seed, max_new_tokens=max_new, seed_canvas=seed, pinned=pinned, images=images)
     t0 = time.perf_counter()
-    with profile(args.profile):  # --profile DIR: a jax.profiler trace of the generation
+    with profile(args.profile), start_report(args).compiling():  # --profile DIR: a jax.profiler trace
         if args.show_steps:
             show, events = _step_printer(tok, args.plain, sys.stdout), []
             for ev in engine.steps(tokens, None, **kw):
@@ -239,7 +252,8 @@ def _generate_infill(args, engine, tok, tokens, compiles) -> int:
     max_new = engine.sampler.canvas_length if args.max_new_tokens is None else args.max_new_tokens
     t0 = time.perf_counter()
     try:
-        out = engine.infill(tokens, None, suffixes=[suffix_ids], rng=args.seed, max_new_tokens=max_new)
+        with start_report(args).compiling():
+            out = engine.infill(tokens, None, suffixes=[suffix_ids], rng=args.seed, max_new_tokens=max_new)
     except ValueError as e:
         raise UsageError(f"--suffix: {e}") from None
     dt = time.perf_counter() - t0
@@ -289,7 +303,8 @@ def cmd_chat(args) -> int:
             print(f"[image {path} goes with your next message]", file=sys.stderr, flush=True)
             continue
         try:
-            turn = session.send(line, images=pending, on_step=on_step)
+            with start_report(args).compiling():
+                turn = session.send(line, images=pending, on_step=on_step)
         except ValueError as e:  # e.g. an image for a text-only checkpoint: the turn is dropped, the chat goes on
             print(f"dgemma: error: {e}", file=sys.stderr, flush=True)
             pending = []
@@ -452,7 +467,7 @@ def add_commands(sub, positive):
                         f"the bundled image model {VISION_NAME}")
     s.add_argument("--max-soft-tokens", type=int, choices=SOFT_TOKEN_BUDGETS, dest="max_soft_tokens", default=None,
                    help="tokens per image (default: the checkpoint's, 280 for the released model)")
-    s.add_argument("--quiet", action="store_true", help="no stats line")
+    s.add_argument("--quiet", action="store_true", help="no load / compile progress and no stats line")
     compiled_flag(s)
     mesh_flags(s)
     s.add_argument("--profile", metavar="DIR", help=PROFILE_HELP.format(what="generation"))
@@ -466,7 +481,7 @@ def add_commands(sub, positive):
     s.add_argument("--context", type=positive(int), default=4096, help="KV cache tokens")
     s.add_argument("--max-soft-tokens", type=int, choices=SOFT_TOKEN_BUDGETS, dest="max_soft_tokens", default=None,
                    help="tokens per /image (default: the checkpoint's, 280 for the released model)")
-    s.add_argument("--quiet", action="store_true", help="no per-turn stats")
+    s.add_argument("--quiet", action="store_true", help="no load / compile progress and no per-turn stats")
     s.add_argument("--show-steps", action="store_true",
                    help="draw each answer's canvas converging step by step, on stderr (stdout keeps the answers)")
     s.add_argument("--plain", action="store_true", help="with --show-steps: one line per step, no colours")

@@ -37,7 +37,7 @@ from dgemma_jax.progress import tensor_bar
 
 def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: str | None = None, *,
                     mesh=None, rules: str | tuple = "latency", mirror: bool | None = None, quantize: str | None = None,
-                    progress: bool = False):
+                    progress=False):
     """-> (config, params, sampler | None, tokenizer); None or "bundled": the bundled small model,
     "bundled:NAME" another bundled model (`dgemma_jax.io.bundled`, e.g. the image model VISION_NAME).
 
@@ -54,8 +54,9 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
     devices the weights go to): a float checkpoint's kernels quantized as they are read, one tensor at a
     time, so the float model is never whole; "auto" leaves a checkpoint saved quantized as it is, an
     explicit mode refuses it (UsageError).
-    progress: a bar over the tensors of a Hugging Face checkpoint as they are read (and quantized)
-    (`dgemma_jax.progress.tensor_bar`); a Hub download shows huggingface_hub's own bars either way."""
+    progress: True: a bar over the tensors of a Hugging Face checkpoint as they are read (and quantized)
+    (`dgemma_jax.progress.tensor_bar`); or a wrapper of the tensor iterator (`progress.StartReport.loading`);
+    a Hub download shows huggingface_hub's own bars either way."""
     if isinstance(mesh, str):
         mesh = make_mesh(mesh)
     is_bundled, name = bundled_choice(checkpoint)
@@ -75,9 +76,10 @@ def load_checkpoint(checkpoint: str | None, dtype: str | None = None, revision: 
     source = open_checkpoint(checkpoint, revision, mirror=mirror)  # located, and its metadata read, once
     shardings = Shardings(source.config, mesh, rules) if mesh is not None else None
     mode = _quantize_mode(source.config, quantize, mesh, source.quantized)
-    bar = tensor_bar("reading weights" + (f" into {mode}" if mode else "")) if progress else None
+    bar = progress if callable(progress) else \
+        tensor_bar("reading weights" + (f" into {mode}" if mode else "")) if progress else None
+    tokenizer = load_model_tokenizer(source)  # first: a missing tokenizer is named before the weights are read
     cfg, params, sampler = load_model(source, dtype=dtype, shardings=shardings, quantize=mode, progress=bar)
-    tokenizer = load_model_tokenizer(source)
     mismatch = vocab_mismatch(cfg, tokenizer)
     if mismatch:
         warnings.warn(mismatch, DgemmaWarning, stacklevel=2)

@@ -2,9 +2,11 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -64,22 +66,49 @@ def test_inspect_checkpoint(hf_checkpoint):
 
 def test_convert_then_generate(hf_checkpoint, tmp_path):
     out = tmp_path / "ours"
-    r = dgemma("convert", str(hf_checkpoint), str(out), "--quiet")
+    r = dgemma("convert", str(hf_checkpoint), str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     assert (out / "dgemma_model.json").is_file() and (out / "tokenizer.json").is_file()
     meta = json.loads((out / "dgemma_model.json").read_text())
     assert meta["sampler"]["max_denoising_steps"] == 4
+    # the bar and the closing line count the same tensors (the bar showed 97/97, the line "92 tensors")
+    done, total = map(int, re.findall(r"(\d+)/(\d+) \[", r.stderr)[-1])
+    said = int(re.search(r"converted (\d+) tensors", r.stdout).group(1))
+    assert done == total == said == len(jax.tree.leaves(init_params(ModelConfig.preset("tiny-6layer"), 0))), r.stderr
     r = dgemma("generate", "--checkpoint", str(out), "--prompt", "w5 w7 w9 w11", "--max-new-tokens", "24",
                "--seed", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     words = r.stdout.split()
     assert words and all(w.startswith("w") for w in words)
     assert "tokens per forward pass" in r.stderr and "steps per canvas [4, 4]" in r.stderr
+    assert f"dgemma: loaded {out} in" in r.stderr and "program(s) compiled in" in r.stderr, r.stderr
     # same seed -> same text; the HF directory itself works too
     r2 = dgemma("generate", "--checkpoint", str(hf_checkpoint), "--prompt", "w5 w7 w9 w11", "--max-new-tokens",
                 "24", "--seed", "1", "--quiet")
     assert r2.returncode == 0, r2.stderr[-2000:]
     assert r2.stdout == r.stdout
+
+
+def test_generate_and_chat_show_load_and_compile_progress_on_a_pipe():
+    # loading and compiling printed nothing: for the 26B that is minutes of silence. A pipe gets a few
+    # lines on stderr (a terminal gets bars); --quiet none
+    r = dgemma("generate", "--prompt", "s9350814272=")
+    assert r.returncode == 0 and r.stdout.strip() == "0122345789", r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("dgemma: ")]
+    # what is loading / compiling is announced once it has taken 1.5 s (so that a bad input's error stays alone)
+    lines = [ln for ln in lines if ln not in ("dgemma: loading the bundled model dgemma-tiny-digits ...",
+                                              "dgemma: compiling the programs (or reading them from the "
+                                              "compilation cache) ...")]
+    assert lines[0].startswith("dgemma: loaded the bundled model dgemma-tiny-digits in ")
+    assert re.match(r"dgemma: \d+ program\(s\) compiled in [\d.]+ s, \d+ read from the compilation cache$",
+                    lines[-1]), lines
+    assert len(lines) <= 8 and "\r" not in r.stderr, r.stderr  # a few lines, no bar redraws
+    r = dgemma("chat", stdin="s9350814272=\ns93=\n")
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("dgemma: ")]
+    assert sum(ln.startswith("dgemma: loaded the bundled model") for ln in lines) == 1, lines
+    assert sum(re.search(r"\d+ program\(s\) compiled in", ln) is not None for ln in lines) >= 1, lines
+    assert sum(ln.startswith("dgemma: compiling the programs") for ln in lines) <= 1, lines  # not per turn
 
 
 def test_generate_show_steps_non_tty(hf_checkpoint):

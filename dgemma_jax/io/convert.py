@@ -454,7 +454,8 @@ def _check_shapes(params, cfg: ModelConfig):
 
 def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, preset: str | None = None,
             progress: bool = True, overwrite: bool = False, quantize: str | None = None) -> int:
-    """Convert `src` into a dgemma_jax checkpoint directory `dst`; returns the number of tensors.
+    """Convert `src` into a dgemma_jax checkpoint directory `dst`; returns the number of parameter tensors
+    (as the progress bar counts them: an MLP's gate and up halves are one, its quantized kernel and scale too).
 
     An existing non-empty `dst` is an error unless `overwrite` (`dgemma convert --force`). A source
     without a tokenizer file converts with a DgemmaWarning: the checkpoint then needs one copied in.
@@ -518,7 +519,7 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
                 shutil.copyfile(p, os.path.join(dst, name))
                 if name in ("tokenizer.json", "tokenizer.model") and tok is None:
                     tok = p
-    leaves = jax.tree.leaves(params)
+    count = len(jax.tree.leaves(param_shapes(cfg)))
     save_model(dst, cfg, params, sampler=sampler, tokenizer_file=tok)
     if overwrite and os.path.isdir(os.path.join(dst, MULTIMODAL_DIR)):
         shutil.rmtree(os.path.join(dst, MULTIMODAL_DIR))  # from an earlier conversion into this directory
@@ -537,4 +538,4 @@ def convert(src: str, dst: str, src_format: str, *, dtype: str | None = None, pr
         warnings.warn(f"no tokenizer came along: {src!r} has no tokenizer.json or tokenizer.model, so the checkpoint "
                       f"at {dst!r} has none; copy the model's tokenizer file into {dst!r} before generating",
                       DgemmaWarning, stacklevel=2)
-    return len(leaves)
+    return count

@@ -590,19 +590,8 @@ def load_hf(path: str | os.PathLike | CheckpointSource, dtype: str | None = None
             flat_shardings[tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp)] = s
 
     params: dict = {}
-    pending_parts: dict = {}
-    items = table if progress is None else progress(table)
-    for entry in items:
-        path_, parts, axis = entry.ours, [entry], None
-        group = _grouped(path_)
-        if group is not None:  # one part of a stacked leaf (gate/up halves, clip bounds)
-            count, axis = group
-            path_ = path_[:-1]
-            pending_parts.setdefault(path_, {})[entry.ours[-1]] = entry
-            if len(pending_parts[path_]) < count:
-                continue
-            parts = [pending_parts[path_][j] for j in range(count)]
-            del pending_parts[path_]
+    leaves = _leaves(table)
+    for path_, parts, axis in (leaves if progress is None else progress(leaves)):
         leaf = _read_leaf(st, parts, axis, flat_shardings.get(path_), np_dtype)
         if quantize is not None:  # checked while still float: the quantized values cannot say which weight
             name = "/".join(map(str, path_))
@@ -612,6 +601,23 @@ def load_hf(path: str | os.PathLike | CheckpointSource, dtype: str | None = None
     if quantize is None:
         check_finite(params, path, lambda name: _stored_name(st, table, name))
     return cfg, params
+
+
+def _leaves(table: list[Entry]) -> list[tuple[tuple, list[Entry], int | None]]:
+    """The table as our parameters: (leaf path, its entries, the axis they stack on or None), one per leaf
+    (the gate/up halves of an MLP kernel and the clip bounds of a vision linear: one leaf of several entries)."""
+    out, parts = [], {}
+    for entry in table:
+        group = _grouped(entry.ours)
+        if group is None:
+            out.append((entry.ours, [entry], None))
+            continue
+        count, axis = group  # one part of a stacked leaf
+        got = parts.setdefault(entry.ours[:-1], {})
+        got[entry.ours[-1]] = entry
+        if len(got) == count:
+            out.append((entry.ours[:-1], [got[j] for j in range(count)], axis))
+    return out
 
 
 def _read_leaf(st: SafetensorsDir, parts: list[Entry], axis: int | None, sharding, dtype):
