@@ -73,10 +73,11 @@ def compiling(desc: str = "compiling", refresh_seconds: float = 1.0, leave: bool
 
 class StartReport:
     """Load and compile progress of a command on `stream` (stderr): a terminal gets bars (`tensor_bar`,
-    a compile bar that clears itself when done), anything else a few lines: what is loading (once it has
-    taken `announce_after` seconds, so that a bad input's error stays the only line), what was loaded in
-    how long, what is compiling (likewise), one line per program that took a second or more, and the
-    count after.
+    a compile bar that clears itself when done), anything else a few lines: what is loading and what is
+    compiling (once it has taken `announce_after` seconds), what was loaded in how long, one line per
+    program that took a second or more, and the count after. A line about a finished load waits until
+    a program compiles, a compile block ends or a slow step is announced: an input the command refuses
+    right after a quick load gets its one error line alone.
 
         report = StartReport()
         with report.loading("bundled model") as wrap:     # wrap: the loaders' `progress=`
@@ -85,14 +86,24 @@ class StartReport:
             engine.generate(...)
     """
 
-    def __init__(self, stream=None, enabled: bool = True, announce_after: float = 1.5):
+    def __init__(self, stream=None, enabled: bool = True, announce_after: float = 3.0):
         self.stream = sys.stderr if stream is None else stream
         self.enabled, self.announce_after = enabled, announce_after
         self.tty = enabled and bool(getattr(self.stream, "isatty", lambda: False)())
         self._compiled_once = False
+        self._held: list[str] = []  # lines waiting for the run to go on (see the class docstring)
+        self._lock = threading.Lock()
 
-    def _line(self, text: str) -> None:
-        print(f"dgemma: {text}", file=self.stream, flush=True)
+    def _line(self, text: str | None = None) -> None:
+        """The held lines, then `text` (None: only the held ones)."""
+        with self._lock:
+            for line in self._held + ([text] if text is not None else []):
+                print(f"dgemma: {line}", file=self.stream, flush=True)
+            self._held.clear()
+
+    def _hold(self, text: str) -> None:
+        with self._lock:
+            self._held.append(text)
 
     @contextlib.contextmanager
     def _announced(self, text: str):
@@ -109,7 +120,8 @@ class StartReport:
     @contextlib.contextmanager
     def loading(self, what: str):
         """Yields the `progress=` wrapper for the loaders (None when off). A terminal: a bar over the
-        tensors (a Hugging Face checkpoint); else a line now and one with the time and tensor count after."""
+        tensors (a Hugging Face checkpoint); else a line once it has taken `announce_after` seconds, and one
+        with the time and tensor count after (held: see the class)."""
         if not self.enabled:
             yield None
             return
@@ -124,13 +136,14 @@ class StartReport:
         with self._announced(f"loading {what} ..."):
             yield tensor_bar(f"reading {what}") if self.tty else counted
         read = f", {count[0]} tensors read" if count[0] else ""
-        self._line(f"loaded {what} in {time.perf_counter() - t0:.1f} s{read}")
+        self._hold(f"loaded {what} in {time.perf_counter() - t0:.1f} s{read}")
 
     @contextlib.contextmanager
     def compiling(self):
         """Around a call that may compile: a terminal gets `compiling`'s bar (cleared when the block ends);
-        anything else a line before the first such call, one per program that took a second or more, and
-        one with the count and seconds after a call that compiled (the first always, later ones from a second)."""
+        anything else a line once the first such call has taken `announce_after` seconds, one per program
+        that took a second or more, and one with the count and seconds after a call that compiled (the
+        first always, later ones from a second)."""
         if not self.enabled:
             yield
             return
@@ -140,13 +153,13 @@ class StartReport:
             return
         first = not self._compiled_once
         self._compiled_once = True
-        lock, counter = threading.Lock(), CompileCounter()
+        counter = CompileCounter()
 
         def on_duration(event: str, seconds: float, **kwargs) -> None:
-            if event == COMPILE_EVENT and seconds >= 1.0:
-                with lock:
-                    name = kwargs.get("fun_name", "a program")
-                    self._line(f"{name} compiled (or read from the cache) in {seconds:.1f} s")
+            if event != COMPILE_EVENT:
+                return
+            name = kwargs.get("fun_name", "a program")
+            self._line(f"{name} compiled (or read from the cache) in {seconds:.1f} s" if seconds >= 1.0 else None)
 
         jax.monitoring.register_event_duration_secs_listener(on_duration)
         try:
@@ -156,6 +169,7 @@ class StartReport:
         finally:
             jax.monitoring.unregister_event_duration_listener(on_duration)
         c = counter.counts()
+        self._line()
         if (c["compiled"] or c["cache_hits"]) and (first or c["compile_s"] >= 1.0):
             self._line(f"{c['compiled']} program(s) compiled in {c['compile_s']:.1f} s, {c['cache_hits']} read from "
                        "the compilation cache")
