@@ -75,9 +75,9 @@ class StartReport:
     """Load and compile progress of a command on `stream` (stderr): a terminal gets bars (`tensor_bar`,
     a compile bar that clears itself when done), anything else a few lines: what is loading and what is
     compiling (once it has taken `announce_after` seconds), what was loaded in how long, one line per
-    program that took a second or more, and the count after. A line about a finished load waits until
-    a program compiles, a compile block ends or a slow step is announced: an input the command refuses
-    right after a quick load gets its one error line alone.
+    program that took a second or more, and the count after. The line about a quick load (one not
+    announced) waits until a program compiles, a compile block ends or a slow step is announced: an
+    input the command refuses right after a quick load gets its one error line alone.
 
         report = StartReport()
         with report.loading("bundled model") as wrap:     # wrap: the loaders' `progress=`
@@ -108,14 +108,24 @@ class StartReport:
     @contextlib.contextmanager
     def _announced(self, text: str):
         """`text` as a line once the block has run `announce_after` seconds (never for a block that ends
-        sooner, an error included)."""
-        timer = threading.Timer(self.announce_after, self._line, (text,))
+        sooner, an error included); yields an Event set once the line is out."""
+        fired, ended, gate = threading.Event(), [False], threading.Lock()
+
+        def announce():
+            with gate:  # the block's end and the line cannot cross: once it has ended, no line
+                if not ended[0]:
+                    self._line(text)
+                    fired.set()
+
+        timer = threading.Timer(self.announce_after, announce)
         timer.daemon = True
         timer.start()
         try:
-            yield
+            yield fired
         finally:
             timer.cancel()
+            with gate:
+                ended[0] = True
 
     @contextlib.contextmanager
     def loading(self, what: str):
@@ -133,10 +143,11 @@ class StartReport:
                 yield x
 
         t0 = time.perf_counter()
-        with self._announced(f"loading {what} ..."):
+        with self._announced(f"loading {what} ...") as announced:
             yield tensor_bar(f"reading {what}") if self.tty else counted
         read = f", {count[0]} tensors read" if count[0] else ""
-        self._hold(f"loaded {what} in {time.perf_counter() - t0:.1f} s{read}")
+        done = f"loaded {what} in {time.perf_counter() - t0:.1f} s{read}"
+        self._line(done) if announced.is_set() else self._hold(done)  # a slow load: said at once
 
     @contextlib.contextmanager
     def compiling(self):

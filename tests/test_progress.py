@@ -6,6 +6,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dgemma_jax import ModelConfig, init_params, save_hf
 from dgemma_jax.progress import compiling
@@ -52,3 +53,39 @@ def test_from_pretrained_shows_one_bar_step_per_tensor_read_and_quantized(tmp_pa
     # off by default: nothing on stderr
     dgemma_jax.DiffusionGemma.from_pretrained(str(tmp_path / "hf"), quantize="int8")
     assert "reading weights" not in capsys.readouterr().err
+
+
+def test_start_report_on_a_pipe_says_what_loads_and_compiles_and_keeps_a_refused_input_alone():
+    import io
+    import time
+
+    from dgemma_jax.progress import StartReport
+
+    out = io.StringIO()  # not a terminal: lines, no bars
+    report = StartReport(out, announce_after=0.2)
+    with report.loading("a slow model") as wrap:
+        assert list(wrap(range(5))) == list(range(5))  # the loaders' progress= wrapper, counting
+        time.sleep(0.5)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "dgemma: loading a slow model ..." and len(lines) == 2, lines
+    assert re.fullmatch(r"dgemma: loaded a slow model in \d+\.\d s, 5 tensors read", lines[1]), lines
+    with report.compiling():
+        jax.jit(lambda y: y * 3 + 1)(jnp.ones(3)).block_until_ready()
+    last = out.getvalue().splitlines()[-1]
+    assert last.startswith("dgemma: ") and "program(s) compiled in" in last, out.getvalue()
+    # a quick load's line waits for the run to go on: an input refused right after it stays the only line
+    quiet = io.StringIO()
+    report = StartReport(quiet)
+    with report.loading("a quick model"):
+        pass
+    with pytest.raises(ValueError):
+        with report.compiling():
+            raise ValueError("the prompt is too long")
+    assert quiet.getvalue() == ""
+    with report.compiling():  # the next call that runs says it
+        pass
+    assert quiet.getvalue().startswith("dgemma: loaded a quick model in ")
+    off = io.StringIO()
+    with StartReport(off, enabled=False).loading("x") as wrap:
+        assert wrap is None
+    assert off.getvalue() == ""
