@@ -30,7 +30,7 @@ from dgemma_jax.engine.outputs import report_nonfinite, reporting
 from dgemma_jax.engine.placement import layers_for, runtime_for
 from dgemma_jax.engine.programs import ProgramCache, Programs
 from dgemma_jax.errors import DgemmaWarning
-from dgemma_jax.model.cache import KVCache, cache_row, init_cache
+from dgemma_jax.model.cache import KVCache, cache_row, concat_rows, init_cache
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.model.masks import image_runs
 from dgemma_jax.model.quant import mode_for, quantization_of, quantize_params
@@ -99,7 +99,10 @@ class Engine:
         self.shardings = shardings
         self.donate = donate
         self.bucket = bool(bucket)
+        if not isinstance(batch_invariant, (bool, int)) or batch_invariant < 0:
+            raise ValueError(f"batch_invariant must be True, False or a block size >= 1; got {batch_invariant!r}")
         self.batch_invariant = bool(batch_invariant)
+        self.invariant_block = 1 if isinstance(batch_invariant, bool) else int(batch_invariant)
         self._program_cache = ProgramCache.shared if programs is None else programs
         self._programs = {}
         self._bound = None
@@ -238,9 +241,13 @@ class Engine:
                                       cache, images)
             # a row of a caller's batch>1 cache is a copy: donating it costs the caller nothing
             fn = self.fused_program(max_new_tokens, donate_cache=cache_given is None or donate_cache or len(rows) > 1)
-            out = gen.merge_outputs(
-                fn(self.params, prompt_tokens=t, prompt_lengths=n, cache=c, keys=k, seed_canvas=sc, pinned=pin,
-                   images=im) for t, n, k, c, sc, pin, im in rows)
+            per_row = [None] * len(rows)
+            for idx, (t, n, k, c, sc, pin, im) in self._blocks(rows):
+                block = fn(self.params, prompt_tokens=t, prompt_lengths=n, cache=c, keys=k, seed_canvas=sc,
+                           pinned=pin, images=im)
+                for r, i in enumerate(idx):
+                    per_row[i] = block if t.shape[0] == 1 else gen.row_of(block, r)
+            out = gen.merge_outputs(per_row)
             report_nonfinite(out.nonfinite, nonfinite)
             return out
         tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
@@ -326,16 +333,39 @@ class Engine:
             rows.append((t, ln, k, row_cache, sc, pin, pictures))
         return rows
 
+    def _blocks(self, rows):
+        """The rows of `_prepare_rows` as the engine runs them: with `invariant_block` n > 1 the rows
+        whose inputs have the same shapes (each row's own: prompt bucket, cache length) go together in
+        blocks of exactly n rows, a short block filled with copies of its first row, so that a row's
+        program depends on the row alone; a row with images runs alone. Yields (row indices, inputs)."""
+        n = self.invariant_block
+        groups: dict = {}
+        for i, (t, ln, k, c, sc, pin, im) in enumerate(rows):
+            shape = (t.shape, c.max_length, None if sc is None else sc.shape, None if pin is None else pin.shape)
+            groups.setdefault(("alone", i) if n == 1 or im is not None else shape, []).append(i)
+        for idx in groups.values():
+            for start in range(0, len(idx), n):
+                part = idx[start:start + n]
+                if len(part) == 1 and (n == 1 or rows[part[0]][6] is not None):
+                    yield part, rows[part[0]]
+                    continue
+                fill = [rows[i] for i in part] + [rows[part[0]]] * (n - len(part))
+                cat = lambda j: None if fill[0][j] is None else jnp.concatenate([r[j] for r in fill])  # noqa: E731
+                yield part, (cat(0), cat(1), cat(2), concat_rows([r[3] for r in fill]), cat(4), cat(5), None)
+
     def _iter(self, which, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, images,
               cache=None, final_cache=False):
         max_new_tokens = self.sampler.canvas_length if max_new_tokens is None else max_new_tokens
         if self.batch_invariant:
             rows = self._prepare_rows(prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length,
                                       cache, images)
-            return reporting(gen.merge_row_events(
-                (which(self.programs, self.params, t, n, c, k, max_new_tokens, sc, pin, im)
-                 for t, n, k, c, sc, pin, im in rows), max_new_tokens, self.sampler.canvas_length, self.sampler.pad_id,
-                final_cache), "warn")
+            per_row = [None] * len(rows)
+            for idx, (t, n, k, c, sc, pin, im) in self._blocks(rows):
+                events = which(self.programs, self.params, t, n, c, k, max_new_tokens, sc, pin, im)
+                for i, view in zip(idx, [events] if t.shape[0] == 1 else gen.split_rows(events, t.shape[0])):
+                    per_row[i] = view
+            return reporting(gen.merge_row_events(per_row, max_new_tokens, self.sampler.canvas_length,
+                                                  self.sampler.pad_id, final_cache), "warn")
         tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
             prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache, images)
         return reporting(which(self.programs, self.params, tokens, lengths, cache, keys, max_new_tokens, seed_canvas,

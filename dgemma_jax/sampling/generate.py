@@ -21,6 +21,7 @@ later canvases are all pad and are neither denoised nor committed. The output ha
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Iterator
@@ -32,7 +33,7 @@ from flax import struct
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import encode_pass, image_features_pass
-from dgemma_jax.model.cache import KVCache, concat_rows
+from dgemma_jax.model.cache import KVCache, cache_row, concat_rows
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
@@ -318,6 +319,38 @@ def merge_outputs(outs) -> GenerateOutput:
                           nonfinite=jnp.concatenate([o.nonfinite for o in outs]))
 
 
+def row_of(item, r: int):
+    """Row `r` of an output, event or cache of a batch (as a batch of one)."""
+    one = slice(r, r + 1)
+    if isinstance(item, GenerateOutput):
+        return item.replace(tokens=item.tokens[one], steps=item.steps[one], finished=item.finished[one],
+                             cache=cache_row(item.cache, r), nonfinite=item.nonfinite[one])
+    if isinstance(item, StepEvent):
+        return StepEvent(item.canvas_index, item.step, item.argmax[one], item.canvas[one], item.done[one])
+    if isinstance(item, CanvasEvent):
+        return CanvasEvent(item.index, item.tokens[one], item.steps[one], item.finished[one],
+                           None if item.nonfinite is None else item.nonfinite[one])
+    return cache_row(item, r)
+
+
+def split_rows(events: Iterator, n: int) -> list[Iterator]:
+    """The driver of a block of n rows as n single-row drivers (what `merge_row_events` takes): each
+    yields its row of every event, pulling the block's next event when its own are used up."""
+    events, buffers = iter(events), [collections.deque() for _ in range(n)]
+
+    def view(r):
+        while True:
+            if not buffers[r]:
+                item = next(events, None)
+                if item is None:
+                    return
+                for i in range(n):
+                    buffers[i].append(row_of(item, i))
+            yield buffers[r].popleft()
+
+    return [view(r) for r in range(n)]
+
+
 def merge_row_events(rows, max_new_tokens: int, canvas_length: int, pad_id: int,
                      final_cache: bool = False) -> Iterator:
     """The events of B single-row drivers (`iter_canvases` or `iter_steps` over batch-1 inputs) as one
@@ -358,6 +391,7 @@ def merge_row_events(rows, max_new_tokens: int, canvas_length: int, pad_id: int,
         yield CanvasEvent(c, tokens, steps, finished, bad)
         if finished.all():
             break
-    if final_cache:  # every row's driver has yielded its last canvas: its cache comes next
-        caches = [next(r) for r in rows]
+    if final_cache:  # every row's driver has yielded its last canvas: its cache comes next (a row of a
+        # block, `split_rows`, may first show the canvases the rest of its block ran on: skipped)
+        caches = [next(x for x in r if isinstance(x, KVCache)) for r in rows]
         yield caches[0] if b == 1 else concat_rows(caches)
