@@ -108,7 +108,7 @@ class DiffusionGemma:
     """config + params + tokenizer + `Engine`; `.generate(text)`, `.chat(messages)`."""
 
     def __init__(self, config, params, tokenizer, sampler=None, shardings=None, runtime=None,
-                 quantize: str | None = None, compilation_cache: bool | str = True, batch_invariant: bool = True):
+                 quantize: str | None = None, compilation_cache: bool | str = True, batch_invariant: bool | int = True):
         self.engine = Engine(config, params, sampler, shardings=shardings, runtime=runtime, quantize=quantize,
                              compilation_cache=compilation_cache, batch_invariant=batch_invariant)
         self.config, self.params, self.tokenizer = config, self.engine.params, tokenizer
@@ -118,7 +118,7 @@ class DiffusionGemma:
                         shardings=None, revision: str | None = None, runtime=None,
                         quantize: str | None = None, compilation_cache: bool | str = True, mesh=None,
                         rules: str | tuple = "latency", mirror: bool | None = None,
-                        progress: bool = False, batch_invariant: bool = True) -> "DiffusionGemma":
+                        progress: bool = False, batch_invariant: bool | int = True) -> "DiffusionGemma":
         """A ready model: checkpoint, tokenizer and engine, read from a directory, a store or the Hub.
 
         Args:
@@ -139,8 +139,9 @@ class DiffusionGemma:
             False, but a Hub repo read by a single process is downloaded (`locations.locate`).
           progress: show a bar while a Hugging Face checkpoint's tensors are read (and quantized).
           batch_invariant: `Engine`'s: True (default) a prompt with its seed gets the same text alone or in
-            any list (each prompt its own program); False one batched program for a list (faster for big
-            lists; a row's text can change with the rest of the list).
+            any list (each prompt its own program); an int N the same, the prompts of one shape run
+            together in programs of N rows (a list of N short prompts: one program; one prompt alone
+            costs N rows); False one batched program for a list (a row's text can change with the rest).
         Returns:
           a `DiffusionGemma`.
         Raises:
@@ -206,8 +207,8 @@ class DiffusionGemma:
             without an end of sequence is a DgemmaWarning).
           seed: one int (every prompt uses that seed's stream) or one int per prompt. A prompt with its
             seed gets the same text alone or in any list, at any position, given the same
-            max_new_tokens (`Engine`'s batch_invariant: each prompt runs as its own program;
-            tests/test_batch_invariance.py, XLA:CPU).
+            max_new_tokens (`Engine`'s batch_invariant: each prompt runs as its own program, or in
+            blocks of a fixed N rows; tests/test_batch_invariance.py, XLA:CPU).
           images: for one prompt, an image or a list (paths, bytes, PIL images or uint8 arrays;
             `dgemma_jax.io.images`), placed at the `<|image|>` markers of `text` (or, without
             markers, before it).

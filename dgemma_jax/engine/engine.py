@@ -64,7 +64,11 @@ class Engine:
     the key of its own seed (`row_keys`): a prompt with its seed gets the same tokens whatever else is
     in the call (its size, order, the prompt's position; tests/test_batch_invariance.py on XLA:CPU,
     float32 and int8). The rows run one after another, so a batch costs about the sum of its rows
-    (docs/api.md has the measured cost). False: one program for the whole batch (rows padded to the
+    (docs/api.md has the measured cost). An int N >= 1: invariant too, but the rows whose own shapes
+    agree run together in blocks of exactly N rows (a short block filled with copies of its first
+    row; `_blocks`), so a row's program depends on the row alone: N prompts of one bucket are one
+    program call, and a prompt alone costs a block of N rows (True is N = 1). False: one program for
+    the whole batch (rows padded to the
     longest prompt, one MoE dispatch for all tokens): faster for big batches on accelerators, but a
     row's tokens can change with the rest of the batch (float rounding, then the sampler).
     compilation_cache: True (default) turns jax's persistent compilation cache on
@@ -78,7 +82,7 @@ class Engine:
     def __init__(self, config: ModelConfig, params: Any, sampler: SamplerConfig | None = None, *,
                  shardings: Any | None = None, runtime: Runtime | None = None, donate: bool = True,
                  bucket: bool = True, quantize: str | None = None,
-                 compilation_cache: bool | str = True, batch_invariant: bool = True,
+                 compilation_cache: bool | str = True, batch_invariant: bool | int = True,
                  programs: "ProgramCache | None" = None):
         if compilation_cache:
             compile_cache.enable(None if compilation_cache is True else compilation_cache)
@@ -241,13 +245,15 @@ class Engine:
                                       cache, images)
             # a row of a caller's batch>1 cache is a copy: donating it costs the caller nothing
             fn = self.fused_program(max_new_tokens, donate_cache=cache_given is None or donate_cache or len(rows) > 1)
-            per_row = [None] * len(rows)
+            where, outs = [0] * len(rows), []   # where: each row's place among the blocks' rows
             for idx, (t, n, k, c, sc, pin, im) in self._blocks(rows):
-                block = fn(self.params, prompt_tokens=t, prompt_lengths=n, cache=c, keys=k, seed_canvas=sc,
-                           pinned=pin, images=im)
                 for r, i in enumerate(idx):
-                    per_row[i] = block if t.shape[0] == 1 else gen.row_of(block, r)
-            out = gen.merge_outputs(per_row)
+                    where[i] = sum(o.tokens.shape[0] for o in outs) + r
+                outs.append(fn(self.params, prompt_tokens=t, prompt_lengths=n, cache=c, keys=k, seed_canvas=sc,
+                               pinned=pin, images=im))
+            out = gen.merge_outputs(outs)
+            if where != list(range(out.tokens.shape[0])):   # blocks filled up or out of the call's order
+                out = gen.take_rows(out, where)
             report_nonfinite(out.nonfinite, nonfinite)
             return out
         tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
@@ -328,7 +334,9 @@ class Engine:
                     pictures = self.place(*(jnp.asarray(x[first_image:first_image + count], dtype)
                                              for x, dtype in zip(checked, (jnp.float32, jnp.int32))))
                 first_image += count
-            row_cache = self.new_cache(1, s) if cache is None else cache if b == 1 else cache_row(cache, i)
+            # blocks of n > 1 rows get one new cache each (`_blocks`): here only its length
+            row_cache = ((self.new_cache(1, s) if self.invariant_block == 1 else int(s)) if cache is None
+                         else cache if b == 1 else cache_row(cache, i))
             t, ln, k, sc, pin = self.place(t, ln, keys[i:i + 1], sc, pin)
             rows.append((t, ln, k, row_cache, sc, pin, pictures))
         return rows
@@ -337,21 +345,27 @@ class Engine:
         """The rows of `_prepare_rows` as the engine runs them: with `invariant_block` n > 1 the rows
         whose inputs have the same shapes (each row's own: prompt bucket, cache length) go together in
         blocks of exactly n rows, a short block filled with copies of its first row, so that a row's
-        program depends on the row alone; a row with images runs alone. Yields (row indices, inputs)."""
+        program depends on the row alone; a row with images runs alone. A row's cache may be given as
+        its length (a new cache: one for the block). Yields (row indices, inputs)."""
         n = self.invariant_block
         groups: dict = {}
         for i, (t, ln, k, c, sc, pin, im) in enumerate(rows):
-            shape = (t.shape, c.max_length, None if sc is None else sc.shape, None if pin is None else pin.shape)
+            length = c if isinstance(c, int) else c.max_length
+            shape = (t.shape, length, None if sc is None else sc.shape, None if pin is None else pin.shape)
             groups.setdefault(("alone", i) if n == 1 or im is not None else shape, []).append(i)
         for idx in groups.values():
             for start in range(0, len(idx), n):
                 part = idx[start:start + n]
                 if len(part) == 1 and (n == 1 or rows[part[0]][6] is not None):
-                    yield part, rows[part[0]]
+                    t, ln, k, c, sc, pin, im = rows[part[0]]
+                    yield part, (t, ln, k, self.new_cache(1, c) if isinstance(c, int) else c, sc, pin, im)
                     continue
                 fill = [rows[i] for i in part] + [rows[part[0]]] * (n - len(part))
                 cat = lambda j: None if fill[0][j] is None else jnp.concatenate([r[j] for r in fill])  # noqa: E731
-                yield part, (cat(0), cat(1), cat(2), concat_rows([r[3] for r in fill]), cat(4), cat(5), None)
+                first = fill[0][3]
+                block_cache = (self.new_cache(n, first) if isinstance(first, int)
+                               else concat_rows([r[3] for r in fill]))
+                yield part, (cat(0), cat(1), cat(2), block_cache, cat(4), cat(5), None)
 
     def _iter(self, which, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, images,
               cache=None, final_cache=False):

@@ -145,6 +145,14 @@ def cache_row(cache: KVCache, row: int) -> KVCache:
                          lengths=cache.lengths[row:row + 1])
 
 
+def take_rows(cache: KVCache, rows) -> KVCache:
+    """The rows `rows` (indices, in that order) of a cache as one cache (either layout)."""
+    idx = jnp.asarray(rows, jnp.int32)
+    take = lambda x: jnp.take(x, idx, axis=x.ndim - 4)  # noqa: E731 (batch axis)
+    return cache.replace(keys=tuple(map(take, cache.keys)), values=tuple(map(take, cache.values)),
+                         lengths=cache.lengths[idx])
+
+
 def concat_rows(caches) -> KVCache:
     """Batch caches of the same layout stacked row-wise into one; a shorter cache's slots are padded
     with zeros up to the longest `max_length` (slots past a row's length are never read)."""

@@ -34,6 +34,7 @@ from flax import struct
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import encode_pass, image_features_pass
 from dgemma_jax.model.cache import KVCache, cache_row, concat_rows
+from dgemma_jax.model.cache import take_rows as cache_take_rows
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
@@ -319,12 +320,16 @@ def merge_outputs(outs) -> GenerateOutput:
                           nonfinite=jnp.concatenate([o.nonfinite for o in outs]))
 
 
+def take_rows(out: GenerateOutput, rows) -> GenerateOutput:
+    """The rows `rows` (indices, in that order) of a batch's output."""
+    idx = jnp.asarray(rows, jnp.int32)
+    return out.replace(tokens=out.tokens[idx], steps=out.steps[idx], finished=out.finished[idx],
+                       cache=cache_take_rows(out.cache, rows), nonfinite=out.nonfinite[idx])
+
+
 def row_of(item, r: int):
-    """Row `r` of an output, event or cache of a batch (as a batch of one)."""
+    """Row `r` of a driver's event or cache of a batch (as a batch of one)."""
     one = slice(r, r + 1)
-    if isinstance(item, GenerateOutput):
-        return item.replace(tokens=item.tokens[one], steps=item.steps[one], finished=item.finished[one],
-                             cache=cache_row(item.cache, r), nonfinite=item.nonfinite[one])
     if isinstance(item, StepEvent):
         return StepEvent(item.canvas_index, item.step, item.argmax[one], item.canvas[one], item.done[one])
     if isinstance(item, CanvasEvent):
