@@ -334,9 +334,13 @@ class Engine:
                     pictures = self.place(*(jnp.asarray(x[first_image:first_image + count], dtype)
                                              for x, dtype in zip(checked, (jnp.float32, jnp.int32))))
                 first_image += count
-            # blocks of n > 1 rows get one new cache each (`_blocks`): here only its length
-            row_cache = ((self.new_cache(1, s) if self.invariant_block == 1 else int(s)) if cache is None
-                         else cache if b == 1 else cache_row(cache, i))
+            if self.invariant_block > 1 and pictures is None:
+                # a row for a block (`_blocks`): host inputs, its key as (keys, index), the length of a new
+                # cache (one per block) or its row of the caller's
+                rows.append((t, ln, (keys, i), int(s) if cache is None else cache if b == 1 else cache_row(cache, i),
+                             sc, pin, None))
+                continue
+            row_cache = self.new_cache(1, s) if cache is None else cache if b == 1 else cache_row(cache, i)
             t, ln, k, sc, pin = self.place(t, ln, keys[i:i + 1], sc, pin)
             rows.append((t, ln, k, row_cache, sc, pin, pictures))
         return rows
@@ -345,27 +349,33 @@ class Engine:
         """The rows of `_prepare_rows` as the engine runs them: with `invariant_block` n > 1 the rows
         whose inputs have the same shapes (each row's own: prompt bucket, cache length) go together in
         blocks of exactly n rows, a short block filled with copies of its first row, so that a row's
-        program depends on the row alone; a row with images runs alone. A row's cache may be given as
-        its length (a new cache: one for the block). Yields (row indices, inputs)."""
+        program depends on the row alone; a row with images runs alone. A block's rows come as host
+        inputs, their keys as (keys, index) and a new cache as its length (one for the block).
+        Yields (row indices, placed inputs)."""
         n = self.invariant_block
         groups: dict = {}
         for i, (t, ln, k, c, sc, pin, im) in enumerate(rows):
             length = c if isinstance(c, int) else c.max_length
             shape = (t.shape, length, None if sc is None else sc.shape, None if pin is None else pin.shape)
             groups.setdefault(("alone", i) if n == 1 or im is not None else shape, []).append(i)
+        def cat(xs):
+            if xs[0] is None:
+                return None
+            return np.concatenate(xs) if all(isinstance(x, np.ndarray) for x in xs) else jnp.concatenate(xs)
+
         for idx in groups.values():
             for start in range(0, len(idx), n):
                 part = idx[start:start + n]
                 if len(part) == 1 and (n == 1 or rows[part[0]][6] is not None):
-                    t, ln, k, c, sc, pin, im = rows[part[0]]
-                    yield part, (t, ln, k, self.new_cache(1, c) if isinstance(c, int) else c, sc, pin, im)
+                    yield part, rows[part[0]]
                     continue
                 fill = [rows[i] for i in part] + [rows[part[0]]] * (n - len(part))
-                cat = lambda j: None if fill[0][j] is None else jnp.concatenate([r[j] for r in fill])  # noqa: E731
+                keys = fill[0][2][0][np.array([r[2][1] for r in fill])]
                 first = fill[0][3]
                 block_cache = (self.new_cache(n, first) if isinstance(first, int)
                                else concat_rows([r[3] for r in fill]))
-                yield part, (cat(0), cat(1), cat(2), block_cache, cat(4), cat(5), None)
+                t, ln, k, sc, pin = self.place(*(cat([r[j] for r in fill]) if j != 2 else keys for j in (0, 1, 2, 4, 5)))
+                yield part, (t, ln, k, block_cache, sc, pin, None)
 
     def _iter(self, which, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, images,
               cache=None, final_cache=False):

@@ -113,9 +113,12 @@ def prepare_inputs(config: ModelConfig, sampler: SamplerConfig, prompt_tokens, l
             raise ValueError(f"pinned must be a bool array of shape {tuple(seed_canvas.shape)}; "
                              f"got {pinned.dtype} {tuple(pinned.shape)}")
     width = max(p, min(bucket_length(p), config.max_position_embeddings)) if bucket else p
+    if isinstance(tokens, np.ndarray):  # host arrays stay on the host (the engine places them)
+        tokens = tokens.astype(np.int32, copy=False)
     if width > p:
-        tokens = jnp.pad(tokens, ((0, 0), (0, width - p)), constant_values=config.pad_id)
-    return tokens, jnp.asarray(lengths, jnp.int32), int(cache_length), seed_canvas, pinned
+        tokens = (np.pad if isinstance(tokens, np.ndarray) else jnp.pad)(
+            tokens, ((0, 0), (0, width - p)), constant_values=config.pad_id)
+    return tokens, np.asarray(lengths, np.int32), int(cache_length), seed_canvas, pinned
 
 
 def check_images(config: ModelConfig, tokens, lengths, images):
