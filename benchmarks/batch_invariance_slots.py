@@ -17,14 +17,16 @@ from the same prompt and seed alone in that mode:
 - `slots`: a `Scheduler(slots=8, context=--context)`, the 8 requests submitted at once (each prompt
   prefilled alone into its slot, then the slots' denoising steps in one program), timed from the
   first submit to the last request's end;
-- `blocks`: `Engine(batch_invariant=8)`: the rows grouped by the shapes each gets alone (prompt-width
-  bucket and cache length), each group run in blocks of exactly 8 rows (a short block filled with
-  copies of its first row): a row's program shape then depends on the row alone, as a slot's does.
+- `blocks8`, `blocks4`: `Engine(batch_invariant=8 / 4)`: the rows grouped by the shapes each gets
+  alone (prompt-width bucket and cache length), each group run in blocks of exactly 8 (4) rows (a
+  short block filled with copies of its first row): a row's program shape then depends on the row
+  alone, as a slot's does.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -41,7 +43,7 @@ from dgemma_jax.serving.scheduler import Request, Scheduler
 
 from batch_invariance import PROMPTS, SEEDS, _random_12layer  # noqa: E402  (same models, prompts and seeds)
 
-BLOCK = 8
+BLOCKS = (8, 4)
 
 
 def _slots_run(sch, tok, sampler, prompts, seeds, n_new):
@@ -76,7 +78,7 @@ def _engine_run(engine, tok, prompts, seeds, n_new, pad_id):
 def _measure(cfg, params, sampler, tok, prompts, seeds, n, context, repeats):
     batched = Engine(cfg, params, sampler, batch_invariant=False)
     row_by_row = Engine(cfg, params, sampler)
-    blocks = Engine(cfg, params, sampler, batch_invariant=BLOCK)
+    blocks = {n: Engine(cfg, params, sampler, batch_invariant=n) for n in BLOCKS}
     sch = Scheduler.for_model(cfg, params, tok, sampler, slots=len(prompts), context=context)
     sch.start()
     try:
@@ -84,8 +86,9 @@ def _measure(cfg, params, sampler, tok, prompts, seeds, n, context, repeats):
             "batched": lambda ps, ss: _engine_run(batched, tok, ps, ss, n, sampler.pad_id),
             "row_by_row": lambda ps, ss: _engine_run(row_by_row, tok, ps, ss, n, sampler.pad_id),
             "slots": lambda ps, ss: _slots_run(sch, tok, sampler, ps, ss, n),
-            "blocks": lambda ps, ss: _engine_run(blocks, tok, ps, ss, n, sampler.pad_id),
         }
+        runs.update({f"blocks{b}": functools.partial(lambda e, ps, ss: _engine_run(e, tok, ps, ss, n, sampler.pad_id),
+                                                     blocks[b]) for b in BLOCKS})
         result = {}
         for name, run in runs.items():
             alone = [run([p], [s])[0] for p, s in zip(prompts, seeds)]   # also compiles every program
@@ -121,7 +124,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     out = dict(command="python benchmarks/batch_invariance_slots.py " + " ".join(argv or []),
                device=jax.devices()[0].device_kind, cpus=os.cpu_count(), machine=platform.machine(),
-               new_tokens=args.new_tokens, repeats=args.repeats, slots=len(PROMPTS), block=BLOCK,
+               new_tokens=args.new_tokens, repeats=args.repeats, slots=len(PROMPTS), blocks=BLOCKS,
                context=args.context, models={})
     cfg, params, sampler, tok = load_checkpoint(None)
     out["models"]["bundled"] = _measure(cfg, params, sampler, tok, PROMPTS, SEEDS, args.new_tokens, args.context,
