@@ -358,6 +358,7 @@ class Engine:
             length = c if isinstance(c, int) else c.max_length
             shape = (t.shape, length, None if sc is None else sc.shape, None if pin is None else pin.shape)
             groups.setdefault(("alone", i) if n == 1 or im is not None else shape, []).append(i)
+
         def cat(xs):
             if xs[0] is None:
                 return None
