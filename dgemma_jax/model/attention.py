@@ -22,7 +22,7 @@ from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model import flash, masks
-from dgemma_jax.model.cache import slot_positions, write_tokens
+from dgemma_jax.model.cache import ring_limit, slot_positions, window_slice, write_tokens
 from dgemma_jax.model.layout import LAYER_AXIS
 from dgemma_jax.model.layers import RMSNorm, adapter, apply_rope, param, project, rms_normalize, rope_inv_freq
 from dgemma_jax.parallel.rules import CACHE_AXES
@@ -189,21 +189,29 @@ class Attention(nn.Module):
         if group is not None:
             layer_k = jax.lax.dynamic_index_in_dim(cache_k, group, 0, keepdims=False)
             layer_v = jax.lax.dynamic_index_in_dim(cache_v, group, 0, keepdims=False)
-        ring = self.window is not None
+        # a sliding layer's ring (model/cache.py); one holding more slots keeps every position (ring=False)
+        ring = self.window is not None and layer_k.shape[1] <= ring_limit(self.cfg)
         axes = CACHE_AXES if group is None else (LAYER_AXIS,) + CACHE_AXES
         new_k = self.rt.constrain(write_tokens(cache_k, k, starts, num_new, group, ring), axes)
         new_v = self.rt.constrain(write_tokens(cache_v, v, starts, num_new, group, ring), axes)
         if ring:   # the ring before this pass (the earlier tokens) and this pass's own keys
             k, v = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
             parts = [(layer_k, layer_v, slot_positions(starts, layer_k.shape[1])), (k, v, positions)]
-        else:      # the global layer's whole cache, this pass's keys written into it
+        else:      # every position: the cache with this pass's keys written into it
             if group is not None:
                 layer_k = jax.lax.dynamic_index_in_dim(new_k, group, 0, keepdims=False)
                 layer_v = jax.lax.dynamic_index_in_dim(new_v, group, 0, keepdims=False)
             else:
                 layer_k, layer_v = new_k, new_v
             s = layer_k.shape[1]
-            parts = [(layer_k, layer_v, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (q.shape[0], s)))]
+            size = (self.window - 1 + t) if self.window is not None else s
+            if size < s:  # sliding layer: only the last window-1 committed tokens + the new ones matter
+                w0 = jnp.clip(starts - (self.window - 1), 0, s - size)
+                layer_k, layer_v = window_slice(layer_k, w0, size), window_slice(layer_v, w0, size)
+                k_pos = w0[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :]
+            else:
+                k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (q.shape[0], s))
+            parts = [(layer_k, layer_v, k_pos)]
         valid_end = starts + num_new
         parts = [(pk, pv, masks.causal_mask(positions, k_pos, valid_end, self.window, image_span))
                  for pk, pv, k_pos in parts]
@@ -220,7 +228,14 @@ class Attention(nn.Module):
         s = cache_k.shape[1]
         kernel = self._kernel_wanted()
         keys, vals = cache_k, cache_v
-        if self.window is not None:
+        if self.window is not None and s > ring_limit(self.cfg):   # every position (ring=False): a window slice
+            size = self.window - 1
+            if kernel:  # one more (always masked) slot: a whole number of kernel tiles
+                size = self.window
+            w0 = jnp.clip(context_end - size, 0, s - size)
+            keys, vals = window_slice(cache_k, w0, size), window_slice(cache_v, w0, size)
+            k_pos = w0[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :]
+        elif self.window is not None:
             k_pos = slot_positions(context_end, s)
         else:
             k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))

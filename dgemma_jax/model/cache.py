@@ -8,6 +8,9 @@ slots: position p lives in slot p mod ring_size, and a row whose committed end i
 (`slot_positions`). The extra canvas_length slots beyond the window let a row be rewound (prefix
 reuse) by up to canvas_length + 1 tokens and still hold the window before its new end
 (`rewind_ok`); when max_length <= ring_size the ring is the identity (slot = position).
+A cache made with `init_cache(..., ring=False)` keeps every position in the sliding layers too (training:
+its denoiser reads contexts that end before the row's end); a layer holding more slots than any ring
+(`ring_limit`) is read as such, through a window slice (slot = position).
 
 KV-head replicas: layer i may store each of its K_i kv heads r_i times in a row (cache head j holds
 kv head j // r_i), so that a mesh splitting the query heads more ways than there are kv heads gives
@@ -64,9 +67,22 @@ def ring_size(config: ModelConfig, max_length: int) -> int:
     return min(int(max_length), size)
 
 
-def layer_slots(config: ModelConfig, layer: int, max_length: int) -> int:
-    """Cache slots of layer `layer`: max_length (global) or the ring (sliding)."""
-    return int(max_length) if config.is_global(layer) else ring_size(config, max_length)
+def ring_limit(config: ModelConfig) -> int:
+    """The most slots a sliding layer's ring ever has (`ring_size` of an unbounded row): a sliding
+    layer's cache with more slots holds every position (`init_cache(ring=False)`)."""
+    return ring_size(config, 1 << 62)
+
+
+def layer_slots(config: ModelConfig, layer: int, max_length: int, ring: bool = True) -> int:
+    """Cache slots of layer `layer`: max_length (global, or every layer with ring=False) or the ring
+    (sliding)."""
+    return int(max_length) if config.is_global(layer) or not ring else ring_size(config, max_length)
+
+
+def sliding_slots(cache: KVCache) -> int:
+    """The slots of the cache's sliding layers (its smallest layer entry; max_length when every
+    layer holds every position)."""
+    return min(k.shape[-3] for k in cache.keys)
 
 
 def slot_positions(ends: jax.Array, size: int) -> jax.Array:
@@ -107,7 +123,7 @@ def check_replicas(config: ModelConfig, kv_replicas) -> tuple[int, ...]:
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None, kv_replicas=None,
-               layers: str = "unrolled") -> KVCache:
+               layers: str = "unrolled", ring: bool = True) -> KVCache:
     """An empty KV cache.
 
     Args:
@@ -117,6 +133,8 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
         sharded engine picks them from its mesh, `Shardings.kv_replicas`).
       layers: "unrolled" (one entry per layer) or "scan" (stacked per layer-group position,
         `model.layout.stack_cache`).
+      ring: the sliding layers hold a ring of `ring_size` slots (default); False: every position, as
+        the global layers (what a denoiser reading contexts before the row's end needs: training).
     Returns:
       a `KVCache`: per layer K/V [B, S_i, K * r, H] zeros (S_i = `layer_slots`: S for a global layer,
       the ring for a sliding one) and lengths [B] zeros.
@@ -132,7 +150,7 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
     reps = check_replicas(config, kv_replicas)
     keys, values = [], []
     for i in range(config.num_layers):
-        shape = (batch_size, layer_slots(config, i, max_length), config.layer_kv_heads(i) * reps[i],
+        shape = (batch_size, layer_slots(config, i, max_length, ring), config.layer_kv_heads(i) * reps[i],
                  config.layer_head_dim(i))
         keys.append(jnp.zeros(shape, dtype))
         values.append(jnp.zeros(shape, dtype))
@@ -145,15 +163,15 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
 
 
 def cache_shape(config: ModelConfig, batch_size: int, max_length: int, dtype=None, kv_replicas=None,
-                layers: str = "unrolled") -> KVCache:
+                layers: str = "unrolled", ring: bool = True) -> KVCache:
     """The cache as `jax.ShapeDtypeStruct`s, for AOT compilation (nothing is allocated).
 
     Args:
-      as `init_cache` (config, batch_size, max_length, dtype, kv_replicas, layers).
+      as `init_cache` (config, batch_size, max_length, dtype, kv_replicas, layers, ring).
     Returns:
       a `KVCache` whose leaves are `jax.ShapeDtypeStruct`s.
     """
-    return jax.eval_shape(lambda: init_cache(config, batch_size, max_length, dtype, kv_replicas, layers))
+    return jax.eval_shape(lambda: init_cache(config, batch_size, max_length, dtype, kv_replicas, layers, ring))
 
 
 def write_tokens(cache_kv: jax.Array, new_kv: jax.Array, starts: jax.Array, num_new: jax.Array,
@@ -179,6 +197,11 @@ def write_tokens(cache_kv: jax.Array, new_kv: jax.Array, starts: jax.Array, num_
     if group is not None:
         return cache_kv.at[group, rows, slots].set(new_kv.astype(cache_kv.dtype), mode="drop")
     return cache_kv.at[rows, slots].set(new_kv.astype(cache_kv.dtype), mode="drop")
+
+
+def window_slice(cache_kv: jax.Array, starts: jax.Array, size: int) -> jax.Array:
+    """Per-row slice cache_kv[b, starts[b] : starts[b] + size] -> [B, size, K, H]."""
+    return jax.vmap(lambda c, s0: jax.lax.dynamic_slice_in_dim(c, s0, size, axis=0))(cache_kv, starts)
 
 
 def cache_row(cache: KVCache, row: int) -> KVCache:
