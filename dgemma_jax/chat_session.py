@@ -34,7 +34,7 @@ from dgemma_jax.engine.outputs import warn_if_cut_short
 from dgemma_jax.io.chat import strip_thinking
 from dgemma_jax.io.images import image_runs
 from dgemma_jax.io.prompts import chat_prompt, common_prefix
-from dgemma_jax.model.cache import KVCache
+from dgemma_jax.model.cache import KVCache, rewind_ok
 from dgemma_jax.sampling.generate import CanvasEvent, collect
 
 
@@ -67,6 +67,9 @@ class ChatSession:
     context: KV cache tokens (capped at the model's positions). max_new_tokens: per turn (default:
     `engine.inputs.DEFAULT_NEW_TOKENS`, capped to what fits). seed: turn t uses seed + t (mod 2**64).
     max_soft_tokens: the per-image token budget (default: the checkpoint's, 280 for the released model).
+    A turn reuses the cache's common prefix with its prompt while the sliding layers' ring caches still hold
+    the window before that prefix's end (`model.cache.rewind_ok`: within canvas_length + 1 tokens of the
+    cached row's end, or a row no longer than the ring); otherwise it prefills the whole conversation.
     """
 
     def __init__(self, engine, tokenizer, *, system: str = "", thinking: bool = False, context: int = 4096,
@@ -123,7 +126,10 @@ class ChatSession:
         keep = 0
         if self.cache is not None:
             keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)  # at least one token to prefill
-        keep, batch = self._new_images(ids, keep, batch)
+        kept, picked = self._new_images(ids, keep, batch)
+        if kept > 0 and not rewind_ok(engine.config, self.cache.max_length, int(np.asarray(self.cache.lengths)[0]), kept):
+            kept, picked = self._new_images(ids, 0, batch)   # the rings no longer hold the window before it
+        keep, batch = kept, picked
         if keep > 0:
             cache = self.cache.replace(lengths=jnp.full_like(self.cache.lengths, keep))
         else:

@@ -451,20 +451,27 @@ def test_chat_reuses_the_cache_on_turns_2_and_3_with_the_answers_of_a_fresh_pref
     # with thinking, a turn that had thought dropped its cache
     from dgemma_jax.chat_session import ChatSession
     from dgemma_jax.engine import Engine
+    from dgemma_jax.model.cache import rewind_ok
     from dgemma_jax.pipeline import load_checkpoint
 
     cfg, params, sampler, tok = load_checkpoint(str(chat_checkpoint))
     engine = Engine(cfg, params, sampler)
     session = ChatSession(engine, tok, system="w20 w21", thinking=thinking, context=256, max_new_tokens=32, seed=7)
-    turns = [session.send(text) for text in ("w30 w31 w32", "w40 w41", "w50 w51 w52 w53")]
+    turns, rows = [], []
+    for text in ("w30 w31 w32", "w40 w41", "w50 w51 w52 w53"):
+        rows.append(int(np.asarray(session.cache.lengths)[0]) if session.cache is not None else 0)
+        turns.append(session.send(text))
     assert turns[0].reused == 0 and turns[0].prefilled == len(turns[0].prompt_ids)
     model_header = tok.encode("<|turn>model")
-    for prev, turn in zip(turns, turns[1:]):
+    for prev, turn, row in zip(turns, turns[1:], rows[1:]):
         assert turn.reused + turn.prefilled == len(turn.prompt_ids)
         if thinking:  # the generation prompt ends at `<|turn>model`: all of it is reused
             assert turn.reused >= len(prev.prompt_ids), (turn.reused, len(prev.prompt_ids))
-        else:  # all but the empty thought channel `<|channel> thought <channel|>` it ends with
-            assert prev.prompt_ids[-5:-3] == model_header and turn.reused == len(prev.prompt_ids) - 3
+        else:  # all but the empty thought channel `<|channel> thought <channel|>` it ends with, when the
+            # sliding layers' ring caches still hold the window before it (model/cache.py), else nothing
+            assert prev.prompt_ids[-5:-3] == model_header
+            keep = len(prev.prompt_ids) - 3
+            assert turn.reused == (keep if rewind_ok(cfg, turn.cache_length, row, keep) else 0)
         # the same tokens as generating from a fresh prefill of the whole conversation
         fresh = engine.generate(np.array([turn.prompt_ids], np.int32), None, rng=turn.rng,
                                 max_new_tokens=turn.max_new_tokens, cache_length=turn.cache_length)

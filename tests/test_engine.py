@@ -10,6 +10,7 @@ import pytest
 from dgemma_jax import ModelConfig, init_params
 from dgemma_jax.engine import Engine
 from dgemma_jax.engine.inputs import prepare_inputs
+from dgemma_jax.model.cache import layer_slots
 from dgemma_jax.sampling import SamplerConfig
 from dgemma_jax.sampling.generate import collect
 from dgemma_jax.sampling.loop import Canvas, denoise_canvas, init_state, loop_running, row_keys
@@ -323,7 +324,9 @@ def test_a_cache_passed_in_is_donated_only_when_asked(params):
             with pytest.raises(RuntimeError, match="deleted|donated"):
                 np.asarray(cache.keys[0])
             continue
-        assert np.asarray(cache.keys[0]).shape[1] == 64 and int(np.asarray(cache.lengths)[0]) == 0
+        # every layer's entry still there: 64 slots a global layer, the ring a sliding one (model/cache.py)
+        assert [np.asarray(k).shape[1] for k in cache.keys] == [layer_slots(CFG, i, 64) for i in range(CFG.num_layers)]
+        assert cache.max_length == 64 and int(np.asarray(cache.lengths)[0]) == 0
         again = eng.generate(tokens, rng=3, max_new_tokens=CFG.canvas_length, cache=cache)   # reusable
         np.testing.assert_array_equal(np.asarray(again.tokens), results[-1])
     for r in results[1:]:

@@ -17,7 +17,7 @@ import pytest
 
 from dgemma_jax.config import GLOBAL, SLIDING, ModelConfig
 from dgemma_jax.model import api
-from dgemma_jax.model.cache import init_cache
+from dgemma_jax.model.cache import init_cache, ring_size
 from dgemma_jax.perf import roofline
 from dgemma_jax.runtime import Runtime
 
@@ -113,8 +113,8 @@ def _attention_pairs(cfg, layer, context, new):
 @pytest.mark.parametrize("new,head_tokens", [(24, 0), (1, 1)])
 def test_the_causal_pass_flops_are_its_projections_plus_the_masked_attention(cfg, batch, context, new, head_tokens):
     """The model counts the attention pairs the causal mask keeps (useful work); the traced encoder
-    pass computes scores over every key it reads (window - 1 cached + the new block on sliding
-    layers, the whole context + the new block on global ones) and masks the rest. So: attention
+    pass computes scores over every key it reads (the ring cache + the new block on sliding
+    layers, model/cache.py; the whole context + the new block on global ones) and masks the rest. So: attention
     against the mask's pairs, everything else against the traced pass less the keys it reads."""
     cfg = cfg.replace(dtype="float32", param_dtype="float32")
     model = roofline.causal_pass_flops(cfg, batch, context, new, head_tokens)
@@ -129,7 +129,7 @@ def test_the_causal_pass_flops_are_its_projections_plus_the_masked_attention(cfg
     mode = "last" if head_tokens else "none"
     encode = jax.make_jaxpr(lambda p, t, s, n, c: api.encode_pass(p, cfg, t, s, n, c, mode, runtime=RAGGED))
     traced = matmul_flops(encode(params, tokens, starts, starts, cache).jaxpr)
-    read = [(context if cfg.layer_types[i] == GLOBAL else min(cfg.sliding_window - 1, context)) + new
+    read = [(context if cfg.layer_types[i] == GLOBAL else ring_size(cfg, context + new)) + new
             for i in range(cfg.num_layers)]
     attention_read = batch * new * sum(p * k for p, k in zip(per_pair, read))
     assert traced - attention_read == model["total"] - model["attention"]

@@ -14,6 +14,7 @@ import pytest
 from dgemma_jax import Engine, ModelConfig, Runtime, SamplerConfig, init_cache, init_params
 from dgemma_jax.io.model_dir import config_from_dict, config_to_dict
 from dgemma_jax.model import api
+from dgemma_jax.model.cache import ring_size
 from dgemma_jax.parallel import Shardings, make_mesh
 from dgemma_jax.runtime import split_choices
 
@@ -143,8 +144,9 @@ def test_the_observer_hears_each_kernel_call_with_its_flops():
     seen = _Count()
     rt = Runtime(platform="cpu", attn_kernel="splash", observer=seen)
     jax.make_jaxpr(lambda p, c: api.denoise_logits(p, cfg, canvas, c.lengths, c, runtime=rt))(params, cache)
-    # the global layer reads all 256 slots; the "block" sliding layer its 128-slot window
-    assert sorted(f for _, f in seen.calls) == [4.0 * 128 * 2 * 128 * 128, 4.0 * 128 * 2 * 128 * 256]
+    # the global layer reads all 256 slots; the "block" sliding layer its ring (window + canvas: 256 slots)
+    assert ring_size(cfg, 256) == 256
+    assert sorted(f for _, f in seen.calls) == [4.0 * 128 * 2 * 128 * 256, 4.0 * 128 * 2 * 128 * 256]
     assert {n for n, _ in seen.calls} == {"cache_attention"}
     assert rt != Runtime(platform="cpu", attn_kernel="splash")  # compared by identity: its own programs
 

@@ -18,6 +18,7 @@ from dgemma_jax.io.chat import chat_images, render_chat
 from dgemma_jax.io.images import prompt_with_images
 from dgemma_jax.io.model_dir import save_model
 from dgemma_jax.io.tokenizer import load_tokenizer
+from dgemma_jax.model.cache import rewind_ok
 from dgemma_jax.pipeline import DiffusionGemma, load_checkpoint
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.serving.images import resolve_image_parts
@@ -73,14 +74,14 @@ def _prompt(loaded, messages):
     return tokens[0].tolist(), batch
 
 
-def _run(sch, ids, batch, seed, sampler):
+def _run(sch, ids, batch, seed, sampler, max_tokens=MAX_TOKENS):
     done, out = threading.Event(), {}
 
     def on(ev):
         if ev.finish_reason is not None:
             out["ev"] = ev
             done.set()
-    sch.submit(Request(ids, MAX_TOKENS, sampler, seed, on_event=on, images=batch))
+    sch.submit(Request(ids, max_tokens, sampler, seed, on_event=on, images=batch))
     assert done.wait(300)
     return out["ev"]
 
@@ -125,11 +126,19 @@ def test_scheduler_equals_the_engine_and_a_cut_chunk_equals_one_chunk(loaded):
     assert got[80] == got[512] == want
 
 
-def test_prefix_reuse_takes_an_image_from_the_cache_only_when_it_is_the_same_image(loaded):
-    """A slot's row holding an image prompt: the same prompt again reuses it all (but its last token);
-    a prompt with another image of the same size (the same token ids) reuses only the text before the
-    image's block. Either way the tokens equal a scheduler that prefills everything."""
+@pytest.mark.parametrize("window", ["ring", "whole row"])
+def test_prefix_reuse_takes_an_image_from_the_cache_only_when_it_is_the_same_image(loaded, window):
+    """A slot's row holding an image prompt and its answer (one canvas): the same prompt again reuses it
+    all (but its last token); a prompt with another image of the same size (the same token ids) never
+    reuses the image. With the model's own window its sliding layer's cache is a ring of window + canvas
+    slots (model/cache.py), which lets a row be rewound only to canvas + 1 tokens before its end: the
+    other image's prompt is prefilled whole. With a window as long as the context the ring holds the
+    whole row, and that prompt reuses the text before the image's block. Either way the tokens equal a
+    scheduler that prefills everything."""
     cfg, params, sampler, tok = loaded
+    context, answer = 256, cfg.canvas_length
+    if window == "whole row":
+        cfg = cfg.replace(sliding_window=context)
 
     def msgs(seed):
         return [{"role": "user", "content": [{"type": "text", "text": "x" * 30},
@@ -139,17 +148,22 @@ def test_prefix_reuse_takes_an_image_from_the_cache_only_when_it_is_the_same_ima
     other, other_batch = _prompt(loaded, msgs(1))
     assert same == other                             # only the pixels tell the two prompts apart
     begin = same.index(113)                          # the image's begin marker
+    row = len(same) + answer                         # what the slot's row holds after a request
+    assert rewind_ok(cfg, context, row, len(same) - 1)
+    assert rewind_ok(cfg, context, row, begin) == (window == "whole row")
     runs = {}
     for reuse in (True, False):
-        sch = Scheduler.for_model(cfg, params, tok, sampler, slots=1, context=256, prefix_reuse=reuse)
+        sch = Scheduler.for_model(cfg, params, tok, sampler, slots=1, context=context, prefix_reuse=reuse)
         sch.start()
         try:
-            runs[reuse] = [_run(sch, same, same_batch, 5, sampler), _run(sch, same, same_batch, 6, sampler),
-                           _run(sch, other, other_batch, 7, sampler)]
+            runs[reuse] = [_run(sch, same, same_batch, 5, sampler, answer),
+                           _run(sch, same, same_batch, 6, sampler, answer),
+                           _run(sch, other, other_batch, 7, sampler, answer)]
         finally:
             sch.stop()
     first, again, changed = runs[True]
-    assert again.cached_tokens == len(same) - 1 and changed.cached_tokens == begin
+    assert again.cached_tokens == len(same) - 1
+    assert changed.cached_tokens == (begin if window == "whole row" else 0)
     assert all(ev.cached_tokens == 0 for ev in runs[False])
     assert [ev.token_ids for ev in runs[True]] == [ev.token_ids for ev in runs[False]]
 

@@ -23,7 +23,7 @@ from flax import errors as flax_errors
 from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model.cache import KVCache, check_replicas, init_cache
+from dgemma_jax.model.cache import KVCache, check_replicas, init_cache, layer_slots, sliding_slots
 from dgemma_jax.model.layers import LORA_COLLECTION
 from dgemma_jax.model.layout import cache_layer_shapes, layer_plan
 from dgemma_jax.model.transformer import Transformer
@@ -180,12 +180,14 @@ def _check_cache(config: ModelConfig, cache: KVCache, batch: int):
         shapes = cache_layer_shapes(cache, config)
     else:
         shapes = [(tuple(k.shape), tuple(v.shape)) for k, v in zip(cache.keys, cache.values)]
+    ring = all(k[1] == layer_slots(config, i, cache.max_length) for i, (k, _) in enumerate(shapes))
     for i, (k, v) in enumerate(shapes):
-        want = (batch, cache.max_length, config.layer_kv_heads(i) * cache.replicas(i), config.layer_head_dim(i))
+        want = (batch, layer_slots(config, i, cache.max_length, ring), config.layer_kv_heads(i) * cache.replicas(i),
+                config.layer_head_dim(i))
         if k != want or v != want:
             raise ValueError(f"cache layer {i} holds keys {k} / values {v} but this model "
-                             f"needs {want} [batch, max_length, kv_heads (x replicas), head_dim]; create the cache with "
-                             "init_cache(config, ...) for this config")
+                             f"needs {want} [batch, slots (max_length, or a sliding layer's ring), kv_heads "
+                             "(x replicas), head_dim]; create the cache with init_cache(config, ...) for this config")
 
 
 # ---------------------------------------------------------------------------- passes
@@ -394,6 +396,12 @@ def denoise(params: Params, config: ModelConfig, canvas, cache: KVCache, self_co
         if (c < 0).any() or (c > n).any():
             raise ValueError(f"context_end must be in [0, cache.lengths] per row (only committed tokens can "
                              f"be visible); got {c.tolist()} with cache.lengths {n.tolist()}")
+        ring = sliding_slots(cache)
+        back = ring - config.sliding_window + 1
+        if ((n > ring) & (c < n - back)).any():
+            raise ValueError(f"context_end {c.tolist()} lies more than {back} tokens before "
+                             f"cache.lengths {n.tolist()}: the sliding layers' ring caches ({ring} slots) no longer "
+                             "hold the window before it; denoise at cache.lengths, or prefill the context again")
     soft = None
     if self_conditioning is not None:
         sc = jnp.asarray(self_conditioning)

@@ -2,7 +2,10 @@
 
 * `encode` (causal): project the new tokens, write their K/V into the cache at each row's end,
   attend causally (sliding layers: itself + window-1 previous tokens) over the cache; the tokens
-  of one image (when the pass carries images) also see each other in both directions.
+  of one image (when the pass carries images) also see each other in both directions. A sliding
+  layer's cache is a ring (model/cache.py): its new tokens attend to the ring as it was before the
+  pass (the earlier tokens) and to their own keys, two key sets under one softmax, so a pass longer
+  than the ring needs no more slots.
 * `denoise` (bidirectional): the canvas attends to the read-only committed context in the cache
   plus the whole canvas. The two key sets are attended separately and merged with one shared
   softmax (log-sum-exp), so the cache is never concatenated or copied.
@@ -19,7 +22,7 @@ from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model import flash, masks
-from dgemma_jax.model.cache import window_slice, write_tokens
+from dgemma_jax.model.cache import ring_limit, slot_positions, window_slice, write_tokens
 from dgemma_jax.model.layout import LAYER_AXIS
 from dgemma_jax.model.layers import RMSNorm, adapter, apply_rope, param, project, rms_normalize, rope_inv_freq
 from dgemma_jax.parallel.rules import CACHE_AXES
@@ -175,55 +178,66 @@ class Attention(nn.Module):
 
         image_span: None (text only) or (lo, hi) [B, T] from `masks.image_spans`: an image's tokens
         also see each other bidirectionally. Every key of such an image lies in this pass (its K/V
-        are written before attending), and the sliding layers' key slice below covers the pass.
+        are written before attending, or, on a sliding layer, attended as this pass's own keys).
         group: the caches are stacked [G, B, S, K, H] (a scanned program) and this layer's is entry
         `group`: written in place and read through slices, never copied out whole."""
         t = x.shape[1]
         positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         q, k, v = self._qkv(x, positions)
         k, v = self._replicate(k, v, cache_k)
-        axes = CACHE_AXES if group is None else (LAYER_AXIS,) + CACHE_AXES
-        cache_k = self.rt.constrain(write_tokens(cache_k, k, starts, num_new, group), axes)
-        cache_v = self.rt.constrain(write_tokens(cache_v, v, starts, num_new, group), axes)
         layer_k, layer_v = cache_k, cache_v
         if group is not None:
             layer_k = jax.lax.dynamic_index_in_dim(cache_k, group, 0, keepdims=False)
             layer_v = jax.lax.dynamic_index_in_dim(cache_v, group, 0, keepdims=False)
-        out = self._encode_attend(q, starts, num_new, positions, layer_k, layer_v, image_span)
-        return out, cache_k, cache_v
-
-    def _encode_attend(self, q, starts, num_new, positions, cache_k, cache_v, image_span):
-        t = q.shape[1]
-        s = cache_k.shape[1]
-        size = (self.window - 1 + t) if self.window is not None else s
-        if size < s:  # sliding layer: only the last window-1 committed tokens + the new ones matter
-            w0 = jnp.clip(starts - (self.window - 1), 0, s - size)
-            keys, vals = window_slice(cache_k, w0, size), window_slice(cache_v, w0, size)
-            k_pos = w0[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :]
-        else:
-            keys, vals = cache_k, cache_v
-            k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (q.shape[0], s))
-        mask = masks.causal_mask(positions, k_pos, starts + num_new, self.window, image_span)
-        y = attend(q, [(keys, vals, mask)], self.rt.attn_key_block)
-        return self._out(y)
+        # a sliding layer's ring (model/cache.py); one holding more slots keeps every position (ring=False)
+        ring = self.window is not None and layer_k.shape[1] <= ring_limit(self.cfg)
+        axes = CACHE_AXES if group is None else (LAYER_AXIS,) + CACHE_AXES
+        new_k = self.rt.constrain(write_tokens(cache_k, k, starts, num_new, group, ring), axes)
+        new_v = self.rt.constrain(write_tokens(cache_v, v, starts, num_new, group, ring), axes)
+        if ring:   # the ring before this pass (the earlier tokens) and this pass's own keys
+            k, v = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
+            parts = [(layer_k, layer_v, slot_positions(starts, layer_k.shape[1])), (k, v, positions)]
+        else:      # every position: the cache with this pass's keys written into it
+            if group is not None:
+                layer_k = jax.lax.dynamic_index_in_dim(new_k, group, 0, keepdims=False)
+                layer_v = jax.lax.dynamic_index_in_dim(new_v, group, 0, keepdims=False)
+            else:
+                layer_k, layer_v = new_k, new_v
+            s = layer_k.shape[1]
+            size = (self.window - 1 + t) if self.window is not None else s
+            if size < s:  # sliding layer: only the last window-1 committed tokens + the new ones matter
+                w0 = jnp.clip(starts - (self.window - 1), 0, s - size)
+                layer_k, layer_v = window_slice(layer_k, w0, size), window_slice(layer_v, w0, size)
+                k_pos = w0[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :]
+            else:
+                k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (q.shape[0], s))
+            parts = [(layer_k, layer_v, k_pos)]
+        valid_end = starts + num_new
+        parts = [(pk, pv, masks.causal_mask(positions, k_pos, valid_end, self.window, image_span))
+                 for pk, pv, k_pos in parts]
+        y = attend(q, parts, self.rt.attn_key_block)
+        return self._out(y), new_k, new_v
 
     def denoise(self, x, context_end, cache_k, cache_v):
-        """x: [B, L, D] canvas at positions context_end[b] + j; the cache is only read."""
+        """x: [B, L, D] canvas at positions context_end[b] + j; the cache is only read (a sliding
+        layer's ring whole: each slot's position comes from context_end, `cache.slot_positions`)."""
         b, l = x.shape[:2]
         positions = context_end[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
         q, k, v = self._qkv(x, positions)
         k, v = self._replicate(k, v, cache_k)
         s = cache_k.shape[1]
         kernel = self._kernel_wanted()
-        if self.window is not None and self.window - 1 < s:
+        keys, vals = cache_k, cache_v
+        if self.window is not None and s > ring_limit(self.cfg):   # every position (ring=False): a window slice
             size = self.window - 1
-            if kernel and self.window <= s:  # one more (always masked) slot: a whole number of kernel tiles
+            if kernel:  # one more (always masked) slot: a whole number of kernel tiles
                 size = self.window
             w0 = jnp.clip(context_end - size, 0, s - size)
             keys, vals = window_slice(cache_k, w0, size), window_slice(cache_v, w0, size)
             k_pos = w0[:, None] + jnp.arange(size, dtype=jnp.int32)[None, :]
+        elif self.window is not None:
+            k_pos = slot_positions(context_end, s)
         else:
-            keys, vals = cache_k, cache_v
             k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None, :], (b, s))
         ctx_mask = masks.denoise_context_mask(positions, k_pos, context_end, self.window,
                                               self.cfg.denoise_window)

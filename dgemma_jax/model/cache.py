@@ -1,7 +1,16 @@
 """The KV cache: an explicit pytree passed in and returned, never mutated in place.
 
-Slot `s` of row `b` holds the key/value of the token at absolute position `s`. `lengths[b]` is the
-number of committed tokens of row `b`: slots `>= lengths[b]` are unused and never visible.
+`lengths[b]` is the number of committed tokens of row `b`. A global layer's slot `s` holds the
+key/value of the token at absolute position `s` (`max_length` slots; slots `>= lengths[b]` are unused
+and never visible). A sliding-window layer reads only the last `window - 1` committed tokens, so its
+cache is a ring of `ring_size` = min(max_length, window + canvas_length, in 128-slot tiles above 128)
+slots: position p lives in slot p mod ring_size, and a row whose committed end is E holds positions [E - ring_size, E) there
+(`slot_positions`). The extra canvas_length slots beyond the window let a row be rewound (prefix
+reuse) by up to canvas_length + 1 tokens and still hold the window before its new end
+(`rewind_ok`); when max_length <= ring_size the ring is the identity (slot = position).
+A cache made with `init_cache(..., ring=False)` keeps every position in the sliding layers too (training:
+its denoiser reads contexts that end before the row's end); a layer holding more slots than any ring
+(`ring_limit`) is read as such, through a window slice (slot = position).
 
 KV-head replicas: layer i may store each of its K_i kv heads r_i times in a row (cache head j holds
 kv head j // r_i), so that a mesh splitting the query heads more ways than there are kv heads gives
@@ -33,6 +42,8 @@ class KVCache:
     lengths: jax.Array
     kv_replicas: tuple | None = struct.field(pytree_node=False, default=None)
     groups: int = struct.field(pytree_node=False, default=0)
+    # tokens per row (the global layers' slots; the sliding layers hold a ring of `ring_size` slots)
+    length: int = struct.field(pytree_node=False, default=0)
 
     def replicas(self, layer: int) -> int:
         return 1 if self.kv_replicas is None else self.kv_replicas[layer]
@@ -43,7 +54,57 @@ class KVCache:
 
     @property
     def max_length(self) -> int:
-        return self.keys[0].shape[-3]
+        return self.length
+
+
+def ring_size(config: ModelConfig, max_length: int) -> int:
+    """Slots of a sliding-window layer's cache for rows of `max_length` tokens: the window plus one
+    canvas (see the module docstring), from 128 up a whole number of 128-slot tiles (what the
+    denoiser's cache kernel, `model.flash`, takes; the 26B: 1,280), never more than max_length."""
+    size = config.sliding_window + config.canvas_length
+    if size > 128:
+        size = -(-size // 128) * 128
+    return min(int(max_length), size)
+
+
+def ring_limit(config: ModelConfig) -> int:
+    """The most slots a sliding layer's ring ever has (`ring_size` of an unbounded row): a sliding
+    layer's cache with more slots holds every position (`init_cache(ring=False)`)."""
+    return ring_size(config, 1 << 62)
+
+
+def layer_slots(config: ModelConfig, layer: int, max_length: int, ring: bool = True) -> int:
+    """Cache slots of layer `layer`: max_length (global, or every layer with ring=False) or the ring
+    (sliding)."""
+    return int(max_length) if config.is_global(layer) or not ring else ring_size(config, max_length)
+
+
+def sliding_slots(cache: KVCache) -> int:
+    """The slots of the cache's sliding layers (its smallest layer entry; max_length when every
+    layer holds every position)."""
+    return min(k.shape[-3] for k in cache.keys)
+
+
+def slot_positions(ends: jax.Array, size: int) -> jax.Array:
+    """[B, size] the position each slot of a ring of `size` slots holds when row b's committed end is
+    ends[b]: the largest p < ends[b] with p = slot (mod size); negative = the slot holds nothing.
+    (With size >= ends the identity: slot s holds position s, or nothing when s >= ends.)"""
+    slot = jnp.arange(size, dtype=jnp.int32)[None, :]
+    last = ends.astype(jnp.int32)[:, None] - 1
+    return last - jnp.mod(last - slot, size)
+
+
+def rewind_ok(config: ModelConfig, max_length: int, row_length: int, keep: int) -> bool:
+    """Whether a row that holds `row_length` committed tokens can be rewound to its first `keep`
+    (prefix reuse: `lengths` set to keep, the rest prefilled again): its sliding layers' rings must
+    still hold the window-1 tokens before `keep`, i.e. nothing of them overwritten by the tokens
+    after it. True when the ring holds the whole row, or keep is at most canvas_length + 1 tokens
+    back from the row's end."""
+    ring = ring_size(config, max_length)
+    keep, row_length = int(keep), int(row_length)
+    if keep < 0 or keep > row_length:
+        return False
+    return row_length <= ring or keep - (config.sliding_window - 1) >= row_length - ring
 
 
 def check_replicas(config: ModelConfig, kv_replicas) -> tuple[int, ...]:
@@ -62,7 +123,7 @@ def check_replicas(config: ModelConfig, kv_replicas) -> tuple[int, ...]:
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None, kv_replicas=None,
-               layers: str = "unrolled") -> KVCache:
+               layers: str = "unrolled", ring: bool = True) -> KVCache:
     """An empty KV cache.
 
     Args:
@@ -72,8 +133,11 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
         sharded engine picks them from its mesh, `Shardings.kv_replicas`).
       layers: "unrolled" (one entry per layer) or "scan" (stacked per layer-group position,
         `model.layout.stack_cache`).
+      ring: the sliding layers hold a ring of `ring_size` slots (default); False: every position, as
+        the global layers (what a denoiser reading contexts before the row's end needs: training).
     Returns:
-      a `KVCache`: per layer K/V [B, S, K * r, H] zeros and lengths [B] zeros.
+      a `KVCache`: per layer K/V [B, S_i, K * r, H] zeros (S_i = `layer_slots`: S for a global layer,
+      the ring for a sliding one) and lengths [B] zeros.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -86,10 +150,11 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
     reps = check_replicas(config, kv_replicas)
     keys, values = [], []
     for i in range(config.num_layers):
-        shape = (batch_size, max_length, config.layer_kv_heads(i) * reps[i], config.layer_head_dim(i))
+        shape = (batch_size, layer_slots(config, i, max_length, ring), config.layer_kv_heads(i) * reps[i],
+                 config.layer_head_dim(i))
         keys.append(jnp.zeros(shape, dtype))
         values.append(jnp.zeros(shape, dtype))
-    cache = KVCache(tuple(keys), tuple(values), jnp.zeros((batch_size,), jnp.int32), reps)
+    cache = KVCache(tuple(keys), tuple(values), jnp.zeros((batch_size,), jnp.int32), reps, length=int(max_length))
     if layers == "scan":
         return stack_cache(cache, config)
     if layers != "unrolled":
@@ -98,38 +163,39 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
 
 
 def cache_shape(config: ModelConfig, batch_size: int, max_length: int, dtype=None, kv_replicas=None,
-                layers: str = "unrolled") -> KVCache:
+                layers: str = "unrolled", ring: bool = True) -> KVCache:
     """The cache as `jax.ShapeDtypeStruct`s, for AOT compilation (nothing is allocated).
 
     Args:
-      as `init_cache` (config, batch_size, max_length, dtype, kv_replicas, layers).
+      as `init_cache` (config, batch_size, max_length, dtype, kv_replicas, layers, ring).
     Returns:
       a `KVCache` whose leaves are `jax.ShapeDtypeStruct`s.
     """
-    return jax.eval_shape(lambda: init_cache(config, batch_size, max_length, dtype, kv_replicas, layers))
+    return jax.eval_shape(lambda: init_cache(config, batch_size, max_length, dtype, kv_replicas, layers, ring))
 
 
 def write_tokens(cache_kv: jax.Array, new_kv: jax.Array, starts: jax.Array, num_new: jax.Array,
-                 group=None) -> jax.Array:
+                 group=None, ring: bool = False) -> jax.Array:
     """Write new_kv [B, T, K, H] into cache_kv [B, S, K, H] at slots starts[b] + t for t < num_new[b].
 
     Padding tokens (t >= num_new[b]) and slots beyond the cache are dropped, never written.
+    ring: the cache is a sliding layer's ring (module docstring): position p goes to slot p mod S,
+    and of a row's new tokens only its last S are written (the earlier ones would be overwritten).
     group: cache_kv is a stacked layer cache [G, B, S, K, H] (a scanned program's, `model.layout`)
     and the tokens go into its entry `group` (scattered in place: the other entries are not copied).
     """
-    if group is not None:
-        b, t = new_kv.shape[:2]
-        s = cache_kv.shape[2]
-        offs = jnp.arange(t, dtype=jnp.int32)[None, :]
-        slots = jnp.where(offs < num_new[:, None], starts[:, None] + offs, s)
-        rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
-        return cache_kv.at[group, rows, slots].set(new_kv.astype(cache_kv.dtype), mode="drop")
     b, t = new_kv.shape[:2]
-    s = cache_kv.shape[1]
+    s = cache_kv.shape[-3]
     offs = jnp.arange(t, dtype=jnp.int32)[None, :]
     slots = starts[:, None] + offs
-    slots = jnp.where(offs < num_new[:, None], slots, s)  # out of range -> dropped
+    keep = offs < num_new[:, None]
+    if ring:
+        slots = jnp.mod(slots, s)
+        keep &= offs >= num_new[:, None] - s
+    slots = jnp.where(keep, slots, s)  # out of range -> dropped
     rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+    if group is not None:
+        return cache_kv.at[group, rows, slots].set(new_kv.astype(cache_kv.dtype), mode="drop")
     return cache_kv.at[rows, slots].set(new_kv.astype(cache_kv.dtype), mode="drop")
 
 
@@ -155,20 +221,23 @@ def take_rows(cache: KVCache, rows) -> KVCache:
 
 def concat_rows(caches) -> KVCache:
     """Batch caches of the same layout stacked row-wise into one; a shorter cache's slots are padded
-    with zeros up to the longest `max_length` (slots past a row's length are never read)."""
+    with zeros up to the longest `max_length` (slots past a row's length are never read). A sliding
+    layer's ring is padded likewise: a ring shorter than the longest one is a whole row (identity
+    slots, `ring_size`), which stays valid in the longer ring."""
     caches = list(caches)
-    s = max(c.max_length for c in caches)
 
-    def pad(x):
+    def pad(x, s):
         widths = [(0, 0)] * x.ndim
         widths[x.ndim - 3] = (0, s - x.shape[-3])
         return jnp.pad(x, widths)
 
     def cat(xs):
-        return jnp.concatenate([pad(x) for x in xs], axis=xs[0].ndim - 4)
+        s = max(x.shape[-3] for x in xs)
+        return jnp.concatenate([pad(x, s) for x in xs], axis=xs[0].ndim - 4)
 
     first = caches[0]
     n = len(first.keys)
     return first.replace(keys=tuple(cat([c.keys[i] for c in caches]) for i in range(n)),
                          values=tuple(cat([c.values[i] for c in caches]) for i in range(n)),
-                         lengths=jnp.concatenate([c.lengths for c in caches]))
+                         lengths=jnp.concatenate([c.lengths for c in caches]),
+                         length=max(c.max_length for c in caches))

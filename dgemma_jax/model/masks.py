@@ -1,7 +1,8 @@
 """Attention masks as pure functions over absolute positions.
 
-Every cache slot `s` holds the token at absolute position `s` of its row (no ring buffer), so masks
-compare positions. All masks are boolean, True = may attend.
+Masks compare absolute positions: a key slot's position comes with it (a global layer's slot `s`
+holds position `s` of its row; a sliding layer's ring slot the position `cache.slot_positions` gives,
+negative when empty). All masks are boolean, True = may attend.
 
 Causal encoder pass (prefill / commit), window W = 4, one row with 3 cached + 3 new tokens::
 

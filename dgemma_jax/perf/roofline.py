@@ -8,8 +8,8 @@ its KV-cache reads).
 Useful FLOPs of one denoising step over B x L canvas tokens (whole mesh; divide by chips):
 * every dense projection (attention q/k/v/o, dense MLP, router, self-conditioning MLP): 2 x tokens x size;
 * experts: 2 x tokens x top_k x (one expert's gate_up + down);
-* attention: 4 x tokens x heads x head_dim x keys read (window - 1 + L on sliding layers, the
-  whole cache + L on global layers, as the kernels read them);
+* attention: 4 x tokens x heads x head_dim x keys read (the ring cache + L on sliding layers,
+  `model.cache.ring_size`; the whole cache + L on global layers, as the kernels read them);
 * head: logits and the self-conditioning soft embedding, 2 x 2 x tokens x V x D.
 `denoise_step_flops_by_part` splits that count by part (the CPU benchmarks' tables);
 `causal_pass_flops` counts a causal pass (prefill, commit, a 1-token decode) the same way, with the
@@ -17,7 +17,8 @@ attention pairs its causal mask keeps. tests/test_perf_flops.py holds both again
 products of the traced model.
 
 Required bytes per chip: the chip's shard of every parameter, plus its shard of the cache slots
-the step reads (window - 1 slots of K and V on sliding layers, all slots on global layers).
+the step must read (window - 1 slots of K and V on sliding layers, of their ring; all slots on global
+layers).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import jax
 
 from dgemma_jax.config import SLIDING, ModelConfig
 from dgemma_jax.model.api import param_shapes
+from dgemma_jax.model.cache import ring_size
 from dgemma_jax.model.layers import itemsize
 
 # the parameter each matrix product multiplies by, by report part ("experts_topk": every expert's
@@ -109,9 +111,10 @@ def causal_pass_flops(config: ModelConfig, batch: int, context: int, new: int, h
 
 
 def _keys_read(config: ModelConfig, layer: int, context: int) -> int:
-    """Cache slots a denoising step reads on `layer` (see `Attention.denoise`)."""
-    if config.layer_types[layer] == SLIDING and config.sliding_window - 1 < context:
-        return config.sliding_window - 1
+    """Cache slots a denoising step reads on `layer` (see `Attention.denoise`): a sliding layer's
+    whole ring (`model.cache.ring_size`), a global layer's every slot."""
+    if config.layer_types[layer] == SLIDING:
+        return ring_size(config, context)
     return context
 
 
@@ -129,7 +132,8 @@ def denoise_step_bytes_per_chip(config: ModelConfig, shardings, batch: int, cont
     shapes, cshard = shardings.cache_shape(batch, context), shardings.cache(batch, context)
     cache = 0.0
     for i in range(config.num_layers):
-        frac = _keys_read(config, i, context) / context
+        slots = shapes.keys[i].shape[-3]   # a sliding layer's ring, a global layer's context
+        frac = min(config.sliding_window - 1, slots) / slots if config.layer_types[i] == SLIDING else 1.0
         for leaf, sh in ((shapes.keys[i], cshard.keys[i]), (shapes.values[i], cshard.values[i])):
             cache += frac * shard_bytes(leaf, sh)
     return {"params": float(params), "cache": float(cache), "total": float(params + cache)}

@@ -185,16 +185,21 @@ def commit_slots(params, config: ModelConfig, cache: KVCache, rows: jax.Array, t
 
     def write_back(x, part):
         b = _batch_axis(x)
+        # a sliding layer's ring (fewer slots than the rows' length): the L positions may wrap round its
+        # end, so the row's whole ring goes back (it is the window plus one canvas, model/cache.py)
+        whole = x.ndim > 1 and x.shape[b + 1] < cache.max_length
         x = _grouped(x, g)
         part = part.reshape(part.shape[:b] + (g, k) + part.shape[b + 1:])
         if x.ndim == 2:                                   # lengths [G, N / G]
             return x.at[jnp.arange(g)[:, None], rows].set(part).reshape(-1)
+        at = jnp.zeros_like(starts) if whole else starts
+        size = part.shape[b + 2] if whole else width
         for j in range(k):                                # K static: one in-place update of L positions a row
-            piece = jax.vmap(lambda p, s: jax.lax.dynamic_slice_in_dim(p, s, width, b + 1),   # noqa: B023
-                             in_axes=(b, 0), out_axes=b)(jax.lax.index_in_dim(part, j, b + 1), starts[:, j])
+            piece = jax.vmap(lambda p, s: jax.lax.dynamic_slice_in_dim(p, s, size, b + 1),   # noqa: B023
+                             in_axes=(b, 0), out_axes=b)(jax.lax.index_in_dim(part, j, b + 1), at[:, j])
             x = jax.vmap(lambda xg, pg, r, s: jax.lax.dynamic_update_slice(
                 xg, pg, [jnp.zeros((), jnp.int32)] * b + [r, s] + [jnp.zeros((), jnp.int32)] * (xg.ndim - b - 2)),
-                in_axes=(b, b, 0, 0), out_axes=b)(x, piece, rows[:, j], starts[:, j])
+                in_axes=(b, b, 0, 0), out_axes=b)(x, piece, rows[:, j], at[:, j])
         return x.reshape(x.shape[:b] + (-1,) + x.shape[b + 2:])
 
     return jax.tree.map(write_back, cache, sub)

@@ -25,7 +25,8 @@ Prefix reuse: with `prefix_reuse` (default) a slot keeps what its cache row hold
 ends (the prompt, every committed canvas, and the last canvas committed too), and a new prompt goes
 into the free slot whose row shares the longest beginning with it (images count by their pixels),
 prefilling only the rest; the least recently used slot is overwritten when none shares more than a
-short beginning (under `SMALL_PREFILL` tokens and half its row). The reused tokens are
+short beginning (under `SMALL_PREFILL` tokens and half its row); a row longer than its sliding layers' ring
+caches is reused only up to canvas + 1 tokens before its end (`model.cache.rewind_ok`). The reused tokens are
 `SeqEvent.cached_tokens` (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
 
 The scheduler keeps the books (the queue, the slots, what each cache row holds, the tick arguments)
@@ -55,6 +56,7 @@ import numpy as np
 from dgemma_jax.engine import Engine
 from dgemma_jax.engine.inputs import new_tokens_that_fit
 from dgemma_jax.io.prompts import common_prefix
+from dgemma_jax.model.cache import rewind_ok
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, choice_keys
 from dgemma_jax.serving import chunks as chunks_lib
@@ -395,11 +397,15 @@ class Scheduler:
     def _reusable(self, slot: int, content: np.ndarray, length: int, blocks) -> int:
         """How many of a prompt's first tokens slot `slot`'s row holds already: the common beginning of
         the row and the prompt's `content_keys`, at least one of its `length` tokens left to prefill,
-        never ending inside one of its image `blocks`."""
+        never ending inside one of its image `blocks`; 0 when rewinding the row that far would need
+        tokens its sliding layers' ring caches have overwritten (`model.cache.rewind_ok`: at most
+        canvas_length + 1 tokens back from the row's end, unless the ring holds the whole row)."""
         m = min(common_prefix(self._rows[slot], content), length - 1)
         for b, e in blocks:
             if b < m < e:
                 m = b
+        if m > 0 and not rewind_ok(self.engine.config, self.context, len(self._rows[slot]), m):
+            return 0   # the row's sliding-layer rings no longer hold the window before that prefix's end
         return max(m, 0)
 
     def _prefill_chunk(self, c: _Choice) -> None:

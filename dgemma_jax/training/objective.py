@@ -91,7 +91,7 @@ def encoder_pass(config: ModelConfig, params, tokens, lengths, want_logits: bool
     through the vision tower (trainable) into the `config.image_token_id` placeholders of the prompts
     (positions < prompt_lengths; a response never carries an image)."""
     b, t = tokens.shape
-    cache = init_cache(config, b, t, cache_dtype)
+    cache = init_cache(config, b, t, cache_dtype, ring=False)   # the denoiser reads contexts before the row's end
     kw = {}
     if images is not None:
         feats, _ = image_features_pass(params, config, images[0], images[1], runtime=runtime)
