@@ -69,9 +69,11 @@ def test_a_short_request_behind_2x_slots_of_long_ones_finishes_within_3x_its_tim
         for a, b in zip(alone_long, behind_long):
             assert b.choices[0].text == a.choices[0].text
             assert b.usage.model_extra["denoising_steps"] == a.usage.model_extra["denoising_steps"]
-    print("ratios", ratios, t_alone, alone)
     assert min(ratios) < 3.0, (ratios, t_alone, alone)
-    assert _metric(server, "vllm:num_preemptions_total") >= preempted_before + 2
+    # a long request is preempted when the short one meets it at the end of its first canvas (with 2
+    # canvases left it is not: PREEMPT_FACTOR); in a round where the short one comes later it takes
+    # the slot of the first long one to end instead
+    assert _metric(server, "vllm:num_preemptions_total") >= preempted_before + 1
 
 
 fcfs_server = module_server("--slots", "2", "--max-steps", "64", "--schedule", "fcfs")
