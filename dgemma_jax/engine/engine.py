@@ -14,6 +14,7 @@ platform, MoE dispatch, attention kernel) as a static argument: one code path wi
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from typing import Any, Iterator
@@ -103,6 +104,14 @@ class Engine:
         self._program_cache = ProgramCache.shared if programs is None else programs
         self._programs = {}
         self._bound = None
+
+    def with_sampler(self, sampler: SamplerConfig) -> "Engine":
+        """The same model (its weights, runtime and mesh, not copied) with another sampler: its programs
+        are those of any engine with that sampler (the `ProgramCache`)."""
+        check_sampler(self.config, sampler)
+        other = copy.copy(self)
+        other.sampler, other._programs, other._bound = sampler, {}, None
+        return other
 
     # ------------------------------------------------------------------ programs
     def fused_program(self, max_new_tokens: int, donate_cache: bool = True):
