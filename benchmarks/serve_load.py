@@ -51,7 +51,8 @@ def _ask(client, model, job):
     p, seed, max_tokens, extra = job
     t0 = time.perf_counter()
     r = client.completions.create(model=model, prompt=p, seed=seed, max_tokens=max_tokens, extra_body=extra or None)
-    return time.perf_counter() - t0, r.choices[0].text, r.usage.completion_tokens, r.usage.model_extra["denoising_steps"]
+    return (time.perf_counter() - t0, r.choices[0].text, r.usage.completion_tokens, r.usage.model_extra["denoising_steps"],
+            r.usage.model_extra["canvases"])
 
 
 def _stats(res, wall):
@@ -93,30 +94,40 @@ def _pcts(lat):
 
 
 def run_overload(srv, client, model, slots, long_steps, rounds=3, shorts_per_round=4):
-    """Overload: 2x slots long requests at once (3 canvases of `long_steps` forced steps each), and
-    while they hold every slot and half of them wait, short requests (one canvas, the default sampler)
-    one after another; per class p50/p95 latency, and the short one alone on the same server."""
+    """Overload: 2x slots long requests at once (40-digit prompts, max_tokens 48: up to 6 canvases, each
+    forced to `long_steps` steps), and once they hold every slot and half of them wait, short
+    requests (one canvas, the default sampler) all at once; per class p50/p95 latency, and the short
+    ones alone (one at a time) on the same idle server."""
     long_extra = {"max_denoising_steps": long_steps, "confidence_threshold": 0.0}
+    rng = np.random.default_rng(10)
     short_jobs = [(p, 7000 + i, 8, None) for i, p in enumerate(prompts(shorts_per_round * rounds, seed=3))]
     alone = [_ask(client, model, j)[0] for j in short_jobs[:8]]
-    long_lat, short_lat, texts = [], [], []
+    long_res, short_lat, texts, queued_seen = [], [], [], 0
     for r in range(rounds):
-        jobs = [(p, 9000 + 100 * r + i, 24, long_extra) for i, p in enumerate(prompts(2 * slots, seed=10 + r))]
+        jobs = [("s" + "".join(map(str, rng.integers(0, 10, 40))) + "=", 9000 + 100 * r + i, 48, long_extra)
+                for i in range(2 * slots)]
         with cf.ThreadPoolExecutor(2 * slots) as pool:
             running = [pool.submit(_ask, client, model, j) for j in jobs]
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 30
             while srv.health()["queued"] < slots and time.monotonic() < deadline:
-                time.sleep(0.005)
-            for j in short_jobs[r * shorts_per_round:(r + 1) * shorts_per_round]:
-                res = _ask(client, model, j)
-                short_lat.append(res[0])
-                texts.append(res[1])
+                time.sleep(0.002)
+            queued_seen += srv.health()["queued"] >= slots
+            with cf.ThreadPoolExecutor(shorts_per_round) as shorts:
+                res = list(shorts.map(lambda j: _ask(client, model, j),
+                                      short_jobs[r * shorts_per_round:(r + 1) * shorts_per_round]))
+            short_lat += [x[0] for x in res]
+            texts += [x[1] for x in res]
             done = [f.result() for f in running]
-        long_lat += [d[0] for d in done]
+        long_res += done
         texts += [d[1] for d in done]
     out = {"long_steps_a_canvas": long_steps, "short_alone_s": _pcts(alone), "short_s": _pcts(short_lat),
-           "long_s": _pcts(long_lat), "requests": {"short": len(short_lat), "long": len(long_lat)}, "texts": texts}
+           "long_s": _pcts([d[0] for d in long_res]),
+           "long_mean_canvases": round(float(np.mean([d[4] for d in long_res])), 2),
+           "long_mean_denoising_steps": round(float(np.mean([d[3] for d in long_res])), 1),
+           "rounds_with_slots_longs_queued_before_the_shorts": f"{queued_seen}/{rounds}",
+           "requests": {"short": len(short_lat), "long": len(long_res)}, "texts": texts}
     out["short_p50_over_alone_p50"] = round(out["short_s"]["p50"] / out["short_alone_s"]["p50"], 2)
+    out["short_p95_over_alone_p50"] = round(out["short_s"]["p95"] / out["short_alone_s"]["p50"], 2)
     return out
 
 
@@ -167,16 +178,17 @@ def main(argv=None):
     ap.add_argument("--overload-only", action="store_true",
                     help="run only the overload scenario (fcfs vs preempt), merged into --out's JSON")
     ap.add_argument("--overload-slots", type=int, default=4)
-    ap.add_argument("--overload-steps", default="8,32", help="forced steps a canvas of the long requests")
+    ap.add_argument("--overload-steps", default="16,64", help="forced steps a canvas of the long requests")
     args = ap.parse_args(argv)
     steps_list = [int(x) for x in args.overload_steps.split(",")]
     if args.overload_only:
         report = json.load(open(args.out)) if os.path.exists(args.out) else {}
         report["overload"] = {
-            "workload": f"--slots {args.overload_slots}: per round 2x slots long requests at once (max_tokens 24, "
-                        "3 canvases of 8 tokens, every canvas forced to the given steps: confidence threshold 0), "
-                        "and while half of them wait, 4 short requests one after another (max_tokens 8, one "
-                        "canvas, the default sampler); 3 rounds; 'alone': 8 short requests with the server idle",
+            "workload": f"--slots {args.overload_slots}: per round 2x slots long requests at once (40-digit "
+                        "prompts, max_tokens 48: up to 6 canvases of 8 tokens, every canvas forced to the given "
+                        "steps: confidence threshold 0), and once half of them wait, 4 short requests at "
+                        "once (9-16 digit prompts, max_tokens 8: one canvas, the default sampler); 3 "
+                        "rounds; 'alone': 8 short requests with the server idle",
             "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                         "loadavg_start": os.getloadavg()},
             **overload(args.overload_slots, steps_list)}
