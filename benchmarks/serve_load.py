@@ -124,7 +124,7 @@ def run_overload(srv, client, model, slots, long_steps, rounds=3, shorts_per_rou
            "long_s": _pcts([d[0] for d in long_res]),
            "long_mean_canvases": round(float(np.mean([d[4] for d in long_res])), 2),
            "long_mean_denoising_steps": round(float(np.mean([d[3] for d in long_res])), 1),
-           "rounds_with_slots_longs_queued_before_the_shorts": f"{queued_seen}/{rounds}",
+           "rounds_with_slots_longs_still_queued_as_the_shorts_went": f"{queued_seen}/{rounds}",
            "requests": {"short": len(short_lat), "long": len(long_res)}, "texts": texts}
     out["short_p50_over_alone_p50"] = round(out["short_s"]["p50"] / out["short_alone_s"]["p50"], 2)
     out["short_p95_over_alone_p50"] = round(out["short_s"]["p95"] / out["short_alone_s"]["p50"], 2)
