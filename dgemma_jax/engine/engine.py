@@ -106,8 +106,14 @@ class Engine:
         self._bound = None
 
     def with_sampler(self, sampler: SamplerConfig) -> "Engine":
-        """The same model (its weights, runtime and mesh, not copied) with another sampler: its programs
-        are those of any engine with that sampler (the `ProgramCache`)."""
+        """The same model with another sampler.
+
+        Args:
+          sampler: the sampler settings (checked against the config as the constructor does).
+        Returns:
+          an `Engine` sharing this one's weights, runtime and mesh (not copied); its programs are those
+          of any engine with that sampler (the `ProgramCache`).
+        """
         check_sampler(self.config, sampler)
         other = copy.copy(self)
         other.sampler, other._programs, other._bound = sampler, {}, None
@@ -178,6 +184,8 @@ class Engine:
                 prefill_slot=program(("prefill_slot",), functools.partial(slots_lib.prefill_slot, **model)),
                 slot_tick=program(("slot_tick",), functools.partial(slots_lib.slot_tick, **full),
                                   donate=("cache", "state")),
+                read_row=program(("read_row",), slots_lib.read_row, donate=()),
+                write_row=program(("write_row",), slots_lib.write_row),
             )
         return self._bound
 

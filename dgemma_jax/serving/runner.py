@@ -94,15 +94,14 @@ class SlotRunner:
         return compiled
 
     def _compile_read_row(self):
-        compiled = jax.jit(slots_lib.read_row).lower(self.cache, np.int32(0)).compile()
+        compiled = self.engine.programs.read_row.lower(self.cache, np.int32(0)).compile()
         self.memory["read_row"] = compiled_memory(compiled)
         return compiled
 
     def _compile_write_row(self):
         row = jax.eval_shape(slots_lib.read_row, self.cache, np.int32(0))
         row = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), row)
-        donate = ("cache",) if self.engine.donate else ()
-        compiled = jax.jit(slots_lib.write_row, donate_argnames=donate).lower(self.cache, np.int32(0), row).compile()
+        compiled = self.engine.programs.write_row.lower(self.cache, np.int32(0), row).compile()
         self.memory["write_row"] = compiled_memory(compiled)
         return compiled
 
