@@ -72,7 +72,7 @@ def test_a_full_queue_is_a_429_with_retry_after_and_takes_none_of_the_request(id
         for h in held:
             h.cancelled.set()
         with sch._cond:
-            sch._queue.clear()
+            sch.plan.queue.clear()
 
 
 # ------------------------------------------------------------------ strict bodies
