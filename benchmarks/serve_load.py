@@ -10,12 +10,20 @@ threshold 0). `--base REV` runs the server of that revision (a temporary git wor
 the head's at each slot count, on the same machine state; absolute numbers on a shared 2-core
 machine are noisy, the ratios between the engines are the result. Same seeds give the same texts on
 both engines (checked: `same_text_as_base`).
+
+    flock /tmp/heavy.lock python benchmarks/serve_load.py --overload-only --out benchmarks/results/serve_load.json
+
+The overload scenario (`--overload-only`, merged into the JSON under "overload"): 2x slots long
+requests and short ones behind them, on a server with `--schedule fcfs` (before: first come, first
+served) and with `--schedule preempt` (after: the short ones take a long one's slot at a canvas
+boundary), p50/p95 latency per class.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import json
 import os
 import platform
 import subprocess
@@ -43,7 +51,8 @@ def _ask(client, model, job):
     p, seed, max_tokens, extra = job
     t0 = time.perf_counter()
     r = client.completions.create(model=model, prompt=p, seed=seed, max_tokens=max_tokens, extra_body=extra or None)
-    return time.perf_counter() - t0, r.choices[0].text, r.usage.completion_tokens, r.usage.model_extra["denoising_steps"]
+    return (time.perf_counter() - t0, r.choices[0].text, r.usage.completion_tokens, r.usage.model_extra["denoising_steps"],
+            r.usage.model_extra["canvases"])
 
 
 def _stats(res, wall):
@@ -79,6 +88,72 @@ def run_mixed(client, model, n, concurrency=16):
             "short": _stats(short, wall), "long": _stats(long, wall), "texts": [r[1] for r in res]}
 
 
+def _pcts(lat):
+    lat = np.asarray(lat)
+    return {q: round(float(np.percentile(lat, int(q[1:]))), 4) for q in ("p50", "p95")}
+
+
+def run_overload(srv, client, model, slots, long_steps, rounds=3, shorts_per_round=4):
+    """Overload: 2x slots long requests at once (40-digit prompts, max_tokens 48: up to 6 canvases, each
+    forced to `long_steps` steps), and once they hold every slot and half of them wait, short
+    requests (one canvas, the default sampler) all at once; per class p50/p95 latency, and the short
+    ones alone (one at a time) on the same idle server."""
+    long_extra = {"max_denoising_steps": long_steps, "confidence_threshold": 0.0}
+    rng = np.random.default_rng(10)
+    short_jobs = [(p, 7000 + i, 8, None) for i, p in enumerate(prompts(shorts_per_round * rounds, seed=3))]
+    alone = [_ask(client, model, j)[0] for j in short_jobs[:8]]
+    long_res, short_lat, texts, queued_seen = [], [], [], 0
+    for r in range(rounds):
+        jobs = [("s" + "".join(map(str, rng.integers(0, 10, 40))) + "=", 9000 + 100 * r + i, 48, long_extra)
+                for i in range(2 * slots)]
+        with cf.ThreadPoolExecutor(2 * slots) as pool:
+            running = [pool.submit(_ask, client, model, j) for j in jobs]
+            deadline = time.monotonic() + 30
+            while srv.health()["queued"] < slots and time.monotonic() < deadline:
+                time.sleep(0.002)
+            queued_seen += srv.health()["queued"] >= slots
+            with cf.ThreadPoolExecutor(shorts_per_round) as shorts:
+                res = list(shorts.map(lambda j: _ask(client, model, j),
+                                      short_jobs[r * shorts_per_round:(r + 1) * shorts_per_round]))
+            short_lat += [x[0] for x in res]
+            texts += [x[1] for x in res]
+            done = [f.result() for f in running]
+        long_res += done
+        texts += [d[1] for d in done]
+    out = {"long_steps_a_canvas": long_steps, "short_alone_s": _pcts(alone), "short_s": _pcts(short_lat),
+           "long_s": _pcts([d[0] for d in long_res]),
+           "long_mean_canvases": round(float(np.mean([d[4] for d in long_res])), 2),
+           "long_mean_denoising_steps": round(float(np.mean([d[3] for d in long_res])), 1),
+           "rounds_with_slots_longs_still_queued_as_the_shorts_went": f"{queued_seen}/{rounds}",
+           "requests": {"short": len(short_lat), "long": len(long_res)}, "texts": texts}
+    out["short_p50_over_alone_p50"] = round(out["short_s"]["p50"] / out["short_alone_s"]["p50"], 2)
+    out["short_p95_over_alone_p50"] = round(out["short_s"]["p95"] / out["short_alone_s"]["p50"], 2)
+    return out
+
+
+def overload(slots, steps_list, cwd=None):
+    """The overload scenario on a server of each policy (`--schedule`), fcfs first."""
+    out = {}
+    for policy in ("fcfs", "preempt"):
+        srv = ServerProcess("--slots", str(slots), "--max-queue", "256", "--max-steps", "64", "--schedule", policy,
+                            cwd=cwd)
+        try:
+            model = srv.health()["model"]
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=900)
+            runs = [run_overload(srv, client, model, slots, st) for st in steps_list]
+            out[policy] = {"runs": runs, "server": srv.health()["stats"]}
+        finally:
+            srv.stop()
+        for run in out[policy]["runs"]:
+            print(f"overload {policy:>7} slots {slots} long {run['long_steps_a_canvas']} steps/canvas: short p50 "
+                  f"{run['short_s']['p50']:.3f} p95 {run['short_s']['p95']:.3f} s (alone {run['short_alone_s']['p50']:.3f}, "
+                  f"{run['short_p50_over_alone_p50']}x); long p50 {run['long_s']['p50']:.3f} p95 "
+                  f"{run['long_s']['p95']:.3f} s", flush=True)
+    same = [a == b for x, y in zip(out["fcfs"]["runs"], out["preempt"]["runs"]) for a, b in zip(x["texts"], y["texts"])]
+    out["same_text_fcfs_vs_preempt"] = f"{sum(same)}/{len(same)}"
+    return out
+
+
 def serve_and_measure(slots, jobs, levels, n_mixed, cwd=None):
     srv = ServerProcess("--slots", str(slots), "--max-queue", str(4 * len(jobs)), "--max-steps", "32", cwd=cwd)
     try:
@@ -100,7 +175,27 @@ def main(argv=None):
     ap.add_argument("--slots", default="1,8,32")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--out", default="/tmp/serve_load.json", help="JSON results (default: a scratch path)")
+    ap.add_argument("--overload-only", action="store_true",
+                    help="run only the overload scenario (fcfs vs preempt), merged into --out's JSON")
+    ap.add_argument("--overload-slots", type=int, default=4)
+    ap.add_argument("--overload-steps", default="16,64", help="forced steps a canvas of the long requests")
     args = ap.parse_args(argv)
+    steps_list = [int(x) for x in args.overload_steps.split(",")]
+    if args.overload_only:
+        report = json.load(open(args.out)) if os.path.exists(args.out) else {}
+        report["overload"] = {
+            "workload": f"--slots {args.overload_slots}: per round 2x slots long requests at once (40-digit "
+                        "prompts, max_tokens 48: up to 6 canvases of 8 tokens, every canvas forced to the given "
+                        "steps: confidence threshold 0), and once half of them wait, 4 short requests at "
+                        "once (9-16 digit prompts, max_tokens 8: one canvas, the default sampler); 3 "
+                        "rounds; 'alone': 8 short requests with the server idle",
+            "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                        "loadavg_start": os.getloadavg()},
+            **overload(args.overload_slots, steps_list)}
+        report["overload"]["machine"]["loadavg_end"] = os.getloadavg()
+        write(report, args.out)
+        print("wrote", args.out)
+        return
     jobs = [(p, 1000 + i, 24, None) for i, p in enumerate(prompts(args.requests))]
     levels = [int(c) for c in args.concurrency.split(",")]
     head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,

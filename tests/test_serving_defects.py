@@ -72,7 +72,7 @@ def test_a_full_queue_is_a_429_with_retry_after_and_takes_none_of_the_request(id
         for h in held:
             h.cancelled.set()
         with sch._cond:
-            sch._queue.clear()
+            sch.plan.queue.clear()
 
 
 # ------------------------------------------------------------------ strict bodies
@@ -323,12 +323,12 @@ def test_a_lower_priority_value_is_admitted_first_and_equal_ones_in_arrival_orde
         order = []
         for _ in reqs:
             sch._admit()
-            order.append(sch._busy[0].request.seed)
-            sch._busy[0] = None
+            order.append(sch.plan.busy[0].request.seed)
+            sch.plan.busy[0] = None
         assert order == [2, 0, 3, 1]
     finally:
         with sch._cond:
-            sch._queue.clear()
-            sch._busy = [None] * sch.slots
+            sch.plan.queue.clear()
+            sch.plan.busy = [None] * sch.slots
     err = _error(client.post("/v1/completions", json={**PROMPT, "priority": "high"}), 400)
     assert err["param"] == "priority"

@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from dgemma_jax.io.bundled import load_bundled
 from dgemma_jax.serving.output import OutputProcessor
 from dgemma_jax.serving.schema import MAX_STOP_CHARS, MAX_STOPS
-from dgemma_jax.serving.scheduler import Request, _Choice
+from dgemma_jax.serving.planner import Choice
+from dgemma_jax.serving.scheduler import Request
 from tests.helpers.serve import ServerProcess, free_port
 
 MODEL = "dgemma-tiny-digits"
@@ -164,7 +165,7 @@ def test_a_preview_never_shows_text_past_a_stop_string():
     proc = OutputProcessor(tok, sampler.pad_id, sampler.eos_ids)
     req = Request(tok.encode("s9350814272=", add_bos=True), 16, sampler, 0, lambda ev: None, stop=("3",),
                   provisional=True)
-    choice = _Choice(req, 0, None, 2)
+    choice = Choice(req, 0, None, 2)
     choice.tokens = list(tok.encode("01"))
     ev = proc.event(choice, None, 0, preview=tok.encode("223457"))
     assert ev.text == "01" and ev.provisional == "22"     # not "223457": the answer would stop before the 3

@@ -15,7 +15,8 @@ from dgemma_jax.sampling.loop import Canvas, RowKnobs, choice_keys, denoise_canv
 from dgemma_jax.serving import text as text_lib
 from dgemma_jax.io.prompts import common_prefix
 from dgemma_jax.serving.chunks import content_keys
-from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, ShuttingDown, _Choice
+from dgemma_jax.serving.planner import Choice
+from dgemma_jax.serving.scheduler import QueueFull, Request, Scheduler, ShuttingDown
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +347,7 @@ def _prefill_into(sch, slot, ids, start=0):
     """Every prefill chunk of `ids` from `start` on into row `slot`, as the worker runs them."""
     req = Request(ids, 8, sch.default_sampler, 0, on_event=lambda ev: None)
     req.content = content_keys(ids, None)
-    choice = _Choice(req, 0, np.zeros(2, np.uint32), 1, slot=slot, chunks=sch.plan_chunks(ids, start=start))
+    choice = Choice(req, 0, np.zeros(2, np.uint32), 1, slot=slot, chunks=sch.plan_chunks(ids, start=start))
     n = len(choice.chunks)
     while choice.chunks:
         sch._prefill_chunk(choice)
@@ -378,7 +379,7 @@ def test_a_prompt_continued_from_a_rows_prefix_equals_its_own_prefill(bundled):
     shared = common_prefix(content_keys(a, None), content_keys(b, None))
     assert shared == 11
     _prefill_into(sch, 0, a)
-    assert _prefill_into(sch, 0, b, start=shared) == 1 and sch._rows[0].tolist() == b.tolist()
+    assert _prefill_into(sch, 0, b, start=shared) == 1 and sch.plan.rows[0].tolist() == b.tolist()
     _, ref = dg.prefill(params, cfg, b[None], None, dg.init_cache(cfg, 1, 64), logits="none")
     assert int(np.asarray(sch.runner.cache.lengths)[0]) == len(b)
     for got, want in zip(sch.runner.cache.keys + sch.runner.cache.values, ref.keys + ref.values):

@@ -54,7 +54,8 @@ def test_health_says_starting_and_requests_get_retry_after_until_the_programs_ar
     assert r.status_code == 503
     body = r.json()
     assert body["status"] == "starting" and body["ready"] is False
-    assert set(body["programs"]) == {"slot_tick"} | {f"prefill_slot_{w}" for w in sch.prefill_widths}
+    assert set(body["programs"]) == {"slot_tick", "read_row", "write_row"} | {
+        f"prefill_slot_{w}" for w in sch.prefill_widths}   # read / write_row: a preempted request's cache row
     assert body["programs"]["slot_tick"]["state"] == "compiling"
     r = client.post("/v1/completions", json=PROMPT)
     assert r.status_code == 503 and r.headers["retry-after"] == str(STARTING_RETRY_AFTER_S)

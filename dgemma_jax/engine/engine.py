@@ -14,6 +14,7 @@ platform, MoE dispatch, attention kernel) as a static argument: one code path wi
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from typing import Any, Iterator
@@ -111,6 +112,20 @@ class Engine:
         self._programs = {}
         self._bound = None
 
+    def with_sampler(self, sampler: SamplerConfig) -> "Engine":
+        """The same model with another sampler.
+
+        Args:
+          sampler: the sampler settings (checked against the config as the constructor does).
+        Returns:
+          an `Engine` sharing this one's weights, runtime and mesh (not copied); its programs are those
+          of any engine with that sampler (the `ProgramCache`).
+        """
+        check_sampler(self.config, sampler)
+        other = copy.copy(self)
+        other.sampler, other._programs, other._bound = sampler, {}, None
+        return other
+
     # ------------------------------------------------------------------ programs
     def fused_program(self, max_new_tokens: int, donate_cache: bool = True):
         """The jitted fused generate (`generate_fused`) for `max_new_tokens`.
@@ -176,6 +191,8 @@ class Engine:
                 prefill_slot=program(("prefill_slot",), functools.partial(slots_lib.prefill_slot, **model)),
                 slot_tick=program(("slot_tick",), functools.partial(slots_lib.slot_tick, **full),
                                   donate=("cache", "state")),
+                read_row=program(("read_row",), slots_lib.read_row, donate=()),
+                write_row=program(("write_row",), slots_lib.write_row),
             )
         return self._bound
 

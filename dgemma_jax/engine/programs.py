@@ -25,6 +25,8 @@ class Programs:
     prefill_slot(params, cache=, slot=, tokens= [1, W], length= [1], start=, images=None) -> cache
     slot_tick(params, cache=, state=, keys=, canvas_index=, begin=, active=, last=, keep=, knobs=,
       max_ticks=) -> `slots.TickOutput` (`Engine.new_slots` gives the first state)
+    read_row(cache, slot) -> a batch-1 cache: one slot's row (a preempted request's, for the host)
+    write_row(cache, slot, row) -> cache: that row written back into a slot
     """
 
     sampler: SamplerConfig
@@ -36,6 +38,8 @@ class Programs:
     canvas_step: Any
     prefill_slot: Any
     slot_tick: Any
+    read_row: Any
+    write_row: Any
 
 
 # ---------------------------------------------------------------------- functional API

@@ -231,3 +231,15 @@ def _rows_of(x, rows):
 def _batch_axis(x) -> int:
     """The batch axis of a cache leaf: lengths [B]; keys / values [B, S, K, H] or, stacked, [G, B, S, K, H]."""
     return 0 if x.ndim == 1 else x.ndim - 4
+
+
+def read_row(cache: KVCache, slot: jax.Array) -> KVCache:
+    """Row `slot` of the slots' cache (a batch-1 `KVCache`: its keys, values and length), to keep
+    on the host while its request is preempted."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, _batch_axis(x)), cache)
+
+
+def write_row(cache: KVCache, slot: jax.Array, row: KVCache) -> KVCache:
+    """The cache with row `slot` replaced by `row` (what `read_row` gave, from any slot)."""
+    return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, _batch_axis(x)),
+                        cache, row)

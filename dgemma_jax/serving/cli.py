@@ -14,6 +14,7 @@ from dgemma_jax.cli_run import (PROFILE_HELP, checkpoint_flags, compiled_flag, l
 from dgemma_jax.model.quant import QUANTIZE_CHOICES
 from dgemma_jax.parallel.profiling import profile
 from dgemma_jax.sampling.config import SamplerConfig
+from dgemma_jax.serving.planner import POLICIES
 
 DEFAULT_CONTEXT = 8192     # KV-cache tokens per slot when --context is not given (capped at the model's)
 API_KEY_ENV = "DGEMMA_API_KEY"   # the API key when --api-key is not given
@@ -59,7 +60,8 @@ def cmd_serve(args) -> int:
     scheduler = Scheduler.for_model(cfg, params, tok, sampler, max_steps=args.max_steps, shardings=shardings,
                                     runtime=runtime_for(args),
                                     slots=args.slots, context=context, max_queue=args.max_queue,
-                                    prefill_chunk=args.prefill_chunk, prefix_reuse=args.prefix_reuse)
+                                    prefill_chunk=args.prefill_chunk, prefix_reuse=args.prefix_reuse,
+                                    policy=args.schedule)
     name = args.served_model_name or cfg.name
     compiles = CompileCounter()
     scheduler.start(wait=False)
@@ -135,6 +137,10 @@ def add_command(sub, positive) -> None:
                    help="prefill every prompt whole (default: a prompt that begins with what a free slot holds, "
                         "such as a chat's earlier turns, prefills only the rest, and each slot keeps its last "
                         "answer in its cache for that)")
+    s.add_argument("--schedule", choices=POLICIES, default="preempt",
+                   help="with every slot busy: 'preempt' (default) lets a waiting request of higher priority or "
+                        "much less work take the slot of a running one at a canvas boundary (its cache row kept "
+                        "in host memory and restored later, same tokens); 'fcfs' never preempts")
     s.add_argument("--allowed-image-dir", action="append", dest="allowed_image_dirs", default=None, metavar="DIR",
                    help="chat image parts may name local files (file:///... or an absolute path) under DIR "
                         "(repeatable; default none: images come as data URLs only)")

@@ -5,6 +5,7 @@ scheduler, and the OpenAI response or event stream built from its choices' event
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import json
 import secrets
@@ -13,6 +14,7 @@ import uuid
 from typing import Sequence
 
 from fastapi import Request as HTTPRequest
+import numpy as np
 from fastapi.responses import StreamingResponse
 
 from dgemma_jax.io.prompts import chat_prompt, message_text
@@ -56,6 +58,8 @@ class RequestHandler:
         self.tok, self.cfg = scheduler.tokenizer, scheduler.engine.config
         self.default_max_tokens, self.max_soft_tokens = default_max_tokens, max_soft_tokens
         self.allowed_image_dirs = allowed_image_dirs
+        # infill (`suffix`) runs outside the slots, one request at a time (`infill`)
+        self.infill_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dgemma-infill")
 
     def check_prompt_length(self, n: int, param: str) -> None:
         """400 at once for a prompt that leaves no room for a canvas (before the other prompts are tokenized)."""
@@ -196,6 +200,58 @@ class RequestHandler:
                 raise APIError(400, str(e), param="messages" if images is not None else "max_tokens") from None
             raise
         return reqs
+
+    async def infill(self, body: CompletionRequest, prompts: list[list[int]]) -> dict:
+        """A completion with OpenAI's `suffix`: each prompt's text is the middle between the prompt and
+        the suffix, by the library's `Engine.infill` with the request's sampler and seed (the suffix
+        pinned on the canvas right after each candidate middle length, then EOS; the candidate the
+        model's causal pass finds most likely is kept; docs/api.md). It runs outside the slots, one
+        request at a time in a thread of its own, so the same request gives the library's middle."""
+        self.check_model(body)
+        for param, bad, why in (("stream", body.stream, "the middle's length is chosen after every candidate is "
+                                 "generated, so nothing can be streamed before the end"),
+                                ("n", body.n > 1, "infill gives one middle per prompt"),
+                                ("stop", bool(body.stops), "the suffix ends the middle")):
+            if bad:
+                raise APIError(400, f"{param} cannot go with suffix: {why}", param=param)
+        sampler = self.sampler_for(body)
+        if self.scheduler._started_at is not None and not self.scheduler.ready.is_set():
+            raise APIError(503, f"the server is still compiling its programs ({self.scheduler.runner.progress()}); "
+                                "retry shortly", "server_error", "starting",
+                           headers={"Retry-After": str(STARTING_RETRY_AFTER_S)})
+        seed = body.seed if body.seed is not None else secrets.randbits(63)
+        budget = body.max_tokens if body.max_tokens is not None else self.scheduler.canvas_length
+        job = functools.partial(self._infill, prompts, body.suffix, sampler, seed, budget)
+        try:
+            middles, steps = await asyncio.get_running_loop().run_in_executor(self.infill_pool, job)
+        except ValueError as e:
+            raise APIError(400, str(e), param="suffix" if "suffix" in str(e) else "max_tokens") from None
+        choices = [{"index": i, "text": self.tok.decode(m, skip_special=True), "finish_reason": "stop",
+                    "logprobs": None} for i, m in enumerate(middles)]
+        prompt, completion = sum(len(p) for p in prompts), sum(len(m) for m in middles)
+        self.scheduler.metrics.prompt_tokens.inc(prompt)
+        self.scheduler.metrics.generation_tokens.inc(completion)
+        return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices,
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                          "denoising_steps": int(np.sum(steps))}}
+
+    def _infill(self, prompts, suffix: str, sampler, seed: int, budget: int):
+        """(middles' ids, denoiser passes of each chosen candidate); ValueError naming a bad input."""
+        ids = self.tok.encode(suffix) if suffix else []
+        if not ids:
+            raise ValueError("suffix is empty (it has no tokens): send the text that follows the completion, or "
+                             "leave suffix out")
+        for p in prompts:   # the prompt, the middle's budget, the suffix and its EOS within a slot's context
+            self.scheduler.check_fits(len(p), budget + len(ids) + 1)
+        width = max(len(p) for p in prompts)
+        tokens = np.full((len(prompts), width), self.cfg.pad_id, np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = p
+        engine = self.scheduler.engine.with_sampler(sampler)
+        out = engine.infill(tokens, np.asarray([len(p) for p in prompts], np.int32), suffixes=[ids] * len(prompts),
+                            rng=seed, max_new_tokens=budget)
+        return out.middles, out.steps
 
     def usage(self, prompts, finals: dict, n: int) -> dict:
         completion = sum(ev.token_count for ev in finals.values())

@@ -15,6 +15,7 @@ Counted per sequence (one choice of one prompt: a request with n=2 finishes two)
     vllm:prefix_cache_hits_total     counter    of those, found there (usage...cached_tokens)
     dgemma:denoising_steps_total     counter    denoiser passes (usage.denoising_steps)
     dgemma:canvases_total            counter    canvases settled
+    vllm:num_preemptions_total       counter    sequences preempted (their cache row moved to the host)
     vllm:time_to_first_token_seconds histogram  submission -> a sequence's first committed canvas
     vllm:e2e_request_latency_seconds histogram  submission -> a sequence's end
     vllm:request_queue_time_seconds  histogram  submission -> its slot
@@ -68,6 +69,8 @@ class Metrics:
                                    registry=r)
         self.steps = Counter("dgemma:denoising_steps", "Denoiser passes of settled canvases.", registry=r)
         self.canvases = Counter("dgemma:canvases", "Canvases settled.", registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Sequences preempted (their cache row kept on the host).",
+                                   registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Submission to a sequence's first committed "
                               "canvas.", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Submission to a sequence's end.",

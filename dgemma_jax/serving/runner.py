@@ -14,6 +14,7 @@ import numpy as np
 
 from dgemma_jax.engine import Engine
 from dgemma_jax.engine.programs import compiled_memory
+from dgemma_jax.sampling import slots as slots_lib
 
 
 class TickResult(NamedTuple):
@@ -43,12 +44,14 @@ class SlotRunner:
         self.prefill_widths = tuple(sorted(set(prefill_widths)))
         self.programs: dict[str, dict[str, Any]] = {"slot_tick": {"state": "pending"}}
         self.programs.update({f"prefill_slot_{w}": {"state": "pending"} for w in self.prefill_widths})
+        self.programs.update({"read_row": {"state": "pending"}, "write_row": {"state": "pending"}})
         self.memory: dict[str, dict[str, int]] = {}
         self.image_compiles = 0
         self.cache = None
         self.state = None
         self._tick = None
         self._prefills: dict[Any, Any] = {}
+        self._read_row = self._write_row = None
 
     # ------------------------------------------------------------------ start-up
     def start(self, tick_args: dict) -> None:
@@ -59,11 +62,13 @@ class SlotRunner:
         self.state = self.engine.new_slots(self.slots)
         jobs = {"slot_tick": functools.partial(self.compile_tick, tick_args)}
         jobs.update({f"prefill_slot_{w}": functools.partial(self.prefill_program, w) for w in self.prefill_widths})
+        jobs.update(read_row=self._compile_read_row, write_row=self._compile_write_row)
         with concurrent.futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="dgemma-compile") as pool:
             done = {name: pool.submit(self._timed, name, job) for name, job in jobs.items()}
         for future in done.values():
             future.result()
         self._tick = done["slot_tick"].result()
+        self._read_row, self._write_row = done["read_row"].result(), done["write_row"].result()
 
     def progress(self) -> str:
         """Start-up progress in words: "1 of 3 programs compiled"."""
@@ -86,6 +91,18 @@ class SlotRunner:
         compiled = self.engine.programs.slot_tick.lower(self.engine.params, cache=self.cache, state=self.state,
                                                         **args).compile()
         self.memory["slot_tick"] = compiled_memory(compiled)
+        return compiled
+
+    def _compile_read_row(self):
+        compiled = self.engine.programs.read_row.lower(self.cache, np.int32(0)).compile()
+        self.memory["read_row"] = compiled_memory(compiled)
+        return compiled
+
+    def _compile_write_row(self):
+        row = jax.eval_shape(slots_lib.read_row, self.cache, np.int32(0))
+        row = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), row)
+        compiled = self.engine.programs.write_row.lower(self.cache, np.int32(0), row).compile()
+        self.memory["write_row"] = compiled_memory(compiled)
         return compiled
 
     def prefill_program(self, width: int, images=None):
@@ -118,6 +135,14 @@ class SlotRunner:
             return
         pixels = self.engine.place(np.asarray(images.pixel_values, np.float32), np.asarray(images.position_ids, np.int32))
         self.cache = self.prefill_program(width, pixels)(self.engine.params, images=tuple(pixels), **kw)
+
+    def save_row(self, slot: int):
+        """Slot `slot`'s cache row (its keys, values and length) copied to host memory (numpy)."""
+        return jax.device_get(self._read_row(self.cache, np.int32(slot)))
+
+    def restore_row(self, slot: int, row) -> None:
+        """Put a row `save_row` gave (from any slot) into slot `slot`."""
+        self.cache = self._write_row(self.cache, np.int32(slot), row)
 
     def tick(self, args: dict, previews: bool) -> TickResult:
         """One call of the compiled tick on the slots' cache and state (both replaced by its output)."""

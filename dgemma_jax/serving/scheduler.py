@@ -17,9 +17,13 @@ slot is busy decoding (nothing can be admitted) one call of the tick program run
 (one of a request's `n`) ends at EOS, at `max_tokens`, at a stop string, or when its client is gone
 (its slot is free after the current call).
 
-Admission: a free slot takes the waiting choice with the lowest `Request.priority` (vLLM's field),
-the earliest among equals; a running choice is never preempted. Every counter and latency of
-`GET /metrics` is kept here (`self.metrics`, `serving/metrics.py`).
+Admission and preemption are the planner's (`serving/planner.py`, `policy`): with "fcfs" a free slot
+takes the waiting choice with the lowest `Request.priority` (vLLM's field), the earliest among
+equals, and a running choice keeps its slot; with "preempt" (default) the queue is ordered by
+priority then work left, and a running choice at a canvas boundary gives its slot to a waiting one of
+higher priority or much less work, its cache row kept in host memory (`SlotRunner.save_row`) and
+restored into a free slot when it is admitted again. Every counter and latency of `GET /metrics` is
+kept here (`self.metrics`, `serving/metrics.py`).
 
 Prefix reuse: with `prefix_reuse` (default) a slot keeps what its cache row holds after its request
 ends (the prompt, every committed canvas, and the last canvas committed too), and a new prompt goes
@@ -29,8 +33,9 @@ short beginning (under `SMALL_PREFILL` tokens and half its row); a row longer th
 caches is reused only up to canvas + 1 tokens before its end (`model.cache.rewind_ok`). The reused tokens are
 `SeqEvent.cached_tokens` (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
 
-The scheduler keeps the books (the queue, the slots, what each cache row holds, the tick arguments)
-and decides what each tick runs; the device side (the slots' cache and state, the compiled programs,
+The planner keeps the books (the queue, the slots, what each cache row holds) and decides who goes
+where; the scheduler drives it from its worker thread (the lifecycle, the tick arguments, events and
+metrics) and carries its decisions out; the device side (the slots' cache and state, the compiled programs,
 the calls that run them) is `serving/runner.py`. A prompt's chunks and its identity for prefix
 matching are `serving/chunks.py`, what a client sees of a choice's tokens (text, stop strings,
 previews) `serving/output.py`.
@@ -55,19 +60,18 @@ import numpy as np
 
 from dgemma_jax.engine import Engine
 from dgemma_jax.engine.inputs import new_tokens_that_fit
-from dgemma_jax.io.prompts import common_prefix
 from dgemma_jax.model.cache import rewind_ok
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, choice_keys
 from dgemma_jax.serving import chunks as chunks_lib
 from dgemma_jax.serving.metrics import Metrics
 from dgemma_jax.serving.output import OutputProcessor, SeqEvent
+from dgemma_jax.serving.planner import SMALL_PREFILL, Choice, Drop, Planner, Preempt
 from dgemma_jax.serving.runner import SlotRunner
 
 log = logging.getLogger("dgemma_jax.serving")
 
-
-SMALL_PREFILL = 32    # the prefill width of short prompts and of a long prompt's last few tokens
+__all__ = ["Request", "Scheduler", "QueueFull", "ShuttingDown", "Starting", "SMALL_PREFILL"]
 
 
 class QueueFull(Exception):
@@ -105,28 +109,12 @@ class Request:
     submitted: float = dataclasses.field(default_factory=time.monotonic)
 
 
-@dataclasses.dataclass
-class _Choice:
-    request: Request
-    index: int
-    key: np.ndarray                 # uint32 key data of its row key
-    n_canvases: int
-    tokens: list = dataclasses.field(default_factory=list)
-    steps: int = 0                  # denoiser passes of its finished canvases
-    canvas: int = 0                 # canvases finished
-    slot: int = -1
-    admitted_tick: int = -1
-    chunks: list = dataclasses.field(default_factory=list)   # prompt chunks still to prefill
-    begin: bool = False             # its slot starts canvas `canvas` on the next tick
-    cached: int = 0                 # prompt tokens reused from the slot's row
-
-
 class Scheduler:
     """N slots of one engine's model, fed from a bounded queue by a worker thread."""
 
     def __init__(self, engine: Engine, tokenizer: Any, *, slots: int = 8, context: int | None = None,
                  max_queue: int = 256, default_sampler: SamplerConfig | None = None, prefill_chunk: int = 512,
-                 prefix_reuse: bool = True, ticks_per_call: int = 16):
+                 prefix_reuse: bool = True, ticks_per_call: int = 16, policy: str = "preempt"):
         """engine: its sampler gives the canvas length, EOS ids and stability threshold of every
         request, and its `max_denoising_steps` the most steps a request may ask for.
         default_sampler: a request's settings when it names none (default: the engine's).
@@ -137,7 +125,8 @@ class Scheduler:
         rest (module docstring).
         ticks_per_call: the most ticks one call of the tick program runs while every slot is busy
         decoding (it returns when a canvas settles; otherwise a call runs one tick, so a new request
-        is admitted at the next tick). A cancelled request leaves at the end of the call."""
+        is admitted at the next tick). A cancelled request leaves at the end of the call.
+        policy: "preempt" or "fcfs" (`serving/planner.py`)."""
         cfg, smp = engine.config, engine.sampler
         self.default_sampler = default_sampler or smp
         shared = ("canvas_length", "eos_ids", "pad_id", "stability_threshold", "accept", "stop")   # the tick's own
@@ -160,12 +149,11 @@ class Scheduler:
         # the device side: the slots' cache and state, the compiled tick and prefills
         self.runner = SlotRunner(engine, self.slots, self.context, self.prefill_widths)
         self.ticks_per_call = int(ticks_per_call)
-        self._busy: list[_Choice | None] = [None] * self.slots
-        # prefix reuse: what each row holds (`content_keys` of its committed tokens) and its last use
-        self._rows: list[np.ndarray] = [np.zeros((0,), np.int64) for _ in range(self.slots)]
-        self._row_used = [0] * self.slots
+        # the books: the queue, the slots' sequences, what each cache row holds (guarded by _cond)
+        self.plan = Planner(self.slots, self.context, smp.canvas_length, prefix_reuse=self.prefix_reuse,
+                            policy=policy, image_blocks=lambda ids: chunks_lib.image_blocks(cfg, ids),
+                            can_rewind=lambda row, keep: rewind_ok(cfg, self.context, row, keep))
         self._knobs = None
-        self._queue: collections.deque[_Choice] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -246,7 +234,7 @@ class Scheduler:
     def pending(self) -> int:
         """Sequences queued or in a slot."""
         with self._cond:
-            return len(self._queue) + sum(c is not None for c in self._busy)
+            return len(self.plan.queue) + self.plan.running()
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop taking requests, finish every submitted one, then end the worker."""
@@ -272,7 +260,7 @@ class Scheduler:
                                            request.images)
             keys = np.asarray(jax.random.key_data(choice_keys(int(request.seed), request.n)))
             n_canvas = -(-request.max_tokens // self.canvas_length)
-            choices += [_Choice(request, i, keys[i], n_canvas) for i in range(request.n)]
+            choices += [Choice(request, i, keys[i], n_canvas) for i in range(request.n)]
         if self._started_at is not None and not self.ready.is_set():  # compiling (before start: queued)
             if self.error is not None:
                 raise ShuttingDown(f"the server failed to start ({self.error}); restart it")
@@ -282,10 +270,10 @@ class Scheduler:
                 raise ShuttingDown("the server is shutting down and takes no new requests")
             if self.error is not None:
                 raise ShuttingDown(f"the server's worker failed ({self.error}); restart it")
-            if len(self._queue) + len(choices) > self.max_queue:
-                raise QueueFull(f"the queue holds {len(self._queue)} waiting sequences (limit {self.max_queue}) and "
+            if len(self.plan.queue) + len(choices) > self.max_queue:
+                raise QueueFull(f"the queue holds {len(self.plan.queue)} waiting sequences (limit {self.max_queue}) and "
                                 f"this request adds {len(choices)}; retry later")
-            self._queue.extend(choices)
+            self.plan.add(choices)
             self.stats["requests"] += len(requests)
             self._cond.notify_all()
         self.metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in requests))
@@ -293,9 +281,10 @@ class Scheduler:
 
     def status(self) -> dict:
         with self._cond:
-            busy = sum(c is not None for c in self._busy)
+            busy = self.plan.running()
             since = self._started_at
-            return {"slots": self.slots, "busy_slots": busy, "queued": len(self._queue), "context": self.context,
+            return {"slots": self.slots, "busy_slots": busy, "queued": len(self.plan.queue), "context": self.context,
+                    "policy": self.plan.policy,
                     "canvas_length": self.canvas_length, "stopping": self._stopping, "ready": self.ready.is_set(),
                     "worker_alive": bool(self._thread and self._thread.is_alive()),
                     "memory": self.runner.memory,
@@ -316,27 +305,23 @@ class Scheduler:
             if c is not None:
                 keys[s], canvas_index[s] = c.key, c.canvas
                 last[s] = c.canvas + 1 >= c.n_canvases
-                keep[s] = self._keeps(s)
+                keep[s] = self.plan.keeps(s)
         return dict(keys=jax.random.wrap_key_data(keys),
                     canvas_index=canvas_index, begin=np.zeros(n, bool) if begin is None else begin,
                     active=np.zeros(n, bool) if active is None else active, last=last, keep=keep,
                     knobs=self._knobs[1], max_ticks=np.int32(max_ticks))
-
-    def _keeps(self, s: int) -> bool:
-        """Slot s's last canvas goes into its row too (prefix reuse keeps the answer), when it fits."""
-        return self.prefix_reuse and len(self._rows[s]) + self.canvas_length <= self.context
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
         try:
             while True:
                 with self._cond:
-                    while not self._queue and not any(self._busy) and not self._stopping:
+                    while self.plan.idle() and not self._stopping:
                         self._cond.wait()
-                    if self._stopping and not self._queue and not any(self._busy):
+                    if self._stopping and self.plan.idle():
                         return
                 self._admit()
-                if any(self._busy):
+                if any(self.plan.busy):
                     self._tick()
         except BaseException as e:  # noqa: BLE001 - reported to every waiting client, then re-raised
             log.exception("the scheduler's worker failed")
@@ -345,70 +330,38 @@ class Scheduler:
             raise
 
     def _admit(self) -> None:
-        """Give each free slot a waiting choice: the slot whose row shares the longest beginning with
-        the choice's prompt (prefix reuse), else the least recently used one. Its prompt chunks then
-        go in one per tick."""
-        while True:
-            free = [s for s in range(self.slots) if self._busy[s] is None]
-            if not free:
-                return
-            choice = self._next()
-            while choice is not None and choice.request.cancelled.is_set():
-                self._emit(choice, "cancelled")
-                self.stats["finished_cancelled"] += 1
-                self._finished(choice, "cancelled")
-                choice = self._next()
-            if choice is None:
-                return
-            req = choice.request
-            ids = np.asarray(req.prompt_ids, np.int32)
-            slot, reuse = free[0], 0
-            if self.prefix_reuse:
-                blocks = chunks_lib.image_blocks(self.engine.config, ids) if req.images is not None else []
-                shared = {s: self._reusable(s, req.content, len(ids), blocks) for s in free}
-                slot = max(free, key=lambda s: (shared[s], -self._row_used[s]))
-                # a short shared beginning (a BOS, a chat header) of a long row is not worth that row:
-                # the least recently used slot is overwritten instead
-                if shared[slot] < SMALL_PREFILL and 2 * shared[slot] < len(self._rows[slot]):
-                    slot = min(free, key=lambda s: self._row_used[s])
-                reuse = shared[slot]
-            choice.chunks = self.plan_chunks(ids, req.images, start=reuse)
-            choice.cached, choice.slot, choice.admitted_tick = reuse, slot, self.stats["ticks"]
-            self._rows[slot] = self._rows[slot][:reuse]
-            self._row_used[slot] = self.stats["ticks"] + 1
-            self.stats["prefix_tokens_reused"] += reuse
-            self.metrics.prefix_queries.inc(len(ids))
-            self.metrics.prefix_hits.inc(reuse)
-            self.metrics.queue_time.observe(time.monotonic() - req.submitted)
-            with self._cond:
-                self._busy[slot] = choice
-            self.stats["prefills"] += 1
-
-    def _next(self) -> "_Choice | None":
-        """The waiting choice to admit next: the lowest priority value, the earliest among equals."""
+        """Carry out the planner's decisions (`Planner.plan`): cancelled waiting choices end, preempted
+        ones have their slot's row copied to the host, admitted ones get their saved row back or their
+        prompt chunks queued (one per tick)."""
         with self._cond:
-            if not self._queue:
-                return None
-            i = min(range(len(self._queue)), key=lambda k: self._queue[k].request.priority)
-            choice = self._queue[i]
-            del self._queue[i]
-            return choice
+            decisions = self.plan.plan(self.stats["ticks"])
+        for d in decisions:
+            if isinstance(d, Drop):
+                self._emit(d.choice, "cancelled")
+                self.stats["finished_cancelled"] += 1
+                self._finished(d.choice, "cancelled")
+            elif isinstance(d, Preempt):
+                t0 = time.perf_counter()
+                d.choice.saved = self.runner.save_row(d.slot)
+                self.stats["preempt_save_ms"] += round(1e3 * (time.perf_counter() - t0), 3)
+                self.stats["preemptions"] += 1
+                self.metrics.preemptions.inc()
+            elif d.restore:
+                t0 = time.perf_counter()
+                self.runner.restore_row(d.slot, d.choice.saved)
+                d.choice.saved = None
+                self.stats["preempt_restore_ms"] += round(1e3 * (time.perf_counter() - t0), 3)
+                self.stats["restores"] += 1
+            else:
+                c, req = d.choice, d.choice.request
+                c.chunks = self.plan_chunks(np.asarray(req.prompt_ids, np.int32), req.images, start=d.reuse)
+                self.stats["prefix_tokens_reused"] += d.reuse
+                self.metrics.prefix_queries.inc(len(req.prompt_ids))
+                self.metrics.prefix_hits.inc(d.reuse)
+                self.metrics.queue_time.observe(time.monotonic() - req.submitted)
+                self.stats["prefills"] += 1
 
-    def _reusable(self, slot: int, content: np.ndarray, length: int, blocks) -> int:
-        """How many of a prompt's first tokens slot `slot`'s row holds already: the common beginning of
-        the row and the prompt's `content_keys`, at least one of its `length` tokens left to prefill,
-        never ending inside one of its image `blocks`; 0 when rewinding the row that far would need
-        tokens its sliding layers' ring caches have overwritten (`model.cache.rewind_ok`: at most
-        canvas_length + 1 tokens back from the row's end, unless the ring holds the whole row)."""
-        m = min(common_prefix(self._rows[slot], content), length - 1)
-        for b, e in blocks:
-            if b < m < e:
-                m = b
-        if m > 0 and not rewind_ok(self.engine.config, self.context, len(self._rows[slot]), m):
-            return 0   # the row's sliding-layer rings no longer hold the window before that prefix's end
-        return max(m, 0)
-
-    def _prefill_chunk(self, c: _Choice) -> None:
+    def _prefill_chunk(self, c: Choice) -> None:
         """One of the choice's prompt chunks into its slot's row."""
         start, end, width, imgs = c.chunks.pop(0)
         ids = np.asarray(c.request.prompt_ids, np.int32)
@@ -418,7 +371,7 @@ class Scheduler:
         before = self.runner.image_compiles
         self.runner.prefill(c.slot, tokens, n, start, imgs)
         self.stats["image_prefill_compiles"] += self.runner.image_compiles - before
-        self._rows[c.slot] = np.concatenate([self._rows[c.slot][:start], c.request.content[start:end]])
+        self.plan.rows[c.slot] = np.concatenate([self.plan.rows[c.slot][:start], c.request.content[start:end]])
         self.stats["prefill_chunks"] += 1
         if not c.chunks:
             c.begin = True
@@ -428,16 +381,16 @@ class Scheduler:
         other busy slot one denoising step a tick until a canvas settles (one tick a call unless every
         slot is busy decoding and nobody asked for previews) and commits the settled canvases that
         go into the cache."""
-        for s, c in enumerate(self._busy):
+        for s, c in enumerate(self.plan.busy):
             if c is not None and c.request.cancelled.is_set():
                 self._emit(c, "cancelled")
                 self._free(s, "cancelled")
         prefilled = False
-        for c in self._busy:
+        for c in self.plan.busy:
             if c is not None and c.chunks:
                 self._prefill_chunk(c)
                 prefilled = True
-        busy = list(self._busy)
+        busy = list(self.plan.busy)
         active = np.array([c is not None and not c.chunks for c in busy], bool)
         if not active.any():
             self.stats["ticks"] += 1
@@ -463,7 +416,7 @@ class Scheduler:
                              bool(args["last"][s]), bool(args["keep"][s]))
         self.stats["ticks"] += 1
 
-    def _settle(self, s: int, c: _Choice, tokens: np.ndarray, steps: int, eos: bool, nonfinite: bool,
+    def _settle(self, s: int, c: Choice, tokens: np.ndarray, steps: int, eos: bool, nonfinite: bool,
                 last: bool, keep: bool) -> None:
         """A slot's canvas ended this tick: its tokens join the answer; the request goes on (its next
         canvas starts on the next tick) or ends."""
@@ -473,7 +426,7 @@ class Scheduler:
             log.warning("slot %d met non-finite logits: the model's weights or activations hold NaN/Inf, so this "
                         "answer is not the model's (check the checkpoint)", s)
         if (not eos and not last) or keep:   # what slot_tick committed into the row
-            self._rows[s] = np.concatenate([self._rows[s], tokens.astype(np.int64)])
+            self.plan.rows[s] = np.concatenate([self.plan.rows[s], tokens.astype(np.int64)])
             self.stats["commits"] += 1
         owed = c.request.max_tokens - c.canvas * l
         c.tokens.extend(int(t) for t in tokens[:owed])
@@ -496,16 +449,15 @@ class Scheduler:
 
     def _free(self, s: int, reason: str) -> None:
         with self._cond:
-            c, self._busy[s] = self._busy[s], None
+            c = self.plan.free(s, self.stats["ticks"])
             self.stats["finished_" + reason] += 1
-        self._row_used[s] = self.stats["ticks"] + 1
         self._finished(c, reason)
 
-    def _finished(self, c: _Choice, reason: str) -> None:
+    def _finished(self, c: Choice, reason: str) -> None:
         self.metrics.finished(reason)
         self.metrics.e2e.observe(time.monotonic() - c.request.submitted)
 
-    def _emit(self, c: _Choice, reason: str | None, preview=None, preview_steps: int = 0) -> str | None:
+    def _emit(self, c: Choice, reason: str | None, preview=None, preview_steps: int = 0) -> str | None:
         """Send the choice's event (`output.OutputProcessor`) to its listener; returns its finish reason."""
         ev = self.outputs.event(c, reason, self.stats["ticks"], preview, preview_steps)
         try:
@@ -517,9 +469,9 @@ class Scheduler:
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cond:
-            pending = [c for c in self._busy if c is not None] + list(self._queue)
-            self._queue.clear()
-            self._busy = [None] * self.slots
+            pending = [c for c in self.plan.busy if c is not None] + list(self.plan.queue)
+            self.plan.queue.clear()
+            self.plan.busy = [None] * self.slots
         for c in pending:
             self.metrics.finished("error")
             try:

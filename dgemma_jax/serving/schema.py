@@ -149,6 +149,8 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[int]]
+    # OpenAI's: the text after the completion (infill: the answer is the middle, `Engine.infill`)
+    suffix: str | None = None
 
     @model_validator(mode="after")
     def _non_empty(self):

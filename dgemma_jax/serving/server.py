@@ -410,6 +410,8 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
         handler.check_size(body, len(body.prompts()))
         # off the event loop: a long prompt takes a while to tokenize, and /health and the streams wait for none
         prompts = await asyncio.get_running_loop().run_in_executor(text_pool, handler.completion_ids, body)
+        if body.suffix is not None:
+            return await handler.infill(body, prompts)
         return await handler.run(http, body, prompts, chat=False)
 
     @app.get("/v1/models")
