@@ -142,3 +142,24 @@ def allowed_tokens(matcher, vocab_size: int) -> np.ndarray:
     """[V] bool: the tokens the matcher allows next (its bitmask unpacked)."""
     bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
     return bits[:vocab_size].astype(bool)
+
+
+def schema_of_response_format(response_format: Any):
+    """(json_schema or None, json_object) of an OpenAI `response_format`: {"type": "json_object"} (any
+    JSON object) or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}.
+    {"type": "text"} is not a constraint and is refused here (the caller skips it).
+
+    Raises:
+      ValueError naming the field that is wrong."""
+    if not isinstance(response_format, dict) or "type" not in response_format:
+        raise ValueError('response_format must be an object with a "type": "json_object" or "json_schema"')
+    kind = response_format["type"]
+    if kind == "json_object":
+        return None, True
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError('response_format {"type": "json_schema"} needs "json_schema": {"name": ..., '
+                             '"schema": {...}} with the schema as a JSON object')
+        return spec["schema"], False
+    raise ValueError(f'response_format.type must be "json_object" or "json_schema"; got {kind!r}'[:200])
