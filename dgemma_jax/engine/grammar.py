@@ -131,11 +131,16 @@ def compile_grammar(tokenizer, vocab_size: int, eos_ids, *, json_schema: Any = N
         try:
             text = llg.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         except ValueError as e:
-            raise ValueError(f"the JSON schema cannot be compiled: {e}") from None
+            raise ValueError(f"the JSON schema cannot be compiled: {_one_line(str(e))}") from None
     error = llg.LLMatcher.validate_grammar(text, llg_tokenizer(tokenizer, vocab_size, eos_ids))
     if error:
-        raise ValueError(f"the {kind} cannot be compiled by {GRAMMAR_LIBRARY}: {error.strip()}"[:600])
+        raise ValueError(f"the {kind} cannot be compiled by {GRAMMAR_LIBRARY}: {_one_line(error)}"[:600])
     return Grammar(llg_tokenizer(tokenizer, vocab_size, eos_ids), text, kind, source)
+
+
+def _one_line(message: str) -> str:
+    """llguidance's multi-line error (a caret under the regex) on one line."""
+    return " ".join(message.split())
 
 
 def allowed_tokens(matcher, vocab_size: int) -> np.ndarray:
