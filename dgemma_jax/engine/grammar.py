@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import weakref
 from typing import Any
 
@@ -131,11 +132,20 @@ def compile_grammar(tokenizer, vocab_size: int, eos_ids, *, json_schema: Any = N
         try:
             text = llg.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         except ValueError as e:
-            raise ValueError(f"the JSON schema cannot be compiled: {_one_line(str(e))}") from None
+            raise ValueError(f"the JSON schema cannot be compiled: {_regex_error(str(e))}") from None
     error = llg.LLMatcher.validate_grammar(text, llg_tokenizer(tokenizer, vocab_size, eos_ids))
     if error:
-        raise ValueError(f"the {kind} cannot be compiled by {GRAMMAR_LIBRARY}: {_one_line(error)}"[:600])
+        raise ValueError(f"the {kind} cannot be compiled by {GRAMMAR_LIBRARY}: {_regex_error(error)}"[:600])
     return Grammar(llg_tokenizer(tokenizer, vocab_size, eos_ids), text, kind, source)
+
+
+def _regex_error(message: str) -> str:
+    """llguidance's error on one line; a regex parse error (the regex, a caret line, "error: ...") as
+    "regex '...': what is wrong"."""
+    parse = re.search(r"regex parse error:\s*\n\s*(.*)\n(?:.*\n)*?error: (.+)", message)
+    if parse:
+        return f"regex {parse.group(1).strip()!r}: {parse.group(2).strip()}"
+    return _one_line(message)
 
 
 def _one_line(message: str) -> str:
