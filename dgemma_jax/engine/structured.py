@@ -26,6 +26,7 @@ benchmarks/structured_output.py).
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Sequence
 
 import jax.numpy as jnp
@@ -42,13 +43,17 @@ class StructuredOutput:
     """tokens: each row's answer ids (no EOS / pad); finish_reasons: "stop" (the grammar is complete and
     the answer ended) or "length" (the budget ran out first; the text is a valid prefix); steps: [B, C]
     denoiser passes per canvas; repairs: [B] positions the constraint chose instead of the model's argmax;
-    nonfinite: [B] the row met non-finite logits."""
+    nonfinite: [B] the row met non-finite logits; constraint_s: [B] host seconds in the constraint (the
+    matcher's walk, masks and repair scores), step_s: [B] seconds in the denoising steps (dispatch to
+    the argmax on the host)."""
 
     tokens: list
     finish_reasons: list
     steps: np.ndarray
     repairs: np.ndarray
     nonfinite: np.ndarray
+    constraint_s: np.ndarray
+    step_s: np.ndarray
 
 
 def token_scores(table, soft_row):
@@ -143,7 +148,8 @@ def generate_structured(engine, prompt_tokens, lengths, grammars: Grammar | Sequ
 
     def scores(soft_row):
         return score_program(table, soft_row)
-    out = StructuredOutput([], [], np.zeros((b, n_canvas), np.int32), np.zeros((b,), np.int32), np.zeros((b,), bool))
+    out = StructuredOutput([], [], np.zeros((b, n_canvas), np.int32), np.zeros((b,), np.int32), np.zeros((b,), bool),
+                           np.zeros((b,)), np.zeros((b,)))
     for i, (t, n, key, cache, _, _, _) in enumerate(rows):
         walker = _Walker(grammars[i], engine.config.vocab_size, int(sampler.eos_ids[0]), scores)
         cache = p.prefill(params, tokens=t, lengths=n, cache=cache, images=None)
@@ -154,15 +160,21 @@ def generate_structured(engine, prompt_tokens, lengths, grammars: Grammar | Sequ
             walker.start(l)
             state = canvas.state
             while True:
+                t0 = time.perf_counter()
                 seed, pinned = engine.place(walker.seed, walker.pinned)
                 state = p.denoise_step(params, cache=cache, context_end=cache.lengths, keys=canvas.keys, state=state,
                                        seed=seed, pinned=pinned)
                 argmax = np.asarray(state.argmax)[0]
+                t1 = time.perf_counter()
                 walker.advance(argmax, state.soft, owed)
+                out.step_s[i] += t1 - t0
+                out.constraint_s[i] += time.perf_counter() - t1
                 if (int(state.step) >= sampler.max_denoising_steps or bool(np.asarray(state.done)[0])
                         or walker.ended or walker.held >= owed):
                     break
+            t1 = time.perf_counter()
             final = walker.finish(np.asarray(state.argmax)[0], state.soft, owed)
+            out.constraint_s[i] += time.perf_counter() - t1
             out.steps[i, c] = int(np.asarray(state.steps)[0])
             out.nonfinite[i] |= bool(np.asarray(state.nonfinite)[0])
             last = walker.ended or c + 1 >= n_canvas
