@@ -46,8 +46,9 @@ setup(
     extras_require={
         # gcp-storage-emulator: the local GCS that gs:// training work directories are tested against
         # (tests/helpers/fake_gcs.py; the tests also need gcsfs, from [tpu] or [gcs])
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "openai>=1.40", "httpx>=0.27", "jsonschema>=4.20", "xprof>=2.24",
-                 "ruff>=0.8", "gcp-storage-emulator>=2026.7"],
+        # jsonschema: structured output's answers validated (tests/test_structured*.py)
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "openai>=1.40", "httpx>=0.27", "xprof>=2.24",
+                 "ruff>=0.8", "gcp-storage-emulator>=2026.7", "jsonschema>=4.20"],
         # The numerical reference: Hugging Face transformers' diffusion_gemma on CPU. Not needed by the
         # default tests (they read tests/golden); install it with the CPU wheel index, else pip takes
         # the multi-GB CUDA build of torch:

@@ -258,8 +258,17 @@ class DiffusionGemma:
         return texts[0] if single else texts
 
     def grammar(self, json_schema: Any = None, regex: str | None = None, response_format: dict | None = None):
-        """The compiled constraint (`engine.grammar.Grammar`) of one of a JSON schema, a regex or an OpenAI
-        `response_format` for this checkpoint's tokenizer. Raises ValueError naming the problem."""
+        """The compiled constraint of one of a JSON schema, a regex or an OpenAI `response_format`, for
+        this checkpoint's tokenizer (compile once, pass to `engine.generate_structured` many times).
+
+        Args:
+          json_schema: a JSON schema (a dict or its JSON text); regex: a regex the whole answer matches;
+            response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}.
+        Returns:
+          an `engine.grammar.Grammar`.
+        Raises:
+          ValueError naming the problem (none or several given, a bad schema or regex, one the grammar
+          library cannot compile)."""
         given = [x is not None for x in (json_schema, regex, response_format)]
         if sum(given) != 1:
             raise ValueError("give one of json_schema, regex or response_format")

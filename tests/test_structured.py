@@ -8,7 +8,6 @@ import json
 import re
 
 import jsonschema
-import numpy as np
 import pytest
 
 from dgemma_jax import ModelConfig, init_params
