@@ -40,12 +40,15 @@ setup(
         "starlette>=0.37",  # the server's 404/405 handler (fastapi's own dependency)
         "h11>=0.14",  # the server's header timeout on uvicorn's h11 protocol (uvicorn's own dependency)
         "pydantic>=2",
+        # structured output (dgemma_jax/engine/grammar.py): JSON schema / regex token masks
+        "llguidance>=1.9,<2",
     ],
     extras_require={
         # gcp-storage-emulator: the local GCS that gs:// training work directories are tested against
         # (tests/helpers/fake_gcs.py; the tests also need gcsfs, from [tpu] or [gcs])
+        # jsonschema: structured output's answers validated (tests/test_structured*.py)
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "openai>=1.40", "httpx>=0.27", "xprof>=2.24",
-                 "ruff>=0.8", "gcp-storage-emulator>=2026.7"],
+                 "ruff>=0.8", "gcp-storage-emulator>=2026.7", "jsonschema>=4.20"],
         # The numerical reference: Hugging Face transformers' diffusion_gemma on CPU. Not needed by the
         # default tests (they read tests/golden); install it with the CPU wheel index, else pip takes
         # the multi-GB CUDA build of torch:

@@ -17,6 +17,7 @@ from dgemma_jax import compile_cache
 from dgemma_jax.compile_cache import CompileCounter
 from dgemma_jax.chat_session import ChatSession
 from dgemma_jax.engine import Engine
+from dgemma_jax.engine.grammar import compile_grammar
 from dgemma_jax.engine.inputs import DEFAULT_NEW_TOKENS, default_new_tokens
 from dgemma_jax.engine.outputs import warn_if_cut_short
 from dgemma_jax.errors import UsageError
@@ -180,6 +181,7 @@ def cmd_generate(args) -> int:
     if not prompt:
         raise UsageError("empty prompt: pass --prompt TEXT or pipe text on stdin")
     _check_infill_flags(args)
+    grammar_args = _structured_flags(args)
     checkpoint = args.checkpoint
     if args.image and checkpoint in (None, ""):  # the default model for a picture: the bundled one that reads them
         checkpoint = f"{BUNDLED}:{VISION_NAME}"
@@ -202,6 +204,8 @@ def cmd_generate(args) -> int:
     engine = Engine(cfg, params, sampler, shardings=shardings, runtime=runtime_for(args))
     if args.suffix is not None:
         return _generate_infill(args, engine, tok, tokens, compiles)
+    if grammar_args is not None:
+        return _generate_structured(args, engine, tok, tokens, grammar_args, compiles)
     seed, pinned = _seed_canvas(args, tok, sampler, 1)
     max_new = default_new_tokens(cfg, sampler, len(ids)) if args.max_new_tokens is None else args.max_new_tokens
     kw = dict(rng=args.seed, max_new_tokens=max_new, seed_canvas=seed, pinned=pinned, images=images)
@@ -242,6 +246,54 @@ def _check_infill_flags(args) -> None:
             raise UsageError(f"--suffix cannot be combined with {flag}: infill pins its own canvas")
     if not args.suffix:
         raise UsageError("--suffix is empty: give the text that follows the answer, or leave --suffix out")
+
+
+def _structured_flags(args):
+    """--json-schema FILE / --regex: the `compile_grammar` keywords (None without either)."""
+    if args.json_schema is None and args.regex is None:
+        return None
+    if args.json_schema is not None and args.regex is not None:
+        raise UsageError("give --json-schema or --regex, not both")
+    for flag, given in (("--suffix", args.suffix is not None), ("--seed-canvas", args.seed_canvas),
+                        ("--show-steps", args.show_steps), ("--image", args.image), ("--profile", args.profile)):
+        if given:
+            raise UsageError(f"{'--regex' if args.regex is not None else '--json-schema'} cannot be combined with "
+                             f"{flag}")
+    if args.regex is not None:
+        return {"regex": args.regex}
+    try:
+        with open(args.json_schema) as f:
+            text = f.read()
+    except OSError as e:
+        raise UsageError(f"--json-schema: cannot read {args.json_schema!r}: {e.strerror or e}") from None
+    try:
+        return {"json_schema": json.loads(text)}
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--json-schema: {args.json_schema!r} is not valid JSON: {e}") from None
+
+
+def _generate_structured(args, engine, tok, tokens, grammar_args, compiles) -> int:
+    """--json-schema / --regex: print an answer valid under the grammar (`Engine.generate_structured`)."""
+    flag = "--regex" if "regex" in grammar_args else "--json-schema"
+    try:
+        grammar = compile_grammar(tok, engine.config.vocab_size, engine.sampler.eos_ids, **grammar_args)
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}") from None
+    cfg, sampler = engine.config, engine.sampler
+    max_new = default_new_tokens(cfg, sampler, tokens.shape[1]) if args.max_new_tokens is None else args.max_new_tokens
+    t0 = time.perf_counter()
+    out = engine.generate_structured(tokens, None, grammars=grammar, rng=args.seed, max_new_tokens=max_new)
+    dt = time.perf_counter() - t0
+    main_print(tok.decode(out.tokens[0], skip_special=True))
+    if out.finish_reasons[0] == "length":
+        print(f"dgemma: warning: the answer reached --max-new-tokens {max_new} before the {grammar.kind} was "
+              "complete: it is a valid prefix only; raise --max-new-tokens", file=sys.stderr)
+    if not args.quiet and is_main_process():
+        ran = out.steps[0][out.steps[0] > 0]
+        print(f"[structured ({grammar.kind}): finish_reason {out.finish_reasons[0]}, {len(ran)} canvas(es), steps "
+              f"per canvas {ran.tolist()}, {int(out.repairs[0])} positions repaired, {len(out.tokens[0])} tokens in "
+              f"{dt:.2f} s incl. compilation; {compiles.summary()}]", file=sys.stderr)
+    return 0
 
 
 def _generate_infill(args, engine, tok, tokens, compiles) -> int:
@@ -459,6 +511,9 @@ def add_commands(sub, positive):
     s.add_argument("--suffix", default=None, metavar="TEXT",
                    help="infill: print the middle between the prompt and TEXT (the suffix is pinned on the canvas; "
                         "--max-new-tokens bounds the middle, default one canvas)")
+    s.add_argument("--json-schema", dest="json_schema", default=None, metavar="FILE",
+                   help="structured output: the answer is JSON valid under the JSON schema in FILE")
+    s.add_argument("--regex", default=None, metavar="REGEX", help="structured output: the answer matches REGEX")
     s.add_argument("--max-prompt", type=positive(int), dest="max_prompt", default=None,
                    help="refuse prompts longer than this many tokens (default: no limit but the model's positions)")
     s.add_argument("--image", action="append", default=[], metavar="PATH",

@@ -21,6 +21,7 @@ import numpy as np
 
 from dgemma_jax.chat_session import split_reply
 from dgemma_jax.engine import Engine
+from dgemma_jax.engine.grammar import compile_grammar, schema_of_response_format
 from dgemma_jax.engine.inputs import default_new_tokens
 from dgemma_jax.engine.outputs import warn_if_cut_short
 from dgemma_jax.errors import DgemmaWarning, UsageError
@@ -197,6 +198,7 @@ class DiffusionGemma:
 
     def generate(self, text: str | Sequence[str], max_new_tokens: int | None = None, seed: int | Sequence[int] = 0,
                  images=None, max_soft_tokens: int | None = None, suffix: str | Sequence[str] | None = None,
+                 json_schema: Any = None, regex: str | None = None, response_format: dict | None = None,
                  **kw) -> Any:
         """Text in, text out.
 
@@ -218,6 +220,11 @@ class DiffusionGemma:
             canvas after each candidate middle length, the most likely kept); prompt + answer + suffix
             is the whole text, and the suffix is not in the answer. max_new_tokens bounds the middle
             (default: one canvas); `kw` may hold `max_candidates` / `middle_lengths`.
+          json_schema, regex, response_format: structured output (one of them): a JSON schema (a dict or
+            its JSON text), a regex, or an OpenAI `response_format` ({"type": "json_object"} or
+            {"type": "json_schema", "json_schema": {"schema": {...}}}). Every answer is valid under it
+            (`Engine.generate_structured`), unless the budget runs out first: then a DgemmaWarning says
+            so and the text is a valid prefix. A schema or regex that cannot be compiled is a ValueError.
           **kw: more `Engine.generate` arguments (cache_length, ...).
         Returns:
           the generated text (special tokens skipped), or a list of them for a list of prompts.
@@ -227,6 +234,11 @@ class DiffusionGemma:
         single = isinstance(text, str)
         if suffix is not None:
             return self._infill(text, suffix, max_new_tokens, seed, images, kw)
+        if json_schema is not None or regex is not None or response_format is not None:
+            if images is not None or kw:
+                raise ValueError("structured output takes text prompts and max_new_tokens / seed only")
+            return self._structured(text, self.grammar(json_schema=json_schema, regex=regex,
+                                                       response_format=response_format), max_new_tokens, seed)
         if images is not None:
             if not single:
                 raise ValueError("images go with one prompt: pass text as a string (batch prompts with images "
@@ -243,6 +255,41 @@ class DiffusionGemma:
         if not given:
             warn_if_cut_short(self.config, max_new_tokens, out.finished, context, kw.get("cache_length"))
         texts = [self.tokenizer.decode_generated(row, skip_special=True) for row in np.asarray(out.tokens)]
+        return texts[0] if single else texts
+
+    def grammar(self, json_schema: Any = None, regex: str | None = None, response_format: dict | None = None):
+        """The compiled constraint of one of a JSON schema, a regex or an OpenAI `response_format`, for
+        this checkpoint's tokenizer (compile once, pass to `engine.generate_structured` many times).
+
+        Args:
+          json_schema: a JSON schema (a dict or its JSON text); regex: a regex the whole answer matches;
+            response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}.
+        Returns:
+          an `engine.grammar.Grammar`.
+        Raises:
+          ValueError naming the problem (none or several given, a bad schema or regex, one the grammar
+          library cannot compile)."""
+        given = [x is not None for x in (json_schema, regex, response_format)]
+        if sum(given) != 1:
+            raise ValueError("give one of json_schema, regex or response_format")
+        json_object = False
+        if response_format is not None:
+            json_schema, json_object = schema_of_response_format(response_format)
+        return compile_grammar(self.tokenizer, self.config.vocab_size, self.sampler.eos_ids, json_schema=json_schema,
+                               regex=regex, json_object=json_object)
+
+    def _structured(self, text, grammar, max_new_tokens, seed) -> Any:
+        single = isinstance(text, str)
+        tokens, lengths = self.encode_batch([text] if single else list(text))
+        if max_new_tokens is None:
+            max_new_tokens = default_new_tokens(self.config, self.sampler, int(lengths.max()))
+        out = self.engine.generate_structured(tokens, lengths, grammars=grammar, rng=seed,
+                                              max_new_tokens=max_new_tokens, nonfinite="raise")
+        if "length" in out.finish_reasons:
+            warnings.warn(f"{out.finish_reasons.count('length')} answer(s) reached max_new_tokens={max_new_tokens} "
+                          f"before the {grammar.kind} was complete: their text is a valid prefix only; raise "
+                          "max_new_tokens", DgemmaWarning, stacklevel=3)
+        texts = [self.tokenizer.decode(ids, skip_special=True) for ids in out.tokens]
         return texts[0] if single else texts
 
     def _infill(self, text, suffix, max_new_tokens, seed, images, kw) -> Any:

@@ -42,7 +42,9 @@ def test_suffix_gives_the_middle_the_library_gives_and_the_suffix_once_at_the_en
 def test_suffix_refuses_what_it_cannot_honour_by_name(client):
     ask = dict(model=MODEL, prompt="s12=", seed=0, max_tokens=8)
     for extra, param in ((dict(suffix=""), "suffix"), (dict(suffix="9", n=2), "n"),
-                         (dict(suffix="9", stop=["x"]), "stop"), (dict(suffix="9", max_tokens=200), "max_tokens")):
+                         (dict(suffix="9", stop=["x"]), "stop"), (dict(suffix="9", max_tokens=200), "max_tokens"),
+                         (dict(suffix="9", extra_body=dict(response_format={"type": "json_object"})),
+                          "response_format")):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**{**ask, **extra})
         assert e.value.body["param"] == param, e.value.body

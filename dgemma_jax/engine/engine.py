@@ -26,6 +26,7 @@ import numpy as np
 from dgemma_jax import compile_cache
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.engine import infill as infill_driver
+from dgemma_jax.engine import structured as structured_driver
 from dgemma_jax.engine.inputs import canvas_length_warning, check_images, check_images_host, check_sampler, prepare_inputs
 from dgemma_jax.engine.outputs import report_nonfinite, reporting
 from dgemma_jax.engine.placement import layers_for, runtime_for
@@ -296,6 +297,21 @@ class Engine:
           an `InfillOutput` (middles without the suffix, chosen lengths, every candidate's score).
         """
         return infill_driver.infill(self, prompt_tokens, lengths, suffixes, rng=rng, max_new_tokens=max_new_tokens, **kw)
+
+    def generate_structured(self, prompt_tokens, lengths=None, *, grammars, rng: Any = 0,
+                            max_new_tokens: int | None = None, nonfinite: str = "warn"):
+        """Answers valid under a grammar (`engine.structured`: between denoising steps the canvas's valid
+        prefix is pinned and the first position the grammar rejects is repaired from its mask).
+
+        Args:
+          prompt_tokens: [B, P] right-padded prompts; lengths: [B] (default P).
+          grammars: one `engine.grammar.Grammar` (`compile_grammar`) for every row, or one per row.
+          rng, max_new_tokens, nonfinite: as `generate` (each row runs alone, with its own seed's key).
+        Returns:
+          a `StructuredOutput` (answer ids, finish reasons "stop" / "length", steps, repairs).
+        """
+        return structured_driver.generate_structured(self, prompt_tokens, lengths, grammars, rng=rng,
+                                                     max_new_tokens=max_new_tokens, nonfinite=nonfinite)
 
     def _prepare(self, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache=None,
                  images=None):

@@ -201,7 +201,7 @@ class RequestHandler:
             raise
         return reqs
 
-    async def infill(self, body: CompletionRequest, prompts: list[list[int]]) -> dict:
+    async def infill(self, body: CompletionRequest, prompts: list[list[int]], grammar=None) -> dict:
         """A completion with OpenAI's `suffix`: each prompt's text is the middle between the prompt and
         the suffix, by the library's `Engine.infill` with the request's sampler and seed (the suffix
         pinned on the canvas right after each candidate middle length, then EOS; the candidate the
@@ -211,7 +211,9 @@ class RequestHandler:
         for param, bad, why in (("stream", body.stream, "the middle's length is chosen after every candidate is "
                                  "generated, so nothing can be streamed before the end"),
                                 ("n", body.n > 1, "infill gives one middle per prompt"),
-                                ("stop", bool(body.stops), "the suffix ends the middle")):
+                                ("stop", bool(body.stops), "the suffix ends the middle"),
+                                ("response_format", grammar is not None, "a constrained middle between a "
+                                 "prefix and a suffix is not supported; send one or the other")):
             if bad:
                 raise APIError(400, f"{param} cannot go with suffix: {why}", param=param)
         sampler = self.sampler_for(body)

@@ -57,6 +57,9 @@ class _Common(BaseModel):
     canvas_length: int | None = Field(None, ge=1)
     # vLLM's: a lower value is admitted to a free slot first (equal values in arrival order)
     priority: int = Field(0, ge=-2 ** 31, lt=2 ** 31)
+    # OpenAI's structured output: {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}
+    # (serving/structured.py checks it)
+    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _no_autoregressive_sampling(self):

@@ -50,6 +50,7 @@ from dgemma_jax.serving.handler import DEFAULT_MAX_TOKENS, APIError, RequestHand
 from dgemma_jax.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dgemma_jax.serving.scheduler import Scheduler
 from dgemma_jax.serving.schema import ChatRequest, CompletionRequest
+from dgemma_jax.serving.structured import StructuredRunner
 
 DRAIN_BODY_GRACE_S = 1.0    # while draining, how long a request that just began may take to send its body
 HEADER_TIMEOUT_S = 10.0     # a connection's request line and headers must arrive within this (dgemma serve --header-timeout)
@@ -364,7 +365,8 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
     text_pool = concurrent.futures.ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="dgemma-text")
     image_pool = concurrent.futures.ThreadPoolExecutor(IMAGE_WORKERS, thread_name_prefix="dgemma-images")
     budget = images_lib.PixelBudget(decode_pixels)
-    app.state.pools = (text_pool, image_pool)
+    structured = StructuredRunner(handler)   # response_format (serving/structured.py)
+    app.state.pools = (text_pool, image_pool, structured.pool)
 
     def image_pixels(body: ChatRequest) -> int:
         """The pixels the request's images decode to (from their headers), after a 400 when its text
@@ -391,6 +393,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
         handler.check_model(body)
         handler.check_size(body, 1)
         loop = asyncio.get_running_loop()
+        grammar = await loop.run_in_executor(text_pool, structured.grammar, body)
         if images_lib.has_image_parts([m.model_dump(include={"content"}) for m in body.messages]) \
                 and getattr(cfg, "vision", None) is not None:
             handler.sampler_for(body)   # the cheap checks first
@@ -402,6 +405,8 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
         else:
             ids, images = await loop.run_in_executor(text_pool, handler.chat_ids, body)
         handler.check_prompt_length(len(ids), "messages")   # the prompt, not max_tokens, is what does not fit
+        if grammar is not None:
+            return await structured.run(body, grammar, [ids], chat=True, images=images)
         return await handler.run(http, body, [ids], chat=True, images=images)
 
     @app.post("/v1/completions")
@@ -409,9 +414,12 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
         handler.check_model(body)
         handler.check_size(body, len(body.prompts()))
         # off the event loop: a long prompt takes a while to tokenize, and /health and the streams wait for none
+        grammar = await asyncio.get_running_loop().run_in_executor(text_pool, structured.grammar, body)
         prompts = await asyncio.get_running_loop().run_in_executor(text_pool, handler.completion_ids, body)
         if body.suffix is not None:
-            return await handler.infill(body, prompts)
+            return await handler.infill(body, prompts, grammar)
+        if grammar is not None:
+            return await structured.run(body, grammar, prompts, chat=False)
         return await handler.run(http, body, prompts, chat=False)
 
     @app.get("/v1/models")
