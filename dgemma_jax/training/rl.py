@@ -79,42 +79,47 @@ def grpo_objective(lp, lp_old, lp_ref, mask, advantages, *, clip_eps: float, kl_
                   "logp_per_token": (lp * m).sum() / denom}
 
 
-def rl_update(state: TrainState, frozen, reference, batch: dict, *, config: ModelConfig, num_canvases: int,
-              optimizer: optax.GradientTransformation, lora: LoraSpec | None, num_samples: int, t_eps: float,
-              clip_eps: float, kl_beta: float, updates: int, schedule: Callable | None = None,
-              runtime: Runtime | None = None):
-    """`updates` optimizer steps on one rollout batch (tokens laid out as SFT's plus "advantages" [B]).
+def grpo_loss(frozen, reference, batch: dict, rng: jax.Array, old_params, *, config: ModelConfig, num_canvases: int,
+              lora: LoraSpec | None, num_samples: int, t_eps: float, clip_eps: float, kl_beta: float,
+              runtime: Runtime | None = None) -> Callable:
+    """The surrogate of one rollout batch as a function of the trainable parameters: f(trainable) -> (loss, metrics).
 
-    reference: the frozen reference's full parameters (full fine-tuning); None with LoRA (the reference
-    is then `frozen`, the base, without adapters)."""
-    key = jax.random.wrap_key_data(state.rng)
-    key, sub = jax.random.split(key)
-    score = functools.partial(token_logprobs, batch=batch, rng=sub, config=config, num_canvases=num_canvases,
+    old_params: the trainable parameters the rollouts came from (lp_old, held fixed); reference: the
+    reference's full parameters (full fine-tuning), None with LoRA (the reference is then `frozen`, the
+    base, without adapters). Every score uses `rng`: one set of noisy canvases for all three."""
+    score = functools.partial(token_logprobs, batch=batch, rng=rng, config=config, num_canvases=num_canvases,
                               num_samples=num_samples, t_eps=t_eps, runtime=runtime)
 
     def policy_logprobs(trainable):
         params, adapters = model_variables(config, trainable, frozen, lora)
         return score(params, adapters=adapters)
 
-    lp_old, mask = policy_logprobs(state.params)
+    lp_old, mask = policy_logprobs(old_params)
     lp_old = jax.lax.stop_gradient(lp_old)
-    if kl_beta > 0:
-        lp_ref = jax.lax.stop_gradient(score(frozen if lora is not None else reference)[0])
-    else:
-        lp_ref = lp_old
+    lp_ref = jax.lax.stop_gradient(score(frozen if lora is not None else reference)[0]) if kl_beta > 0 else lp_old
     adv = batch["advantages"].astype(jnp.float32)
 
     def objective(trainable):
         lp, _ = policy_logprobs(trainable)
         return grpo_objective(lp, lp_old, lp_ref, mask, adv, clip_eps=clip_eps, kl_beta=kl_beta)
 
+    return objective
+
+
+def rl_update(state: TrainState, frozen, reference, batch: dict, *, optimizer: optax.GradientTransformation,
+              updates: int, schedule: Callable | None = None, **loss_kw):
+    """`updates` optimizer steps on one rollout batch (tokens laid out as SFT's plus "advantages" [B]);
+    loss_kw: `grpo_loss`'s keywords. Metrics: the first update's (at the rollout policy)."""
+    key = jax.random.wrap_key_data(state.rng)
+    key, sub = jax.random.split(key)
+    objective = grpo_loss(frozen, reference, batch, sub, state.params, **loss_kw)
     params, opt_state = state.params, state.opt_state
     metrics = None
     for _ in range(updates):
         (_, m), grads = jax.value_and_grad(objective, has_aux=True)(params)
         upd, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, upd)
-        if metrics is None:  # the first update's (at the rollout policy) loss, KL and gradient
+        if metrics is None:
             metrics = dict(m, grad_norm=optax.global_norm(grads))
     if schedule is not None:
         metrics["lr"] = jnp.asarray(schedule(state.step * updates), jnp.float32)
