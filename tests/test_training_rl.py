@@ -41,14 +41,29 @@ def _tiny(**changes):
     return ModelConfig(**{**over, **changes})
 
 
+# One model for every test (compiles dominate: each distinct program is compiled once here). Every token
+# takes all experts (top_k = num_experts): the MoE's top-k choice is piecewise constant, and a finite
+# difference across a flip measures the jump, not the slope; all-experts routing keeps the estimate smooth.
+CANVASES = 2
+
+
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = _tiny()
-    lay = Layout(prompt_length=12, num_canvases=3, canvas_length=cfg.canvas_length)
-    src = TaskSource(TaskMix([Task("sort", 3, 9)]), task_tokenizer(), lay, batch_size=8, seed=3)
+    cfg = _tiny(num_experts=2, top_k=2)
+    lay = Layout(prompt_length=12, num_canvases=CANVASES, canvas_length=cfg.canvas_length)
+    src = TaskSource(TaskMix([Task("sort", 3, 7)]), task_tokenizer(), lay, batch_size=8, seed=3)
     batch = {k: jnp.asarray(v) for k, v in src.batch(0).items()}
     assert len(set(np.asarray(batch["num_canvases"]).tolist())) > 1  # rows with different canvas counts
     return cfg, init_params(cfg, 0), lay, batch
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num_samples"))
+def _token_logprobs(params, batch, rng, *, cfg, num_samples):
+    return token_logprobs(params, batch, rng, config=cfg, num_canvases=CANVASES, num_samples=num_samples)
+
+
+def _seq(params, batch, rng, cfg, num_samples=2):
+    return _token_logprobs(params, batch, rng, cfg=cfg, num_samples=num_samples)[0].sum(-1)
 
 
 def _perturbed(params, seed, scale):
@@ -57,39 +72,33 @@ def _perturbed(params, seed, scale):
     return jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
 
 
-def test_likelihood_gradient_matches_finite_differences():
+def test_likelihood_gradient_matches_finite_differences(tiny):
     # float32 (the model computes in float32 at best): central differences along a random direction
-    # (N(0, 0.01^2) per element), step 1e-3, agree with the autodiff slope to 1e-3 (measured: 3e-5; a
-    # 100x longer step is 16% off, curvature, and a 10x shorter one within rounding). The MoE's top-k choice is piecewise constant (a
-    # difference across a flip measures the jump, not the slope), so here every token takes all experts
-    # (top_k = num_experts): the routing weights stay, smooth.
-    cfg = _tiny(num_experts=2, top_k=2)
-    params = init_params(cfg, 0)
-    lay = Layout(prompt_length=12, num_canvases=2, canvas_length=cfg.canvas_length)
-    src = TaskSource(TaskMix([Task("sort", 3, 6)]), task_tokenizer(), lay, batch_size=3, seed=1)
-    batch = {k: jnp.asarray(v) for k, v in src.batch(0).items()}
-    rng = jax.random.key(5)
-    f = jax.jit(lambda p: sequence_logprob(p, batch, rng, config=cfg, num_canvases=2, num_samples=1).sum())
-    grad = jax.jit(jax.grad(f))(params)
+    # (N(0, 0.01^2) per element), step 3e-3, agree with the reverse-mode slope to 5e-3 (measured: 2e-3 and
+    # 3e-4 for the two directions; a 10x longer step is 5-13% off, curvature, and a 10x shorter one 1.5%
+    # off, the float32 rounding of a sum of ~-376)
+    cfg, params, lay, batch = tiny
+    f = jax.jit(jax.value_and_grad(
+        lambda p: sequence_logprob(p, batch, jax.random.key(5), config=cfg, num_canvases=CANVASES).sum()))
+    _, grad = f(params)
     for seed in (7, 8):
         direction = _perturbed(jax.tree.map(jnp.zeros_like, params), seed, 0.01)
         analytic = sum(float((g * d).sum()) for g, d in zip(jax.tree.leaves(grad), jax.tree.leaves(direction)))
-        eps = 1e-3
-        plus = f(jax.tree.map(lambda p, d: p + eps * d, params, direction))
-        minus = f(jax.tree.map(lambda p, d: p - eps * d, params, direction))
+        eps = 3e-3
+        plus = f(jax.tree.map(lambda p, d: p + eps * d, params, direction))[0]
+        minus = f(jax.tree.map(lambda p, d: p - eps * d, params, direction))[0]
         numeric = float((plus - minus) / (2 * eps))
         assert abs(analytic) > 1.0  # a real slope, not 0 = 0
-        np.testing.assert_allclose(analytic, numeric, rtol=1e-3)
+        np.testing.assert_allclose(analytic, numeric, rtol=5e-3)
     # every parameter group that the estimate reads gets a gradient (encoder KV and denoiser alike)
     assert float(jnp.abs(grad["embedding"]).max()) > 0
 
 
 def test_shared_noise_makes_the_estimate_a_function_of_params_and_rng(tiny):
     cfg, params, lay, batch = tiny
-    kw = dict(config=cfg, num_canvases=lay.num_canvases, num_samples=2)
-    lp, mask = token_logprobs(params, batch, jax.random.key(0), **kw)
-    again, _ = token_logprobs(params, batch, jax.random.key(0), **kw)
-    other, _ = token_logprobs(params, batch, jax.random.key(1), **kw)
+    lp, mask = _token_logprobs(params, batch, jax.random.key(0), cfg=cfg, num_samples=2)
+    again, _ = _token_logprobs(params, batch, jax.random.key(0), cfg=cfg, num_samples=2)
+    other, _ = _token_logprobs(params, batch, jax.random.key(1), cfg=cfg, num_samples=2)
     np.testing.assert_array_equal(np.asarray(lp), np.asarray(again))       # reference == policy at equal params
     assert not np.allclose(np.asarray(lp), np.asarray(other))               # another rng: other noise
     # positions past a row's valid canvases are masked and score 0
@@ -99,73 +108,78 @@ def test_shared_noise_makes_the_estimate_a_function_of_params_and_rng(tiny):
     assert (np.asarray(lp)[~np.asarray(mask)] == 0).all() and (np.asarray(lp)[np.asarray(mask)] < 0).all()
     # shared noise: the policy-minus-reference difference varies less across rngs than with independent noise
     moved = _perturbed(params, 3, 0.005)
-    seq = jax.jit(lambda p, r: sequence_logprob(p, batch, r, **kw))
-    shared = [np.asarray(seq(moved, jax.random.key(s)) - seq(params, jax.random.key(s))) for s in range(6)]
-    apart = [np.asarray(seq(moved, jax.random.key(s)) - seq(params, jax.random.key(100 + s))) for s in range(6)]
+    shared = [np.asarray(_seq(moved, batch, jax.random.key(s), cfg) - _seq(params, batch, jax.random.key(s), cfg))
+              for s in range(6)]
+    apart = [np.asarray(_seq(moved, batch, jax.random.key(s), cfg) - _seq(params, batch, jax.random.key(100 + s), cfg))
+             for s in range(6)]
     assert np.var(shared, axis=0).mean() < 0.1 * np.var(apart, axis=0).mean()
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_canvases", "lora", "kl_beta"))
-def _grads(trainable, frozen, reference, old, batch, *, cfg, num_canvases, lora, kl_beta):
-    obj = grpo_loss(frozen, reference, batch, jax.random.key(9), old, config=cfg, num_canvases=num_canvases,
+@functools.partial(jax.jit, static_argnames=("cfg", "lora", "kl_beta"))
+def _grads(trainable, frozen, reference, old, batch, *, cfg, lora, kl_beta):
+    obj = grpo_loss(frozen, reference, batch, jax.random.key(9), old, config=cfg, num_canvases=CANVASES,
                     lora=lora, num_samples=1, t_eps=1e-3, clip_eps=0.2, kl_beta=kl_beta)
     return jax.grad(lambda p: obj(p)[0])(trainable)
 
 
-def _grpo_grads(cfg, lay, batch, trainable, frozen, reference, old, rewards, lora=None, kl_beta=0.04):
+def _grpo_grads(cfg, batch, trainable, frozen, reference, old, rewards, lora=None, kl_beta=0.04):
     b = dict(batch, advantages=jnp.asarray(group_advantages(rewards, 4)))
-    return _grads(trainable, frozen, reference, old, b, cfg=cfg, num_canvases=lay.num_canvases, lora=lora,
-                  kl_beta=kl_beta)
+    return _grads(trainable, frozen, reference, old, b, cfg=cfg, lora=lora, kl_beta=kl_beta)
 
 
 def _max_abs(tree):
     return max(float(jnp.abs(x).max()) for x in jax.tree.leaves(tree))
 
 
+EQUAL = [1.0] * 4 + [0.25] * 4          # two groups of 4, each all-equal
+UNEQUAL = [1.0, 0.0, 0.0, 0.0] + [0.25] * 4
+
+
 def test_grpo_gradient_is_zero_when_every_group_has_equal_rewards(tiny):
     cfg, params, lay, batch = tiny
-    equal = [1.0] * 4 + [0.25] * 4          # two groups of 4, each all-equal
-    unequal = [1.0, 0.0, 0.0, 0.0] + [0.25] * 4
-    assert (group_advantages(equal, 4) == 0).all()
+    assert (group_advantages(EQUAL, 4) == 0).all()
     # full fine-tuning at the reference (the first step): policy term exactly 0 (A = 0); the KL's gradient
     # (1 - exp(lp_ref - lp)) is 0 up to rounding: the policy's and the reference's scores are the same
     # math on the same noise, compiled apart in one program (they differ by ~1e-7)
-    signal = _max_abs(_grpo_grads(cfg, lay, batch, params, None, params, params, unequal))
+    signal = _max_abs(_grpo_grads(cfg, batch, params, None, params, params, UNEQUAL))
     assert signal > 1e-3
-    assert _max_abs(_grpo_grads(cfg, lay, batch, params, None, params, params, equal)) < 1e-4 * signal
+    assert _max_abs(_grpo_grads(cfg, batch, params, None, params, params, EQUAL)) < 1e-4 * signal
     # away from the reference, without the KL term: still exactly 0 with equal rewards
     moved = _perturbed(params, 4, 0.02)
-    assert _max_abs(_grpo_grads(cfg, lay, batch, moved, None, params, moved, equal, kl_beta=0.0)) == 0.0
+    assert _max_abs(_grpo_grads(cfg, batch, moved, None, params, moved, EQUAL, kl_beta=0.0)) == 0.0
     # ...and with the KL term the gradient pulls back to the reference (non-zero)
-    assert _max_abs(_grpo_grads(cfg, lay, batch, moved, None, params, moved, equal)) > 1e-2 * signal
-    # LoRA (adapters trainable, base frozen, the reference the base): the same holds at fresh adapters
+    assert _max_abs(_grpo_grads(cfg, batch, moved, None, params, moved, EQUAL)) > 1e-2 * signal
+
+
+def test_grpo_gradient_is_zero_with_lora_when_every_group_has_equal_rewards(tiny):
+    # adapters trainable, base frozen, the reference the base: at fresh adapters (B = 0: policy = reference)
+    cfg, params, lay, batch = tiny
     spec = LoraSpec(2, 2.0, ("attention", "mlp"))
     adapters = lora_lib.init_lora(cfg, params, jax.random.key(1), spec.rank, spec.groups)
-    adapters = _perturbed(adapters, 5, 0.0)  # B = 0 at init: adapters off, policy = reference
-    lora_signal = _max_abs(_grpo_grads(cfg, lay, batch, adapters, params, None, adapters, unequal, lora=spec))
-    assert lora_signal > 1e-4
-    assert _max_abs(_grpo_grads(cfg, lay, batch, adapters, params, None, adapters, equal, lora=spec)) < 1e-4 * lora_signal
+    signal = _max_abs(_grpo_grads(cfg, batch, adapters, params, None, adapters, UNEQUAL, lora=spec))
+    assert signal > 1e-4
+    assert _max_abs(_grpo_grads(cfg, batch, adapters, params, None, adapters, EQUAL, lora=spec)) < 1e-4 * signal
 
 
 def test_dpo_loss_at_the_reference_and_its_direction(tiny):
     cfg, params, lay, batch = tiny
     tok = task_tokenizer()
-    prompts = [[tok.bos_id] + tok.encode("s3142=")] * 2
-    chosen = collate([(p, tok.encode(a)) for p, a in zip(prompts, ["1234", "1234"])], lay)
-    rejected = collate([(p, tok.encode(a)) for p, a in zip(prompts, ["4321", "12345678901"])], lay)
+    prompts = [[tok.bos_id] + tok.encode("s3142=")] * 4
+    chosen = collate([(p, tok.encode(a)) for p, a in zip(prompts, ["1234"] * 4)], lay)
+    rejected = collate([(p, tok.encode(a)) for p, a in zip(prompts, ["4321", "12345", "1243", "2134"])], lay)
     both = {k: jnp.concatenate([jnp.asarray(chosen[k]), jnp.asarray(rejected[k])]) for k in chosen}
-    kw = dict(rng=jax.random.key(2), config=cfg, num_canvases=lay.num_canvases, num_samples=2)
-    ref = sequence_logprob(params, both, **kw)
+    rng = jax.random.key(2)
+    ref = _seq(params, both, rng, cfg)
 
     def loss(p):
-        lp = sequence_logprob(p, both, **kw)
-        return dpo_objective(lp[:2], lp[2:], ref[:2], ref[2:], 0.5)[0]
+        lp = sequence_logprob(p, both, rng, config=cfg, num_canvases=CANVASES, num_samples=2)
+        return dpo_objective(lp[:4], lp[4:], ref[:4], ref[4:], 0.5)[0]
 
     value, grad = jax.jit(jax.value_and_grad(loss))(params)
     np.testing.assert_allclose(float(value), np.log(2.0), rtol=1e-5)  # margin 0 at the reference (up to rounding)
-    stepped = jax.tree.map(lambda p, g: p - 0.05 * g, params, grad)
-    lp = jax.jit(lambda p: sequence_logprob(p, both, **kw))(stepped)
-    assert float(((lp[:2] - ref[:2]) - (lp[2:] - ref[2:])).min()) > 0  # chosen up relative to rejected, each pair
+    stepped = jax.tree.map(lambda p, g: p - 1e-3 * g, params, grad)  # a small step: first order
+    lp = _seq(stepped, both, rng, cfg)
+    assert float(((lp[:4] - ref[:4]) - (lp[4:] - ref[4:])).min()) > 0  # chosen up relative to rejected, each pair
 
 
 def test_rl_recipe_errors_name_the_key():

@@ -6,7 +6,7 @@ re-noised at a time t is an ELBO-style term, and its negative, averaged over noi
 For a batch laid out as SFT's (`data.collate`: prompt, then EOS-filled canvases)::
 
     encoder: one causal pass over the clean prompt + all canvases -> cache (as in training)
-    for each sample k < K and each canvas slot c (its context_end s = prompt_length + c * L):
+    for each sample k < K and each canvas slot c (its context_end s = prompt_length + c * L), one scan step:
         t_kc = t_eps + (1 - t_eps) (k + u_kc) / K          (stratified over [t_eps, 1), u ~ U(0, 1))
         x_t  = uniform corruption of the clean canvas with prob t_kc          (corruption.py)
         lp_kc[i] = log softmax(denoise(x_t, context_end = s))[clean_i]        (no self-conditioning)
@@ -60,18 +60,23 @@ def token_logprobs(params, batch: dict, rng: jax.Array, *, config: ModelConfig, 
     b = tokens.shape[0]
     _, cache = encoder_pass(config, params, tokens, lengths, False, adapters=adapters, runtime=runtime)
     k_time, k_noise = jax.random.split(rng)
-    times = stratified_times(k_time, b * num_canvases, num_samples, t_eps).reshape(num_samples, num_canvases, b)
-    per_canvas = []
-    for c in range(num_canvases):
-        start = plen + c * L
+    times = stratified_times(k_time, b * num_canvases, num_samples, t_eps).reshape(num_samples * num_canvases, b)
+
+    # one scan over the K * C (sample, canvas) draws, j = k C + c: the program (and its compile time) does
+    # not grow with K or C; each draw's activations are recomputed in the backward pass (checkpoint), so
+    # memory holds one draw's, not K * C of them
+    @jax.checkpoint
+    def draw(_, xs):
+        j, t = xs
+        start = plen + (j % num_canvases) * L
         clean = gather_canvas(tokens, start, L)
-        acc = jnp.zeros((b, L), jnp.float32)
-        for k in range(num_samples):
-            noisy, _ = corrupt(jax.random.fold_in(k_noise, k * num_canvases + c), clean, times[k, c], config.vocab_size)
-            logits = denoise_logits(params, config, noisy, start, cache, None, adapters=adapters, runtime=runtime)
-            acc = acc - token_ce(logits, clean)
-        per_canvas.append(acc / num_samples)
-    logp = jnp.concatenate(per_canvas, axis=1)
+        noisy, _ = corrupt(jax.random.fold_in(k_noise, j), clean, t, config.vocab_size)
+        logits = denoise_logits(params, config, noisy, start, cache, None, adapters=adapters, runtime=runtime)
+        return None, -token_ce(logits, clean)
+
+    _, lp = jax.lax.scan(draw, None, (jnp.arange(num_samples * num_canvases, dtype=jnp.int32), times))
+    lp = lp.reshape(num_samples, num_canvases, b, L).mean(0)          # [C, B, L]
+    logp = jnp.transpose(lp, (1, 0, 2)).reshape(b, num_canvases * L)
     valid = jnp.arange(num_canvases, dtype=jnp.int32)[None, :] < batch["num_canvases"][:, None]
     mask = jnp.repeat(valid, L, axis=1)
     return jnp.where(mask, logp, 0.0), mask
