@@ -1,13 +1,15 @@
 """A preference (DPO) run on the bundled text model, measured on held-out pairs before and after.
 
-    flock /tmp/heavy.lock python benchmarks/dpo_bundled.py [--steps 150] [--out benchmarks/results/dpo_bundled.json]
+    flock /tmp/heavy.lock python benchmarks/dpo_bundled.py [--steps 150] [--nll-weights 0,1] [--out ...]
 
 The preference (configs/dpo_bundled.py): for "s<digits>=" the chosen answer is each distinct digit once,
 in order ("s3141592=" -> "123459", shorter), the rejected one the full sorted string the bundled model
 was trained to give ("11234599"). Training pairs: 9-16 uniform random digits from one seed stream;
 held-out pairs from another (an input with no repeated digit, where both answers are equal, is skipped).
 
-Measured on the held-out prompts, before (the bundled weights) and after (the run's export):
+One run per --nll-weights entry, each from the bundled weights: 0 is DPO's loss alone, w > 0 adds w times
+the chosen answer's per-token NLL (rl.nll_weight, RPO's regulariser). Measured on the held-out prompts,
+before (the bundled weights) and after each run (its export):
 
 * generation, with the bundled model's released sampler, one key per prompt: the share of answers equal
   to the chosen one, equal to the rejected one, and their mean length;
@@ -87,6 +89,7 @@ def measure(cfg, params, sampler, tok, held: list[dict], layout: Layout, samples
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--nll-weights", default="0,1", help="comma list: one run per rl.nll_weight")
     ap.add_argument("--train-pairs", type=int, default=2000)
     ap.add_argument("--held-out", type=int, default=200)
     ap.add_argument("--workdir", default=None)
@@ -105,21 +108,27 @@ def main():
 
     cfg, params, sampler, tok = load_bundled()
     recipe = os.path.join(ROOT, "configs", "dpo_bundled.py")
-    rc = load_config(recipe, {"data.path": train_path, "train.workdir": os.path.join(work, "run"),
-                              "train.num_steps": args.steps})
+    rc = load_config(recipe, {"data.path": train_path})
     layout = Layout(int(rc.data.prompt_length), int(rc.data.num_canvases), cfg.canvas_length,
                     eos_id=cfg.eos_ids[0], pad_id=cfg.pad_id)
-
     t0 = time.time()
     before = measure(cfg, params, sampler, tok, held, layout)
     t_measure = time.time() - t0
-    t0 = time.time()
-    summary = train(rc)
-    t_train = time.time() - t0
-    tuned = load_params(os.path.join(work, "run", "export"))
-    after = measure(cfg, tuned, sampler, tok, held, layout)
-    with open(os.path.join(work, "run", "metrics.jsonl")) as f:
-        curve = [json.loads(line) for line in f]
+
+    runs = []
+    for w in [float(x) for x in args.nll_weights.split(",")]:
+        run_dir = os.path.join(work, f"run_nll{w:g}")
+        rc = load_config(recipe, {"data.path": train_path, "train.workdir": run_dir, "train.num_steps": args.steps,
+                                  "rl.nll_weight": w})
+        t0 = time.time()
+        train(rc)
+        t_train = time.time() - t0
+        after = measure(cfg, load_params(os.path.join(run_dir, "export")), sampler, tok, held, layout)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            curve = [json.loads(line) for line in f]
+        runs.append({"nll_weight": w, "after": after, "train_wall_s": round(t_train, 1),
+                     "train_curve": [{k: r[k] for k in ("step", "loss", "margin", "pair_accuracy", "chosen_logp",
+                                                        "rejected_logp", "grad_norm") if k in r} for r in curve]})
 
     result = {
         "what": "DPO on the bundled digit-sorting model (dgemma-tiny-digits): prefer each distinct digit once "
@@ -128,11 +137,7 @@ def main():
         "steps": args.steps, "batch_pairs": int(rc.data.batch_size), "dpo_beta": float(rc.rl.dpo_beta),
         "num_samples": int(rc.rl.num_samples), "peak_lr": float(rc.optimizer.peak_lr),
         "train_pairs": args.train_pairs, "held_out_pairs": len(held), "held_out_prompts_also_in_training": overlap,
-        "before": before, "after": after,
-        "train_curve": [{k: r[k] for k in ("step", "loss", "margin", "pair_accuracy", "chosen_logp",
-                                           "rejected_logp", "grad_norm") if k in r} for r in curve],
-        "train_wall_s": round(t_train, 1), "measure_wall_s": round(t_measure, 1),
-        "summary_steps": summary.get("steps") if isinstance(summary, dict) else None,
+        "before": before, "runs": runs, "measure_wall_s": round(t_measure, 1),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
                     "load_average_1m_at_end": os.getloadavg()[0]},
     }
@@ -141,9 +146,9 @@ def main():
         json.dump(result, f, indent=1)
     for k in ("generated_chosen", "generated_rejected", "generated_mean_length", "likelihood_prefers_chosen",
               "mean_logp_chosen_minus_rejected"):
-        print(f"{k:34s} before {before[k]:8.3f}   after {after[k]:8.3f}")
-    print(f"train {t_train:.0f} s -> {args.out}")
-
+        print(f"{k:34s} before {before[k]:8.3f}" + "".join(f"   after (nll {r['nll_weight']:g}) {r['after'][k]:8.3f}"
+                                                         for r in runs))
+    print(f"-> {args.out}")
 
 if __name__ == "__main__":
     main()

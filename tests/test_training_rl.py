@@ -199,3 +199,15 @@ def test_rl_recipe_errors_name_the_key():
     with pytest.raises(ValueError, match="no function 'nope'"):
         load_reward("dgemma_jax.training.rewards:nope")
     assert load_reward("dgemma_jax.training.rewards:exact_match")("p", "12", "12") == 1.0
+
+
+def test_dpo_objective_values():
+    lp_c, lp_r = jnp.asarray([-3.0, -10.0]), jnp.asarray([-4.0, -2.0])
+    ref_c, ref_r = jnp.asarray([-5.0, -9.0]), jnp.asarray([-4.0, -4.0])
+    loss, m = dpo_objective(lp_c, lp_r, ref_c, ref_r, 0.5)
+    margin = 0.5 * np.asarray([(-3 + 5) - (-4 + 4), (-10 + 9) - (-2 + 4)])      # [1.0, -1.5]
+    np.testing.assert_allclose(float(loss), np.mean(np.log1p(np.exp(-margin))), rtol=1e-6)
+    assert float(m["pair_accuracy"]) == 0.5
+    # rl.nll_weight adds the chosen answers' per-token NLL (RPO's regulariser)
+    with_nll, _ = dpo_objective(lp_c, lp_r, ref_c, ref_r, 0.5, 2.0, jnp.asarray([8.0, 16.0]))
+    np.testing.assert_allclose(float(with_nll) - float(loss), 2.0 * np.mean([3 / 8, 10 / 16]), rtol=1e-6)

@@ -112,7 +112,10 @@ def test_two_processes_give_the_one_process_update(tmp_path):
         # the rollouts (from the updated policy from step 2 on) and their rewards: identical
         for k in ("reward_mean", "reward_max", "groups_all_equal", "completion_length", "lr"):
             assert a[s][k] == b[s][k], (s, k, a[s][k], b[s][k])
-        # the update: the same up to the order of float sums across processes
+        # the update: step 1's (both from the same initial state) the same up to the order of float sums
+        # across processes; later steps start from parameters that already differ by such rounding, which
+        # Adam's early steps amplify (measured: 2.6e-4 relative in step 3's grad norm)
+        rtol = 1e-5 if s == 1 else 1e-3
         for k in ("grad_norm", "logp_per_token"):
-            np.testing.assert_allclose(b[s][k], a[s][k], rtol=1e-4, err_msg=f"step {s} {k}")
-        np.testing.assert_allclose(b[s]["loss"], a[s]["loss"], rtol=1e-3, atol=1e-6, err_msg=f"step {s} loss")
+            np.testing.assert_allclose(b[s][k], a[s][k], rtol=rtol, err_msg=f"step {s} {k}")
+        np.testing.assert_allclose(b[s]["loss"], a[s]["loss"], rtol=10 * rtol, atol=1e-6, err_msg=f"step {s} loss")

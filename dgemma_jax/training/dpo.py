@@ -5,7 +5,11 @@ rl.chosen_key, rl.rejected_key). The loss is DPO's with every log-likelihood rep
 estimate of `likelihood.sequence_logprob` (VRPO, LLaDA 1.5)::
 
     margin = beta * ((lp(chosen) - lp_ref(chosen)) - (lp(rejected) - lp_ref(rejected)))
-    loss   = -log sigmoid(margin), averaged over pairs
+    loss   = -log sigmoid(margin) + nll_weight * (-lp(chosen) / n_chosen), averaged over pairs
+
+(n_chosen: the chosen row's scored positions; rl.nll_weight 0, the default, is DPO's loss; > 0 adds the
+chosen answer's per-token negative log-likelihood, RPO's regulariser (Pang et al., 2024: iterative
+reasoning preference optimisation), which keeps DPO from lowering both answers' likelihood.)
 
 The policy and the frozen reference (the initial weights; with LoRA the base without adapters) are
 scored with ONE rng per step, so each difference lp - lp_ref is taken on the same noisy canvases (VRPO's
@@ -69,17 +73,21 @@ class PairSource:
         return out
 
 
-def dpo_objective(lp_c, lp_r, ref_c, ref_r, beta: float):
-    """(loss, metrics) of DPO on sequence log-likelihood estimates [B] (policy and reference)."""
+def dpo_objective(lp_c, lp_r, ref_c, ref_r, beta: float, nll_weight: float = 0.0, n_chosen=None):
+    """(loss, metrics) of DPO on sequence log-likelihood estimates [B] (policy and reference); with
+    nll_weight > 0 plus that times the chosen answers' per-token NLL (n_chosen [B]: their scored positions)."""
     margin = beta * ((lp_c - ref_c) - (lp_r - ref_r))
     loss = -jax.nn.log_sigmoid(margin).mean()
+    if nll_weight:
+        loss = loss + nll_weight * (-lp_c / jnp.maximum(n_chosen, 1)).mean()
     return loss, {"loss": loss, "margin": margin.mean(), "pair_accuracy": (margin > 0).astype(jnp.float32).mean(),
                   "chosen_logp": lp_c.mean(), "rejected_logp": lp_r.mean()}
 
 
 def dpo_step(state: TrainState, frozen, reference, batch: dict, *, config: ModelConfig, num_canvases: int,
              optimizer: optax.GradientTransformation, lora: LoraSpec | None, num_samples: int, t_eps: float,
-             beta: float, schedule: Callable | None = None, runtime: Runtime | None = None):
+             beta: float, nll_weight: float = 0.0, schedule: Callable | None = None,
+             runtime: Runtime | None = None):
     """One DPO update. reference: the reference's full parameters (full fine-tuning), None with LoRA."""
     key = jax.random.wrap_key_data(state.rng)
     key, sub = jax.random.split(key)
@@ -93,7 +101,8 @@ def dpo_step(state: TrainState, frozen, reference, batch: dict, *, config: Model
     def objective(trainable):
         params, adapters = model_variables(config, trainable, frozen, lora)
         lp = score(params, adapters=adapters)
-        return dpo_objective(lp[:b], lp[b:], ref[:b], ref[b:], beta)
+        n_chosen = (batch["chosen_num_canvases"] * config.canvas_length).astype(jnp.float32)
+        return dpo_objective(lp[:b], lp[b:], ref[:b], ref[b:], beta, nll_weight, n_chosen)
 
     (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
     upd, opt_state = optimizer.update(grads, state.opt_state, state.params)

@@ -141,7 +141,8 @@ class RLSection:
     ("module:function"), updated updates_per_rollout times on the clipped surrogate (clip_eps) with a
     k3 KL of weight kl_beta against the initial weights. algorithm "dpo": data.path holds JSON lines of
     {prompt, chosen, rejected} (keys data.prompt_key, chosen_key, rejected_key), loss DPO's with
-    dpo_beta. Both score sequences with `likelihood.token_logprobs`: num_samples stratified noise
+    dpo_beta (plus nll_weight times the chosen answers' per-token NLL when > 0, RPO's regulariser).
+    Both score sequences with `likelihood.token_logprobs`: num_samples stratified noise
     draws per canvas, t in [t_eps, 1), shared between the policy and the reference."""
 
     algorithm: str = "grpo"
@@ -152,6 +153,7 @@ class RLSection:
     clip_eps: float = 0.2
     kl_beta: float = 0.04
     dpo_beta: float = 0.1
+    nll_weight: float = 0.0
     t_eps: float = 1e-3
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"

@@ -420,7 +420,8 @@ class Run:
                       num_samples=int(rc.num_samples), t_eps=float(rc.t_eps), schedule=self.schedule,
                       runtime=self.runtime)
         if rc.algorithm == "dpo":
-            fn = jax.jit(functools.partial(dpo_step, beta=float(rc.dpo_beta), **common), donate_argnums=(0,))
+            fn = jax.jit(functools.partial(dpo_step, beta=float(rc.dpo_beta), nll_weight=float(rc.nll_weight), **common),
+                         donate_argnums=(0,))
             return lambda state, frozen, batch: fn(state, frozen, reference, self.place(batch))
         update = jax.jit(functools.partial(rl_update, clip_eps=float(rc.clip_eps), kl_beta=float(rc.kl_beta),
                                            updates=int(rc.updates_per_rollout), **common), donate_argnums=(0,))
