@@ -144,11 +144,17 @@ def test_grpo_gradient_is_zero_when_every_group_has_equal_rewards(tiny):
     signal = _max_abs(_grpo_grads(cfg, batch, params, None, params, params, UNEQUAL))
     assert signal > 1e-3
     assert _max_abs(_grpo_grads(cfg, batch, params, None, params, params, EQUAL)) < 1e-4 * signal
-    # away from the reference, without the KL term: still exactly 0 with equal rewards
+    # away from the reference the KL term pulls back to it (non-zero with equal rewards)...
     moved = _perturbed(params, 4, 0.02)
-    assert _max_abs(_grpo_grads(cfg, batch, moved, None, params, moved, EQUAL, kl_beta=0.0)) == 0.0
-    # ...and with the KL term the gradient pulls back to the reference (non-zero)
     assert _max_abs(_grpo_grads(cfg, batch, moved, None, params, moved, EQUAL)) > 1e-2 * signal
+
+
+def test_grpo_gradient_without_kl_is_exactly_zero_away_from_the_reference_with_equal_rewards(tiny):
+    # ...and without it the gradient is exactly 0 (A = 0): nothing but the advantages drives the update
+    cfg, params, lay, batch = tiny
+    moved = _perturbed(params, 4, 0.02)
+    assert _max_abs(_grpo_grads(cfg, batch, moved, None, params, moved, UNEQUAL, kl_beta=0.0)) > 1e-3
+    assert _max_abs(_grpo_grads(cfg, batch, moved, None, params, moved, EQUAL, kl_beta=0.0)) == 0.0
 
 
 def test_grpo_gradient_is_zero_with_lora_when_every_group_has_equal_rewards(tiny):
