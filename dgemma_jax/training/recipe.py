@@ -1,9 +1,10 @@
 """A training recipe as one typed value: `TrainConfig.from_recipe(config)`.
 
 A recipe is an ml_collections `get_config()` (configs/*.py) with the sections model, init, data,
-objective, optimizer, lora, train and eval. Each section becomes a frozen dataclass here, built once,
-with its defaults in one place; a key no section has is a ValueError naming the nearest valid key,
-so a typo never becomes a silently ignored setting. The trainer reads the typed value only.
+objective, optimizer, lora, train, eval and (RL / preference recipes) rl. Each section becomes a
+frozen dataclass here, built once, with its defaults in one place; a key no section has is a
+ValueError naming the nearest valid key, so a typo never becomes a silently ignored setting. The
+trainer reads the typed value only.
 """
 
 from __future__ import annotations
@@ -131,6 +132,46 @@ class EvalSection:
     response_key: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class RLSection:
+    """rl: reinforcement or preference fine-tuning instead of SFT (`training.rl`, `training.dpo`).
+    algorithm "grpo": data gives the prompts (task problems, or JSON lines with prompt_key and an
+    optional response_key as the reference), each rolled out group_size times with `sampler`
+    (SamplerConfig fields; the model's canvas length, EOS and pad ids unless given), scored by `reward`
+    ("module:function"), updated updates_per_rollout times on the clipped surrogate (clip_eps) with a
+    k3 KL of weight kl_beta against the initial weights. algorithm "dpo": data.path holds JSON lines of
+    {prompt, chosen, rejected} (keys data.prompt_key, chosen_key, rejected_key), loss DPO's with
+    dpo_beta (plus nll_weight times the chosen answers' per-token NLL when > 0, RPO's regulariser).
+    Both score sequences with `likelihood.token_logprobs`: num_samples stratified noise
+    draws per canvas, t in [t_eps, 1), shared between the policy and the reference."""
+
+    algorithm: str = "grpo"
+    group_size: int = 4
+    reward: str | None = None
+    num_samples: int = 2
+    updates_per_rollout: int = 1
+    clip_eps: float = 0.2
+    kl_beta: float = 0.04
+    dpo_beta: float = 0.1
+    nll_weight: float = 0.0
+    t_eps: float = 1e-3
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    sampler: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.algorithm not in ("grpo", "dpo"):
+            raise ValueError(f"rl.algorithm must be 'grpo' or 'dpo', got {self.algorithm!r}")
+        if self.algorithm == "grpo" and int(self.group_size) < 2:
+            raise ValueError(f"rl.group_size must be >= 2 (advantages are relative to the group), got {self.group_size}")
+        if self.algorithm == "grpo" and not self.reward:
+            raise ValueError("rl.algorithm 'grpo' needs rl.reward: a function 'module:function' "
+                             "(e.g. 'dgemma_jax.training.rewards:exact_match')")
+        for name in ("num_samples", "updates_per_rollout"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
+
+
 def optimizer_keys() -> tuple[str, ...]:
     """The optimizer section's keys: `make_optimizer`'s arguments (its step count is train.num_steps)
     and `freeze_router`."""
@@ -143,7 +184,7 @@ def objective_keys() -> tuple[str, ...]:
 
 
 SECTIONS = {"model": ModelSection, "init": InitSection, "data": DataSection, "lora": LoraSection,
-            "train": TrainSection, "eval": EvalSection}
+            "train": TrainSection, "eval": EvalSection, "rl": RLSection}
 
 
 def section_keys() -> dict[str, tuple[str, ...]]:
@@ -174,7 +215,7 @@ def _build(cls, section: str, raw: Mapping[str, Any]):
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A recipe, typed: one frozen section each; `eval` None when the recipe asks for no evaluation
-    (no section, or an empty one). optimizer / objective: `make_optimizer`'s and `ObjectiveConfig`'s
+    (no section, or an empty one); `rl` None for SFT. optimizer / objective: `make_optimizer`'s and `ObjectiveConfig`'s
     keyword arguments, checked against them."""
 
     model: ModelSection
@@ -183,6 +224,7 @@ class TrainConfig:
     lora: LoraSection
     train: TrainSection
     eval: EvalSection | None
+    rl: RLSection | None
     optimizer: Mapping[str, Any]
     objective: Mapping[str, Any]
 
@@ -198,12 +240,14 @@ class TrainConfig:
             if name not in raw:
                 raise ValueError(f"the recipe has no {name} section")
         sections = {name: _build(kind, name, plain(raw.get(name))) for name, kind in SECTIONS.items()
-                    if name != "eval"}
+                    if name not in ("eval", "rl")}
         ev = plain(raw.get("eval"))
         for name, allowed in (("optimizer", optimizer_keys()), ("objective", objective_keys())):
             for key in plain(raw.get(name)):
                 if key not in allowed:
                     raise _unknown(name, key, allowed)
+        rl = plain(raw.get("rl"))
         return cls(eval=_build(EvalSection, "eval", ev) if ev else None,
+                   rl=_build(RLSection, "rl", rl) if rl else None,
                    optimizer={k: _tuple(v) for k, v in plain(raw.get("optimizer")).items()},
                    objective=dict(plain(raw.get("objective"))), **sections)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import json
 import os
@@ -44,6 +45,7 @@ from tqdm.auto import tqdm
 
 from dgemma_jax import compile_cache
 from dgemma_jax.config import RUNTIME_CHOICES, ModelConfig
+from dgemma_jax.engine import Engine
 from dgemma_jax.io.bundled import load_bundled
 from dgemma_jax.io.char_tokenizer import CharTokenizer
 from dgemma_jax.io.hf import load_hf
@@ -52,18 +54,21 @@ from dgemma_jax.io.model_dir import config_from_dict
 from dgemma_jax.io.tokenizer import load_tokenizer
 from dgemma_jax.model.api import init_params, param_shapes
 from dgemma_jax.parallel import Shardings, make_mesh
+from dgemma_jax.parallel.shardings import fetch
 from dgemma_jax.parallel.distributed import is_main_process
 from dgemma_jax.runtime import Runtime, split_choices
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.training import data as data_lib
 from dgemma_jax.training import image_tasks
 from dgemma_jax.training import lora as lora_lib
+from dgemma_jax.training.dpo import PairSource, dpo_step
 from dgemma_jax.training.checkpoint import Checkpointer, load_params, save_params
 from dgemma_jax.training.evaluate import evaluate_exact_match
 from dgemma_jax.training.objective import ObjectiveConfig
 from dgemma_jax.training.optim import make_optimizer
-from dgemma_jax.training.recipe import (DataSection, EvalSection, InitSection, ModelSection, TrainConfig,
+from dgemma_jax.training.recipe import (DataSection, EvalSection, InitSection, ModelSection, RLSection, TrainConfig,
                                         TrainSection, plain, section_keys)
+from dgemma_jax.training.rl import GRPOStep, PromptSource, load_reward, rl_update
 from dgemma_jax.training.plots import plot_loss_curve, read_jsonl
 from dgemma_jax.training.step import LoraSpec, inference_params, init_train_state, make_train_step
 from dgemma_jax.training.tasks import TaskMix, task_tokenizer
@@ -174,6 +179,24 @@ def build_source(dc: DataSection, tokenizer, layout: data_lib.Layout, batch_size
     raise ValueError(f"unknown data.kind {kind!r}: use 'tasks', 'image_tasks', 'jsonl', 'chat' or 'raw_text'")
 
 
+def rl_source(rc: RLSection, dc: DataSection, tokenizer, layout: data_lib.Layout):
+    """The data of an rl recipe: preference pairs (dpo) or prompts with their references (grpo)."""
+    bs, seed = int(dc.batch_size), int(dc.seed)
+    if rc.algorithm == "dpo":
+        if dc.kind != "jsonl" or not dc.path:
+            raise ValueError("rl.algorithm 'dpo' reads preference pairs from JSON lines: set data.kind='jsonl' and "
+                             "data.path (one {prompt, chosen, rejected} per line)")
+        return PairSource(dc.path, tokenizer.encode, layout, bs, seed, dc.prompt_key, rc.chosen_key,
+                          rc.rejected_key, dc.bos_id)
+    if dc.kind == "tasks":
+        return PromptSource(bs, seed, task_source=data_lib.TaskSource(TaskMix.from_config(dc.tasks), tokenizer, layout,
+                                                                      bs, seed))
+    if dc.kind == "jsonl" and dc.path:
+        return PromptSource.from_jsonl(dc.path, bs, seed, dc.prompt_key, dc.response_key)
+    raise ValueError(f"rl.algorithm 'grpo' takes its prompts from data.kind 'tasks' or 'jsonl' (with data.path), "
+                     f"not {dc.kind!r}")
+
+
 def _read_pairs(path: str, prompt_key: str, response_key: str, what: str) -> list[tuple[str, str]]:
     pairs = []
     with open(path) as f:
@@ -249,8 +272,9 @@ def objective_options(dc: DataSection, oc) -> dict:
     return oc
 
 
-def sampler_from(ec: EvalSection | None, cfg: ModelConfig) -> SamplerConfig:
-    sc = dict(ec.sampler) if ec is not None else {}
+def sampler_from(ec: EvalSection | None, cfg: ModelConfig, settings=None) -> SamplerConfig:
+    """The eval section's sampler (or `settings`, e.g. rl.sampler) with the model's canvas length, EOS and pad."""
+    sc = dict(settings) if settings is not None else dict(ec.sampler) if ec is not None else {}
     sc.setdefault("canvas_length", cfg.canvas_length)
     sc.setdefault("eos_ids", cfg.eos_ids)
     sc.setdefault("pad_id", cfg.pad_id)
@@ -339,7 +363,11 @@ class Run:
         self.layout = data_lib.Layout(int(dc.prompt_length), int(dc.num_canvases), L,
                                       eos_id=cfg.eos_ids[0], pad_id=cfg.pad_id)
         self.seed = int(tc.seed)
-        self.source = build_source(dc, self.tokenizer, self.layout, int(dc.batch_size), int(dc.seed), cfg)
+        self.rl = recipe.rl
+        if self.rl is None:
+            self.source = build_source(dc, self.tokenizer, self.layout, int(dc.batch_size), int(dc.seed), cfg)
+        else:
+            self.source = rl_source(self.rl, dc, self.tokenizer, self.layout)
         self.obj = ObjectiveConfig(canvas_length=L, **objective_options(dc, recipe.objective))
         self.num_steps = int(tc.num_steps)
         oc = dict(recipe.optimizer)
@@ -359,26 +387,55 @@ class Run:
         else:
             self.frozen = None
             trainable = base
-        self.optimizer, self.schedule = make_optimizer(total_steps=self.num_steps, freeze=tuple(freeze), **oc)
+        # an RL step makes rl.updates_per_rollout optimizer updates
+        updates = int(self.rl.updates_per_rollout) if self.rl is not None and self.rl.algorithm == "grpo" else 1
+        self.optimizer, self.schedule = make_optimizer(total_steps=self.num_steps * updates, freeze=tuple(freeze), **oc)
         self.state = init_train_state(trainable, self.optimizer, self.seed)
         if self.shardings is not None:  # counters, keys, adapters and their moments: replicated
             n = self.shardings.mesh.devices.size
             self.state = jax.tree.map(lambda x: x if len(x.sharding.device_set) == n
                                       else jax.device_put(x, self.shardings.replicated), self.state)
-        self.step_fn = make_train_step(cfg, self.obj, self.optimizer, schedule=self.schedule, lora=self.lora,
-                                       runtime=self.runtime)
-        if self.shardings is not None:
-            self.step_fn = self._sharded(self.step_fn)
+        if self.rl is None:
+            step_fn = make_train_step(cfg, self.obj, self.optimizer, schedule=self.schedule, lora=self.lora,
+                                      runtime=self.runtime)
+            self.step_fn = lambda state, frozen, batch: step_fn(state, frozen, self.place(batch))
+        else:
+            self.step_fn = self._rl_step(base)
         self.sampler = sampler_from(ec, cfg)
 
-    def _sharded(self, step_fn):
+    def place(self, batch: dict) -> dict:
+        """A host batch as the step's input: split over the mesh's batch axes when sharded."""
         sh = self.shardings
+        if sh is None:
+            return batch
+        return {k: sh.global_array(v, ("batch",) + (None,) * (np.ndim(v) - 1)) for k, v in batch.items()}
 
-        def run(state, frozen, batch):
-            batch = {k: sh.global_array(v, ("batch",) + (None,) * (np.ndim(v) - 1)) for k, v in batch.items()}
-            return step_fn(state, frozen, batch)
+    def _rl_step(self, base):
+        """The step of an rl recipe: a jitted DPO update, or GRPO's rollout + reward + jitted update."""
+        rc, cfg = self.rl, self.model_config
+        # the frozen reference: the base under LoRA (adapters off), else a copy of the initial weights (the
+        # state's own buffers are donated to each update)
+        reference = None if self.lora is not None else jax.tree.map(jnp.copy, base)
+        common = dict(config=cfg, num_canvases=self.layout.num_canvases, optimizer=self.optimizer, lora=self.lora,
+                      num_samples=int(rc.num_samples), t_eps=float(rc.t_eps), schedule=self.schedule,
+                      runtime=self.runtime)
+        if rc.algorithm == "dpo":
+            fn = jax.jit(functools.partial(dpo_step, beta=float(rc.dpo_beta), nll_weight=float(rc.nll_weight), **common),
+                         donate_argnums=(0,))
+            return lambda state, frozen, batch: fn(state, frozen, reference, self.place(batch))
+        update = jax.jit(functools.partial(rl_update, clip_eps=float(rc.clip_eps), kl_beta=float(rc.kl_beta),
+                                           updates=int(rc.updates_per_rollout), **common), donate_argnums=(0,))
+        sampler = sampler_from(None, cfg, rc.sampler)
 
-        return run
+        def rollout_params(state):  # the policy on this process (a pod: gathered from every host's shards)
+            params = self.inference_params(state)
+            return jax.tree.map(fetch, params) if jax.process_count() > 1 else params
+
+        return GRPOStep(tokenizer=self.tokenizer, layout=self.layout, group_size=int(rc.group_size),
+                        reward=load_reward(rc.reward), seed=self.seed, rollout_params=rollout_params,
+                        engine=lambda p: Engine(cfg, p, sampler, batch_invariant=False, compilation_cache=False),
+                        update=update, reference=reference, place=self.place, eos_ids=cfg.eos_ids,
+                        pad_id=cfg.pad_id, step_of=lambda state: int(fetch(state.step)))
 
     def inference_params(self, state=None):
         state = state or self.state
@@ -488,7 +545,8 @@ def train(config) -> dict[str, Any]:
             elapsed = train_time + time.time() - t0
             metrics.append({"step": step, "time_s": round(elapsed, 3), **m})
             if bar is not None:
-                bar.set_postfix(loss=f"{m['loss']:.4f}", acc=f"{m['canvas_token_acc']:.3f}")
+                bar.set_postfix(loss=f"{m['loss']:.4f}", **({"acc": f"{m['canvas_token_acc']:.3f}"}
+                                                           if "canvas_token_acc" in m else {}))
         if bar is not None:
             bar.update(1)
         elif lead and tc.progress:  # the first step ran: its compile is done
