@@ -14,7 +14,7 @@ import openai
 import optax
 import pytest
 
-from dgemma_jax import ModelConfig, init_params
+from dgemma_jax import DiffusionGemma, ModelConfig, init_params
 from dgemma_jax.io.bundled import load_bundled
 from dgemma_jax.model import api
 from dgemma_jax.model.cache import init_cache
@@ -25,6 +25,7 @@ from dgemma_jax.training.step import init_train_state
 from tests.helpers.serve import ServerProcess
 
 MODEL = "dgemma-tiny-digits"
+pytestmark = pytest.mark.slow   # bundled-model compiles and real servers: tens of seconds each
 
 
 def save_adapter(workdir, cfg, params, seed: int, rank: int = 4, alpha: float = 8.0, groups=("attention", "mlp"),
@@ -49,15 +50,12 @@ def save_adapter(workdir, cfg, params, seed: int, rank: int = 4, alpha: float = 
 
 
 # ---------------------------------------------------------------------------- the model's math
-@pytest.mark.parametrize("preset", ["bundled", "tiny-6layer"])
-def test_per_row_adapters_equal_each_adapter_alone(preset, tmp_path):
+def test_per_row_adapters_equal_each_adapter_alone(tmp_path):
     """Rows of one batch each running their own adapter (stacked, gathered per row; row 0 the zero
-    adapter) give each row what that adapter alone gives it, and the base rows what the base gives."""
-    if preset == "bundled":
-        cfg, params, _, _ = load_bundled(MODEL)
-    else:
-        cfg = ModelConfig.preset(preset, param_dtype="float32", dtype="float32")
-        params = init_params(cfg, 0)
+    adapter) give each row what that adapter alone gives it, and the base rows what the base gives.
+    The bundled model has the whole code path (MoE with a shared MLP, sliding and global layers,
+    self-conditioning); the two adapters differ in rank, so one is zero-padded in the stack."""
+    cfg, params, _, _ = load_bundled(MODEL)
     trees = [save_adapter(tmp_path / f"a{i}", cfg, params, seed=i + 1, rank=2 + 2 * i) for i in range(2)]
     ads = [adapters_lib.load_adapter(str(tmp_path / f"a{i}"), cfg) for i in range(2)]
     for tree, ad in zip(trees, ads):   # read back exactly as saved
@@ -134,16 +132,16 @@ def adapter_dirs(tmp_path_factory):
     cfg, params, _, _ = load_bundled(MODEL)
     root = tmp_path_factory.mktemp("adapters")
     save_adapter(root / "one", cfg, params, seed=11, rank=4)
-    save_adapter(root / "two", cfg, params, seed=22, rank=2, groups=("attention",), b_std=0.2)
+    # rank 2, attention only: stacked beside "one", it is zero-padded to rank 4 and zero on the MLPs
+    save_adapter(root / "two", cfg, params, seed=22, rank=2, groups=("attention",))
     return str(root / "one"), str(root / "two")
 
 
-SERVE = ("--slots", "4", "--context", "64", "--max-steps", "16")
+SERVE = ("--slots", "4", "--context", "64", "--max-steps", "16", "--no-prefix-reuse")
 
 
 def _answers(client, model: str, seeds=(0, 1)):
-    return [client.completions.create(model=model, prompt=p, seed=s, max_tokens=16)
-            for p in PROMPTS for s in seeds]
+    return [client.completions.create(model=model, prompt=p, seed=s, max_tokens=16) for p in PROMPTS for s in seeds]
 
 
 def test_two_adapters_and_the_base_answer_in_one_batch_each_as_alone(adapter_dirs):
@@ -161,17 +159,20 @@ def test_two_adapters_and_the_base_answer_in_one_batch_each_as_alone(adapter_dir
         with cf.ThreadPoolExecutor(3) as pool:
             futs = {m: pool.submit(_answers, client, m) for m in (MODEL, "one", "two")}
             mixed = {m: f.result() for m, f in futs.items()}
+        # each model's requests alone (one at a time) on the same server
+        sequential = {m: [r.choices[0].text for r in _answers(client, m)] for m in (MODEL, "one", "two")}
     finally:
         both.stop()
     texts = {m: [r.choices[0].text for r in rs] for m, rs in mixed.items()}
     assert all(r.model == m for m, rs in mixed.items() for r in rs)
     ranges = {m: [r.usage.model_extra["tick_range"] for r in rs] for m, rs in mixed.items()}
-    a, b = ranges[MODEL][0], ranges["one"][0]
-    assert max(a[0], b[0]) <= min(a[1], b[1]) or any(                      # some of their ticks shared
-        max(x[0], y[0]) <= min(x[1], y[1]) for x in ranges["two"] for y in ranges["one"])
+    shared = [(m, n) for m in ranges for n in ranges if m < n and any(
+        max(x[0], y[0]) <= min(x[1], y[1]) for x in ranges[m] for y in ranges[n])]
+    assert len(shared) == 3, ranges                         # every two models' rows ran in some same ticks
     assert texts[MODEL] != texts["one"] and texts["one"] != texts["two"] and texts[MODEL] != texts["two"]
     # the base rows still sort the digits (the zero adapter changes nothing)
     assert texts[MODEL] == ["".join(sorted(p[1:-1])) for p in PROMPTS for _ in (0, 1)]
+    assert sequential == texts
     for name, path in (("one", one), ("two", two)):
         alone = ServerProcess(*SERVE, "--lora", f"{name}={path}")
         try:
@@ -179,3 +180,16 @@ def test_two_adapters_and_the_base_answer_in_one_batch_each_as_alone(adapter_dir
         finally:
             alone.stop()
         assert got == texts[name], name
+
+
+def test_library_and_cli_take_an_adapter_the_same_way(adapter_dirs):
+    """`DiffusionGemma(lora=PATH)` and `dgemma generate --lora PATH` run the adapter unmerged: the same
+    text, not the base model's."""
+    one, _ = adapter_dirs
+    prompt = PROMPTS[1]
+    lib = DiffusionGemma.from_pretrained(lora=one).generate(prompt, max_new_tokens=16, seed=3)
+    base = DiffusionGemma.from_pretrained().generate(prompt, max_new_tokens=16, seed=3)
+    r = subprocess.run([sys.executable, "-m", "dgemma_jax.cli", "generate", "--prompt", prompt, "--max-new-tokens",
+                        "16", "--seed", "3", "--quiet", "--lora", one], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == lib != base == "".join(sorted(prompt[1:-1]))
