@@ -118,7 +118,8 @@ class Engine:
     def params_for(self, rows) -> Any:
         """The parameters with each batch row's adapter index rows [B] (0: the base) when the engine
         holds stacked adapters (`adapter_rows`); else the parameters as they are."""
-        return api.with_rows(self.params, rows) if self.adapter_rows else self.params
+        # a copy: the caller's array (the server's slot table) changes while the program may still read it
+        return api.with_rows(self.params, np.array(rows, np.int32)) if self.adapter_rows else self.params
 
     # ------------------------------------------------------------------ programs
     def fused_program(self, max_new_tokens: int, donate_cache: bool = True):
