@@ -68,6 +68,15 @@ def with_rows(params, rows) -> dict:
     return {**params, ADAPTERS_KEY: {"pairs": entry.get("pairs", entry), "rows": rows}}
 
 
+def take_rows(params, index) -> dict:
+    """`params` for a batch made of rows `index` [K] of the batch they were given for: per-row adapter
+    indices (`with_adapters(..., rows)`) follow the rows; anything else is returned as it is."""
+    entry = params.get(ADAPTERS_KEY) if isinstance(params, dict) else None
+    if not (isinstance(entry, dict) and set(entry) == {"pairs", "rows"}):
+        return params
+    return {**params, ADAPTERS_KEY: {"pairs": entry["pairs"], "rows": entry["rows"][index]}}
+
+
 def _attach_rows(tree, rows):
     if isinstance(tree, dict) and "a" in tree and "b" in tree and not isinstance(tree["a"], dict):
         return {"a": tree["a"], "b": tree["b"], "rows": rows}

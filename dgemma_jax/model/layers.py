@@ -143,6 +143,9 @@ def low_rank(eq: str, x: jax.Array, ab) -> jax.Array:
     r, rl = next(free), ""
     rows = ab.get("rows")
     if rows is not None:  # one adapter per row: A [N, ...], B [N, ...] gathered by rows [B] (x's leading axis)
+        if rows.shape[0] != x.shape[0]:
+            raise ValueError(f"per-row LoRA adapters: {rows.shape[0]} row indices for a batch of {x.shape[0]} rows "
+                             "(a pass over some of the rows takes their indices: model.api.take_rows)")
         a, b = a[rows], b[rows]
         if xs.startswith("..."):
             rl = next(free)
