@@ -36,6 +36,7 @@ from dgemma_jax.runtime import LAYER_LAYOUTS, Runtime, layers_for_entry
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.generate import CanvasEvent, collect
 from dgemma_jax.sampling.loop import SEED_RANGE
+from dgemma_jax.training import adapters as adapters_lib
 
 
 def sampler_from_args(args, config, base):
@@ -127,6 +128,22 @@ def start_report(args) -> StartReport:
     return args.start_report
 
 
+def lora_for(args, config):
+    """The --lora adapter laid out for the engine (`training.adapters.single`), or None."""
+    if not getattr(args, "lora", None):
+        return None
+    try:
+        return adapters_lib.single(config, adapters_lib.load_adapter(args.lora, config))
+    except ValueError as e:
+        raise UsageError(f"--lora {args.lora}: {e}") from None
+
+
+def lora_flag(s) -> None:
+    s.add_argument("--lora", metavar="PATH", default=None,
+                   help="a LoRA adapter run unmerged beside the checkpoint: a `dgemma train` LoRA run's work "
+                        "directory (its latest checkpoint) or one of its checkpoints/<step> directories")
+
+
 # ---------------------------------------------------------------------------- generate
 def _strip_final_newline(text: str) -> str:
     """A piped prompt (`echo PROMPT | dgemma generate`) without the one newline the shell adds."""
@@ -201,7 +218,8 @@ def cmd_generate(args) -> int:
         tokens = np.array([ids], np.int32)
     if args.max_prompt and len(ids) > args.max_prompt:
         raise UsageError(f"the prompt is {len(ids)} tokens, longer than --max-prompt {args.max_prompt}")
-    engine = Engine(cfg, params, sampler, shardings=shardings, runtime=runtime_for(args))
+    engine = Engine(cfg, params, sampler, shardings=shardings, runtime=runtime_for(args),
+                    adapters=lora_for(args, cfg))
     if args.suffix is not None:
         return _generate_infill(args, engine, tok, tokens, compiles)
     if grammar_args is not None:
@@ -322,7 +340,8 @@ def cmd_chat(args) -> int:
     compiles = CompileCounter()
     cfg, params, sampler, tok, shardings = load_model_for_cli(args)
     sampler = sampler_from_args(args, cfg, sampler)
-    engine = Engine(cfg, params, sampler, shardings=shardings, runtime=runtime_for(args))
+    engine = Engine(cfg, params, sampler, shardings=shardings, runtime=runtime_for(args),
+                    adapters=lora_for(args, cfg))
     session = ChatSession(engine, tok, system=args.system, thinking=args.thinking,
                           context=args.context, max_new_tokens=args.max_new_tokens, seed=args.seed,
                           max_soft_tokens=args.max_soft_tokens)
@@ -523,6 +542,7 @@ def add_commands(sub, positive):
     s.add_argument("--max-soft-tokens", type=int, choices=SOFT_TOKEN_BUDGETS, dest="max_soft_tokens", default=None,
                    help="tokens per image (default: the checkpoint's, 280 for the released model)")
     s.add_argument("--quiet", action="store_true", help="no load / compile progress and no stats line")
+    lora_flag(s)
     compiled_flag(s)
     mesh_flags(s)
     s.add_argument("--profile", metavar="DIR", help=PROFILE_HELP.format(what="generation"))
@@ -540,6 +560,7 @@ def add_commands(sub, positive):
     s.add_argument("--show-steps", action="store_true",
                    help="draw each answer's canvas converging step by step, on stderr (stdout keeps the answers)")
     s.add_argument("--plain", action="store_true", help="with --show-steps: one line per step, no colours")
+    lora_flag(s)
     mesh_flags(s)
     sampler_flags(s)
     s.set_defaults(fn=cmd_chat)

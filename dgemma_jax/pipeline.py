@@ -33,6 +33,7 @@ from dgemma_jax.model.quant import mode_for, quantize_params
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.shardings import Shardings
 from dgemma_jax.progress import tensor_bar
+from dgemma_jax.training import adapters as adapters_lib
 
 
 
@@ -109,9 +110,16 @@ class DiffusionGemma:
     """config + params + tokenizer + `Engine`; `.generate(text)`, `.chat(messages)`."""
 
     def __init__(self, config, params, tokenizer, sampler=None, shardings=None, runtime=None,
-                 quantize: str | None = None, compilation_cache: bool | str = True, batch_invariant: bool | int = True):
+                 quantize: str | None = None, compilation_cache: bool | str = True, batch_invariant: bool | int = True,
+                 lora=None):
+        """lora: a LoRA adapter run unmerged beside the weights: the work directory (or a checkpoints/<step>)
+        of a `dgemma train` LoRA run, or a `training.adapters.Adapter` (`dgemma generate --lora PATH`)."""
+        adapters = None
+        if lora is not None:
+            adapter = lora if isinstance(lora, adapters_lib.Adapter) else adapters_lib.load_adapter(lora, config)
+            adapters = adapters_lib.single(config, adapter)
         self.engine = Engine(config, params, sampler, shardings=shardings, runtime=runtime, quantize=quantize,
-                             compilation_cache=compilation_cache, batch_invariant=batch_invariant)
+                             compilation_cache=compilation_cache, batch_invariant=batch_invariant, adapters=adapters)
         self.config, self.params, self.tokenizer = config, self.engine.params, tokenizer
 
     @classmethod
@@ -119,7 +127,7 @@ class DiffusionGemma:
                         shardings=None, revision: str | None = None, runtime=None,
                         quantize: str | None = None, compilation_cache: bool | str = True, mesh=None,
                         rules: str | tuple = "latency", mirror: bool | None = None,
-                        progress: bool = False, batch_invariant: bool | int = True) -> "DiffusionGemma":
+                        progress: bool = False, batch_invariant: bool | int = True, lora=None) -> "DiffusionGemma":
         """A ready model: checkpoint, tokenizer and engine, read from a directory, a store or the Hub.
 
         Args:
@@ -143,6 +151,8 @@ class DiffusionGemma:
             any list (each prompt its own program); an int N the same, the prompts of one shape run
             together in programs of N rows (a list of N short prompts: one program; one prompt alone
             costs N rows); False one batched program for a list (a row's text can change with the rest).
+          lora: a LoRA adapter (a `dgemma train` LoRA run's work directory or checkpoints/<step>), run
+            unmerged beside the weights; None: the checkpoint alone.
         Returns:
           a `DiffusionGemma`.
         Raises:
@@ -160,7 +170,7 @@ class DiffusionGemma:
             shardings = Shardings(cfg, mesh, rules)
         return cls(cfg, params, tok, sampler or saved_sampler, shardings, runtime,
                    quantize if shardings is not None and on_load is None else None, compilation_cache,
-                   batch_invariant)
+                   batch_invariant, lora)
 
     @property
     def sampler(self):

@@ -120,3 +120,23 @@ def test_a_prefix_is_reused_only_where_the_row_can_be_cut_back_to_it(rewindable)
     (d,) = p.plan(2)
     assert asked == [(6, 4)]
     assert d.reuse == (4 if rewindable else 0) and not d.restore
+
+
+def test_a_prefix_is_reused_only_from_a_row_computed_under_the_same_adapter():
+    """A slot's row holds keys and values of the LoRA adapter that computed it: a request under another
+    adapter (or the base) shares none of it, however equal the tokens."""
+    p = Planner(1, 64, 8)
+    first = _choice(1, prompt=(2, 5, 6, 7, 8, 9))
+    first.request.adapter = 2
+    _running(p, first)
+    assert p.row_adapter == [2]
+    p.free(first.slot, 1)
+    for adapter, reuse in ((0, 0), (2, 4)):
+        nxt = _choice(1, prompt=(2, 5, 6, 7, 3))
+        nxt.request.adapter = adapter
+        p.add([nxt])
+        (d,) = p.plan(2)
+        assert d.reuse == reuse and p.row_adapter == [adapter]
+        p.rows[d.slot] = np.asarray((2, 5, 6, 7, 8, 9))
+        p.row_adapter[d.slot] = 2
+        p.free(d.slot, 3)

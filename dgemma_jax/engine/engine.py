@@ -32,6 +32,7 @@ from dgemma_jax.engine.outputs import report_nonfinite, reporting
 from dgemma_jax.engine.placement import layers_for, runtime_for
 from dgemma_jax.engine.programs import ProgramCache, Programs
 from dgemma_jax.errors import DgemmaWarning
+from dgemma_jax.model import api
 from dgemma_jax.model.cache import KVCache, cache_row, concat_rows, init_cache
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.model.masks import image_runs
@@ -79,13 +80,18 @@ class Engine:
     setting alone.
     programs: the `ProgramCache` holding this engine's jitted programs; default `ProgramCache.shared`,
     so that engines with equal configs, samplers and runtimes reuse each other's compiled programs.
+    adapters: LoRA adapters run unmerged beside the base (float32 (x A) B), as the model's "lora"
+    collection: one adapter every row runs (`training.adapters.single`), or with
+    `adapter_rows=True` adapters stacked behind the zero adapter (`training.adapters.stack`), which
+    the server's rows pick one each (`params_for`). None (default): the programs are the base's.
     """
 
     def __init__(self, config: ModelConfig, params: Any, sampler: SamplerConfig | None = None, *,
                  shardings: Any | None = None, runtime: Runtime | None = None, donate: bool = True,
                  bucket: bool = True, quantize: str | None = None,
                  compilation_cache: bool | str = True, batch_invariant: bool | int = True,
-                 programs: "ProgramCache | None" = None):
+                 programs: "ProgramCache | None" = None, adapters: Any | None = None,
+                 adapter_rows: bool = False):
         if compilation_cache:
             compile_cache.enable(None if compilation_cache is True else compilation_cache)
         self.config = config
@@ -97,6 +103,12 @@ class Engine:
                 params = shardings.place_params(params)
         self.runtime = runtime_for(runtime, shardings)
         self.params = layers_for(config, params, self.runtime.layer_layout, shardings)
+        self.adapter_rows = bool(adapter_rows and adapters is not None)
+        if adapters is not None:  # replicated: the adapters are small
+            if shardings is not None:
+                adapters = jax.device_put(adapters, shardings.replicated)
+            rows = jnp.zeros((1,), jnp.int32) if self.adapter_rows else None
+            self.params = api.with_adapters(self.params, adapters, rows)
         self.sampler = sampler or SamplerConfig.for_model(config)
         check_sampler(config, self.sampler)
         mismatch = canvas_length_warning(config, self.sampler)
@@ -126,6 +138,12 @@ class Engine:
         other = copy.copy(self)
         other.sampler, other._programs, other._bound = sampler, {}, None
         return other
+
+    def params_for(self, rows) -> Any:
+        """The parameters with each batch row's adapter index rows [B] (0: the base) when the engine
+        holds stacked adapters (`adapter_rows`); else the parameters as they are."""
+        # a copy: the caller's array (the server's slot table) changes while the program may still read it
+        return api.with_rows(self.params, np.array(rows, np.int32)) if self.adapter_rows else self.params
 
     # ------------------------------------------------------------------ programs
     def fused_program(self, max_new_tokens: int, donate_cache: bool = True):

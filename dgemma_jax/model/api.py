@@ -48,8 +48,51 @@ def _apply(config: ModelConfig, runtime: Runtime | None, variables_: dict, *args
                          "ModelConfig.from_hf / load_hf)") from None
 
 
+# a params tree may carry LoRA adapters for generation under this key (`with_adapters`), so that every
+# driver (fused, streaming, the server's slots) runs them without an argument of its own
+ADAPTERS_KEY = "lora_adapters"
+
+
+def with_adapters(params, adapters, rows=None) -> dict:
+    """`params` carrying LoRA adapters that every pass adds unmerged (float32 (x A) B beside the
+    base kernels): `adapters` is the "lora" collection (`training.lora.forward_adapters`; scale
+    folded into B). rows: None (one adapter for every row), or int [B], each batch row's adapter
+    in `adapters` stacked [N, ...] (`training.lora.stack_adapters`; index 0 the zero adapter, the
+    base model). Without adapters the parameters (and every program) are unchanged."""
+    return {**params, ADAPTERS_KEY: adapters if rows is None else {"pairs": adapters, "rows": rows}}
+
+
+def with_rows(params, rows) -> dict:
+    """`params` made by `with_adapters(params, stacked)` with each row's adapter index rows [B]."""
+    entry = params[ADAPTERS_KEY]
+    return {**params, ADAPTERS_KEY: {"pairs": entry.get("pairs", entry), "rows": rows}}
+
+
+def take_rows(params, index) -> dict:
+    """`params` for a batch made of rows `index` [K] of the batch they were given for: per-row adapter
+    indices (`with_adapters(..., rows)`) follow the rows; anything else is returned as it is."""
+    entry = params.get(ADAPTERS_KEY) if isinstance(params, dict) else None
+    if not (isinstance(entry, dict) and set(entry) == {"pairs", "rows"}):
+        return params
+    return {**params, ADAPTERS_KEY: {"pairs": entry["pairs"], "rows": entry["rows"][index]}}
+
+
+def _attach_rows(tree, rows):
+    if isinstance(tree, dict) and "a" in tree and "b" in tree and not isinstance(tree["a"], dict):
+        return {"a": tree["a"], "b": tree["b"], "rows": rows}
+    return {k: _attach_rows(v, rows) for k, v in tree.items()}
+
+
 def variables(params, adapters=None) -> dict:
-    """The model's variables: the parameters, plus the unmerged LoRA collection when given."""
+    """The model's variables: the parameters, plus the unmerged LoRA collection when given (or
+    carried by `params`, `with_adapters`)."""
+    if isinstance(params, dict) and ADAPTERS_KEY in params:
+        params = dict(params)
+        carried = params.pop(ADAPTERS_KEY)
+        if adapters is not None:
+            raise ValueError("adapters given twice: the params carry adapters (with_adapters) and adapters= is set")
+        adapters = (_attach_rows(carried["pairs"], carried["rows"]) if set(carried) == {"pairs", "rows"}
+                    else carried)
     return {"params": params} if adapters is None else {"params": params, LORA_COLLECTION: adapters}
 
 
@@ -79,7 +122,7 @@ def denoise_logits(params, config: ModelConfig, canvas, context_end, cache: KVCa
 def denoise_features(params, config: ModelConfig, canvas, context_end, cache: KVCache, soft=None,
                      runtime: Runtime | None = None):
     """The denoiser up to the final norm, [B, L, D] (the fused sampler applies the head itself)."""
-    return _apply(config, runtime, {"params": params}, canvas, context_end, cache, soft, method="denoise_features")
+    return _apply(config, runtime, variables(params), canvas, context_end, cache, soft, method="denoise_features")
 
 
 def soft_embed_pass(params, config: ModelConfig, logits, adapters=None, runtime: Runtime | None = None):
@@ -91,7 +134,14 @@ def image_features_pass(params, config: ModelConfig, pixel_values, position_ids,
     """Images through the vision tower and `embed_vision`: pixel_values float [N, P, 3 p^2] in [0, 1],
     position_ids int [N, P, 2] (x, y; padding patches (-1, -1)) -> (features [N * S, D] with the valid soft
     tokens of all images first, row-major in image order, activation dtype; n_valid int32 scalar)."""
-    return _apply(config, runtime, {"params": params}, pixel_values, position_ids, method="image_features")
+    return _apply(config, runtime, {"params": _base(params)}, pixel_values, position_ids, method="image_features")
+
+
+def _base(params):
+    """The parameters without the adapters they may carry (the vision tower has none)."""
+    if isinstance(params, dict) and ADAPTERS_KEY in params:
+        return {k: v for k, v in params.items() if k != ADAPTERS_KEY}
+    return params
 
 
 def _boxed_init(config: ModelConfig, rng):

@@ -122,7 +122,9 @@ def adapter(module: nn.Module, name: str):
     """The LoRA pair {"a": A, "b": B} of kernel `name` from the "lora" variable collection, or None.
 
     The pair is laid out like the kernel (see `training.lora.forward_adapters`): A [*batch, *in, r],
-    B [*batch, r, *out] with the scale alpha / r already folded into B.
+    B [*batch, r, *out] with the scale alpha / r already folded into B. Serving several adapters at
+    once (`model.api.with_adapters`) stacks them, A [N, *in, r] and B [N, r, *out], and adds "rows":
+    each batch row's adapter index [B] (index 0 all zeros: the base model).
     """
     if module.has_variable(LORA_COLLECTION, name):
         return module.get_variable(LORA_COLLECTION, name)
@@ -132,20 +134,34 @@ def adapter(module: nn.Module, name: str):
 def low_rank(eq: str, x: jax.Array, ab) -> jax.Array:
     """The float32 LoRA term (x A) B of the einsum `eq` ("<x>,<kernel>-><out>") over a kernel whose
     axes are ordered batch, in, out: A carries the batch and in axes plus a rank axis, B the batch,
-    rank and out axes. Returns float32 laid out like the einsum's output."""
+    rank and out axes. With "rows" (stacked adapters, one per row of x's leading axis) row b runs
+    (x[b] A[rows[b]]) B[rows[b]]. Returns float32 laid out like the einsum's output."""
     a, b = ab["a"], ab["b"]
     lhs, out = eq.replace(" ", "").split("->")
     xs, ws = lhs.split(",")
-    nb = a.ndim + b.ndim - 2 - len(ws)
-    nin = a.ndim - 1 - nb
-    if nb < 0 or nin < 1 or b.ndim - 1 - nb < 1:
-        raise ValueError(f"LoRA pair A {a.shape} / B {b.shape} does not fit kernel subscripts {ws!r} of {eq!r}")
+    free = iter(c for c in "rstuvwxyzabcdefghijklmnopq" if c not in eq)
+    r, rl = next(free), ""
+    rows = ab.get("rows")
+    if rows is not None:  # one adapter per row: A [N, ...], B [N, ...] gathered by rows [B] (x's leading axis)
+        if rows.shape[0] != x.shape[0]:
+            raise ValueError(f"per-row LoRA adapters: {rows.shape[0]} row indices for a batch of {x.shape[0]} rows "
+                             "(a pass over some of the rows takes their indices: model.api.take_rows)")
+        a, b = a[rows], b[rows]
+        if xs.startswith("..."):
+            rl = next(free)
+            xs, out = rl + xs, rl + out
+        else:
+            rl = xs[0]
+    nb = a.ndim + b.ndim - 2 - len(ws) - 2 * bool(rl)
+    nin = a.ndim - 1 - nb - bool(rl)
+    if nb < 0 or nin < 1 or b.ndim - 1 - nb - bool(rl) < 1 or (rl and nb):
+        raise ValueError(f"LoRA pair A {a.shape} / B {b.shape} does not fit kernel subscripts {ws!r} of {eq!r}"
+                         + (" (per-row adapters need a kernel without expert axes)" if rl and nb else ""))
     bl, il, ol = ws[:nb], ws[nb:nb + nin], ws[nb + nin:]
-    r = next(c for c in "rstuvwxyzabcdefghijklmnopq" if c not in eq)
     hs = "".join(c for c in out if c not in ol) + r
     f32 = jnp.float32
-    h = jnp.einsum(f"{xs},{bl}{il}{r}->{hs}", x.astype(f32), a.astype(f32), preferred_element_type=f32)
-    return jnp.einsum(f"{hs},{bl}{r}{ol}->{out}", h, b.astype(f32), preferred_element_type=f32)
+    h = jnp.einsum(f"{xs},{rl}{bl}{il}{r}->{hs}", x.astype(f32), a.astype(f32), preferred_element_type=f32)
+    return jnp.einsum(f"{hs},{rl}{bl}{r}{ol}->{out}", h, b.astype(f32), preferred_element_type=f32)
 
 
 def project(eq: str, x: jax.Array, w: jax.Array, ab=None) -> jax.Array:

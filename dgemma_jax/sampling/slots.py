@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.model.api import take_rows
 from dgemma_jax.model.cache import KVCache
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
@@ -180,7 +181,9 @@ def commit_slots(params, config: ModelConfig, cache: KVCache, rows: jax.Array, t
     g, k = rows.shape
     sub = jax.tree.map(lambda x: _rows_of(x, rows), cache)
     starts = sub.lengths.reshape(g, k)
-    sub = commit(params, config, sub, tokens.reshape(g * k, -1), active.reshape(-1), runtime)
+    # the pass runs G * K rows: per-row LoRA adapters (the server's, `model.api.with_adapters`) follow them
+    picked = (jnp.arange(g, dtype=rows.dtype)[:, None] * (cache.lengths.shape[0] // g) + rows).reshape(-1)
+    sub = commit(take_rows(params, picked), config, sub, tokens.reshape(g * k, -1), active.reshape(-1), runtime)
     width = tokens.shape[-1]
 
     def write_back(x, part):

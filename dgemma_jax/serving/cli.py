@@ -9,6 +9,7 @@ import sys
 import threading
 
 from dgemma_jax.compile_cache import CompileCounter
+from dgemma_jax.errors import UsageError
 from dgemma_jax.cli_run import (PROFILE_HELP, checkpoint_flags, compiled_flag, load_model_for_cli, mesh_flags,
                                 runtime_for, use_compiled)
 from dgemma_jax.model.quant import QUANTIZE_CHOICES
@@ -28,6 +29,36 @@ def _port(s: str) -> int:
     if not 0 <= v <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0-65535, got {v}")
     return v
+
+
+def _lora_spec(s: str) -> tuple[str, str]:
+    """--lora NAME=PATH: (the model name requests send, a LoRA run's directory)."""
+    name, sep, path = s.partition("=")
+    name, path = name.strip(), path.strip()
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (the model name requests send = a LoRA run's work "
+                                         f"directory), got {s!r}")
+    if not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{s!r}: {path} is no directory (give a `dgemma train` LoRA run's work "
+                                         "directory or one of its checkpoints/<step>)")
+    return name, path
+
+
+def load_adapters(args, cfg, name: str) -> dict:
+    """{name: Adapter} of the --lora flags, each loaded and checked against the model (UsageError)."""
+    # deferred: training's adapter reader (orbax) loads only when the server serves adapters
+    from dgemma_jax.training.adapters import load_adapter
+
+    out: dict = {}
+    for n, path in args.lora or ():
+        if n == name or n in out:
+            raise UsageError(f"--lora {n}={path}: the name {n!r} is taken (by "
+                             f"{'the base model' if n == name else 'another --lora'}); give each adapter its own name")
+        try:
+            out[n] = load_adapter(path, cfg)
+        except ValueError as e:
+            raise UsageError(f"--lora {n}={path}: {e}") from None
+    return out
 
 
 def cmd_serve(args) -> int:
@@ -56,13 +87,14 @@ def cmd_serve(args) -> int:
     if sampler is None:  # a checkpoint without generation settings: the released defaults
         sampler = SamplerConfig.for_model(cfg)
     use_compiled(args, cfg, shardings)
+    name = args.served_model_name or cfg.name
+    adapters = load_adapters(args, cfg, name)
     context = min(args.context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
     scheduler = Scheduler.for_model(cfg, params, tok, sampler, max_steps=args.max_steps, shardings=shardings,
-                                    runtime=runtime_for(args),
+                                    runtime=runtime_for(args), adapters=adapters,
                                     slots=args.slots, context=context, max_queue=args.max_queue,
                                     prefill_chunk=args.prefill_chunk, prefix_reuse=args.prefix_reuse,
                                     policy=args.schedule)
-    name = args.served_model_name or cfg.name
     compiles = CompileCounter()
     scheduler.start(wait=False)
     listening = threading.Event()
@@ -154,6 +186,10 @@ def add_command(sub, positive) -> None:
     mesh_flags(s, rules="serving")
     s.add_argument("--served-model-name", dest="served_model_name", default=None,
                    help="the model id clients send (default: the checkpoint's name)")
+    s.add_argument("--lora", action="append", type=_lora_spec, default=None, metavar="NAME=PATH",
+                   help="serve a LoRA adapter beside the model as model NAME (repeatable): PATH is a `dgemma train` "
+                        "LoRA run's work directory (its latest checkpoint) or one of its checkpoints/<step>; a "
+                        "request's model picks the base or an adapter, and adapters mix in one batch")
     s.add_argument("--drain-seconds", type=positive(float), dest="drain_seconds", default=None,
                    help="on SIGTERM, wait at most this long for the generations in flight (default: until they "
                         "finish; a request whose body is still arriving gets 503 at once; a second SIGTERM exits "

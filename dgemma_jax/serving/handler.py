@@ -55,6 +55,8 @@ class RequestHandler:
     def __init__(self, scheduler: Scheduler, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
                  allowed_image_dirs: Sequence[str] = (), max_soft_tokens: int | None = None):
         self.scheduler, self.model_name = scheduler, model_name
+        # the base model's name, then the LoRA adapters' (dgemma serve --lora NAME=PATH): a request's model picks one
+        self.models = {model_name: 0, **{n: i + 1 for i, n in enumerate(getattr(scheduler, "adapter_names", ()))}}
         self.tok, self.cfg = scheduler.tokenizer, scheduler.engine.config
         self.default_max_tokens, self.max_soft_tokens = default_max_tokens, max_soft_tokens
         self.allowed_image_dirs = allowed_image_dirs
@@ -151,10 +153,15 @@ class RequestHandler:
                 raise
             raise APIError(400, f"the image could not be read ({type(e).__name__}: {e})", param="messages") from None
 
-    def check_model(self, body) -> None:
-        if body.model not in (None, self.model_name):
-            raise APIError(404, f"the model {body.model!r} does not exist here; this server serves {self.model_name!r}",
+    def check_model(self, body) -> int:
+        """The index of the adapter the request's model names (0: the base model; no model: the base)."""
+        if body.model is None:
+            return 0
+        if body.model not in self.models:
+            names = ", ".join(repr(m) for m in self.models)
+            raise APIError(404, f"the model {body.model!r} does not exist here; this server serves {names}",
                            code="model_not_found", param="model")
+        return self.models[body.model]
 
     def sampler_for(self, body):
         if body.canvas_length is not None and body.canvas_length != self.scheduler.canvas_length:
@@ -169,7 +176,8 @@ class RequestHandler:
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    def submit_all(self, body, prompts: list[list[int]], queue: asyncio.Queue, chat: bool, images=None) -> list[Request]:
+    def submit_all(self, body, prompts: list[list[int]], queue: asyncio.Queue, chat: bool, images=None,
+                   adapter: int = 0) -> list[Request]:
         loop = asyncio.get_running_loop()
         sampler = self.sampler_for(body)
         try:
@@ -182,7 +190,7 @@ class RequestHandler:
             n_tok = budget if budget is not None else self.scheduler.default_max_tokens(len(ids), self.default_max_tokens)
             previews = bool(body.stream and body.stream_options and body.stream_options.include_provisional)
             reqs.append(Request(ids, n_tok, sampler, seed, n=body.n, stop=body.stops, provisional=previews,
-                                priority=body.priority,
+                                priority=body.priority, adapter=adapter,
                                 keep_special=chat and self.tok.has_chat_template, images=images,
                                 on_event=functools.partial(_deliver, loop, queue, p)))
         try:
@@ -282,14 +290,15 @@ class RequestHandler:
             await asyncio.sleep(DISCONNECT_POLL_S)
 
     async def run(self, http: HTTPRequest, body, prompts: list[list[int]], chat: bool, images=None):
-        self.check_model(body)
+        adapter = self.check_model(body)
+        model = body.model or self.model_name
         queue: asyncio.Queue = asyncio.Queue()
-        reqs = self.submit_all(body, prompts, queue, chat, images)
+        reqs = self.submit_all(body, prompts, queue, chat, images, adapter)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         n_total = len(prompts) * body.n
         stamp = int(time.time())
         if body.stream:
-            return StreamingResponse(self.stream(http, body, prompts, reqs, queue, rid, stamp, n_total, chat),
+            return StreamingResponse(self.stream(http, body, prompts, reqs, queue, rid, stamp, n_total, chat, model),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finals: dict[int, SeqEvent] = {}
         watcher = asyncio.create_task(self.watch_disconnect(http, reqs))
@@ -317,15 +326,15 @@ class RequestHandler:
             else:
                 choices.append({"index": i, "text": ev.text, "finish_reason": ev.finish_reason, "logprobs": None})
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": stamp,
-                "model": self.model_name, "choices": choices, "usage": self.usage(prompts, finals, body.n)}
+                "model": model, "choices": choices, "usage": self.usage(prompts, finals, body.n)}
 
-    async def stream(self, http, body, prompts, reqs, queue, rid, stamp, n_total, chat):
+    async def stream(self, http, body, prompts, reqs, queue, rid, stamp, n_total, chat, model):
         kind = "chat.completion.chunk" if chat else "text_completion"
         sent: dict[int, list[str]] = {}   # choice -> [reasoning sent, content sent]
         finals: dict[int, SeqEvent] = {}
 
         def chunk(choices, **extra):
-            return "data: " + json.dumps({"id": rid, "object": kind, "created": stamp, "model": self.model_name,
+            return "data: " + json.dumps({"id": rid, "object": kind, "created": stamp, "model": model,
                                           "choices": choices, **extra}) + "\n\n"
 
         watcher = asyncio.create_task(self.watch_disconnect(http, reqs))

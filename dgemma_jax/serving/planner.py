@@ -111,6 +111,7 @@ class Planner:
         self.busy: list[Choice | None] = [None] * self.slots
         self.rows: list[np.ndarray] = [np.zeros((0,), np.int64) for _ in range(self.slots)]
         self.row_used = [0] * self.slots
+        self.row_adapter = [0] * self.slots   # the LoRA adapter whose keys and values each row holds (0: the base)
         self._arrivals = itertools.count()
 
     # ------------------------------------------------------------------ books
@@ -195,7 +196,9 @@ class Planner:
         slot, reuse = free[0], 0
         if self.prefix_reuse:
             blocks = self.image_blocks(ids) if (req.images is not None and self.image_blocks) else []
-            shared = {s: self._reusable(s, req.content, len(ids), blocks) for s in free}
+            adapter = getattr(req, "adapter", 0)
+            shared = {s: self._reusable(s, req.content, len(ids), blocks) if self.row_adapter[s] == adapter else 0
+                      for s in free}   # a row computed under another adapter holds other keys and values
             slot = max(free, key=lambda s: (shared[s], -self.row_used[s]))
             # a short shared beginning (a BOS, a chat header) of a long row is not worth that row:
             # the least recently used slot is overwritten instead
@@ -209,6 +212,7 @@ class Planner:
 
     def _take(self, choice: Choice, slot: int, tick: int) -> None:
         choice.slot = slot
+        self.row_adapter[slot] = getattr(choice.request, "adapter", 0)
         self.busy[slot] = choice
         self.row_used[slot] = tick + 1
 

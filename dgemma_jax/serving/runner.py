@@ -49,6 +49,7 @@ class SlotRunner:
         self.image_compiles = 0
         self.cache = None
         self.state = None
+        self.slot_adapter = np.zeros(self.slots, np.int32)   # each slot's LoRA adapter (0: the base model)
         self._tick = None
         self._prefills: dict[Any, Any] = {}
         self._read_row = self._write_row = None
@@ -88,8 +89,8 @@ class SlotRunner:
 
     def compile_tick(self, args: dict):
         """The tick compiled for these arguments (the scheduler's, without the cache and state)."""
-        compiled = self.engine.programs.slot_tick.lower(self.engine.params, cache=self.cache, state=self.state,
-                                                        **args).compile()
+        compiled = self.engine.programs.slot_tick.lower(self.engine.params_for(self.slot_adapter), cache=self.cache,
+                                                        state=self.state, **args).compile()
         self.memory["slot_tick"] = compiled_memory(compiled)
         return compiled
 
@@ -118,7 +119,7 @@ class SlotRunner:
             kw["images"] = images
             name += f"_images_{images[0].shape[0]}x{images[0].shape[1]}"
             self.image_compiles += 1
-        compiled = self.engine.programs.prefill_slot.lower(self.engine.params, **kw).compile()
+        compiled = self.engine.programs.prefill_slot.lower(self.engine.params_for(self.slot_adapter[:1]), **kw).compile()
         self.memory[name] = compiled_memory(compiled)
         self._prefills[key] = compiled
         return compiled
@@ -130,11 +131,12 @@ class SlotRunner:
         kw = dict(cache=self.cache, slot=np.int32(slot), tokens=tokens, length=np.asarray([length], np.int32),
                   start=np.int32(start))
         width = tokens.shape[1]
+        params = self.engine.params_for(self.slot_adapter[slot:slot + 1])
         if images is None:
-            self.cache = self.prefill_program(width)(self.engine.params, **kw)
+            self.cache = self.prefill_program(width)(params, **kw)
             return
         pixels = self.engine.place(np.asarray(images.pixel_values, np.float32), np.asarray(images.position_ids, np.int32))
-        self.cache = self.prefill_program(width, pixels)(self.engine.params, images=tuple(pixels), **kw)
+        self.cache = self.prefill_program(width, pixels)(params, images=tuple(pixels), **kw)
 
     def save_row(self, slot: int):
         """Slot `slot`'s cache row (its keys, values and length) copied to host memory (numpy)."""
@@ -146,7 +148,7 @@ class SlotRunner:
 
     def tick(self, args: dict, previews: bool) -> TickResult:
         """One call of the compiled tick on the slots' cache and state (both replaced by its output)."""
-        out = self._tick(self.engine.params, cache=self.cache, state=self.state, **args)
+        out = self._tick(self.engine.params_for(self.slot_adapter), cache=self.cache, state=self.state, **args)
         self.cache, self.state = out.cache, out.state
         fetched = (out.ticks, out.settled, out.tokens, out.eos, out.steps, out.nonfinite)
         fetched += (out.argmax,) if previews else ()

@@ -68,6 +68,7 @@ from dgemma_jax.serving.metrics import Metrics
 from dgemma_jax.serving.output import OutputProcessor, SeqEvent
 from dgemma_jax.serving.planner import SMALL_PREFILL, Choice, Drop, Planner, Preempt
 from dgemma_jax.serving.runner import SlotRunner
+from dgemma_jax.training import adapters as adapters_lib
 
 log = logging.getLogger("dgemma_jax.serving")
 
@@ -104,6 +105,7 @@ class Request:
     images: Any = None              # the prompt's images (`dgemma_jax.io.images.ImageBatch`), in prompt order
     provisional: bool = False
     priority: int = 0               # lower runs first (vLLM's); equal priorities in arrival order
+    adapter: int = 0                # the engine's LoRA adapter it runs (0: the base model; `Engine(adapter_rows=)`)
     content: Any = dataclasses.field(default=None, init=False, repr=False)  # set by `Scheduler.submit`
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     submitted: float = dataclasses.field(default_factory=time.monotonic)
@@ -114,7 +116,8 @@ class Scheduler:
 
     def __init__(self, engine: Engine, tokenizer: Any, *, slots: int = 8, context: int | None = None,
                  max_queue: int = 256, default_sampler: SamplerConfig | None = None, prefill_chunk: int = 512,
-                 prefix_reuse: bool = True, ticks_per_call: int = 16, policy: str = "preempt"):
+                 prefix_reuse: bool = True, ticks_per_call: int = 16, policy: str = "preempt",
+                 adapter_names: Sequence[str] = ()):
         """engine: its sampler gives the canvas length, EOS ids and stability threshold of every
         request, and its `max_denoising_steps` the most steps a request may ask for.
         default_sampler: a request's settings when it names none (default: the engine's).
@@ -126,7 +129,8 @@ class Scheduler:
         ticks_per_call: the most ticks one call of the tick program runs while every slot is busy
         decoding (it returns when a canvas settles; otherwise a call runs one tick, so a new request
         is admitted at the next tick). A cancelled request leaves at the end of the call.
-        policy: "preempt" or "fcfs" (`serving/planner.py`)."""
+        policy: "preempt" or "fcfs" (`serving/planner.py`).
+        adapter_names: the names of the engine's stacked LoRA adapters 1, 2, ... (`Request.adapter`)."""
         cfg, smp = engine.config, engine.sampler
         self.default_sampler = default_sampler or smp
         shared = ("canvas_length", "eos_ids", "pad_id", "stability_threshold", "accept", "stop")   # the tick's own
@@ -137,6 +141,7 @@ class Scheduler:
         if slots < 1:
             raise ValueError(f"slots must be >= 1; got {slots}")
         self.engine, self.tokenizer = engine, tokenizer
+        self.adapter_names = tuple(adapter_names)
         self.outputs = OutputProcessor(tokenizer, smp.pad_id, smp.eos_ids)
         self.slots = int(slots)
         self.context = int(min(context or cfg.max_position_embeddings, cfg.max_position_embeddings))
@@ -165,13 +170,16 @@ class Scheduler:
 
     @classmethod
     def for_model(cls, config, params, tokenizer, sampler: SamplerConfig, *, max_steps: int | None = None,
-                  shardings=None, runtime=None, **kwargs) -> "Scheduler":
+                  shardings=None, runtime=None, adapters=None, **kwargs) -> "Scheduler":
         """A scheduler over a new `Engine`; requests may ask for up to `max_steps` denoising steps
-        (default: the sampler's own budget). runtime: how its programs run (`dgemma_jax.Runtime`)."""
+        (default: the sampler's own budget). runtime: how its programs run (`dgemma_jax.Runtime`).
+        adapters: {name: `training.adapters.Adapter`}, LoRA adapters a request picks by index
+        (`Request.adapter`: 1, 2, ... in this order; 0 the base), mixed in one batch."""
         budget = max(int(max_steps or 0), sampler.max_denoising_steps)
+        stacked = adapters_lib.stack(config, list(adapters.values())) if adapters else None
         engine = Engine(config, params, sampler.replace(max_denoising_steps=budget), shardings=shardings,
-                        runtime=runtime)
-        return cls(engine, tokenizer, default_sampler=sampler, **kwargs)
+                        runtime=runtime, adapters=stacked, adapter_rows=True)
+        return cls(engine, tokenizer, default_sampler=sampler, adapter_names=tuple(adapters or ()), **kwargs)
 
     # ------------------------------------------------------------------ limits
     @property
@@ -347,6 +355,7 @@ class Scheduler:
                 self.stats["preemptions"] += 1
                 self.metrics.preemptions.inc()
             elif d.restore:
+                self.runner.slot_adapter[d.slot] = d.choice.request.adapter
                 t0 = time.perf_counter()
                 self.runner.restore_row(d.slot, d.choice.saved)
                 d.choice.saved = None
@@ -354,6 +363,7 @@ class Scheduler:
                 self.stats["restores"] += 1
             else:
                 c, req = d.choice, d.choice.request
+                self.runner.slot_adapter[d.slot] = req.adapter
                 c.chunks = self.plan_chunks(np.asarray(req.prompt_ids, np.int32), req.images, start=d.reuse)
                 self.stats["prefix_tokens_reused"] += d.reuse
                 self.metrics.prefix_queries.inc(len(req.prompt_ids))

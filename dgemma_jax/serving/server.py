@@ -424,8 +424,11 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "dgemma_jax", "max_model_len": scheduler.context}]}
+        # the base model, then each LoRA adapter (dgemma serve --lora), with the model it adapts as its parent
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": created, "owned_by": "dgemma_jax",
+                                            "max_model_len": scheduler.context,
+                                            **({"root": model_name, "parent": model_name} if m != model_name else {})}
+                                           for m in handler.models]}
 
     @app.get("/metrics")
     async def metrics():
