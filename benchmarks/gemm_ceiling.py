@@ -26,16 +26,19 @@ def step_gemms(cfg, context: int, canvas: int, chunk: int, batch: int = 1):
     """The matrix products of one denoise step (canvas rows attending to `context` cached tokens).
 
     Rows are batch x canvas. Attention: per kv head, its query heads' rows times the keys a query sees
-    (sliding: window - 1 cached + the canvas; global: the whole context + the canvas). Experts: each of
+    (sliding: the layer's whole ring cache, `model.cache.ring_size`, + the canvas, as `Attention.denoise`
+    reads it; global: the whole context + the canvas). Experts: each of
     the E experts gets rows x top_k / E pairs (perfectly even routing: no buffer padding).
     """
+    from dgemma_jax.model.cache import ring_size
+
     rows = batch * canvas
     d, n_heads = cfg.hidden_size, cfg.num_heads
     out = []
     for i in range(cfg.num_layers):
         hd, kv = cfg.layer_head_dim(i), cfg.layer_kv_heads(i)
         glob = cfg.is_global(i)
-        keys = context + canvas if glob else min(cfg.sliding_window - 1, context) + canvas
+        keys = context + canvas if glob else ring_size(cfg, context) + canvas
         out.append(_gemm("qkvo_proj", 1, 1, rows, d, n_heads * hd))
         out.append(_gemm("qkvo_proj", 1 if glob else 2, 1, rows, d, kv * hd))  # k (and v unless K = V)
         out.append(_gemm("qkvo_proj", 1, 1, rows, n_heads * hd, d))
