@@ -140,8 +140,14 @@ class Engine:
         return other
 
     def params_for(self, rows) -> Any:
-        """The parameters with each batch row's adapter index rows [B] (0: the base) when the engine
-        holds stacked adapters (`adapter_rows`); else the parameters as they are."""
+        """The parameters a program call takes for a batch whose rows run these LoRA adapters.
+
+        Args:
+          rows: each batch row's adapter index [B] (0: the base model; 1, 2, ...: the stacked adapters).
+        Returns:
+          the parameters with the row indices attached (`model.api.with_rows`, a copy of `rows`) when the
+          engine holds stacked adapters (`adapter_rows`); else the parameters as they are.
+        """
         # a copy: the caller's array (the server's slot table) changes while the program may still read it
         return api.with_rows(self.params, np.array(rows, np.int32)) if self.adapter_rows else self.params
 
