@@ -33,7 +33,6 @@ from dgemma_jax.model.quant import mode_for, quantize_params
 from dgemma_jax.parallel.mesh import make_mesh
 from dgemma_jax.parallel.shardings import Shardings
 from dgemma_jax.progress import tensor_bar
-from dgemma_jax.training import adapters as adapters_lib
 
 
 
@@ -116,6 +115,9 @@ class DiffusionGemma:
         of a `dgemma train` LoRA run, or a `training.adapters.Adapter` (`dgemma generate --lora PATH`)."""
         adapters = None
         if lora is not None:
+            # deferred: the adapter reader brings orbax, which `import dgemma_jax` must not load
+            from dgemma_jax.training import adapters as adapters_lib
+
             adapter = lora if isinstance(lora, adapters_lib.Adapter) else adapters_lib.load_adapter(lora, config)
             adapters = adapters_lib.single(config, adapter)
         self.engine = Engine(config, params, sampler, shardings=shardings, runtime=runtime, quantize=quantize,

@@ -228,7 +228,9 @@ def test_a_request_alone_equals_the_same_request_among_others(bundled, scheduler
 
 def test_finished_slots_are_refilled_before_a_long_request_ends(bundled):
     cfg, params, sampler, tok = bundled
-    sch = Scheduler.for_model(cfg, params, tok, sampler, slots=2, max_steps=16)
+    # first come, first served: under the default policy the shorts would preempt the long one instead
+    # (tests/test_serving_preemption.py)
+    sch = Scheduler.for_model(cfg, params, tok, sampler, slots=2, max_steps=16, policy="fcfs")
     long, _ = _submit(sch, tok, sampler, "s8877665544332211=", seed=1)   # 17 tokens: 3 canvases
     shorts = [_submit(sch, tok, sampler, "s705182936=", seed=s, max_tokens=8)[0] for s in range(3)]  # 1 canvas
     sch.start()

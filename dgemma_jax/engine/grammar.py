@@ -33,7 +33,7 @@ _tokenizers: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary(
 
 def _llg():
     try:
-        import llguidance
+        import llguidance  # deferred: only structured requests need the grammar library
     except ImportError as e:  # pragma: no cover - a dependency of dgemma_jax
         raise ImportError("structured output needs the `llguidance` package (pip install llguidance)") from e
     return llguidance

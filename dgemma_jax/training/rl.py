@@ -138,7 +138,7 @@ class PromptSource:
 
     @classmethod
     def from_jsonl(cls, path: str, batch_size: int, seed: int, prompt_key: str, response_key: str):
-        import json
+        import json  # deferred: only the DPO data path reads JSON lines
 
         rows = []
         with open(path) as f:
@@ -191,7 +191,7 @@ class GRPOStep:
 
     def rollout(self, state, prompts: list[str]):
         """(prompt ids [B*G], completion ids [B*G], completion texts) from the current policy."""
-        from dgemma_jax.training.evaluate import pad_prompts
+        from dgemma_jax.training.evaluate import pad_prompts  # deferred: only rollouts pad prompts
 
         step = self.step_of(state)
         ids = [[self.tok.bos_id] + self.tok.encode(p) for p in prompts for _ in range(self.g)]
