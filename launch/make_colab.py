@@ -48,12 +48,11 @@ takes the first of bfloat16, int8 and int4 whose weights fit 90% of the chip's m
 each tensor as it is read (the bfloat16 model is never whole in memory). What the TPU compiler says of
 one chip (compiled from a CPU machine; projections, not runs; `docs/quantization.md`, "One chip"):
 - **v6e-1 (32 GB), int8:** the generate program (a 2,048-token prompt), vision tower included, takes
-  30.7 GB with an 8,192-token cache; projected 17 ms a denoising step, about 920 tokens/s at 16 steps a canvas.
-- **v5e-1 (16 GB), int4:** the generate program with a 1,024-token cache (a prompt of up to 512 tokens
-  and its answer), vision tower included (in int4), takes 14.4 GB: it fits. Keep prompt and answer within
-  1,024 tokens there: an 8,192-token cache needs 16.4 GB, 0.6 GB more than the chip has (a cache of the
-  window for the 25 sliding-window layers would free 1.4 GB; not built). Projected 19 ms a denoising step,
-  about 840 tokens/s.
+  28.4 GB with an 8,192-token cache; projected 17 ms a denoising step, about 920 tokens/s at 16 steps a canvas.
+- **v5e-1 (16 GB), int4:** the generate program with an 8,192-token cache (a 512-token prompt), vision
+  tower included (in int4), takes 14.9 GB: it fits, because the 25 sliding-window layers keep only their
+  window and a canvas (rings of 1,280 slots; before those rings 8k needed 0.6 GB more than the chip has).
+  Projected 19 ms a denoising step, about 830 tokens/s.
 What the 26B needs of the runtime's host, against what Colab's TPU runtimes have:
 
 | | needs | v5e-1 runtime | v6e-1 runtime |
