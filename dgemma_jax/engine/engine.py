@@ -323,19 +323,21 @@ class Engine:
         return infill_driver.infill(self, prompt_tokens, lengths, suffixes, rng=rng, max_new_tokens=max_new_tokens, **kw)
 
     def generate_structured(self, prompt_tokens, lengths=None, *, grammars, rng: Any = 0,
-                            max_new_tokens: int | None = None, nonfinite: str = "warn"):
-        """Answers valid under a grammar (`engine.structured`: between denoising steps the canvas's valid
-        prefix is pinned and the first position the grammar rejects is repaired from its mask).
+                            max_new_tokens: int | None = None, nonfinite: str = "warn", **decoder):
+        """Answers valid under a grammar (`engine.structured`: between denoising steps the grammar's fixed
+        text and the canvas's valid run are pinned, the run chosen left to right from the argmax or, for
+        a regex with `constraint_decoder="dingo"`, by the DP over positions x the regex's DFA states).
 
         Args:
           prompt_tokens: [B, P] right-padded prompts; lengths: [B] (default P).
           grammars: one `engine.grammar.Grammar` (`compile_grammar`) for every row, or one per row.
           rng, max_new_tokens, nonfinite: as `generate` (each row runs alone, with its own seed's key).
+          **decoder: `constraint_decoder` ("prefix" or "dingo") and `top_k` (`structured.generate_structured`).
         Returns:
-          a `StructuredOutput` (answer ids, finish reasons "stop" / "length", steps, repairs).
+          a `StructuredOutput` (answer ids, finish reasons "stop" / "length", steps, repairs, forced tokens).
         """
         return structured_driver.generate_structured(self, prompt_tokens, lengths, grammars, rng=rng,
-                                                     max_new_tokens=max_new_tokens, nonfinite=nonfinite)
+                                                     max_new_tokens=max_new_tokens, nonfinite=nonfinite, **decoder)
 
     def _prepare(self, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache=None,
                  images=None):

@@ -14,6 +14,7 @@ proposed run are valid from the current state: one call walks a whole canvas) an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import weakref
@@ -99,6 +100,18 @@ class Grammar:
             raise ValueError(f"the {self.kind} cannot be used: {m.get_error()}")
         return m
 
+    @functools.cached_property
+    def dfa(self):
+        """The regex's token-level DFA (`engine.dingo.TokenDFA`, built once per grammar), or None: a JSON
+        schema, or a regex `interegular` cannot parse (then the DINGO decoder keeps the prefix walk)."""
+        if self.kind != "regex":
+            return None
+        from dgemma_jax.engine.dingo import TokenDFA   # deferred: interegular is only for "dingo"
+        try:
+            return TokenDFA(self.source, functools.partial(_llg_token_bytes, self.tokenizer))
+        except ValueError:
+            return None
+
 
 def compile_grammar(tokenizer, vocab_size: int, eos_ids, *, json_schema: Any = None, regex: str | None = None,
                     json_object: bool = False) -> Grammar:
@@ -137,6 +150,13 @@ def compile_grammar(tokenizer, vocab_size: int, eos_ids, *, json_schema: Any = N
     if error:
         raise ValueError(f"the {kind} cannot be compiled by {GRAMMAR_LIBRARY}: {_regex_error(error)}"[:600])
     return Grammar(llg_tokenizer(tokenizer, vocab_size, eos_ids), text, kind, source)
+
+
+def _llg_token_bytes(tokenizer, t: int) -> bytes | None:
+    """Token t's bytes in an llguidance tokenizer, or None for a special token or an id past its vocabulary."""
+    if t >= tokenizer.vocab_size or tokenizer.is_special_token(t):
+        return None
+    return tokenizer.decode_bytes([t])
 
 
 def _regex_error(message: str) -> str:

@@ -265,7 +265,7 @@ def where_rows(mask, new, old):
 def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, context_end: jax.Array,
                  keys: jax.Array, state: LoopState, seed: jax.Array | None = None,
                  pinned: jax.Array | None = None, knobs: RowKnobs | None = None,
-                 runtime: Runtime | None = None) -> LoopState:
+                 runtime: Runtime | None = None, with_features: bool = False):
     """One denoising step for every unfinished row (pure; jit it or run it in a while_loop).
 
     Args:
@@ -275,8 +275,10 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
       seed, pinned: [B, L] the start canvas and the positions held at its tokens, or None.
       knobs: per-row settings (`RowKnobs`); default `RowKnobs.of(sampler, B)`.
       runtime: how the pass runs (`dgemma_jax.runtime`; default: this backend, one device).
+      with_features: also return the step's final-normed hidden state h [B, L, D] (structured output's
+        DINGO decoder reads the step's distributions from it).
     Returns:
-      the next `LoopState`: step + 1; canvas, soft, history and argmax advanced for the unfinished
+      the next `LoopState` (with h: `(state, h)`): step + 1; canvas, soft, history and argmax advanced for the unfinished
       rows (the positions `sampler.accept` keeps, fresh noise elsewhere); done set where
       `sampler.stop` says (by default: stable and confident) or the row's step budget is spent.
     """
@@ -303,7 +305,7 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
     if pinned is not None:
         canvas = jnp.where(pinned, seed, canvas)
     active = ~state.done
-    return LoopState(
+    new = LoopState(
         step=state.step + 1,
         canvas=where_rows(active, canvas, state.canvas),
         soft=where_rows(active, soft, state.soft),
@@ -313,6 +315,7 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
         steps=state.steps + active.astype(jnp.int32),
         nonfinite=state.nonfinite | (active & nonfinite_rows(h, soft)),
     )
+    return (new, h) if with_features else new
 
 
 def loop_running(state: LoopState, sampler: SamplerConfig) -> jax.Array:
