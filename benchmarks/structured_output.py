@@ -38,6 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dgemma_jax import ModelConfig, init_params  # noqa: E402
+from dgemma_jax.engine.dingo import DINGO_TOP_K, viterbi  # noqa: E402
 from dgemma_jax.engine.grammar import allowed_tokens, compile_grammar  # noqa: E402
 from dgemma_jax.io.tokenizer import load_tokenizer  # noqa: E402
 from dgemma_jax.pipeline import DiffusionGemma  # noqa: E402
@@ -47,6 +48,8 @@ from tests.helpers.subword_tokenizer import subword_tokenizer_json  # noqa: E402
 from tests.test_structured import REGEXES, SCHEMAS  # noqa: E402
 
 SORTED = "0*1*2*3*4*5*6*7*8*9*"
+DECODERS = ("prefix", "dingo")
+DP_REGEXES = (r"([a-z]+ )+[a-z]+\.", r"[a-z ]{0,40}")   # few states; a counted repeat (a state per count)
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -65,10 +68,12 @@ def bundled(cases: int) -> dict:
     problems = [task.sample(rng) for _ in range(cases)]
     warm = np.asarray([tok.encode(problems[0][0], add_bos=True)], np.int32)
     eng.generate(warm, rng=0, max_new_tokens=24)
-    eng.generate_structured(warm, grammars=grammar, rng=0, max_new_tokens=24)
-    rows = {"none": [], "regex": []}
-    wall = {"none": 0.0, "regex": 0.0}
-    outs = []
+    for dec in DECODERS:
+        eng.generate_structured(warm, grammars=grammar, rng=0, max_new_tokens=24, constraint_decoder=dec)
+    modes = ["none"] + [f"regex_{d}" for d in DECODERS]
+    rows = {k: [] for k in modes}
+    wall = dict.fromkeys(modes, 0.0)
+    outs = {d: [] for d in DECODERS}
     for i, (prompt, answer) in enumerate(problems):
         ids = np.asarray([tok.encode(prompt, add_bos=True)], np.int32)
         t0 = time.perf_counter()
@@ -78,14 +83,15 @@ def bundled(cases: int) -> dict:
         canvases = int((np.asarray(out.steps)[0] > 0).sum()) if np.asarray(out.steps).ndim == 2 else None
         rows["none"].append(dict(correct=text == answer, form=bool(re.fullmatch(SORTED, text)),
                                  steps=int(np.asarray(out.steps)[0].sum()), canvases=canvases))
-        t0 = time.perf_counter()
-        s = eng.generate_structured(ids, grammars=grammar, rng=i, max_new_tokens=24)
-        wall["regex"] += time.perf_counter() - t0
-        outs.append(s)
-        text = tok.decode(s.tokens[0], skip_special=True)
-        rows["regex"].append(dict(correct=text == answer, form=bool(re.fullmatch(SORTED, text)),
-                                  finish=s.finish_reasons[0], steps=int(s.steps[0].sum()),
-                                  canvases=int((s.steps[0] > 0).sum()), repairs=int(s.repairs[0])))
+        for dec in DECODERS:   # side by side, the same case: the machine's noise hits both alike
+            t0 = time.perf_counter()
+            s = eng.generate_structured(ids, grammars=grammar, rng=i, max_new_tokens=24, constraint_decoder=dec)
+            wall[f"regex_{dec}"] += time.perf_counter() - t0
+            outs[dec].append(s)
+            text = tok.decode(s.tokens[0], skip_special=True)
+            rows[f"regex_{dec}"].append(dict(correct=text == answer, form=bool(re.fullmatch(SORTED, text)),
+                                             finish=s.finish_reasons[0], steps=int(s.steps[0].sum()),
+                                             canvases=max(1, int((s.steps[0] > 0).sum())), repairs=int(s.repairs[0])))
     result = {}
     for k, rs in rows.items():
         canvases = sum(r["canvases"] for r in rs if r["canvases"] is not None) or None
@@ -94,12 +100,40 @@ def bundled(cases: int) -> dict:
                      "steps_per_canvas": round(sum(r["steps"] for r in rs) / canvases, 2) if canvases else None,
                      "wall_ms_per_canvas": round(1e3 * wall[k] / canvases, 2) if canvases else None,
                      "wall_ms_per_answer": round(1e3 * wall[k] / len(rs), 2)}
-    c_ms, s_ms, _ = _per_step_ms(outs)
-    result["regex"].update(constraint_ms_per_step=c_ms, step_ms_per_step=s_ms,
-                           repairs_per_answer=round(sum(r["repairs"] for r in rows["regex"]) / cases, 2),
-                           stop=sum(r["finish"] == "stop" for r in rows["regex"]) / cases)
+    for dec in DECODERS:
+        c_ms, s_ms, _ = _per_step_ms(outs[dec])
+        rs = rows[f"regex_{dec}"]
+        result[f"regex_{dec}"].update(constraint_ms_per_step=c_ms, step_ms_per_step=s_ms,
+                                      repairs_per_answer=round(sum(r["repairs"] for r in rs) / cases, 2),
+                                      stop=sum(r["finish"] == "stop" for r in rs) / cases)
     return {"what": "bundled dgemma-tiny-digits, digit sorting, max_new_tokens 24, unconstrained vs the regex "
-                    f"{SORTED!r}", "cases": cases, **result}
+                    f"{SORTED!r} with each constraint decoder (prefix: left to right; dingo: the DP)",
+            "cases": cases, **result}
+
+
+def _noise_row(eng, tok, tokens, lengths, grammar, budget, check, decoder):
+    t0 = time.perf_counter()
+    out = eng.generate_structured(tokens, lengths, grammars=grammar, rng=list(range(len(tokens))),
+                                  max_new_tokens=budget, constraint_decoder=decoder)
+    wall = time.perf_counter() - t0
+    valid = 0
+    for ids, reason in zip(out.tokens, out.finish_reasons):
+        if reason == "stop":
+            try:
+                check(tok.decode(ids, skip_special=True))
+                valid += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+    c_ms, s_ms, steps = _per_step_ms([out])
+    n = len(tokens)
+    canvases = int(sum(max(1, int((row > 0).sum())) for row in out.steps))
+    return {"answers": n, "valid": valid, "length": out.finish_reasons.count("length"),
+            "tokens_per_answer": round(float(np.mean([len(t) for t in out.tokens])), 1),
+            "steps_per_answer": round(steps / n, 1), "steps_per_canvas": round(steps / canvases, 2),
+            "repairs_per_answer": round(float(out.repairs.mean()), 1),
+            "forced_per_answer": round(float(out.forced.mean()), 1),
+            "constraint_ms_per_step": c_ms, "step_ms_per_step": s_ms,
+            "wall_ms_per_answer": round(1e3 * wall / n, 1), "wall_ms_per_canvas": round(1e3 * wall / canvases, 1)}
 
 
 def noise(seeds: int, tmp: str) -> dict:
@@ -112,7 +146,9 @@ def noise(seeds: int, tmp: str) -> dict:
     prompts = ["A record:", "JSON please"] * (seeds // 2)
     tokens, lengths = model.encode_batch(prompts)
     eng = model.engine
-    eng.generate_structured(tokens[:1, :lengths[0]], grammars=model.grammar(regex="a"), rng=0, max_new_tokens=16)
+    for dec in DECODERS:
+        eng.generate_structured(tokens[:1, :lengths[0]], grammars=model.grammar(regex="a+"), rng=0, max_new_tokens=16,
+                                constraint_decoder=dec)
     rows = {}
     for name, kw, budget, check in ([(n, {"json_schema": s}, 96, lambda t, s=s: jsonschema.validate(json.loads(t), s))
                                      for n, s in SCHEMAS.items()]
@@ -120,31 +156,18 @@ def noise(seeds: int, tmp: str) -> dict:
                                         lambda t, r=r: None if re.fullmatch(r, t) else (_ for _ in ()).throw(
                                             ValueError(t))) for r in REGEXES]):
         grammar = model.grammar(**kw)
-        t0 = time.perf_counter()
-        out = eng.generate_structured(tokens, lengths, grammars=grammar, rng=list(range(len(prompts))),
-                                      max_new_tokens=budget)
-        wall = time.perf_counter() - t0
-        valid = 0
-        for ids, reason in zip(out.tokens, out.finish_reasons):
-            if reason == "stop":
-                try:
-                    check(tok.decode(ids, skip_special=True))
-                    valid += 1
-                except (ValueError, jsonschema.ValidationError):
-                    pass
-        c_ms, s_ms, steps = _per_step_ms([out])
-        rows[name] = {"answers": len(prompts), "valid": valid, "length": out.finish_reasons.count("length"),
-                      "tokens_per_answer": round(float(np.mean([len(t) for t in out.tokens])), 1),
-                      "steps_per_answer": round(steps / len(prompts), 1),
-                      "repairs_per_answer": round(float(out.repairs.mean()), 1),
-                      "constraint_ms_per_step": c_ms, "step_ms_per_step": s_ms,
-                      "wall_ms_per_answer": round(1e3 * wall / len(prompts), 1)}
+        decoders = DECODERS if "regex" in kw else ("prefix",)   # a schema has no DFA: "dingo" is the prefix walk
+        rows[name] = {dec: _noise_row(eng, tok, tokens, lengths, grammar, budget, check, dec) for dec in decoders}
         print(name, rows[name], flush=True)
-    total = sum(r["answers"] for r in rows.values())
+    summary = {}
+    for dec in DECODERS:
+        rs = [r[dec] for r in rows.values() if dec in r]
+        total = sum(r["answers"] for r in rs)
+        summary[dec] = {"grammars": len(rs), "valid_rate": round(sum(r["valid"] for r in rs) / total, 4),
+                        "length_rate": round(sum(r["length"] for r in rs) / total, 4)}
     return {"what": "random-weight tiny-2layer (vocab 400, canvas 16, 4 steps) with a byte-level BPE: answers are "
-                    "noise, validity comes from the constraint", "seeds_per_grammar": len(prompts),
-            "valid_rate": round(sum(r["valid"] for r in rows.values()) / total, 4),
-            "length_rate": round(sum(r["length"] for r in rows.values()) / total, 4), "grammars": rows}
+                    "noise, validity comes from the constraint; schemas: prefix only (no DFA), regexes: both "
+                    "decoders", "seeds_per_grammar": len(prompts), "summary": summary, "grammars": rows}
 
 
 def big_vocab(tmp: str, vocab: int = 262_144) -> dict:
@@ -181,6 +204,22 @@ def big_vocab(tmp: str, vocab: int = 262_144) -> dict:
         validate_ms.append(1e3 * (time.perf_counter() - t0))
         if not m.consume_token(t):
             break
+    dp = {}
+    for regex in DP_REGEXES:   # DINGO's DP at this vocabulary: a 256-position canvas, k = 32 candidates per position
+        dfa = compile_grammar(tok, len(vocab_map), (1,), regex=regex).dfa
+        words = np.asarray([i for i in range(len(vocab_map)) if re.fullmatch(r" ?[a-z]+", dfa.text(i) or "")])
+        rng = np.random.default_rng(1)
+        ids = np.stack([rng.choice(words, DINGO_TOP_K, replace=False) for _ in range(256)])
+        lp = np.sort(np.log(rng.dirichlet(np.ones(DINGO_TOP_K), size=256)), axis=1)[:, ::-1]
+        eos = np.log(np.full(256, 1e-3))
+        t0 = time.perf_counter()
+        viterbi(dfa, dfa.initial, ids, lp, eos, 1, final=True)
+        cold = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _, covered, _, complete = viterbi(dfa, dfa.initial, ids, lp, eos, 1, final=True)
+        dp[regex] = {"dfa_states": len(dfa.fsm.states), "dp_ms_first": round(1e3 * cold, 1),
+                     "dp_ms_cached": round(1e3 * (time.perf_counter() - t0), 1), "covered": covered,
+                     "complete": complete}
     proj = json.load(open(os.path.join(RESULTS, "aot_26b_v6e-8.json")))["projection"]
     return {"what": f"llguidance at a {len(vocab_map)}-token byte-level vocabulary (synthetic), the nested schema",
             "llguidance": llg.__version__ if hasattr(llg, "__version__") else None,
@@ -189,6 +228,7 @@ def big_vocab(tmp: str, vocab: int = 262_144) -> dict:
             "mask_ms_p90": round(float(np.percentile(mask_ms, 90)), 3), "mask_ms_max": round(float(np.max(mask_ms)), 3),
             "validate_256_ms_median": round(float(np.median(validate_ms)), 3),
             "denoise_step_ms_26b_v6e8_projection": round(proj["denoise_step_ms"], 3),
+            "dingo_dp_256_positions_top32": dp,
             "note": "the projection is from the TPU compiler's cost analysis (aot_26b_v6e-8.json), not a measurement"}
 
 

@@ -237,6 +237,8 @@ class DiffusionGemma:
             {"type": "json_schema", "json_schema": {"schema": {...}}}). Every answer is valid under it
             (`Engine.generate_structured`), unless the budget runs out first: then a DgemmaWarning says
             so and the text is a valid prefix. A schema or regex that cannot be compiled is a ValueError.
+            `constraint_decoder="prefix"` / `"dingo"` (in kw) picks how a regex's canvas is chosen
+            (`Engine.generate_structured`).
           **kw: more `Engine.generate` arguments (cache_length, ...).
         Returns:
           the generated text (special tokens skipped), or a list of them for a list of prompts.
@@ -247,10 +249,11 @@ class DiffusionGemma:
         if suffix is not None:
             return self._infill(text, suffix, max_new_tokens, seed, images, kw)
         if json_schema is not None or regex is not None or response_format is not None:
-            if images is not None or kw:
-                raise ValueError("structured output takes text prompts and max_new_tokens / seed only")
+            if images is not None or set(kw) - {"constraint_decoder"}:
+                raise ValueError("structured output takes text prompts and max_new_tokens / seed / "
+                                 "constraint_decoder only")
             return self._structured(text, self.grammar(json_schema=json_schema, regex=regex,
-                                                       response_format=response_format), max_new_tokens, seed)
+                                                       response_format=response_format), max_new_tokens, seed, **kw)
         if images is not None:
             if not single:
                 raise ValueError("images go with one prompt: pass text as a string (batch prompts with images "
@@ -290,13 +293,13 @@ class DiffusionGemma:
         return compile_grammar(self.tokenizer, self.config.vocab_size, self.sampler.eos_ids, json_schema=json_schema,
                                regex=regex, json_object=json_object)
 
-    def _structured(self, text, grammar, max_new_tokens, seed) -> Any:
+    def _structured(self, text, grammar, max_new_tokens, seed, **decoder) -> Any:
         single = isinstance(text, str)
         tokens, lengths = self.encode_batch([text] if single else list(text))
         if max_new_tokens is None:
             max_new_tokens = default_new_tokens(self.config, self.sampler, int(lengths.max()))
         out = self.engine.generate_structured(tokens, lengths, grammars=grammar, rng=seed,
-                                              max_new_tokens=max_new_tokens, nonfinite="raise")
+                                              max_new_tokens=max_new_tokens, nonfinite="raise", **decoder)
         if "length" in out.finish_reasons:
             warnings.warn(f"{out.finish_reasons.count('length')} answer(s) reached max_new_tokens={max_new_tokens} "
                           f"before the {grammar.kind} was complete: their text is a valid prefix only; raise "

@@ -160,6 +160,43 @@ def test_every_regex_answer_matches_across_seeds(model):
 
 
 @pytest.mark.slow
+def test_dingo_answers_match_across_seeds(model):
+    """constraint_decoder="dingo" (the DP over positions x the regex's DFA states): every regex, 16 seeds,
+    every answer ends and matches; a JSON schema has no DFA and keeps the prefix walk."""
+    tokens, lengths = model.encode_batch(["a", "b c", "d e f", "g"] * 4)
+    for regex in REGEXES:
+        out = model.engine.generate_structured(tokens, lengths, grammars=model.grammar(regex=regex), rng=list(range(16)),
+                                               max_new_tokens=32, constraint_decoder="dingo")
+        assert out.decoders == ["dingo"] * 16 and out.finish_reasons == ["stop"] * 16
+        for ids in out.tokens:
+            assert re.fullmatch(regex, model.tokenizer.decode(ids, skip_special=True)), (regex, ids)
+    text = model.generate("x", seed=1, regex=REGEXES[3], max_new_tokens=32, constraint_decoder="dingo")
+    assert re.fullmatch(REGEXES[3], text)
+    schema = SCHEMAS["numbers"]
+    out = model.engine.generate_structured(tokens[:1, :lengths[0]], None, grammars=model.grammar(json_schema=schema),
+                                           rng=0, max_new_tokens=BUDGET, constraint_decoder="dingo")
+    assert out.decoders == ["prefix"]
+    _check_schema(model.tokenizer.decode(out.tokens[0], skip_special=True), schema)
+    with pytest.raises(ValueError, match="constraint_decoder must be one of"):
+        model.engine.generate_structured(tokens, lengths, grammars=model.grammar(regex="a"), constraint_decoder="x")
+
+
+@pytest.mark.slow
+def test_fixed_text_is_pinned_without_a_denoising_pass(model):
+    """A literal regex is the grammar's forced text: pinned whole before any step (no pass at all); a
+    schema's braces and keys are forced tokens too."""
+    tokens, lengths = model.encode_batch(["x", "y"])
+    out = model.engine.generate_structured(tokens, lengths, grammars=model.grammar(regex="Hello, world!"), rng=[0, 1],
+                                           max_new_tokens=32)
+    assert out.steps.sum() == 0 and out.finish_reasons == ["stop"] * 2
+    assert [model.tokenizer.decode(t) for t in out.tokens] == ["Hello, world!"] * 2
+    assert (out.forced == [len(t) for t in out.tokens]).all() and (out.repairs == 0).all()
+    out = model.engine.generate_structured(tokens, lengths, grammars=model.grammar(json_schema=SCHEMAS["numbers"]),
+                                           rng=[0, 1], max_new_tokens=BUDGET)
+    assert (out.forced >= 3).all()      # '{"score":', '"count":', '"ok":' at least
+
+
+@pytest.mark.slow
 def test_json_object_response_format(model):
     """{"type": "json_object"}: any object (its strings unbounded, so a noise answer may run out of budget:
     then "length" and a valid prefix); {"type": "json_schema"}: the schema."""
