@@ -1,23 +1,26 @@
-"""Structured output's cost and validity (engine/structured.py, llguidance masks).
+"""Structured output's cost and validity (engine/structured.py, llguidance masks, the DINGO decoder).
 
     python benchmarks/structured_output.py [--cases 40] [--seeds 16] [--out benchmarks/results/structured_output.json]
 
 Three parts, on this machine's CPU:
 1. bundled dgemma-tiny-digits, digit sorting ("s<digits>=" -> the sorted digits), without a
    constraint (`Engine.generate`) and with the regex "0*1*2*3*4*5*6*7*8*9*" (sorted digits: the
-   constraint enforces the task's form, not its answer): accuracy, answers of the regex's form,
-   denoising steps per canvas, wall time per canvas (after a warm-up), and per step the host time of
-   the constraint (walk, masks, repair scores) against the step's own time (dispatch to the argmax on
-   the host).
+   constraint enforces the task's form, not its answer) under each constraint decoder ("prefix":
+   left to right; "dingo": the DP over positions x DFA states), the three modes in turns per case:
+   accuracy, answers of the regex's form, denoising steps per canvas, wall time per canvas (after a
+   warm-up), and per step the host time of the constraint (walk, forced tokens, masks, repair scores,
+   the DP) against the step's own time (dispatch to the argmax, and the top-k for "dingo", on the host).
 2. a random-weight model (tiny-2layer, vocab 400) with a byte-level BPE (tests/helpers/subword_tokenizer.py)
-   over the JSON schemas and regexes of tests/test_structured.py, `--seeds` seeds each: how many answers
-   end ("stop") and validate (jsonschema / re.fullmatch), how many run out of budget ("length"),
-   repairs per answer, constraint and step ms per step.
+   over the JSON schemas and regexes of tests/test_structured.py, `--seeds` seeds each (regexes under
+   both decoders; a schema has no DFA, so "prefix" only): how many answers end ("stop") and validate
+   (jsonschema / re.fullmatch), how many run out of budget ("length"), repairs and forced (fixed-text)
+   tokens per answer, steps per canvas, constraint and step ms per step, wall ms per canvas.
 3. the mask at Gemma's vocabulary size: a synthetic 262,144-token byte-level vocabulary (the 400 BPE
    pieces plus random ASCII / UTF-8 pieces), the nested schema compiled for it; the time of one
    `compute_bitmask` (+ unpacking) and of `validate_tokens` over a 256-token canvas at states along
    an answer, next to the 26B denoising step of benchmarks/results/aot_26b_v6e-8.json (a compiler
-   projection for v6e-8, batch 1: not a measurement).
+   projection for v6e-8, batch 1: not a measurement); and DINGO's DP over a 256-position canvas with
+   32 word-piece candidates per position for two regexes (first call, and again with the token lift cached).
 """
 
 from __future__ import annotations
@@ -76,22 +79,24 @@ def bundled(cases: int) -> dict:
     outs = {d: [] for d in DECODERS}
     for i, (prompt, answer) in enumerate(problems):
         ids = np.asarray([tok.encode(prompt, add_bos=True)], np.int32)
-        t0 = time.perf_counter()
-        out = eng.generate(ids, rng=i, max_new_tokens=24)
-        wall["none"] += time.perf_counter() - t0
-        text = tok.decode_generated(np.asarray(out.tokens)[0], skip_special=True)
-        canvases = int((np.asarray(out.steps)[0] > 0).sum()) if np.asarray(out.steps).ndim == 2 else None
-        rows["none"].append(dict(correct=text == answer, form=bool(re.fullmatch(SORTED, text)),
-                                 steps=int(np.asarray(out.steps)[0].sum()), canvases=canvases))
-        for dec in DECODERS:   # side by side, the same case: the machine's noise hits both alike
+        for mode in modes[i % 3:] + modes[:i % 3]:   # side by side, in turns: what runs first pays for the last
+            dec = mode[len("regex_"):] if mode != "none" else None
             t0 = time.perf_counter()
+            if dec is None:
+                out = eng.generate(ids, rng=i, max_new_tokens=24)
+                wall[mode] += time.perf_counter() - t0
+                text = tok.decode_generated(np.asarray(out.tokens)[0], skip_special=True)
+                canvases = int((np.asarray(out.steps)[0] > 0).sum()) if np.asarray(out.steps).ndim == 2 else None
+                rows[mode].append(dict(correct=text == answer, form=bool(re.fullmatch(SORTED, text)),
+                                       steps=int(np.asarray(out.steps)[0].sum()), canvases=canvases))
+                continue
             s = eng.generate_structured(ids, grammars=grammar, rng=i, max_new_tokens=24, constraint_decoder=dec)
-            wall[f"regex_{dec}"] += time.perf_counter() - t0
+            wall[mode] += time.perf_counter() - t0
             outs[dec].append(s)
             text = tok.decode(s.tokens[0], skip_special=True)
-            rows[f"regex_{dec}"].append(dict(correct=text == answer, form=bool(re.fullmatch(SORTED, text)),
-                                             finish=s.finish_reasons[0], steps=int(s.steps[0].sum()),
-                                             canvases=max(1, int((s.steps[0] > 0).sum())), repairs=int(s.repairs[0])))
+            rows[mode].append(dict(correct=text == answer, form=bool(re.fullmatch(SORTED, text)),
+                                   finish=s.finish_reasons[0], steps=int(s.steps[0].sum()),
+                                   canvases=max(1, int((s.steps[0] > 0).sum())), repairs=int(s.repairs[0])))
     result = {}
     for k, rs in rows.items():
         canvases = sum(r["canvases"] for r in rs if r["canvases"] is not None) or None

@@ -156,3 +156,28 @@ def test_the_schemas_fixed_text_is_pinned_before_any_step(tokenizer):
     w = _Walker(compile_grammar(tokenizer, 400, (1,), regex="hello world"), 400, 1, scores=None)
     w.start(16, 3)                          # only 3 positions owed: the forced text stops there
     assert w.held == 3 and not w.ended
+
+
+def test_the_dingo_walker_holds_the_agreeing_run_and_its_repair_then_commits_the_dp_run(tokenizer):
+    """The step's argmax '12a-bc' breaks [0-9]{3}-[a-z]{2} at 'a'; the DP's run '123-bc' + EOS takes '3'
+    (the top-k's valid choice there): the step holds '12' + '3', the grammar then forces '-', and the
+    canvas's end commits the rest of the DP run."""
+    one = {c: tokenizer.encode(c) for c in "0123456789-abcxy"}
+    assert all(len(v) == 1 for v in one.values())
+    t = {c: v[0] for c, v in one.items()}
+    eos, length = 1, 8
+    g = compile_grammar(tokenizer, 400, (eos,), regex=r"[0-9]{3}-[a-z]{2}")
+    argmax = np.asarray([t[c] for c in "12a-bc"] + [eos, eos])
+    cands = ["1x", "2y", "a3", "-0", "bx", "cy", "ab", "ab"]
+    ids = np.asarray([[t[c] for c in pair] for pair in cands])
+    lp = np.log(np.tile([0.7, 0.2], (length, 1)))
+    eos_lp = np.log(np.asarray([1e-4] * 6 + [0.9, 0.9]))
+    w = _Walker(g, 400, eos, scores=None, dfa=g.dfa)
+    w.start(length, length)
+    assert w.held == 0
+    w.advance_dingo(argmax, None, (ids, lp, eos_lp), length, final=True, whole=False)
+    assert tokenizer.decode(w.answer) == "123-" and w.repairs == 1 and w.forced == 1
+    assert w.pinned[0, :4].all() and not w.pinned[0, 4:].any()
+    w.finish(argmax, None, length, (ids, lp, eos_lp), final=True)
+    assert w.ended and tokenizer.decode(w.answer) == "123-bc" and w.repairs == 1
+    assert list(w.seed[0, 6:]) == [eos, eos]

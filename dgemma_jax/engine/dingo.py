@@ -1,6 +1,6 @@
 """DINGO-style decoding of a canvas under a regex: the most probable canvas a DFA accepts, by dynamic
-programming over positions x automaton states (Suresh et al. 2025, "DINGO: Constrained Inference for
-Diffusion LLMs"), given the denoising step's per-position distributions.
+programming over positions x automaton states (DINGO, 2025: "Constrained Inference for Diffusion
+LLMs"), given the denoising step's per-position distributions.
 
 A canvas is written in parallel, so the constraint can choose the whole canvas at once: where the
 left-to-right walk (`engine.structured`, "prefix") repairs the first rejected position from the

@@ -195,9 +195,14 @@ class _Walker:
         if self.eos in take:
             take = take[:take.index(self.eos) + 1]
         k = self.m.validate_tokens([int(t) for t in take]) if take else 0
-        if k:
-            self.repairs += int((np.asarray(take[:k]) != argmax[h:h + k]).sum())
-            self._hold(np.asarray(take[:k], np.int32))
+        run = take[:k]
+        body = run[:-1] if run and run[-1] == self.eos else run
+        if body:
+            self.repairs += int((np.asarray(body) != argmax[h:h + len(body)]).sum())
+            self._hold(np.asarray(body, np.int32))
+        if len(body) < len(run) and not self.ended:   # the run's EOS (unless the grammar ended it already)
+            self.repairs += int(argmax[self.held] != self.eos)
+            self._hold(np.asarray([self.eos], np.int32))
         if k == 0 and not self.ended and self.held < owed:
             self._repair(soft)
         self.force()
