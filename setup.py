@@ -43,7 +43,9 @@ setup(
         # structured output (dgemma_jax/engine/grammar.py): JSON schema / regex token masks
         "llguidance>=1.9,<2",
         # its DINGO decoder (dgemma_jax/engine/dingo.py): a regex's character DFA (pure Python, no dependencies)
+        # and a JSON schema's regex (outlines-core: a Rust wheel, no dependencies)
         "interegular>=0.3",
+        "outlines-core>=0.2,<0.3",
     ],
     extras_require={
         # gcp-storage-emulator: the local GCS that gs:// training work directories are tested against

@@ -11,8 +11,8 @@ Three parts, on this machine's CPU:
    warm-up), and per step the host time of the constraint (walk, forced tokens, masks, repair scores,
    the DP) against the step's own time (dispatch to the argmax, and the top-k for "dingo", on the host).
 2. a random-weight model (tiny-2layer, vocab 400) with a byte-level BPE (tests/helpers/subword_tokenizer.py)
-   over the JSON schemas and regexes of tests/test_structured.py, `--seeds` seeds each (regexes under
-   both decoders; a schema has no DFA, so "prefix" only): how many answers end ("stop") and validate
+   over the JSON schemas and regexes of tests/test_structured.py, `--seeds` seeds each, under both
+   decoders (a schema's DFA from its regex): how many answers end ("stop") and validate
    (jsonschema / re.fullmatch), how many run out of budget ("length"), repairs and forced (fixed-text)
    tokens per answer, steps per canvas, constraint and step ms per step, wall ms per canvas.
 3. the mask at Gemma's vocabulary size: a synthetic 262,144-token byte-level vocabulary (the 400 BPE
@@ -161,8 +161,8 @@ def noise(seeds: int, tmp: str) -> dict:
                                         lambda t, r=r: None if re.fullmatch(r, t) else (_ for _ in ()).throw(
                                             ValueError(t))) for r in REGEXES]):
         grammar = model.grammar(**kw)
-        decoders = DECODERS if "regex" in kw else ("prefix",)   # a schema has no DFA: "dingo" is the prefix walk
-        rows[name] = {dec: _noise_row(eng, tok, tokens, lengths, grammar, budget, check, dec) for dec in decoders}
+        rows[name] = {dec: _noise_row(eng, tok, tokens, lengths, grammar, budget, check, dec) for dec in DECODERS}
+        rows[name]["dingo"]["dfa_states"] = len(grammar.dfa.fsm.states) if grammar.dfa is not None else None
         print(name, rows[name], flush=True)
     summary = {}
     for dec in DECODERS:
@@ -171,8 +171,9 @@ def noise(seeds: int, tmp: str) -> dict:
         summary[dec] = {"grammars": len(rs), "valid_rate": round(sum(r["valid"] for r in rs) / total, 4),
                         "length_rate": round(sum(r["length"] for r in rs) / total, 4)}
     return {"what": "random-weight tiny-2layer (vocab 400, canvas 16, 4 steps) with a byte-level BPE: answers are "
-                    "noise, validity comes from the constraint; schemas: prefix only (no DFA), regexes: both "
-                    "decoders", "seeds_per_grammar": len(prompts), "summary": summary, "grammars": rows}
+                    "noise, validity comes from the constraint; both decoders (dingo: the DFA of the regex, or of "
+                    "the schema's regex from outlines-core)", "seeds_per_grammar": len(prompts), "summary": summary,
+            "grammars": rows}
 
 
 def big_vocab(tmp: str, vocab: int = 262_144) -> dict:

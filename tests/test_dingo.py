@@ -3,13 +3,14 @@ vocabulary, the regex DFA's lift to tokens, and the grammar's fixed text pinned 
 (engine/structured.py's forced tokens)."""
 
 import itertools
+import json
 import math
 
 import numpy as np
 import pytest
 
 from dgemma_jax.engine.dingo import END, TokenDFA, viterbi
-from dgemma_jax.engine.grammar import compile_grammar
+from dgemma_jax.engine.grammar import DFA_REGEX_LIMIT, compile_grammar, schema_regex
 from dgemma_jax.engine.structured import _Walker
 from dgemma_jax.io.tokenizer import load_tokenizer
 from tests.helpers.subword_tokenizer import subword_tokenizer_json
@@ -127,14 +128,25 @@ def tokenizer(tmp_path_factory):
     return load_tokenizer(str(path))
 
 
-def test_a_regex_grammar_has_a_dfa_and_a_schema_none(tokenizer):
+def test_a_regex_and_a_small_schema_have_a_dfa_and_any_object_none(tokenizer):
+    """A regex's DFA is its own; a schema's comes from its compact-JSON regex (outlines-core); "any JSON
+    object" has a regex too long for a DFA (DFA_REGEX_LIMIT) and keeps the prefix walk."""
     g = compile_grammar(tokenizer, 400, (1,), regex=r"[0-9]{3}-[a-z]{2,4}")
     dfa = g.dfa
     q = dfa.initial
     for t in tokenizer.encode("123-ab"):
         q = dfa.step(q, t)
     assert dfa.accepting(q)
-    assert compile_grammar(tokenizer, 400, (1,), json_schema={"type": "object"}).dfa is None
+    schema = {"type": "object", "required": ["ok"], "additionalProperties": False,
+              "properties": {"ok": {"type": "boolean"}}}
+    dfa = compile_grammar(tokenizer, 400, (1,), json_schema=schema).dfa
+    for text, accepted in (('{"ok":true}', True), ('{"ok": true}', False), ('{"ok":1}', False)):
+        q = dfa.initial
+        for t in tokenizer.encode(text):
+            q = None if q is None else dfa.step(q, t)
+        assert (q is not None and dfa.accepting(q)) == accepted, text
+    assert schema_regex(json.dumps({"type": "object"})) is None and DFA_REGEX_LIMIT < 6428
+    assert compile_grammar(tokenizer, 400, (1,), json_object=True).dfa is None
 
 
 def test_the_schemas_fixed_text_is_pinned_before_any_step(tokenizer):

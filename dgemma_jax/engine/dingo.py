@@ -1,6 +1,6 @@
-"""DINGO-style decoding of a canvas under a regex: the most probable canvas a DFA accepts, by dynamic
-programming over positions x automaton states (DINGO, 2025: "Constrained Inference for Diffusion
-LLMs"), given the denoising step's per-position distributions.
+"""DINGO-style decoding of a canvas under a regex (or a JSON schema's regex): the most probable canvas a
+DFA accepts, by dynamic programming over positions x automaton states (DINGO, 2025: "Constrained
+Inference for Diffusion LLMs"), given the denoising step's per-position distributions.
 
 A canvas is written in parallel, so the constraint can choose the whole canvas at once: where the
 left-to-right walk (`engine.structured`, "prefix") repairs the first rejected position from the
@@ -14,8 +14,9 @@ outlines uses) lifted to tokens lazily: a token moves state q to the state its d
 a final state is reachable), a special token and one whose bytes are not whole UTF-8 are refused.
 llguidance stays the authority: every run the DP picks is checked with the grammar's matcher
 (`validate_tokens`) before it is held, so a regex dialect difference between the two libraries can
-shorten a run, never admit an invalid one. JSON schemas have no DFA here (llguidance compiles them to
-a grammar with a lexer and a parser, and exposes no automaton states), so they keep the prefix walk.
+shorten a run, never admit an invalid one. A JSON schema's automaton comes from its regex
+(`grammar.schema_regex`: outlines-core's conversion, compact JSON), since llguidance compiles a schema
+to a parser with no automaton states to expose; a schema whose regex is too long keeps the prefix walk.
 
 Tractability: the DP considers each position's top-k tokens (`DINGO_TOP_K`, from the step's true
 distribution at temperature 1, computed on the device) plus the EOS set; the paper's DP runs over the

@@ -325,8 +325,8 @@ class Engine:
     def generate_structured(self, prompt_tokens, lengths=None, *, grammars, rng: Any = 0,
                             max_new_tokens: int | None = None, nonfinite: str = "warn", **decoder):
         """Answers valid under a grammar (`engine.structured`: between denoising steps the grammar's fixed
-        text and the canvas's valid run are pinned, the run chosen left to right from the argmax or, for
-        a regex with `constraint_decoder="dingo"`, by the DP over positions x the regex's DFA states).
+        text and the canvas's valid run are pinned, the run chosen left to right from the argmax or, with
+        `constraint_decoder="dingo"`, by the DP over positions x the DFA states of the regex or schema).
 
         Args:
           prompt_tokens: [B, P] right-padded prompts; lengths: [B] (default P).

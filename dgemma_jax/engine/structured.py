@@ -14,8 +14,8 @@ per canvas:
      longest run it accepts); the first position it rejects is repaired with the allowed token (the
      grammar's mask) that the step's self-conditioning embedding scores highest (`soft . E`, the
      model's expected token there, a proxy that needs no [L, V] logits on the host);
-   - "dingo" (a regex with a DFA, `engine.dingo`): the Viterbi pass over the remaining positions x
-     the regex's DFA states picks the most probable valid canvas from the step's top-k
+   - "dingo" (a grammar with a DFA, `engine.dingo`: a regex, or a JSON schema through its regex): the
+     Viterbi pass over the remaining positions x the DFA's states picks the most probable valid canvas from the step's top-k
      log-probabilities (and the EOS tail); the run where it agrees with the argmax is held, plus its
      first disagreeing position (the DP's repair, which accounts for every later position); where no
      top-k run reaches a position, that position is repaired from the mask as in "prefix";
@@ -64,7 +64,7 @@ class StructuredOutput:
     row met non-finite logits; constraint_s: [B] host seconds in the constraint (the matcher's walk,
     forced tokens, masks, repair scores, the DP), step_s: [B] seconds in the denoising steps (dispatch
     to the argmax, and for "dingo" the top-k, on the host); decoders: each row's constraint decoder
-    ("dingo" only for a regex with a DFA; a schema keeps "prefix")."""
+    ("dingo" only for a grammar with a DFA, `Grammar.dfa`; one without keeps "prefix")."""
 
     tokens: list
     finish_reasons: list
@@ -229,8 +229,9 @@ def generate_structured(engine, prompt_tokens, lengths, grammars: Grammar | Sequ
       max_new_tokens: the token budget (default one canvas).
       nonfinite: as `Engine.generate`.
       constraint_decoder: "prefix" (left to right: walk the argmax, repair the first rejected position
-        from the mask) or "dingo" (the DP over positions x the regex's DFA states; a grammar without a
-        DFA, i.e. a JSON schema, keeps "prefix"). top_k: the candidates per position "dingo" weighs.
+        from the mask) or "dingo" (the DP over positions x the DFA's states of a regex, or of a JSON
+        schema's regex; a grammar without a DFA, `Grammar.dfa` None, keeps "prefix"). top_k: the
+        candidates per position "dingo" weighs.
     Returns:
       a `StructuredOutput`.
     """
