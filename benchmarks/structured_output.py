@@ -69,10 +69,11 @@ def bundled(cases: int) -> dict:
     rng = np.random.default_rng(20261206)
     task = Task("sort", 9, 16)
     problems = [task.sample(rng) for _ in range(cases)]
-    warm = np.asarray([tok.encode(problems[0][0], add_bos=True)], np.int32)
-    eng.generate(warm, rng=0, max_new_tokens=24)
-    for dec in DECODERS:
-        eng.generate_structured(warm, grammars=grammar, rng=0, max_new_tokens=24, constraint_decoder=dec)
+    for prompt, _ in problems:   # warm-up: every prompt bucket's programs compiled for every mode before timing
+        warm = np.asarray([tok.encode(prompt, add_bos=True)], np.int32)
+        eng.generate(warm, rng=0, max_new_tokens=24)
+        for dec in DECODERS:
+            eng.generate_structured(warm, grammars=grammar, rng=0, max_new_tokens=24, constraint_decoder=dec)
     modes = ["none"] + [f"regex_{d}" for d in DECODERS]
     rows = {k: [] for k in modes}
     wall = dict.fromkeys(modes, 0.0)
@@ -151,9 +152,10 @@ def noise(seeds: int, tmp: str) -> dict:
     prompts = ["A record:", "JSON please"] * (seeds // 2)
     tokens, lengths = model.encode_batch(prompts)
     eng = model.engine
-    for dec in DECODERS:
-        eng.generate_structured(tokens[:1, :lengths[0]], grammars=model.grammar(regex="a+"), rng=0, max_new_tokens=16,
-                                constraint_decoder=dec)
+    for dec in DECODERS:   # warm-up: both budgets' programs compiled for both decoders before timing
+        for kw, budget in (({"json_schema": SCHEMAS["numbers"]}, 96), ({"regex": REGEXES[0]}, 32)):
+            eng.generate_structured(tokens, lengths, grammars=model.grammar(**kw), rng=list(range(len(prompts))),
+                                    max_new_tokens=budget, constraint_decoder=dec)
     rows = {}
     for name, kw, budget, check in ([(n, {"json_schema": s}, 96, lambda t, s=s: jsonschema.validate(json.loads(t), s))
                                      for n, s in SCHEMAS.items()]
