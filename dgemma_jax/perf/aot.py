@@ -163,8 +163,7 @@ def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context:
     active = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=rep)
     # the server's slot programs (sampling/slots.py): per-row canvas numbers and sampler knobs, one prompt
     vec = lambda dtype, *shape: jax.ShapeDtypeStruct((batch,) + shape, dtype, sharding=rep)  # noqa: E731
-    knobs = RowKnobs(vec(jnp.float32, sampler.max_denoising_steps), vec(jnp.int32), vec(jnp.float32),
-                     vec(jnp.float32))
+    knobs = rep_tree(RowKnobs.shapes(batch, sampler.max_denoising_steps))
     slots_state = rep_tree(jax.eval_shape(lambda: idle_slots(config, sampler, batch)))
     slot = dict(canvas_index=vec(jnp.int32), last=active, knobs=knobs, state=slots_state,
                 slot=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),

@@ -63,6 +63,7 @@ from dgemma_jax.engine.inputs import new_tokens_that_fit
 from dgemma_jax.model.cache import rewind_ok
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import RowKnobs, choice_keys
+from dgemma_jax.sampling.settings import batch_wide
 from dgemma_jax.serving import chunks as chunks_lib
 from dgemma_jax.serving.metrics import Metrics
 from dgemma_jax.serving.output import OutputProcessor, SeqEvent
@@ -133,7 +134,7 @@ class Scheduler:
         adapter_names: the names of the engine's stacked LoRA adapters 1, 2, ... (`Request.adapter`)."""
         cfg, smp = engine.config, engine.sampler
         self.default_sampler = default_sampler or smp
-        shared = ("canvas_length", "eos_ids", "pad_id", "stability_threshold", "accept", "stop")   # the tick's own
+        shared = batch_wide() + ("accept", "stop")   # the tick's own: settings a request cannot set
         if any(getattr(self.default_sampler, f) != getattr(smp, f) for f in shared):
             raise ValueError(f"default_sampler must share the engine sampler's {', '.join(shared)}")
         if self.default_sampler.max_denoising_steps > smp.max_denoising_steps:
