@@ -170,7 +170,8 @@ def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context:
                 tokens=jax.ShapeDtypeStruct((1, prompt), jnp.int32, sharding=rep),
                 length=jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep),
                 start=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
-                max_ticks=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep))
+                max_ticks=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+                seed=canvas, pinned=jax.ShapeDtypeStruct(canvas.shape, jnp.bool_, sharding=rep), hold=active)
     pictures = None
     if images:
         v, per = config.vision, ImageSettings().max_patches
@@ -203,7 +204,9 @@ def engine_programs(engine: Engine, max_new_tokens: int) -> dict:
                                                       canvas_index=a["slot"]["canvas_index"], begin=a["active"],
                                                       active=a["active"], last=a["slot"]["last"],
                                                       keep=a["slot"]["last"], knobs=a["slot"]["knobs"],
-                                                      max_ticks=a["slot"]["max_ticks"]))),
+                                                      max_ticks=a["slot"]["max_ticks"], seed=a["slot"]["seed"],
+                                                      pinned=a["slot"]["pinned"], hold=a["slot"]["hold"],
+                                                      end=a["slot"]["hold"]))),
         "prefill_slot": (prefill_slot,
                          lambda a: ((a["params"],), dict(cache=a["cache"], slot=a["slot"]["slot"],
                                                          tokens=a["slot"]["tokens"], length=a["slot"]["length"],

@@ -275,7 +275,7 @@ def where_rows(mask, new, old):
 def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, context_end: jax.Array,
                  keys: jax.Array, state: LoopState, seed: jax.Array | None = None,
                  pinned: jax.Array | None = None, knobs: RowKnobs | None = None,
-                 runtime: Runtime | None = None) -> LoopState:
+                 runtime: Runtime | None = None, plain_rows: bool = False) -> LoopState:
     """One denoising step for every unfinished row (pure; jit it or run it in a while_loop).
 
     Args:
@@ -285,6 +285,8 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
       seed, pinned: [B, L] the start canvas and the positions held at its tokens, or None.
       knobs: per-row settings (`RowKnobs`); default `RowKnobs.of(sampler, B)`.
       runtime: how the pass runs (`dgemma_jax.runtime`; default: this backend, one device).
+      plain_rows: with `pinned`, a row that holds no position takes its mean entropy exactly as without
+        pins (a server's slots, where only some rows hold positions, decide as each would alone).
     Returns:
       the next `LoopState`: step + 1; canvas, soft, history and argmax advanced for the unfinished
       rows (the positions `sampler.accept` keeps, fresh noise elsewhere); done set where
@@ -304,6 +306,8 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
         argmax = jnp.where(pinned, seed, argmax)
         free = (~pinned).astype(jnp.float32)
         mean_h = (entropy * free).sum(-1) / jnp.maximum(free.sum(-1), 1.0)
+        if plain_rows:
+            mean_h = jnp.where(pinned.any(-1), mean_h, entropy.mean(-1))
     else:
         mean_h = entropy.mean(-1)
     view = StepView(step=state.step + 1, argmax=argmax, history=state.history, entropy=entropy, mean_entropy=mean_h,

@@ -2,7 +2,8 @@
 
 Fields follow OpenAI's `/v1/chat/completions` and `/v1/completions`. The diffusion sampler's own
 knobs are extra fields, one per setting declared with `http` in `sampling/settings.py` (today
-`max_denoising_steps`, `t_max`, `t_min`, `entropy_bound`, `confidence_threshold`, `canvas_length`); thinking is `chat_template_kwargs.enable_thinking` (the
+`max_denoising_steps`, `t_max`, `t_min`, `entropy_bound`, `confidence_threshold`, `canvas_length`);
+thinking is `chat_template_kwargs.enable_thinking` (the
 convention of OpenAI-compatible servers). Unknown fields are refused with their name rather than
 ignored (in a message too), and so is an autoregressive `temperature`/`top_p` other than 1: the
 diffusion sampler has no such knob (its temperature is the linear schedule t_max -> t_min). Types are
