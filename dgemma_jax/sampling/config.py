@@ -113,9 +113,9 @@ class SamplerConfig:
     ) -> "SamplerConfig":
         """Builds a config from a Hugging Face `generation_config.json` dict.
 
-        Reads `max_denoising_steps`, `t_min`, `t_max`, `stability_threshold`,
-        `confidence_threshold`, `sampler_config.entropy_bound`, `eos_token_id`
-        (int or list) and `pad_token_id`. Keys that are absent or null keep the
+        Reads each setting's `hf_key` (sampling/settings.py): `max_denoising_steps`, `t_min`,
+        `t_max`, `stability_threshold`, `confidence_threshold`, `sampler_config.entropy_bound`,
+        `eos_token_id` (int or list) and `pad_token_id`. Keys that are absent or null keep the
         released defaults; unknown keys are ignored. `canvas_length` is a model
         config field, not a generation one: pass it in `overrides` if needed.
         `overrides` are applied last.

@@ -246,7 +246,7 @@ def http_fields(settings=SETTINGS) -> dict[str, tuple[Any, Any]]:
 
     Integers are range-checked by the schema; every value is checked again by `SamplerConfig`, whose
     message a bad one gets as a 400."""
-    from pydantic import Field
+    from pydantic import Field  # deferred: the web stack, only for the server's schema
 
     out = {}
     for s in settings:

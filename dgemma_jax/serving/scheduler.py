@@ -40,6 +40,12 @@ the calls that run them) is `serving/runner.py`. A prompt's chunks and its ident
 matching are `serving/chunks.py`, what a client sees of a choice's tokens (text, stop strings,
 previews) `serving/output.py`.
 
+Structured requests (`Request.grammar`, `response_format`) run in the slots too: after each tick the
+host walks a structured slot's argmax from its held valid prefix and repairs the first rejected
+position (`_walk`, with `engine/structured.py`'s walker), hands the held positions to the next tick
+(`slot_tick`'s seed / pinned; the tick commits no held slot's canvas) and commits the walked canvas
+itself (a prefill of the canvas into the slot's row). While one is busy every call is one tick.
+
 Reproducibility: choice i of a request with seed s uses the row key `choice_keys(s, n)[i]` (for n=1
 the key `Engine.generate(rng=s)` gives the prompt, `prompt_key(s)`), its own sampler settings (`RowKnobs`), and
 programs whose shapes depend only on (slots, context): on XLA:CPU its tokens were the same whatever
