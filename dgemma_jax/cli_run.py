@@ -33,6 +33,7 @@ from dgemma_jax.io.images import SOFT_TOKEN_BUDGETS, load_image, prompt_with_ima
 from dgemma_jax.pipeline import load_checkpoint as load_for_cli
 from dgemma_jax.progress import StartReport
 from dgemma_jax.runtime import LAYER_LAYOUTS, Runtime, layers_for_entry
+from dgemma_jax.sampling import settings as sampler_settings
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.generate import CanvasEvent, collect
 from dgemma_jax.sampling.loop import SEED_RANGE
@@ -41,13 +42,7 @@ from dgemma_jax.training import adapters as adapters_lib
 
 def sampler_from_args(args, config, base):
     s = base or SamplerConfig.for_model(config)
-    changes = {}
-    for flag, field in (("steps", "max_denoising_steps"), ("t_max", "t_max"), ("t_min", "t_min"),
-                        ("entropy_bound", "entropy_bound"), ("confidence", "confidence_threshold"),
-                        ("stability", "stability_threshold"), ("canvas_length", "canvas_length")):
-        v = getattr(args, flag, None)
-        if v is not None:
-            changes[field] = v
+    changes = sampler_settings.changes_from_args(args)
     return s.replace(**changes) if changes else s
 
 
@@ -495,20 +490,7 @@ def checkpoint_flags(s, weights: bool = True):
 
 def add_commands(sub, positive):
     def sampler_flags(s):
-        s.add_argument("--steps", type=positive(int),
-                       help="max denoising steps per canvas (default: the checkpoint's sampler, 16 for the bundled "
-                            "model, 48 for the released one)")
-        s.add_argument("--t-max", type=positive(float), dest="t_max",
-                       help="sampling temperature at the first step (default: the checkpoint's sampler)")
-        s.add_argument("--t-min", type=positive(float), dest="t_min",
-                       help="sampling temperature at the last step (default: the checkpoint's sampler)")
-        s.add_argument("--entropy-bound", type=positive(float), dest="entropy_bound",
-                       help="the sampler's entropy bound for keeping positions each step (default: the "
-                            "checkpoint's sampler)")
-        s.add_argument("--confidence", type=float, help="confidence threshold (mean entropy)")
-        s.add_argument("--stability", type=positive(int), help="stability threshold (steps)")
-        s.add_argument("--canvas-length", type=positive(int), dest="canvas_length",
-                       help="tokens per canvas (default: the one the model was trained with)")
+        sampler_settings.add_flags(s)   # one flag per setting with a `flag` (sampling/settings.py)
         s.add_argument("--seed", type=_seed, default=0, help="any 64-bit integer (default 0)")
         s.add_argument("--max-new-tokens", type=positive(int), dest="max_new_tokens",
                        help=f"default: {DEFAULT_NEW_TOKENS}, or as many whole canvases as fit the model's positions")

@@ -226,6 +226,35 @@ def test_a_request_alone_equals_the_same_request_among_others(bundled, scheduler
     assert [c.final[0].text for c in crowd] == ["1122334455667788", "11233455569", "012356789"]
 
 
+def test_a_structured_request_in_the_slots_equals_itself_alone(bundled, scheduler):
+    # a structured request (Request.grammar) runs in a slot beside plain and structured ones: the same
+    # seed gives the same tokens as alone, every answer matches its pattern, and the plain requests
+    # still give their own answers (a slot without pins steps exactly as without them)
+    import re
+
+    from dgemma_jax.engine.grammar import compile_grammar
+
+    cfg, params, sampler, tok = bundled
+    digits = compile_grammar(tok, cfg.vocab_size, sampler.eos_ids, regex=r"[0-9]{3,9}")
+    pair = compile_grammar(tok, cfg.vocab_size, sampler.eos_ids, regex=r"[0-9]+=[0-9]+")
+    alone, _ = _submit(scheduler, tok, sampler, "s9350814272=", seed=11, max_tokens=24, grammar=digits)
+    assert alone.done.wait(120)
+    crowd = [_submit(scheduler, tok, sampler, "s8877665544332211=", seed=100, max_tokens=24)[0],
+             _submit(scheduler, tok, sampler, "s31415926535=", seed=101, max_tokens=32, grammar=pair)[0],
+             _submit(scheduler, tok, sampler, "s705182936=", seed=102, max_tokens=40)[0]]
+    again, _ = _submit(scheduler, tok, sampler, "s9350814272=", seed=11, max_tokens=24, grammar=digits)
+    assert again.done.wait(120) and all(c.done.wait(120) for c in crowd)
+    a, b = alone.final[0], again.final[0]
+    assert a.token_ids == b.token_ids and a.text == b.text and re.fullmatch(r"[0-9]{3,9}", a.text), (a, b)
+    assert a.finish_reason == b.finish_reason == "stop"
+    assert re.fullmatch(r"[0-9]+=[0-9]+", crowd[1].final[0].text) or crowd[1].final[0].finish_reason == "length"
+    assert crowd[0].final[0].text == "1122334455667788" and crowd[2].final[0].text == "012356789"
+    # it shared its ticks with the others: they were running while it ran
+    span = range(b.admitted_tick, b.tick + 1)
+    assert all(c.final[0].admitted_tick <= b.tick and c.final[0].tick >= b.admitted_tick for c in crowd), \
+        (span, [(c.final[0].admitted_tick, c.final[0].tick) for c in crowd])
+
+
 def test_finished_slots_are_refilled_before_a_long_request_ends(bundled):
     cfg, params, sampler, tok = bundled
     # first come, first served: under the default policy the shorts would preempt the long one instead

@@ -3,6 +3,7 @@
 checkpoint with a real subword tokenizer (tests/helpers/subword_tokenizer.py): noise answers, valid by
 the constraint alone. Slow tier (a server process and CLI runs)."""
 
+import concurrent.futures
 import dataclasses
 import json
 import re
@@ -34,7 +35,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    srv = ServerProcess("--checkpoint", str(checkpoint), "--slots", "2", "--max-steps", "4",
+    srv = ServerProcess("--checkpoint", str(checkpoint), "--slots", "3", "--max-steps", "4",
                         "--served-model-name", "noise")
     yield srv
     srv.stop()
@@ -108,3 +109,31 @@ def test_bad_response_format_is_a_400_naming_the_problem(server):
     assert r.status_code == 400 and "stream" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "response_format": "json"})
     assert r.status_code == 400 and "response_format" in r.json()["error"]["message"]
+
+
+def test_a_structured_answer_is_the_same_alone_and_in_a_shared_batch(server):
+    # structured requests run in the slots beside the others (Request.grammar): the same request gives
+    # the same answer alone and while a plain request and another structured one share the batch
+    client = server.client(timeout=180)
+    msgs = [{"role": "user", "content": "JSON:"}]
+
+    def structured(name, seed):
+        rf = {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name]}}
+        r = client.chat.completions.create(model="noise", messages=msgs, response_format=rf, seed=seed, max_tokens=64)
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[name])
+        return r.choices[0].message.content, r.choices[0].finish_reason
+
+    alone = structured("numbers", 5)
+    # a long plain request (never confident: every canvas takes the 4 steps), in its slot before the others come
+    plain = client.completions.create(model="noise", prompt="one two", seed=2, max_tokens=160, stream=True,
+                                      extra_body={"confidence_threshold": 0.0,
+                                                  "stream_options": {"include_provisional": True}})
+    chunks = iter(plain)
+    next(chunks)   # its first preview: it holds a slot and has taken a denoising step
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        other = pool.submit(structured, "arrays_enums", 9)
+        shared = pool.submit(structured, "numbers", 5)
+        assert shared.result() == alone
+        other.result()
+    rest = [c for c in chunks if c.choices]
+    assert rest and rest[-1].choices[0].finish_reason in ("stop", "length")

@@ -24,7 +24,8 @@ class Programs:
     canvas_step(params, cache=, keys=, index=, last=, finished=, seed_canvas=None, pinned=None): one canvas
     prefill_slot(params, cache=, slot=, tokens= [1, W], length= [1], start=, images=None) -> cache
     slot_tick(params, cache=, state=, keys=, canvas_index=, begin=, active=, last=, keep=, knobs=,
-      max_ticks=) -> `slots.TickOutput` (`Engine.new_slots` gives the first state)
+      max_ticks=, seed=None, pinned=None, hold=None, end=None) -> `slots.TickOutput`
+      (`Engine.new_slots` gives the first state)
     read_row(cache, slot) -> a batch-1 cache: one slot's row (a preempted request's, for the host)
     write_row(cache, slot, row) -> cache: that row written back into a slot
     """

@@ -163,15 +163,15 @@ def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context:
     active = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=rep)
     # the server's slot programs (sampling/slots.py): per-row canvas numbers and sampler knobs, one prompt
     vec = lambda dtype, *shape: jax.ShapeDtypeStruct((batch,) + shape, dtype, sharding=rep)  # noqa: E731
-    knobs = RowKnobs(vec(jnp.float32, sampler.max_denoising_steps), vec(jnp.int32), vec(jnp.float32),
-                     vec(jnp.float32))
+    knobs = rep_tree(RowKnobs.shapes(batch, sampler.max_denoising_steps))
     slots_state = rep_tree(jax.eval_shape(lambda: idle_slots(config, sampler, batch)))
     slot = dict(canvas_index=vec(jnp.int32), last=active, knobs=knobs, state=slots_state,
                 slot=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
                 tokens=jax.ShapeDtypeStruct((1, prompt), jnp.int32, sharding=rep),
                 length=jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep),
                 start=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
-                max_ticks=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep))
+                max_ticks=jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+                seed=canvas, pinned=jax.ShapeDtypeStruct(canvas.shape, jnp.bool_, sharding=rep), hold=active)
     pictures = None
     if images:
         v, per = config.vision, ImageSettings().max_patches
@@ -204,7 +204,9 @@ def engine_programs(engine: Engine, max_new_tokens: int) -> dict:
                                                       canvas_index=a["slot"]["canvas_index"], begin=a["active"],
                                                       active=a["active"], last=a["slot"]["last"],
                                                       keep=a["slot"]["last"], knobs=a["slot"]["knobs"],
-                                                      max_ticks=a["slot"]["max_ticks"]))),
+                                                      max_ticks=a["slot"]["max_ticks"], seed=a["slot"]["seed"],
+                                                      pinned=a["slot"]["pinned"], hold=a["slot"]["hold"],
+                                                      end=a["slot"]["hold"]))),
         "prefill_slot": (prefill_slot,
                          lambda a: ((a["params"],), dict(cache=a["cache"], slot=a["slot"]["slot"],
                                                          tokens=a["slot"]["tokens"], length=a["slot"]["length"],

@@ -36,6 +36,7 @@ from dgemma_jax.model.cache import KVCache
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import ops
+from dgemma_jax.sampling import settings as settings_lib
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.fused import head_step
 from dgemma_jax.sampling.rules import StepView
@@ -69,21 +70,21 @@ class Canvas:
 
 
 @struct.dataclass
+@functools.partial(settings_lib.with_fields, fields=[(k, jax.Array) for k in settings_lib.knob_fields()], first=False)
 class RowKnobs:
     """The sampler settings a step reads per row: the one form they take inside the step.
 
-    Row b uses its own temperature schedule, step budget, entropy bound and confidence threshold
-    (the canvas length, stability threshold and EOS ids are shapes or batch-wide, and stay in the
-    static `SamplerConfig`). Each row's values are exactly those its own `SamplerConfig` gives
+    Row b uses its own temperature schedule (`temperatures` [B, N] float32: row b's temperature at
+    step i, its last one repeated) and one [B] column per setting with a `knob` in
+    `sampling/settings.py` (today `max_steps` int32, `entropy_bound` and `confidence` float32); the
+    canvas length, stability threshold and EOS ids are shapes or batch-wide, and stay in the static
+    `SamplerConfig`. Each row's values are exactly those its own `SamplerConfig` gives
     (`ops.temperature_table` per row), so a request decides the same way whatever the other rows
     run. `of(sampler, batch)` gives every row one sampler's settings (what `denoise_step` uses when
     given none); `from_samplers` one sampler per row (a server's slots).
     """
 
-    temperatures: jax.Array    # [B, N] float32: row b's temperature at step i (its last one repeated)
-    max_steps: jax.Array       # [B] int32 step budget
-    entropy_bound: jax.Array   # [B] float32
-    confidence: jax.Array      # [B] float32
+    temperatures: jax.Array    # [B, N] float32; then the knob columns (settings.knob_fields), [B] each
 
     @classmethod
     def of(cls, sampler: SamplerConfig, batch: int) -> "RowKnobs":
@@ -100,9 +101,18 @@ class RowKnobs:
                 raise ValueError(f"row {b} asks for {s.max_denoising_steps} denoising steps; this loop runs at "
                                  f"most {budget}")
         table = np.stack([_temperature_row(s, budget) for s in samplers])
-        return cls(jnp.asarray(table), jnp.asarray([s.max_denoising_steps for s in samplers], jnp.int32),
-                   jnp.asarray([s.entropy_bound for s in samplers], jnp.float32),
-                   jnp.asarray([s.confidence_threshold for s in samplers], jnp.float32))
+        columns = settings_lib.knob_values(samplers, samplers[0].SETTINGS)
+        return cls(temperatures=jnp.asarray(table), **{k: jnp.asarray(v) for k, v in columns.items()})
+
+    @classmethod
+    def shapes(cls, batch: int, budget: int) -> "RowKnobs":
+        """The knobs of `batch` rows as `jax.ShapeDtypeStruct`s (an AOT compile's inputs)."""
+        columns = {s.knob: jax.ShapeDtypeStruct((batch,), s.knob_dtype) for s in settings_lib.knob_settings()}
+        return cls(temperatures=jax.ShapeDtypeStruct((batch, budget), jnp.float32), **columns)
+
+    def columns(self) -> dict:
+        """{knob: [B] array}: the per-row settings a `rules.StepView` carries."""
+        return {k: getattr(self, k) for k in settings_lib.knob_fields()}
 
 
 SEED_RANGE = (-(2 ** 63), 2 ** 64)  # the integer seeds accepted: any signed or unsigned 64-bit value
@@ -265,7 +275,7 @@ def where_rows(mask, new, old):
 def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, context_end: jax.Array,
                  keys: jax.Array, state: LoopState, seed: jax.Array | None = None,
                  pinned: jax.Array | None = None, knobs: RowKnobs | None = None,
-                 runtime: Runtime | None = None, with_features: bool = False):
+                 runtime: Runtime | None = None, with_features: bool = False, plain_rows: bool = False):
     """One denoising step for every unfinished row (pure; jit it or run it in a while_loop).
 
     Args:
@@ -277,6 +287,8 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
       runtime: how the pass runs (`dgemma_jax.runtime`; default: this backend, one device).
       with_features: also return the step's final-normed hidden state h [B, L, D] (structured output's
         DINGO decoder reads the step's distributions from it).
+      plain_rows: with `pinned`, a row that holds no position takes its mean entropy exactly as without
+        pins (a server's slots, where only some rows hold positions, decide as each would alone).
     Returns:
       the next `LoopState` (with h: `(state, h)`): step + 1; canvas, soft, history and argmax advanced for the unfinished
       rows (the positions `sampler.accept` keeps, fresh noise elsewhere); done set where
@@ -296,10 +308,12 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
         argmax = jnp.where(pinned, seed, argmax)
         free = (~pinned).astype(jnp.float32)
         mean_h = (entropy * free).sum(-1) / jnp.maximum(free.sum(-1), 1.0)
+        if plain_rows:
+            mean_h = jnp.where(pinned.any(-1), mean_h, entropy.mean(-1))
     else:
         mean_h = entropy.mean(-1)
     view = StepView(step=state.step + 1, argmax=argmax, history=state.history, entropy=entropy, mean_entropy=mean_h,
-                    entropy_bound=knobs.entropy_bound, confidence=knobs.confidence, max_steps=knobs.max_steps)
+                    **knobs.columns())
     noise = jax.vmap(lambda k: ops.uniform_tokens(k, h.shape[1:2], config.vocab_size))(step_keys[:, 1])
     canvas = ops.renoise(stats.sampled, sampler.accept(view), noise)
     if pinned is not None:

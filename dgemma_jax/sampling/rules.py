@@ -28,25 +28,25 @@ from typing import Protocol
 import jax
 
 from dgemma_jax.sampling import ops
+from dgemma_jax.sampling.settings import knob_fields, with_fields
 
 
 @dataclasses.dataclass(frozen=True)
+@functools.partial(with_fields, fields=[(k, jax.Array) for k in knob_fields()], first=False)
 class StepView:
     """What a rule sees of one denoising step (every array traced).
 
     step: [] or [B] int32 steps made, this one included; argmax: [B, L] the step's argmax canvas (held
     positions at their tokens); history: [B, S, L] the previous S argmax canvases (-1 before any);
     entropy: [B, L] the tempered entropy per position; mean_entropy: [B] over the free positions;
-    entropy_bound, confidence, max_steps: [B] each row's settings (`loop.RowKnobs`)."""
+    then one [B] field per per-row setting with a knob (`sampling/settings.py`; today entropy_bound,
+    confidence, max_steps): each row's settings (`loop.RowKnobs.columns`)."""
 
     step: jax.Array
     argmax: jax.Array
     history: jax.Array
     entropy: jax.Array
     mean_entropy: jax.Array
-    entropy_bound: jax.Array
-    confidence: jax.Array
-    max_steps: jax.Array
 
 
 class AcceptRule(Protocol):

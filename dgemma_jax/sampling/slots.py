@@ -89,7 +89,9 @@ def prefill_slot(params, config: ModelConfig, cache: KVCache, slot: jax.Array, t
 
 def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, state: Canvas,
               keys: jax.Array, canvas_index: jax.Array, begin: jax.Array, active: jax.Array, last: jax.Array,
-              keep: jax.Array, knobs: RowKnobs, max_ticks: jax.Array, runtime: Runtime | None = None) -> TickOutput:
+              keep: jax.Array, knobs: RowKnobs, max_ticks: jax.Array, seed: jax.Array | None = None,
+              pinned: jax.Array | None = None, hold: jax.Array | None = None, end: jax.Array | None = None,
+              runtime: Runtime | None = None) -> TickOutput:
     """Up to `max_ticks` ticks, each one denoising step in every busy slot, ending with the tick in
     which a slot's canvas settles; then the settled canvases whose request goes on are committed,
     `commit_rows(N / G)` rows of each slot group a causal pass (`_commit_settled`), and the call
@@ -103,28 +105,36 @@ def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCach
     host keeps the answer in the row for prefix reuse). `sampler` gives the canvas length, EOS ids
     and stability threshold; `knobs` each slot's own schedule, step budget and thresholds
     (`knobs.temperatures` is as wide as the longest budget).
+    seed, pinned: [N, L] positions each slot's canvas holds at the seed's tokens this call (a structured
+    request's valid prefix, `engine/structured.py`; none held in a row without pins, which steps
+    exactly as without them); hold: [N] slots whose canvas the host ends and commits itself (a
+    structured request's): the tick never commits them; end: [N] held slots whose canvas is complete
+    (every position held): it settles in this call without another step.
     """
     fresh = canvas_start(config, sampler, keys, canvas_index, jnp.zeros_like(begin))
     canvas = jax.tree.map(lambda a, b: where_rows(begin, a, b), fresh, state)
-    live = active & ~canvas.state.done
-    loop = canvas.state.replace(done=~live)
+    n = keys.shape[0]   # slots
+    hold = jnp.zeros((n,), bool) if hold is None else hold
+    ending = active & hold & ~begin & (jnp.zeros((n,), bool) if end is None else end)   # settles without a step
+    live = active & (~canvas.state.done | ending)
+    loop = canvas.state.replace(done=~live | ending)
 
     def tick(carry):
         t, lp = carry
         new = denoise_step(params, config, sampler, cache, cache.lengths, canvas.keys, lp, knobs=knobs,
-                           runtime=runtime)
+                           seed=seed, pinned=pinned, plain_rows=pinned is not None, runtime=runtime)
         return t + 1, new.replace(step=jnp.where(lp.done, lp.step, new.step))   # a frozen row keeps its step
 
     def going(carry):
         t, lp = carry
-        return (t < max_ticks) & ~jnp.any(live & lp.done) & jnp.any(~lp.done)
+        return (t < max_ticks) & ~jnp.any(live & ~ending & lp.done) & jnp.any(~lp.done)
 
     ticks, new = jax.lax.while_loop(going, tick, (jnp.zeros((), jnp.int32), loop))
     settled = live & new.done
     toks, ended = finish_canvas(sampler, new.argmax, ~settled)
     eos = ended & settled
     with jax.named_scope(COMMIT_SCOPE):   # a scope name for the projections (benchmarks/serve_projection.py)
-        cache = _commit_settled(params, config, cache, toks, settled & ((~eos & ~last) | keep), runtime)
+        cache = _commit_settled(params, config, cache, toks, settled & ~hold & ((~eos & ~last) | keep), runtime)
     new = new.replace(done=new.done | ~active)   # an inactive slot stays frozen
     # the slots' state comes back placed as it went in (`Engine.new_slots`): each row with its cache row
     # on a mesh whose data axis splits the slots, the keys replicated; the next call takes it as it is

@@ -177,7 +177,7 @@ class RequestHandler:
             raise APIError(400, str(e)) from None
 
     def submit_all(self, body, prompts: list[list[int]], queue: asyncio.Queue, chat: bool, images=None,
-                   adapter: int = 0) -> list[Request]:
+                   adapter: int = 0, grammar=None) -> list[Request]:
         loop = asyncio.get_running_loop()
         sampler = self.sampler_for(body)
         try:
@@ -190,7 +190,7 @@ class RequestHandler:
             n_tok = budget if budget is not None else self.scheduler.default_max_tokens(len(ids), self.default_max_tokens)
             previews = bool(body.stream and body.stream_options and body.stream_options.include_provisional)
             reqs.append(Request(ids, n_tok, sampler, seed, n=body.n, stop=body.stops, provisional=previews,
-                                priority=body.priority, adapter=adapter,
+                                priority=body.priority, adapter=adapter, grammar=grammar,
                                 keep_special=chat and self.tok.has_chat_template, images=images,
                                 on_event=functools.partial(_deliver, loop, queue, p)))
         try:
@@ -289,11 +289,13 @@ class RequestHandler:
                 return
             await asyncio.sleep(DISCONNECT_POLL_S)
 
-    async def run(self, http: HTTPRequest, body, prompts: list[list[int]], chat: bool, images=None):
+    async def run(self, http: HTTPRequest, body, prompts: list[list[int]], chat: bool, images=None, grammar=None):
+        """A request's response: its sequences through the scheduler's slots (structured ones too, with
+        their `grammar`: serving/structured.py), streamed or whole."""
         adapter = self.check_model(body)
         model = body.model or self.model_name
         queue: asyncio.Queue = asyncio.Queue()
-        reqs = self.submit_all(body, prompts, queue, chat, images, adapter)
+        reqs = self.submit_all(body, prompts, queue, chat, images, adapter, grammar)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         n_total = len(prompts) * body.n
         stamp = int(time.time())

@@ -62,6 +62,8 @@ class Choice:
     saved: Any = None               # after a preemption: its cache row on the host, until restored
     saved_row: Any = None           # and the content keys of that row
     preemptions: int = 0
+    walker: Any = None              # a structured request's: its grammar's walk over the canvas (engine/structured.py)
+    complete: bool = False          # its canvas is wholly held (the walker's): it settles on the next tick, no step
 
     def work_left(self) -> int:
         """Canvases it may still run (`max_tokens` in canvases, less those done). Not its step budget:

@@ -40,6 +40,12 @@ the calls that run them) is `serving/runner.py`. A prompt's chunks and its ident
 matching are `serving/chunks.py`, what a client sees of a choice's tokens (text, stop strings,
 previews) `serving/output.py`.
 
+Structured requests (`Request.grammar`, `response_format`) run in the slots too: after each tick the
+host walks a structured slot's argmax from its held valid prefix and repairs the first rejected
+position (`_walk`, with `engine/structured.py`'s walker), hands the held positions to the next tick
+(`slot_tick`'s seed / pinned; the tick commits no held slot's canvas) and commits the walked canvas
+itself (a prefill of the canvas into the slot's row). While one is busy every call is one tick.
+
 Reproducibility: choice i of a request with seed s uses the row key `choice_keys(s, n)[i]` (for n=1
 the key `Engine.generate(rng=s)` gives the prompt, `prompt_key(s)`), its own sampler settings (`RowKnobs`), and
 programs whose shapes depend only on (slots, context): on XLA:CPU its tokens were the same whatever
@@ -60,9 +66,12 @@ import numpy as np
 
 from dgemma_jax.engine import Engine
 from dgemma_jax.engine.inputs import new_tokens_that_fit
+from dgemma_jax.engine.structured import _Walker, token_scores
 from dgemma_jax.model.cache import rewind_ok
 from dgemma_jax.sampling.config import SamplerConfig
+from dgemma_jax.sampling.fused import _head_table
 from dgemma_jax.sampling.loop import RowKnobs, choice_keys
+from dgemma_jax.sampling.settings import batch_wide
 from dgemma_jax.serving import chunks as chunks_lib
 from dgemma_jax.serving.metrics import Metrics
 from dgemma_jax.serving.output import OutputProcessor, SeqEvent
@@ -71,6 +80,17 @@ from dgemma_jax.serving.runner import SlotRunner
 from dgemma_jax.training import adapters as adapters_lib
 
 log = logging.getLogger("dgemma_jax.serving")
+
+
+class _SlotSoft:
+    """Slot `s`'s self-conditioning embeddings as the walker indexes a batch-1 row's ([0, position])."""
+
+    def __init__(self, runner: SlotRunner, s: int):
+        self.runner, self.s = runner, s
+
+    def __getitem__(self, index):
+        _, position = index
+        return self.runner.state.state.soft[self.s, position]
 
 __all__ = ["Request", "Scheduler", "QueueFull", "ShuttingDown", "Starting", "SMALL_PREFILL"]
 
@@ -106,6 +126,7 @@ class Request:
     provisional: bool = False
     priority: int = 0               # lower runs first (vLLM's); equal priorities in arrival order
     adapter: int = 0                # the engine's LoRA adapter it runs (0: the base model; `Engine(adapter_rows=)`)
+    grammar: Any = None             # an `engine.grammar.Grammar`: the answer is valid under it (structured output)
     content: Any = dataclasses.field(default=None, init=False, repr=False)  # set by `Scheduler.submit`
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     submitted: float = dataclasses.field(default_factory=time.monotonic)
@@ -133,7 +154,7 @@ class Scheduler:
         adapter_names: the names of the engine's stacked LoRA adapters 1, 2, ... (`Request.adapter`)."""
         cfg, smp = engine.config, engine.sampler
         self.default_sampler = default_sampler or smp
-        shared = ("canvas_length", "eos_ids", "pad_id", "stability_threshold", "accept", "stop")   # the tick's own
+        shared = batch_wide() + ("accept", "stop")   # the tick's own: settings a request cannot set
         if any(getattr(self.default_sampler, f) != getattr(smp, f) for f in shared):
             raise ValueError(f"default_sampler must share the engine sampler's {', '.join(shared)}")
         if self.default_sampler.max_denoising_steps > smp.max_denoising_steps:
@@ -159,6 +180,7 @@ class Scheduler:
                             policy=policy, image_blocks=lambda ids: chunks_lib.image_blocks(cfg, ids),
                             can_rewind=lambda row, keep: rewind_ok(cfg, self.context, row, keep))
         self._knobs = None
+        self._scores = None   # the structured walker's token scores (`_token_scores`), made on first use
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -314,10 +336,18 @@ class Scheduler:
                 keys[s], canvas_index[s] = c.key, c.canvas
                 last[s] = c.canvas + 1 >= c.n_canvases
                 keep[s] = self.plan.keeps(s)
+        # structured slots: the valid prefix each holds, and whether its canvas is complete (`_walk`)
+        l = self.canvas_length
+        seed, pinned = np.zeros((n, l), np.int32), np.zeros((n, l), bool)
+        hold, end = np.zeros(n, bool), np.zeros(n, bool)
+        for s, c in enumerate(busy):
+            if c is not None and c.request.grammar is not None and c.walker is not None:
+                hold[s], end[s] = True, c.complete
+                seed[s], pinned[s] = c.walker.seed[0], c.walker.pinned[0]
         return dict(keys=jax.random.wrap_key_data(keys),
                     canvas_index=canvas_index, begin=np.zeros(n, bool) if begin is None else begin,
                     active=np.zeros(n, bool) if active is None else active, last=last, keep=keep,
-                    knobs=self._knobs[1], max_ticks=np.int32(max_ticks))
+                    knobs=self._knobs[1], max_ticks=np.int32(max_ticks), seed=seed, pinned=pinned, hold=hold, end=end)
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
@@ -406,12 +436,21 @@ class Scheduler:
             self.stats["ticks"] += 1
             return
         previews = any(c is not None and c.request.provisional for c in busy)
+        structured = [bool(active[s] and c.request.grammar is not None) for s, c in enumerate(busy)]
         # several ticks a call only while every slot is busy decoding: then nothing can be admitted
-        # before a canvas settles, and the call returns when one does
-        one = prefilled or previews or not active.all()
+        # before a canvas settles, and the call returns when one does; a structured slot's walk needs
+        # every step's argmax on the host
+        one = prefilled or previews or any(structured) or not active.all()
         begin = np.array([bool(c is not None and c.begin) for c in busy], bool)
+        for s, c in enumerate(busy):
+            if structured[s] and c.begin:   # a new canvas: nothing held yet
+                if c.walker is None:
+                    c.walker = _Walker(c.request.grammar, self.engine.config.vocab_size,
+                                       int(self.engine.sampler.eos_ids[0]), self._token_scores())
+                c.walker.start(self.canvas_length)
+                c.complete = False
         args = self._tick_args(busy, begin, active, 1 if one else self.ticks_per_call)
-        ticks, settled, tokens, eos, steps, nonfinite, argmax = self.runner.tick(args, previews)
+        ticks, settled, tokens, eos, steps, nonfinite, argmax = self.runner.tick(args, previews or any(structured))
         self.stats["slot_steps"] += int(active.sum()) * ticks
         self.stats["tick_calls"] += 1
         self.stats["ticks"] += ticks - 1     # the last tick is counted below, after its events
@@ -421,10 +460,53 @@ class Scheduler:
             c.begin = False
             if previews and c.request.provisional:   # every step's preview, the settling one too
                 self._emit(c, None, preview=argmax[s], preview_steps=int(steps[s]))
-            if settled[s]:
+            if structured[s]:
+                self._walk(s, c, argmax[s], bool(settled[s]), int(steps[s]), bool(nonfinite[s]),
+                           bool(args["last"][s]), bool(args["keep"][s]))
+            elif settled[s]:
                 self._settle(s, c, tokens[s], int(steps[s]), bool(eos[s]), bool(nonfinite[s]),
                              bool(args["last"][s]), bool(args["keep"][s]))
         self.stats["ticks"] += 1
+
+    def _token_scores(self):
+        """soft [D] -> [V] scores of every token at a position (the structured walker's repair)."""
+        if self._scores is None:
+            table = _head_table(self.engine.params["embedding"])[0]
+            program = self.engine._program(("token_scores",), token_scores, donate=())
+            self._scores = lambda soft_row: program(table, soft_row)
+        return self._scores
+
+    def _walk(self, s: int, c: Choice, argmax: np.ndarray, settled: bool, steps: int, nonfinite: bool,
+              last: bool, keep: bool) -> None:
+        """A structured slot after a tick (`engine/structured.py`'s walk, row by row as
+        `Engine.generate_structured` runs it): the step's argmax extends the held valid prefix and its
+        first rejected position is repaired; once the canvas settles (or is wholly held, the tick
+        after) the walk runs to its end and the host commits that canvas (the tick commits none of a
+        held slot's), which joins the answer."""
+        w, l = c.walker, self.canvas_length
+        owed = min(l, c.request.max_tokens - c.canvas * l)
+        soft = _SlotSoft(self.runner, s)
+        if not settled:
+            w.advance(argmax, soft, owed)
+            c.complete = w.ended or w.held >= owed
+            return
+        final = w.finish(argmax, soft, owed)[0].astype(np.int32)
+        tokens = final.copy()
+        eos_ids = list(self.engine.sampler.eos_ids)
+        at = np.flatnonzero(np.isin(tokens, eos_ids))
+        if at.size:   # EOS truncation, as `finish_canvas`
+            tokens[at[0] + 1:] = self.engine.sampler.pad_id
+        eos = bool(at.size) or w.ended   # the grammar is complete: the answer ends here
+        if (not eos and not last) or keep:   # the host commits it (a causal pass over the canvas, the slot's row)
+            start = len(self.plan.rows[s])
+            width = min(w for w in self.runner.prefill_widths if w >= l) if max(self.runner.prefill_widths) >= l \
+                else None
+            if width is None:
+                raise RuntimeError(f"no prefill width of this server holds a canvas of {l} tokens")
+            chunk = np.full((1, width), self.engine.config.pad_id, np.int32)
+            chunk[0, :l] = tokens
+            self.runner.prefill(s, chunk, l, start)
+        self._settle(s, c, tokens, steps, eos, nonfinite, last, keep)
 
     def _settle(self, s: int, c: Choice, tokens: np.ndarray, steps: int, eos: bool, nonfinite: bool,
                 last: bool, keep: bool) -> None:

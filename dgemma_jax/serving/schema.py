@@ -1,8 +1,9 @@
 """The OpenAI request bodies the server accepts (pydantic), and what they mean for DiffusionGemma.
 
 Fields follow OpenAI's `/v1/chat/completions` and `/v1/completions`. The diffusion sampler's own
-knobs are extra fields (`max_denoising_steps`, `t_max`, `t_min`, `entropy_bound`,
-`confidence_threshold`, `canvas_length`); thinking is `chat_template_kwargs.enable_thinking` (the
+knobs are extra fields, one per setting declared with `http` in `sampling/settings.py` (today
+`max_denoising_steps`, `t_max`, `t_min`, `entropy_bound`, `confidence_threshold`, `canvas_length`);
+thinking is `chat_template_kwargs.enable_thinking` (the
 convention of OpenAI-compatible servers). Unknown fields are refused with their name rather than
 ignored (in a message too), and so is an autoregressive `temperature`/`top_p` other than 1: the
 diffusion sampler has no such knob (its temperature is the linear schedule t_max -> t_min). Types are
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from dgemma_jax.sampling import settings as settings_lib
 from dgemma_jax.sampling.loop import SEED_RANGE
+from dgemma_jax.sampling.settings import SETTINGS
 
 MAX_N = 64
 MAX_STOPS = 16          # stop strings a request may send (each is searched for in every event's text)
@@ -35,7 +38,13 @@ class ChatTemplateKwargs(BaseModel):
     enable_thinking: bool = False
 
 
-class _Common(BaseModel):
+def sampler_fields_model(settings=SETTINGS) -> type[BaseModel]:
+    """The DiffusionGemma sampler's request fields, one per `Setting` with `http` (sampling/settings.py)."""
+    return create_model("SamplerFields", __config__=ConfigDict(extra="forbid", strict=True),
+                        **settings_lib.http_fields(settings))
+
+
+class _Common(sampler_fields_model()):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
@@ -48,13 +57,6 @@ class _Common(BaseModel):
     user: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    # the DiffusionGemma sampler's knobs
-    max_denoising_steps: int | None = Field(None, ge=1)
-    t_max: float | None = None
-    t_min: float | None = None
-    entropy_bound: float | None = None
-    confidence_threshold: float | None = None
-    canvas_length: int | None = Field(None, ge=1)
     # vLLM's: a lower value is admitted to a free slot first (equal values in arrival order)
     priority: int = Field(0, ge=-2 ** 31, lt=2 ** 31)
     # OpenAI's structured output: {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}
@@ -94,8 +96,8 @@ class _Common(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def sampler_changes(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("max_denoising_steps", "t_max", "t_min", "entropy_bound",
-                                              "confidence_threshold") if getattr(self, k) is not None}
+        """The per-row sampler settings this request sets (`SamplerConfig.replace` takes them)."""
+        return settings_lib.request_changes(self)
 
     def token_budget(self) -> int | None:
         return self.max_tokens

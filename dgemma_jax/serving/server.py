@@ -366,7 +366,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
     image_pool = concurrent.futures.ThreadPoolExecutor(IMAGE_WORKERS, thread_name_prefix="dgemma-images")
     budget = images_lib.PixelBudget(decode_pixels)
     structured = StructuredRunner(handler)   # response_format (serving/structured.py)
-    app.state.pools = (text_pool, image_pool, structured.pool)
+    app.state.pools = (text_pool, image_pool)
 
     def image_pixels(body: ChatRequest) -> int:
         """The pixels the request's images decode to (from their headers), after a 400 when its text
@@ -405,9 +405,9 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
         else:
             ids, images = await loop.run_in_executor(text_pool, handler.chat_ids, body)
         handler.check_prompt_length(len(ids), "messages")   # the prompt, not max_tokens, is what does not fit
-        if grammar is not None:
-            return await structured.run(body, grammar, [ids], chat=True, images=images)
-        return await handler.run(http, body, [ids], chat=True, images=images)
+        if grammar is not None and images is not None:
+            raise APIError(400, "response_format cannot be combined with images on this server", param="response_format")
+        return await handler.run(http, body, [ids], chat=True, images=images, grammar=grammar)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
@@ -418,9 +418,7 @@ def create_app(scheduler: Scheduler, model_name: str, *, default_max_tokens: int
         prompts = await asyncio.get_running_loop().run_in_executor(text_pool, handler.completion_ids, body)
         if body.suffix is not None:
             return await handler.infill(body, prompts, grammar)
-        if grammar is not None:
-            return await structured.run(body, grammar, prompts, chat=False)
-        return await handler.run(http, body, prompts, chat=False)
+        return await handler.run(http, body, prompts, chat=False, grammar=grammar)
 
     @app.get("/v1/models")
     async def models():
