@@ -447,8 +447,9 @@ class Scheduler:
                 if c.walker is None:
                     c.walker = _Walker(c.request.grammar, self.engine.config.vocab_size,
                                        int(self.engine.sampler.eos_ids[0]), self._token_scores())
-                c.walker.start(self.canvas_length)
-                c.complete = False
+                owed = min(self.canvas_length, c.request.max_tokens - c.canvas * self.canvas_length)
+                c.walker.start(self.canvas_length, owed)   # holds the grammar's forced text at once
+                c.complete = c.walker.ended or c.walker.held >= owed
         args = self._tick_args(busy, begin, active, 1 if one else self.ticks_per_call)
         ticks, settled, tokens, eos, steps, nonfinite, argmax = self.runner.tick(args, previews or any(structured))
         self.stats["slot_steps"] += int(active.sum()) * ticks
