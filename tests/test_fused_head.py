@@ -238,16 +238,23 @@ def test_head_step_scans_the_vocabulary_on_every_layout_it_can():
     assert f"{VOCAB_LOOP_SCOPE}/while" not in lowered(hidden_split)
 
 
-@pytest.mark.parametrize("mesh, rules, int8", [("expert=4", "latency", False), ("expert=4", "latency", True),
-                                               ("data=2,expert=2", "serving", False)])
-def test_the_vocabulary_split_scan_draws_what_the_full_pass_draws(mesh, rules, int8):
+@pytest.mark.parametrize("mesh, rules, int8, parts", [("expert=4", "latency", False, False),
+                                                      ("expert=4", "latency", True, False),
+                                                      ("data=2,expert=2", "serving", False, False),
+                                                      ("expert=4", "latency", False, True),
+                                                      ("data=2,expert=2", "serving", True, True)])
+def test_the_vocabulary_split_scan_draws_what_the_full_pass_draws(mesh, rules, int8, parts, monkeypatch):
     """On a mesh that splits the vocabulary (4 CPU devices), each device scanning its own rows of the
     table and the shards' statistics merged gives the full pass's tokens for the same seed (sampled and
     argmax, per-row temperatures, an int8 table), and its entropy and soft embedding up to float32
-    rounding; on the serving mesh the rows are split over `data` as well."""
+    rounding; on the serving mesh the rows are split over `data` as well. parts: each device scans its
+    rows one at a time (`fused.CARRY_ON_CHIP_BYTES` set to one row's running sum)."""
     from dgemma_jax.model.quant import quantize_kernel
+    from dgemma_jax.sampling import fused
     from dgemma_jax.sampling.fused import head_sample_stats_split
 
+    if parts:
+        monkeypatch.setattr(fused, "CARRY_ON_CHIP_BYTES", 24 * 32 * 4)
     rt = _split_runtime(mesh, rules)
     h, emb = _setup(v=1024, d=32, l=24, b=4, seed=3)
     table = quantize_kernel(emb, (1,)) if int8 else emb

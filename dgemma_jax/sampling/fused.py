@@ -193,6 +193,31 @@ def _scan_stats(h, embedding, row_scale, cap, temperature, keys, chunk=None, gum
     return out
 
 
+# The scan's running soft-embedding sum is a [B, L, D] float32 carried through every vocab chunk: past
+# about this size XLA:TPU keeps it in HBM and reads and writes it once a chunk (the 26B's head at 32 slots
+# on v6e-8: 46 MB a chip, 2.95 GB a step over 32 chunks), so `_scan_stats_in_parts` scans the rows in
+# parts whose sums stay on chip, each part reading the table once more. (`model.moe.ON_CHIP_BYTES`)
+CARRY_ON_CHIP_BYTES = 32 * 2 ** 20
+
+
+def _scan_stats_in_parts(h, embedding, row_scale, cap, temperature, keys, chunk=None, gumbel=False, offset=0,
+                         total: int | None = None) -> dict:
+    """`_scan_stats` over parts of the rows h [B, ...] (the fewest equal parts whose running sum holds
+    at most `CARRY_ON_CHIP_BYTES`; one part when it is that small already), concatenated: each row's
+    statistics are its own, so the parts give what one scan gives. temperature: [] or [B, 1, 1]."""
+    b = h.shape[0]
+    row = math.prod(h.shape[1:]) * 4
+    parts = next((p for p in range(1, b + 1) if b % p == 0 and (b // p) * row <= CARRY_ON_CHIP_BYTES), b)
+    if parts == 1:
+        return _scan_stats(h, embedding, row_scale, cap, temperature, keys, chunk, gumbel, offset, total)
+    n = b // parts
+    per_row = jnp.ndim(temperature) > 0 and temperature.shape[0] == b
+    outs = [_scan_stats(h[i * n:(i + 1) * n], embedding, row_scale, cap,
+                        temperature[i * n:(i + 1) * n] if per_row else temperature, keys[i * n:(i + 1) * n],
+                        chunk, gumbel, offset, total) for i in range(parts)]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)
+
+
 def head_sample_stats_split(h: jax.Array, embedding, cap: float, temperature: jax.Array, keys: jax.Array,
                             embed_scale: float, rt: Runtime, chunk: int | None = None):
     """`head_sample_stats_full` (same contract, the same tokens for a seed) on a mesh that splits the
@@ -224,8 +249,8 @@ def head_sample_stats_split(h: jax.Array, embedding, cap: float, temperature: ja
         shard = jnp.zeros((), jnp.int32)
         for a in vocab:   # the device's position along the vocabulary's axes, major to minor
             shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
-        out = _scan_stats(h, table, row_scale, cap, temperature, keys, chunk, gumbel=True, offset=shard * local,
-                          total=v)
+        out = _scan_stats_in_parts(h, table, row_scale, cap, temperature, keys, chunk, gumbel=True,
+                                   offset=shard * local, total=v)
         return _finish(_merge(out, vocab, v), embed_scale, h.dtype)
 
     row_out = P(spec_h[0], None)
