@@ -214,9 +214,9 @@ def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | 
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
 
-    def block_rows(lo, length):
-        """The weighted outputs [length, D] (z's dtype) of sorted pairs [lo, lo + length), their tokens
-        [length] (n for rows past the groups: not outputs)."""
+    def add_block(acc, lo, length):
+        """acc [N, D] float32 (None: zeros) plus the weighted outputs of sorted pairs [lo, lo + length),
+        scattered into their tokens' rows."""
         idx = jax.lax.dynamic_slice_in_dim(order, lo, length)
         token = idx // k
         in_block = jnp.clip(jnp.minimum(ends, lo + length) - jnp.maximum(starts, lo), 0, length).astype(jnp.int32)
@@ -224,30 +224,15 @@ def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | 
         wgt = jax.lax.dynamic_slice_in_dim(w_sorted, lo, length)
         if kernel is not None:
             h = _gated(kernel(z[token], gate_up, in_block), f)
-            y = kernel(h, down, in_block, wgt)
-        else:
-            # each pair's combine weight scales its hidden row (F wide, fused into the gating), not its
-            # output row (D wide: a pass of its own, written out in float32 before the sum)
-            h = _gated(_ragged(z[token], gate_up, in_block, _ab(adapters, "gate_up")), f)
-            y = _ragged(h * wgt[:, None].astype(h.dtype), down, in_block, _ab(adapters, "down"))
-        return y, jnp.where(live, token, n)
-
-    def add_block(acc, lo, length):
-        """acc [N, D] (None: float32 zeros) plus the block's rows scattered into their tokens' rows (rows
-        past the groups dropped), in acc's dtype."""
-        y, token = block_rows(lo, length)
-        acc = jnp.zeros((n, d), jnp.float32) if acc is None else acc
-        return acc.at[token].add(y.astype(acc.dtype), mode="drop")
+            y = jnp.where(live[:, None], kernel(h, down, in_block, wgt), 0)
+            return (jnp.zeros((n, d), jnp.float32) if acc is None else acc).at[token].add(y.astype(jnp.float32))
+        h = _gated(_ragged(z[token], gate_up, in_block, _ab(adapters, "gate_up")), f)
+        y = _ragged(h, down, in_block, _ab(adapters, "down"))
+        y = jnp.where(live[:, None], y * wgt[:, None].astype(y.dtype), 0)
+        return (jnp.zeros((n, d), jnp.float32) if acc is None else acc).at[token].add(y.astype(jnp.float32))
 
     if rows is None or rows >= n * k:
-        # every pair in one block: each token gathers its k rows and sums them in float32, in one fused
-        # pass (a scatter-add wrote each row out in float32 first: 8 x [N, D] float32 through HBM)
-        y, _ = block_rows(0, n * k)
-        rank = jnp.zeros((n * k,), jnp.int32).at[order].set(jnp.arange(n * k, dtype=jnp.int32))
-        pairs = y[rank].reshape(n, k, d)
-        if valid is not None:  # other shards' pairs sort past the groups: undefined rows
-            pairs = jnp.where(valid[..., None], pairs, 0)
-        return jnp.sum(pairs.astype(jnp.float32), axis=1).astype(z.dtype)
+        return add_block(None, 0, n * k).astype(z.dtype)
     nblocks = -(-n * k // rows)
     pad = nblocks * rows - n * k
     if pad:  # padded slots are never live (they sit past `total`)
