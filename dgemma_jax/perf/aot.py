@@ -309,11 +309,11 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         mesh = f"expert={len(devs)}"
     sh = Shardings(cfg, make_mesh(mesh, devices=devs), rules)
     runtime = sh.runtime(platform="tpu", moe_dispatch=moe_dispatch, attn_kernel=attn_kernel, layers=layers)
-    args = program_inputs(cfg, sampler, sh, batch, context, prompt, quantize, images, runtime.layer_layout)
+    args = program_inputs(cfg, sampler, sh, batch, context, prompt, quantize, images, runtime.layers)
     report: dict[str, Any] = {
         "preset": cfg.name, "topology": topology_name, "chips": len(devs), "mesh": dict(sh.mesh.shape),
         "rules": rules, "batch": batch, "context": context, "prompt": prompt, "dtype": cfg.param_dtype,
-        "moe_dispatch": runtime.dispatch, "attn_kernel": attn_kernel, "layers": runtime.layer_layout,
+        "moe_dispatch": runtime.dispatch, "attn_kernel": attn_kernel, "layers": runtime.layers,
         "hbm_limit_bytes": topo.hbm_bytes, "programs": {}, "fits": True,
         "quantize": quantize, "images": images, "compiler_options": dict(compiler_options or {}),
         "vision_param_bytes": roofline.tree_bytes({k: v for k, v in args["params"].items()
