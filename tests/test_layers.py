@@ -3,8 +3,8 @@
 Layers, low to high (a module's layer is the first pattern that matches its dotted name):
 errors/backends/config/paths/compile_cache < the logical-axis rules and the runtime < the model <
 parallel (meshes, multi-host, and the shardings that place a model's parameters and cache on a mesh) <
-sampling < the engine < io < training < chat_session < pipeline < serving, the perf reports and the CLI's runners < the CLI and
-the package root. Every `from dgemma_jax... import` counts, at module level or inside a function.
+sampling < the engine < io < training < chat_session < pipeline < serving, the perf reports and the
+CLI's runners < the CLI and the package root. Every `from dgemma_jax... import` counts, at module level or inside a function.
 
 Imports sit at the top of their module: one inside a function defers a heavy or optional dependency
 on purpose and says why in a comment (`test_no_imports_inside_functions_without_a_reason`).
