@@ -211,8 +211,10 @@ def test_a_scanned_step_compiles_for_tpu_and_is_held_against_the_same_requiremen
     assert sc["layers"] == "scan" and un["layers"] == "unrolled"
     a, b = un["programs"]["denoise_step"], sc["programs"]["denoise_step"]
     assert a["required_bytes"] == b["required_bytes"] > 0
-    # cost_analysis counts the loop body once (half the layers' FLOPs here), hbm_traffic once per group
+    # cost_analysis counts the loop body once (half the layers' FLOPs here); the reports' FLOPs
+    # (perf.hlo_flops) and hbm_traffic count it once per group
     assert b["compiler_flops"] < 0.75 * a["compiler_flops"]
+    assert b["flops"] == pytest.approx(a["flops"], rel=0.02) and b["uncounted_loops"] == a["uncounted_loops"]
     assert 0.9 * a["hbm_bytes"] <= b["hbm_bytes"] <= bound * a["hbm_bytes"]
 
 
