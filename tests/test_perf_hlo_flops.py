@@ -63,7 +63,9 @@ _PADDED_WINDOW = """HloModule m
 ENTRY %main (p0: bf16[2048,2816,1], p1: bf16[16,256,2816]) -> f32[2048,16,256] {
   %p0 = bf16[2048,2816,1]{1,0,2} parameter(0)
   %p1 = bf16[16,256,2816]{2,1,0} parameter(1)
-  ROOT %convolution.28 = f32[2048,16,256]{2,0,1} convolution(%p0, %p1), window={size=16 pad=15_15 rhs_reversal=1}, dim_labels=bf0_0oi->b0f, metadata={op_name="jit(f)/bld,cd->blc/dot_general"}
+  ROOT %convolution.28 = f32[2048,16,256]{2,0,1} convolution(%p0, %p1), """ \
+    """window={size=16 pad=15_15 rhs_reversal=1}, dim_labels=bf0_0oi->b0f, """ \
+    """metadata={op_name="jit(f)/bld,cd->blc/dot_general"}
 }
 """
 
@@ -75,7 +77,9 @@ ENTRY %main (g: s32[33], x: bf16[10240,2816], w: bf16[32,2816,1408]) -> bf16[102
   %g = s32[33]{0} parameter(0)
   %x = bf16[10240,2816]{1,0} parameter(1)
   %w = bf16[32,2816,1408]{2,1,0} parameter(2)
-  ROOT %ragged-dot-none = bf16[10240,1408]{1,0} custom-call(%g, %x, %w), custom_call_target="tpu_custom_call", frontend_attributes={mosaic_fusion_entry_point="true",ragged_dot_tiling="256,2816,1408"}, metadata={op_name="jit(f)/ragged_dot_general/ragged-dot-none"}
+  ROOT %ragged-dot-none = bf16[10240,1408]{1,0} custom-call(%g, %x, %w), custom_call_target="tpu_custom_call", """ \
+    """frontend_attributes={mosaic_fusion_entry_point="true",ragged_dot_tiling="256,2816,1408"}, """ \
+    """metadata={op_name="jit(f)/ragged_dot_general/ragged-dot-none"}
 }
 """
 
