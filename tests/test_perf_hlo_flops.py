@@ -111,23 +111,3 @@ def test_a_loop_of_skipped_blocks_counts_one_trip_and_its_upper_bound_every_trip
     assert got["flops"] == ONE and got["flops_upper_bound"] == 4 * ONE and len(got["skipped_block_loops"]) == 1
     got = dot_flops(jax.jit(both).lower(*_args(), n).compile().as_text())
     assert got["flops"] == got["flops_upper_bound"] == 4 * ONE and got["skipped_block_loops"] == []
-
-
-def test_tpu_head_product_counts_its_useful_flops():
-    """The vocab-chunk head's two products on TPU, compiled for a v5e-1 at the 26B's per-chip shapes
-    (16 rows, 256 tokens, a 2,048-row chunk of the 2,816-wide table): each is 2 x rows x tokens x
-    chunk x hidden, whatever form the compiler writes it in."""
-    pytest.importorskip("libtpu")
-    from dgemma_jax.perf.aot import tpu_devices
-
-    shard = jax.sharding.SingleDeviceSharding(tpu_devices("v5e-1")[0])
-    h = jax.ShapeDtypeStruct((16, 256, 2816), jnp.bfloat16, sharding=shard)
-    table = jax.ShapeDtypeStruct((2048, 2816), jnp.bfloat16, sharding=shard)
-
-    def head(h, table):
-        logits = jnp.einsum("bld,cd->blc", h, table, preferred_element_type=jnp.float32)
-        probs = jax.nn.softmax(logits, axis=-1).astype(jnp.bfloat16)
-        return jnp.einsum("blc,cd->bld", probs, table, preferred_element_type=jnp.float32)
-
-    got = dot_flops(jax.jit(head).lower(h, table).compile().as_text())
-    assert got["flops"] == 2 * 2 * 16 * 256 * 2048 * 2816
