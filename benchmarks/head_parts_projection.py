@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from dgemma_jax.parallel import make_mesh  # noqa: E402
-from dgemma_jax.parallel.rules import rules_for  # noqa: E402
+from dgemma_jax.axis_rules import rules_for  # noqa: E402
 from dgemma_jax.perf.aot import tpu_devices  # noqa: E402
 from dgemma_jax.perf.hbm_traffic import hbm_traffic  # noqa: E402
 from dgemma_jax.perf.report import write  # noqa: E402

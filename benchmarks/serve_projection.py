@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dgemma_jax.config import ModelConfig  # noqa: E402
 from dgemma_jax.perf import aot, roofline  # noqa: E402
 from dgemma_jax.perf import collectives as coll  # noqa: E402
-from dgemma_jax.parallel.rules import rules_for  # noqa: E402
+from dgemma_jax.axis_rules import rules_for  # noqa: E402
 from dgemma_jax.perf.report import write  # noqa: E402
 from dgemma_jax.sampling.slots import COMMIT_SCOPE, commit_rows  # noqa: E402
 

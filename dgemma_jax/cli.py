@@ -21,7 +21,7 @@ from dgemma_jax.io.model_dir import read_checkpoint
 from dgemma_jax.parallel import distributed
 from dgemma_jax.model.quant import weight_bytes
 from dgemma_jax.parallel.mesh import make_mesh
-from dgemma_jax.parallel.rules import rules_for
+from dgemma_jax.axis_rules import rules_for
 from dgemma_jax.serving import cli as serve_cli
 
 

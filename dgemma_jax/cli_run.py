@@ -32,7 +32,7 @@ from dgemma_jax.parallel.shardings import Shardings, fetch
 from dgemma_jax.io.images import SOFT_TOKEN_BUDGETS, load_image, prompt_with_images
 from dgemma_jax.pipeline import load_checkpoint as load_for_cli
 from dgemma_jax.progress import StartReport
-from dgemma_jax.runtime import LAYER_LAYOUTS, Runtime, layers_for_entry
+from dgemma_jax.runtime import LAYER_LAYOUTS, Runtime, resolve_layers
 from dgemma_jax.sampling import settings as sampler_settings
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.generate import CanvasEvent, collect
@@ -91,11 +91,9 @@ def mesh_flags(s, rules: str = "latency") -> None:
 
 def runtime_for(args, platform: str | None = None) -> Runtime:
     """The Runtime of a command's engine: --layers, "auto" resolved for this command on `platform`
-    (default: this process's backend) by `runtime.layers_for_entry`."""
-    layers = getattr(args, "layers", "auto")
-    if layers == "auto":
-        layers = layers_for_entry(args.command, platform or jax.default_backend())
-    return Runtime(layers=layers)
+    (default: this process's backend) by `runtime.resolve_layers`."""
+    platform = platform or jax.default_backend()
+    return Runtime(layers=resolve_layers(getattr(args, "layers", "auto"), platform, entry=args.command))
 
 
 def load_model_for_cli(args, checkpoint=None):
@@ -466,7 +464,7 @@ def use_compiled(args, config, shardings=None) -> None:
     devices = list(shardings.mesh.devices.flat) if shardings is not None else jax.devices()[:1]
     ident = compile_cache.identity(config, devices, mesh=dict(shardings.mesh.shape) if shardings is not None else None,
                                    rules=getattr(args, "rules", None), quantize=getattr(args, "quantize", None),
-                                   layers=runtime_for(args).layer_layout)
+                                   layers=runtime_for(args).layers)
     compile_cache.use_compiled_dir(args.compiled, ident)
 
 

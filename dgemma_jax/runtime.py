@@ -21,7 +21,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dgemma_jax.config import RUNTIME_CHOICES
-from dgemma_jax.parallel.rules import axes_of, check_rules, spec_for
+from dgemma_jax.axis_rules import axes_of, check_rules, spec_for
 
 MOE_DISPATCH = ("auto", "dense", "ragged", "capacity", "gmm")
 ATTN_KERNELS = ("auto", "xla", "splash")
@@ -41,10 +41,18 @@ ENTRY_LAYERS = {"generate": "scan", "chat": "scan", "notebook": "scan", "serve":
 
 
 
-def layers_for_entry(entry: str, platform: str) -> str:
-    """The layer layout entry point `entry` ("generate", "chat", "serve", "notebook", ...) runs on
-    `platform` when the user leaves it to "auto": `ENTRY_LAYERS` on TPU, the platform's default elsewhere."""
-    if platform == "tpu":
+def resolve_layers(layers: str, platform: str, entry: str | None = None) -> str:
+    """The one place the layer layout "auto" becomes "unrolled" or "scan": for entry point `entry`
+    ("generate", "chat", "serve", "notebook", ...; None = the library) on `platform`, `ENTRY_LAYERS`
+    on TPU, the platform's default (`LAYER_DEFAULTS`) elsewhere and for the library. An explicit
+    layout is returned as it is. `Runtime` resolves its own `layers` with it when built, so a program
+    and the model's passes only ever see a concrete layout (parameters and caches are converted to it
+    where they enter the engine, `engine.placement.layers_for`)."""
+    if layers not in LAYER_LAYOUTS:
+        raise ValueError(f"layers={layers!r} is invalid: must be one of {LAYER_LAYOUTS}")
+    if layers != "auto":
+        return layers
+    if platform == "tpu" and entry is not None:
         return ENTRY_LAYERS.get(entry, LAYER_DEFAULTS["tpu"])
     return LAYER_DEFAULTS.get(platform, "unrolled")
 
@@ -55,7 +63,7 @@ class Runtime:
 
     platform: the backend programs are compiled for (default: this process's default backend; "tpu"
       when compiling ahead of time for a TPU topology from a CPU machine).
-    mesh, rules: the device mesh and the logical-axis rule set (`parallel.rules.rules_for`: pairs or a
+    mesh, rules: the device mesh and the logical-axis rule set (`axis_rules.rules_for`: pairs or a
       mapping, checked against the mesh: an unknown logical or mesh axis is an error); None / () =
       one device, no placement constraints.
     moe_dispatch: "auto" (capacity buffers on CPU, grouped matmuls elsewhere), "dense", "ragged",
@@ -71,12 +79,13 @@ class Runtime:
     layers: how the layers are laid out in the program (`model.scanned`, `model.layout`): "unrolled" (one traced
       block per layer), "scan" (a `lax.scan` over the repeated layer group, 5 sliding + 1 global on
       the 26B: one group compiled instead of 30 layers; parameters and cache stacked per group
-      position) or "auto" = the platform's default (`LAYER_DEFAULTS`: "unrolled" everywhere). The
-      entry points pick their own on TPU (`ENTRY_LAYERS`, `layers_for_entry`); the measurements behind
-      that table are in benchmarks/results/compile_time.json and docs/tpu.md.
-      The engine converts its parameters and caches to this layout once; the model itself runs
-      stacked parameters scanned and unrolled ones unrolled under "auto", and converts (a copy
-      inside the program) when the layout is named explicitly and differs from the parameters'.
+      position) or "auto", resolved when the Runtime is built, for the platform it is built with
+      (`resolve_layers`: `LAYER_DEFAULTS`, "unrolled" everywhere), so `layers` reads "unrolled" or
+      "scan" afterwards and the model never decides. The entry points resolve "auto" for themselves
+      on TPU (`resolve_layers(..., entry=)`, `ENTRY_LAYERS`); the measurements behind that table are
+      in benchmarks/results/compile_time.json and docs/tpu.md. The engine converts its parameters
+      and caches to this layout once, where they enter it; parameters in the other layout handed
+      straight to the model's passes are converted inside the program (a copy).
     observer: an object with `kernel_call(name, flops)`, told of every fused kernel call as it is
       traced (the perf reports count the FLOPs compilers do not see); compared by identity.
     """
@@ -120,6 +129,8 @@ class Runtime:
             bad("remat", self.remat, "must be True or False")
         if self.layers not in LAYER_LAYOUTS:
             bad("layers", self.layers, f"must be one of {LAYER_LAYOUTS}")
+        # "auto" resolved here, once (`resolve_layers`): `layers` is always "unrolled" or "scan" after this
+        object.__setattr__(self, "layers", resolve_layers(self.layers, self.platform))
 
     def replace(self, **changes) -> "Runtime":
         return dataclasses.replace(self, **changes)
@@ -131,13 +142,6 @@ class Runtime:
         if self.moe_dispatch != "auto":
             return self.moe_dispatch
         return "capacity" if self.platform == "cpu" else "ragged"
-
-    @property
-    def layer_layout(self) -> str:
-        """The layer layout "auto" stands for on this platform (`LAYER_DEFAULTS`)."""
-        if self.layers != "auto":
-            return self.layers
-        return LAYER_DEFAULTS.get(self.platform, "unrolled")
 
     @property
     def kernel_interpreted(self) -> bool:

@@ -221,7 +221,7 @@ from dgemma_jax.model.quant import resolve_quantize, weight_bytes
 from dgemma_jax.parallel import Shardings, make_mesh
 
 if LAYERS == "auto":  # the library's choice for a notebook: scan on a TPU, unrolled elsewhere
-    LAYERS = dgemma_jax.runtime.layers_for_entry("notebook", jax.default_backend())
+    LAYERS = dgemma_jax.runtime.resolve_layers("auto", jax.default_backend(), entry="notebook")
 runtime = dgemma_jax.Runtime(layers=LAYERS)
 BUNDLED = not CHECKPOINT
 if BUNDLED:

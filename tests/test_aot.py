@@ -77,8 +77,8 @@ def test_tpu_step_attends_to_the_cache_through_the_kernel():
     kernel, xla = reps["auto"], reps["xla"]
     # one global layer; 4 query heads over tensor=2: 2 per chip; 128 canvas queries, 256 slots, head_dim 128
     assert kernel["kernel_flops"] == 4 * 1 * 128 * 2 * 128 * 256
-    assert kernel["flops"] == kernel["compiler_flops"] + kernel["kernel_flops"]
-    assert xla["kernel_flops"] == 0 and xla["flops"] == xla["compiler_flops"]
+    assert kernel["flops"] == kernel["hlo_dot_flops"] + kernel["kernel_flops"]
+    assert xla["kernel_flops"] == 0 and xla["flops"] == xla["hlo_dot_flops"]
     assert kernel["flops"] == pytest.approx(xla["flops"], rel=0.02)
 
 

@@ -261,7 +261,7 @@ def _cell_rule(cell: str):
 def test_the_logical_axes_table_lists_exactly_the_codes_names_and_rule_sets():
     # docs/tpu.md lists every logical axis name the model uses and what each built-in rule set maps it to;
     # tests/test_mesh_rules.py checks that LOGICAL_AXES are the model's own names
-    from dgemma_jax.parallel.rules import LOGICAL_AXES, RULE_SETS, rules_for
+    from dgemma_jax.axis_rules import LOGICAL_AXES, RULE_SETS, rules_for
 
     section = _section(_read("docs/tpu.md"), "Meshes, logical axes and rule sets")
     header = next(ln for ln in section.splitlines() if ln.startswith("| logical axis |"))

@@ -207,7 +207,7 @@ def test_one_chips_scan_draws_what_the_vocabulary_split_full_pass_draws(chunk):
 
 def _split_runtime(mesh: str, rules: str = "latency"):
     from dgemma_jax.parallel import make_mesh
-    from dgemma_jax.parallel.rules import rules_for
+    from dgemma_jax.axis_rules import rules_for
 
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 (fake) devices")

@@ -120,8 +120,8 @@ def test_engine_scan_generates_the_same_tokens():
 
 def test_runtime_layers_choice():
     for platform in ("cpu", "tpu"):  # the defaults (runtime.LAYER_DEFAULTS)
-        assert Runtime(platform=platform).layer_layout == "unrolled"
-    assert Runtime(platform="tpu", layers="scan").layer_layout == "scan"
+        assert Runtime(platform=platform).layers == "unrolled"
+    assert Runtime(platform="tpu", layers="scan").layers == "scan"
     with pytest.raises(ValueError, match="Runtime.layers"):
         Runtime(layers="rolled")
 
@@ -143,7 +143,7 @@ def test_hbm_traffic_counts_the_models_layer_scan_once_per_group():
     params = layout.stack_layers(init_params(CFG12, 0), CFG12)
     cache = init_cache(CFG12, 2, 64, layers="scan")
     canvas = jnp.asarray(TOKENS[:, :16])
-    fn = jax.jit(lambda p, c: denoise_logits(p, CFG12, canvas, c.lengths, c, runtime=Runtime()))
+    fn = jax.jit(lambda p, c: denoise_logits(p, CFG12, canvas, c.lengths, c, runtime=Runtime(layers="scan")))
     text = fn.lower(params, cache).compile().as_text()
     loops = [line for line in text.splitlines() if " while(" in line]
     runs = sorted(loop_runs(text, line) for line in loops)
@@ -211,8 +211,10 @@ def test_a_scanned_step_compiles_for_tpu_and_is_held_against_the_same_requiremen
     assert sc["layers"] == "scan" and un["layers"] == "unrolled"
     a, b = un["programs"]["denoise_step"], sc["programs"]["denoise_step"]
     assert a["required_bytes"] == b["required_bytes"] > 0
-    # cost_analysis counts the loop body once (half the layers' FLOPs here), hbm_traffic once per group
+    # cost_analysis counts the loop body once (half the layers' FLOPs here); the reports' FLOPs
+    # (perf.hlo_flops) and hbm_traffic count it once per group
     assert b["compiler_flops"] < 0.75 * a["compiler_flops"]
+    assert b["flops"] == pytest.approx(a["flops"], rel=0.02) and b["uncounted_loops"] == a["uncounted_loops"]
     assert 0.9 * a["hbm_bytes"] <= b["hbm_bytes"] <= bound * a["hbm_bytes"]
 
 
@@ -282,18 +284,19 @@ def test_each_entry_point_resolves_auto_to_its_measured_layout():
 
     from dgemma_jax.cli import build_parser
     from dgemma_jax.cli_run import runtime_for
-    from dgemma_jax.runtime import layers_for_entry
+    from dgemma_jax.runtime import resolve_layers
 
     p = build_parser()
     want = {"generate": "scan", "chat": "scan", "serve": "unrolled"}
     for command, wanted in want.items():
         args = p.parse_args([command])
-        assert runtime_for(args, platform="tpu").layer_layout == wanted
-        assert runtime_for(args, platform="cpu").layer_layout == "unrolled"
-        assert runtime_for(p.parse_args([command, "--layers", "unrolled"]), platform="tpu").layer_layout == "unrolled"
-        assert runtime_for(p.parse_args([command, "--layers", "scan"]), platform="cpu").layer_layout == "scan"
-    assert layers_for_entry("notebook", "tpu") == "scan" and layers_for_entry("notebook", "gpu") == "unrolled"
+        assert runtime_for(args, platform="tpu").layers == wanted
+        assert runtime_for(args, platform="cpu").layers == "unrolled"
+        assert runtime_for(p.parse_args([command, "--layers", "unrolled"]), platform="tpu").layers == "unrolled"
+        assert runtime_for(p.parse_args([command, "--layers", "scan"]), platform="cpu").layers == "scan"
+    assert resolve_layers("auto", "tpu", entry="notebook") == "scan"
+    assert resolve_layers("auto", "gpu", entry="notebook") == "unrolled"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "launch", "colab_tpu.ipynb")) as f:
         cells = "".join("".join(c["source"]) for c in json.load(f)["cells"] if c["cell_type"] == "code")
-    assert 'layers_for_entry("notebook", jax.default_backend())' in cells
+    assert 'resolve_layers("auto", jax.default_backend(), entry="notebook")' in cells

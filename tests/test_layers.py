@@ -1,10 +1,10 @@
 """The package's import graph runs one way: each module imports only from its own layer or below.
 
 Layers, low to high (a module's layer is the first pattern that matches its dotted name):
-errors/backends/config/paths/compile_cache < low-level sharding (mesh, rules, distributed) and the runtime < the model <
-shardings (which places a model's parameters and cache on a mesh) < sampling < the engine < io <
-training < chat_session < pipeline < serving, the perf reports and the CLI's runners < the CLI and
-the package root. Every `from dgemma_jax... import` counts, at module level or inside a function.
+errors/backends/config/paths/compile_cache < the logical-axis rules and the runtime < the model <
+parallel (meshes, multi-host, and the shardings that place a model's parameters and cache on a mesh) <
+sampling < the engine < io < training < chat_session < pipeline < serving, the perf reports and the
+CLI's runners < the CLI and the package root. Every `from dgemma_jax... import` counts, at module level or inside a function.
 
 Imports sit at the top of their module: one inside a function defers a heavy or optional dependency
 on purpose and says why in a comment (`test_no_imports_inside_functions_without_a_reason`).
@@ -23,10 +23,9 @@ PACKAGE = os.path.join(ROOT, "dgemma_jax")
 LAYERS = [
     ("dgemma_jax.errors", "dgemma_jax.backends", "dgemma_jax.config", "dgemma_jax.paths", "dgemma_jax.compile_cache",
      "dgemma_jax.progress"),
-    ("dgemma_jax.parallel", "dgemma_jax.parallel.mesh", "dgemma_jax.parallel.rules", "dgemma_jax.parallel.distributed",
-     "dgemma_jax.runtime"),
+    ("dgemma_jax.axis_rules", "dgemma_jax.runtime"),
     ("dgemma_jax.model",),
-    ("dgemma_jax.parallel.shardings",),
+    ("dgemma_jax.parallel",),
     ("dgemma_jax.sampling",),
     ("dgemma_jax.engine",),
     ("dgemma_jax.io",),
@@ -112,6 +111,56 @@ def test_no_import_runs_from_a_lower_layer_to_a_higher_one():
                 bad.append(f"{os.path.relpath(path, ROOT)}:{line} imports {target} "
                            f"(layer {layer_of(target)} over its own {mine})")
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_parallel_is_one_floor_above_the_model():
+    """Every module of `dgemma_jax.parallel` sits on one floor, above the model (placement of its
+    parameters and cache); what the model and the runtime read about axes (`axis_rules`) sits below
+    them, so nothing under the model imports from `parallel`."""
+    parallel = {layer_of(m) for m, _ in MODULES if m == "dgemma_jax.parallel" or m.startswith("dgemma_jax.parallel.")}
+    assert parallel == {layer_of("dgemma_jax.parallel")}, parallel
+    assert layer_of("dgemma_jax.parallel") == layer_of("dgemma_jax.model") + 1
+    low = [f"{m} imports {t}" for m, p in MODULES if layer_of(m) <= layer_of("dgemma_jax.model")
+           for t, _ in _imports(p) if t == "dgemma_jax.parallel" or t.startswith("dgemma_jax.parallel.")]
+    assert not low, low
+
+
+def _layout_decisions(path: str) -> list[str]:
+    """Where a module decides the layer layout itself: a comparison of a `layers` / `layout` value with
+    "auto", or a read of the per-platform / per-entry tables."""
+    found = []
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left] + list(node.comparators)
+            named = any("layer" in ast.unparse(x).lower() or "layout" in ast.unparse(x).lower() for x in sides
+                        if not isinstance(x, ast.Constant))
+            if named and any(isinstance(x, ast.Constant) and x.value == "auto" for x in sides):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, (ast.Name, ast.Attribute)) and \
+                (node.id if isinstance(node, ast.Name) else node.attr) in ("LAYER_DEFAULTS", "ENTRY_LAYERS"):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_layer_layout_is_resolved_in_one_place():
+    """"auto" becomes "unrolled" or "scan" only in `runtime.resolve_layers` (called where a Runtime is
+    built, and by the entry points for themselves): no other module decides it, and the model's passes
+    read the runtime's concrete layout."""
+    from dgemma_jax.runtime import Runtime
+
+    bad = {m: found for m, p in MODULES if m != "dgemma_jax.runtime" and (found := _layout_decisions(p))}
+    assert not bad, bad
+    for platform in ("cpu", "tpu"):
+        assert Runtime(platform=platform).layers == "unrolled"
+        assert Runtime(platform=platform, layers="auto").replace(moe_dispatch="dense").layers == "unrolled"
+
+
+def test_the_layout_check_sees_a_second_resolver(tmp_path):
+    fake = tmp_path / "m.py"
+    fake.write_text("def f(rt, params):\n    if rt.layers == 'auto':\n        return is_stacked(params)\n")
+    assert _layout_decisions(str(fake)) == ["line 2: rt.layers == 'auto'"]
+    fake.write_text("from dgemma_jax.runtime import ENTRY_LAYERS\n\nx = ENTRY_LAYERS['serve']\n")
+    assert _layout_decisions(str(fake)) == ["line 3: ENTRY_LAYERS"]
 
 
 def test_the_perf_reports_are_used_only_by_the_cli():
@@ -330,7 +379,7 @@ def test_the_jit_check_sees_a_jit(tmp_path):
 
 
 # the one place logical axis names become mesh axes (`Runtime.spec`), and where the rules themselves live
-PLACEMENT_OWNERS = {"dgemma_jax.runtime", "dgemma_jax.parallel.rules"}
+PLACEMENT_OWNERS = {"dgemma_jax.runtime", "dgemma_jax.axis_rules"}
 
 
 def _placement_sites(path: str, module: str) -> set:
@@ -355,7 +404,7 @@ def test_one_owner_of_the_mesh_and_its_rules():
 
 def test_the_placement_check_sees_a_second_owner(tmp_path):
     fake = tmp_path / "m.py"
-    fake.write_text("from dgemma_jax.parallel.rules import spec_for\n\ndef f(x, rules, mesh):\n"
+    fake.write_text("from dgemma_jax.axis_rules import spec_for\n\ndef f(x, rules, mesh):\n"
                     "    return spec_for(x.shape, ('batch',), rules, mesh)\n")
     assert _placement_sites(str(fake), "dgemma_jax.model.moe") == {("dgemma_jax.model.moe", 4)}
     fake.write_text("from dgemma_jax.runtime import Runtime\n\nrt = Runtime(mesh=m, rules=r)\n")

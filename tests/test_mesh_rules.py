@@ -18,7 +18,7 @@ from dgemma_jax.model import layout
 from dgemma_jax.model.api import logical_axes
 from dgemma_jax.parallel import Shardings, make_mesh
 from dgemma_jax.parallel.mesh import device_array, mesh_sizes, parse_mesh
-from dgemma_jax.parallel.rules import (ACTIVATION_AXES, CACHE_AXES, LOGICAL_AXES, MESH_AXES, RULE_SETS, check_rules,
+from dgemma_jax.axis_rules import (ACTIVATION_AXES, CACHE_AXES, LOGICAL_AXES, MESH_AXES, RULE_SETS, check_rules,
                                        rules_for)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

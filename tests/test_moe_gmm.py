@@ -90,7 +90,7 @@ def test_the_gmm_dispatch_on_an_expert_mesh_equals_dense():
     from flax import linen as nn
 
     from dgemma_jax.parallel.mesh import make_mesh
-    from dgemma_jax.parallel.rules import rules_for
+    from dgemma_jax.axis_rules import rules_for
 
     cfg = ModelConfig.preset("tiny-6layer", hidden_size=128, moe_intermediate_size=64, num_experts=8, top_k=2)
     rng = np.random.default_rng(9)

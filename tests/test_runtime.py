@@ -68,7 +68,7 @@ def test_hashable_static_argument_with_the_mesh_in_it():
 
 def test_shards_counts_the_pieces_a_named_dimension_is_split_into():
     """What `sampling.fused.head_step` asks to pick the head: is the vocabulary whole on each device?"""
-    from dgemma_jax.parallel.rules import rules_for
+    from dgemma_jax.axis_rules import rules_for
     assert Runtime().shards(262144, "vocab") == 1
     mesh = make_mesh("data=2,expert=4", devices=jax.devices()[:8])
     rt = Runtime(mesh=mesh, rules=rules_for("latency"))

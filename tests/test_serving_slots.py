@@ -459,10 +459,10 @@ def test_a_server_with_the_layers_scanned_gives_the_same_answers(bundled, schedu
 
     cfg, params, sampler, tok = bundled
     args = build_parser().parse_args(["serve", "--layers", "scan"])
-    assert runtime_for(args).layer_layout == "scan"
+    assert runtime_for(args).layers == "scan"
     scanned = Scheduler.for_model(cfg, params, tok, sampler, slots=4, max_steps=32, max_queue=16,
                                   runtime=runtime_for(args))
-    assert scanned.engine.runtime.layer_layout == "scan"
+    assert scanned.engine.runtime.layers == "scan"
     scanned.start()
     try:
         prompts = ["s9350814272=", "s8877665544332211=", "s31415926535=", "s9350814272=0122345789s4213="]

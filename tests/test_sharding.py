@@ -14,7 +14,7 @@ import pytest
 from dgemma_jax import ModelConfig, Runtime, init_params, param_shapes
 from dgemma_jax.engine import Engine
 from dgemma_jax.parallel import Shardings, make_mesh, parse_mesh, spec_for
-from dgemma_jax.parallel.rules import rules_for
+from dgemma_jax.axis_rules import rules_for
 from dgemma_jax.sampling import SamplerConfig
 from dgemma_jax.sampling.loop import denoise_step, init_state, row_keys
 

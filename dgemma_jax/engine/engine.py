@@ -102,7 +102,7 @@ class Engine:
             if shardings is not None:
                 params = shardings.place_params(params)
         self.runtime = runtime_for(runtime, shardings)
-        self.params = layers_for(config, params, self.runtime.layer_layout, shardings)
+        self.params = layers_for(config, params, self.runtime.layers, shardings)
         self.adapter_rows = bool(adapter_rows and adapters is not None)
         if adapters is not None:  # replicated: the adapters are small
             if shardings is not None:
@@ -229,7 +229,7 @@ class Engine:
         Returns:
           a `KVCache` with every row's length 0.
         """
-        layers = self.runtime.layer_layout
+        layers = self.runtime.layers
         if self.shardings is not None:
             return self.shardings.init_cache(batch, length, layers)
         return init_cache(self.config, batch, length, dtype_of(self.config.dtype), layers=layers)

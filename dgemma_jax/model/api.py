@@ -175,7 +175,7 @@ def param_shapes(config: ModelConfig) -> Params:
 
 
 def logical_axes(config: ModelConfig) -> Params:
-    """The parameter tree's logical axis names (what `parallel.rules` maps onto a mesh).
+    """The parameter tree's logical axis names (what `axis_rules` maps onto a mesh).
 
     Args:
       config: the model.

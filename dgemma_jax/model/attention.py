@@ -25,7 +25,7 @@ from dgemma_jax.model import flash, masks
 from dgemma_jax.model.cache import ring_limit, slot_positions, window_slice, write_tokens
 from dgemma_jax.model.layout import LAYER_AXIS
 from dgemma_jax.model.layers import RMSNorm, adapter, apply_rope, param, project, rms_normalize, rope_inv_freq
-from dgemma_jax.parallel.rules import CACHE_AXES
+from dgemma_jax.axis_rules import CACHE_AXES
 from dgemma_jax.runtime import Runtime
 
 _NEG = -1e30

@@ -13,7 +13,7 @@ from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.attention import Attention
 from dgemma_jax.model.layers import GatedMLP, RMSNorm, ones_param
 from dgemma_jax.model.moe import MoE
-from dgemma_jax.parallel.rules import ACTIVATION_AXES
+from dgemma_jax.axis_rules import ACTIVATION_AXES
 from dgemma_jax.runtime import Runtime
 
 

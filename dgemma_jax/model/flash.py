@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from dgemma_jax.parallel.rules import CACHE_AXES, axes_of
+from dgemma_jax.axis_rules import CACHE_AXES, axes_of
 from dgemma_jax.runtime import Runtime
 
 _NEG = -1e30

@@ -57,7 +57,7 @@ from dgemma_jax.model import gmm, layout
 from dgemma_jax.model.layers import (GATED_MLP_AXES, QUANT_SCALE, adapter, dequantize, gated_mlp,
                                      gelu_tanh, is_int4, is_quantized, kernel_shape, ones_param, param, project,
                                      quant_values, rms_normalize)
-from dgemma_jax.parallel.rules import axes_of, entry_of
+from dgemma_jax.axis_rules import axes_of, entry_of
 from dgemma_jax.runtime import Runtime
 
 

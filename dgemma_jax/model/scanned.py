@@ -24,13 +24,10 @@ from dgemma_jax.model.cache import KVCache
 
 
 def scanning(model) -> bool:
-    """Whether `model` (a bound `Transformer`) scans its layer groups: its runtime says "scan", or
-    "auto" and the parameters are stacked."""
-    if model.rt.layers == "scan":
-        return True
-    if model.rt.layers == "unrolled":
-        return False
-    return layout.is_stacked(model.variables.get("params", {}))
+    """Whether `model` (a bound `Transformer`) scans its layer groups: its runtime's layout, which
+    the runtime resolved when it was built (`runtime.resolve_layers`); the parameters' own layout
+    decides nothing (parameters in the other layout are converted, `unrolled_blocks`, `_scan_parts`)."""
+    return model.rt.layers == "scan"
 
 
 def unrolled_blocks(model, method: str) -> list:

@@ -28,7 +28,7 @@ from dgemma_jax.model.layers import (QUANT_SCALE, QUANT_VALUES, GatedMLP, RMSNor
                                      param, rms_normalize, softcap)
 from dgemma_jax.model.block import Block
 from dgemma_jax.model.vision import MultimodalEmbedder, VisionTower, compact_rows
-from dgemma_jax.parallel.rules import ACTIVATION_AXES
+from dgemma_jax.axis_rules import ACTIVATION_AXES
 from dgemma_jax.runtime import Runtime
 
 

@@ -29,7 +29,7 @@ from dgemma_jax.model.attention import attend
 from dgemma_jax.model.layers import (apply_rope, dtype_of, gelu_tanh, ones_param, param, project, rms_normalize,
                                      rope_inv_freq)
 
-# logical axis names of the tower's parameters (mapped to mesh axes in dgemma_jax/parallel/rules.py)
+# logical axis names of the tower's parameters (mapped to mesh axes in dgemma_jax/axis_rules.py)
 V_EMBED, V_HEADS, V_KV_HEADS, V_MLP = "vision_embed", "vision_heads", "vision_kv_heads", "vision_mlp"
 
 

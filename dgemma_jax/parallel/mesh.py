@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from dgemma_jax.parallel.rules import MESH_AXES, _hint
+from dgemma_jax.axis_rules import MESH_AXES, _hint
 
 DCN = "dcn_"  # the prefix of a mesh spec's across-slice entries
 

@@ -23,14 +23,14 @@ from dgemma_jax.model.api import _boxed_init, logical_axes, param_shapes
 from dgemma_jax.model.cache import KVCache, cache_shape, init_cache, layer_slots
 from dgemma_jax.model.layers import dtype_of, is_quantized
 from dgemma_jax.model.layout import stack_cache
-from dgemma_jax.parallel.rules import CACHE_AXES, rules_for
+from dgemma_jax.axis_rules import CACHE_AXES, rules_for
 from dgemma_jax.runtime import Runtime
 
 
 class Shardings:
     def __init__(self, config: ModelConfig, mesh: Mesh, rules="latency"):
         """rules: a built-in rule set's name, a JSON rules file, a mapping or (name, target) pairs
-        (`parallel.rules.rules_for`); checked against `mesh` (an unknown logical or mesh axis is a
+        (`axis_rules.rules_for`); checked against `mesh` (an unknown logical or mesh axis is a
         ValueError naming it)."""
         self.config = config
         # the one holder of the mesh and the rules: every runtime of these shardings is this one with

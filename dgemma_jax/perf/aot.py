@@ -6,14 +6,18 @@ allocated), compile them with the TPU compiler, and read per-chip memory and cos
 
     report = compile_report("diffusiongemma-26b-a4b", "v5e-8", mesh="expert=8", context=32768)
 
-`cost_analysis()` counts a loop body once, so per-step figures come from the step program and
-per-canvas projections multiply by the step count. Projections use the roofline of
-shared/spec/performance.md: time = max(flops / peak, bytes / bandwidth), with the bytes the
-program moves through HBM (`hbm_traffic`: cost_analysis's byte count also includes reads of what
-the compiler staged on chip; both are reported). The compiler sees a Pallas kernel (the cache
-attention of model/flash.py) as an opaque call and counts none of its FLOPs: those are counted from
-the kernel's traced shapes (`kernel_flops`) and added to `flops` (`compiler_flops` is the
-compiler's own count). A kernel's operands and results are its HBM traffic.
+Per-step figures come from the step program and per-canvas projections multiply by the step count.
+Projections use the roofline of shared/spec/performance.md: time = max(flops / peak, bytes /
+bandwidth), with the bytes the program moves through HBM (`hbm_traffic`: cost_analysis's byte count
+also includes reads of what the compiler staged on chip; both are reported). `flops` is the
+compiled HLO's matrix products with every loop counted per trip (`hlo_flops.dot_flops`:
+cost_analysis counts a loop body once, so a scanned program's or the vocabulary-chunked head's
+`compiler_flops` undercount), a loop of skipped blocks (the ragged MoE's per-shard blocks) one
+trip (`hlo_dot_flops_upper_bound` counts them all), plus the Pallas kernels' FLOPs, which no
+compiler count sees: those are counted from the kernels' traced shapes (`kernel_flops`). A kernel
+is one opaque call: its operands and results are its HBM traffic, i.e. the projection assumes it
+streams them once at HBM bandwidth. `flops_ratio` holds `flops` against the step's useful FLOPs
+(`perf.roofline`).
 
 What is compiled is the engine's own programs (`Engine.programs`, `Engine.fused_program`), built
 with a `Runtime` for the TPU platform on the topology's mesh: the same jits a TPU user runs.
@@ -43,6 +47,7 @@ from dgemma_jax.perf import roofline
 from dgemma_jax.perf import collectives as coll
 from dgemma_jax.perf.compiled import cost
 from dgemma_jax.perf.hbm_traffic import hbm_traffic
+from dgemma_jax.perf.hlo_flops import dot_flops
 from dgemma_jax.perf.memory_peak import compile_with_peak
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
@@ -54,8 +59,9 @@ from dgemma_jax.training.optim import make_optimizer
 from dgemma_jax.training.step import LoraSpec, init_train_state, make_train_step
 
 
-PROJECTION_LABEL = ("projection from the TPU compiler (cost_analysis FLOPs plus the attention kernel's, the compiled "
-                    "program's HBM traffic), not a measurement")
+PROJECTION_LABEL = ("projection from the TPU compiler (the compiled HLO's matrix-product FLOPs, loops counted per "
+                    "trip, plus the Pallas kernels'; the compiled program's HBM traffic, a Pallas kernel's operands "
+                    "and results moved once at HBM bandwidth), not a measurement")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,11 +317,11 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         mesh = f"expert={len(devs)}"
     sh = Shardings(cfg, make_mesh(mesh, devices=devs), rules)
     runtime = sh.runtime(platform="tpu", moe_dispatch=moe_dispatch, attn_kernel=attn_kernel, layers=layers)
-    args = program_inputs(cfg, sampler, sh, batch, context, prompt, quantize, images, runtime.layer_layout)
+    args = program_inputs(cfg, sampler, sh, batch, context, prompt, quantize, images, runtime.layers)
     report: dict[str, Any] = {
         "preset": cfg.name, "topology": topology_name, "chips": len(devs), "mesh": dict(sh.mesh.shape),
         "rules": rules, "batch": batch, "context": context, "prompt": prompt, "dtype": cfg.param_dtype,
-        "moe_dispatch": runtime.dispatch, "attn_kernel": attn_kernel, "layers": runtime.layer_layout,
+        "moe_dispatch": runtime.dispatch, "attn_kernel": attn_kernel, "layers": runtime.layers,
         "hbm_limit_bytes": topo.hbm_bytes, "programs": {}, "fits": True,
         "quantize": quantize, "images": images, "compiler_options": dict(compiler_options or {}),
         "vision_param_bytes": roofline.tree_bytes({k: v for k, v in args["params"].items()
@@ -368,12 +374,21 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         mem = compiled_memory(compiled)
         total = mem.pop("total_bytes")
         entry.update(memory=mem, total_bytes=total, fits=total <= topo.hbm_bytes, **_cost(compiled))
-        # the compiler counts no FLOPs inside a Pallas kernel (the cache-attention kernel, model/flash.py):
-        # its FLOPs are counted from the shapes it was traced with and added
+        # FLOPs: the compiled HLO's matrix products with every loop counted per trip (`hlo_flops.dot_flops`;
+        # cost_analysis counts a loop body once), plus the Pallas kernels' (the cache-attention kernel,
+        # model/flash.py; the grouped matmul, model/gmm.py), which no compiler count sees: counted from the
+        # shapes they were traced with
+        hlo_text = compiled.as_text()
+        dots = dot_flops(hlo_text)
         entry["kernel_flops"] = kernels.flops
         entry["compiler_flops"] = entry["flops"]
-        entry["flops"] = entry["compiler_flops"] + kernels.flops
-        traffic = hbm_traffic(compiled.as_text())
+        entry["hlo_dot_flops"] = dots["flops"]
+        entry["hlo_dot_flops_upper_bound"] = dots["flops_upper_bound"]
+        entry["hlo_dot_flops_by_scope"] = {k: v for k, v in dots["by_scope"].items() if v >= 0.01 * dots["flops"]}
+        entry["uncounted_loops"] = dots["uncounted_loops"]
+        entry["skipped_block_loops"] = len(dots["skipped_block_loops"])
+        entry["flops"] = dots["flops"] + kernels.flops
+        traffic = hbm_traffic(hlo_text)
         entry["hbm_bytes"] = traffic["total"]
         entry["hbm_bytes_by_op"] = {k: v for k, v in traffic["by_op"].items() if v >= 1e6}
         entry["hbm_bytes_by_scope"] = {k: v for k, v in traffic["by_scope"].items() if v >= 1e6}
@@ -381,7 +396,7 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         entry["projected_seconds"] = max(entry["flops"] / topo.bf16_flops, entry["hbm_bytes"] / topo.hbm_bw)
         entry["projected_seconds_cost_analysis_bytes"] = max(entry["flops"] / topo.bf16_flops,
                                                              entry["bytes_accessed"] / topo.hbm_bw)
-        _add_collectives(entry, compiled.as_text(), len(devs), topo, hop_latency_s)
+        _add_collectives(entry, hlo_text, len(devs), topo, hop_latency_s)
         report["fits"] &= entry["fits"]
         report["programs"][name] = entry
         if progress is not None:

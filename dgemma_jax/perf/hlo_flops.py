@@ -1,31 +1,39 @@
 """Matrix-product FLOPs of a compiled program, read from its HLO with every loop counted per trip.
 
 XLA:TPU's `cost_analysis()` counts a while loop's body once, so a scanned program (`layers="scan"`, the
-one-chip head's vocabulary chunks, any `lax.scan` / `fori_loop`) is undercounted by its trip count. A
+head's vocabulary chunks, any `lax.scan` / `fori_loop`) is undercounted by its trip count. A
 program's FLOPs are nearly all in its matrix products, which the TPU compiler writes as `convolution`
-ops (XLA:CPU and GPU as `dot`), inside fusions or bare. `dot_flops(hlo_text)` sums 2 x output size x
-contracted size over every such op of the entry computation and of what it calls, a loop body times
-its trip count (`trip_count`), a conditional its largest branch. A Pallas kernel is one opaque
-custom call here too: its FLOPs come from the runtime's observer (`perf.aot.KernelFlops`).
+ops (XLA:CPU and GPU as `dot`), inside fusions or bare, and its grouped matmuls (`lax.ragged_dot`)
+as Mosaic custom calls. `dot_flops(hlo_text)` sums them over the entry computation and what it
+calls: a dot 2 x output size x contracted size; a convolution 2 x output size x the kernel's input
+features x the window taps that meet the input (`conv_flops`: XLA:TPU writes some products as a
+window sliding over padding, where counting the whole window counted the 26B head's logits 16x and
+some projections 4x, the 3.6x the first version of this reader found on the 26B's serving tick);
+a grouped matmul 2 x its rows x K x N; a loop body times its trip count (`trip_count`); a
+conditional its largest branch. A Pallas kernel is one opaque custom call: its FLOPs come from the
+runtime's observer (`perf.aot.KernelFlops`).
 
-A loop of skipped blocks (the "ragged" MoE's per-shard blocks, whose body is a conditional that
-does nothing past the shard's last pair) counts as if every block ran: an upper bound there.
-Elementwise and reduction work (the VPU's, not the matrix units') is not counted.
-
-Not yet used by the compile reports (`perf.aot`, whose `flops` stay cost_analysis's plus the kernels'):
-on the 26B's serving tick for v6e-8 this reader counted 3.6x the useful FLOPs (38.5 vs 10.6 TFLOP per
-chip at 32 slots), which the loops of skipped MoE blocks alone do not explain; until that is found
-the reports would turn HBM-bound steps FLOP-bound.
+What runs against the upper bound: a loop of blocks whose products all sit in a conditional whose
+other branch does none (the ragged MoE's per-shard blocks, skipped past the shard's last pair,
+`moe.dispatch_ragged`) counts one trip in "flops" (at a balanced load the first block, of
+`moe_shard_rows_factor` x the shard's mean pairs, holds all of them) and every trip in
+"flops_upper_bound". Work the program does beyond the useful FLOPs (`perf.roofline`) stays in both:
+the grouped matmul's padded rows (`moe_shard_rows_factor`), the largest of a conditional's branches
+(the capacity dispatch's buffer levels), the server tick's commit pass. Elementwise and reduction
+work (the VPU's, not the matrix units') is not counted.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 
-from dgemma_jax.perf.hbm_traffic import _ARRAY, _parse
+from dgemma_jax.perf.hbm_traffic import _ARRAY, _parse, _scope
 
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
+# XLA:TPU's grouped matmul (`lax.ragged_dot`): a Mosaic custom call, tagged with its tiling
+_RAGGED_DOT = re.compile(r'ragged_dot_tiling=|custom_call_target="[^"]*ragged[_-]?dot', re.I)
 
 
 def _dims(type_text: str) -> list[int]:
@@ -119,50 +127,135 @@ def trip_count(comps: dict, param_index: dict, consts: dict, parent: str, while_
     return None if start is None else max(0, bound - start)
 
 
+def _window(rest: str) -> list[dict]:
+    """A convolution's window, one dict per spatial dimension: size, stride, pad (lo, hi), lhs_dilate,
+    rhs_dilate (XLA's defaults where the text leaves them out)."""
+    m = re.search(r"window=\{([^}]*)\}", rest)
+    fields = dict(kv.split("=", 1) for kv in m.group(1).split()) if m else {}
+    sizes = [int(x) for x in fields.get("size", "").split("x") if x]
+    n = len(sizes)
+
+    def ints(key, default):
+        return [int(x) for x in fields[key].split("x")] if key in fields else [default] * n
+
+    pads = [tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")] if "pad" in fields else [(0, 0)] * n
+    return [dict(size=sizes[i], stride=ints("stride", 1)[i], pad=pads[i], lhs_dilate=ints("lhs_dilate", 1)[i],
+                 rhs_dilate=ints("rhs_dilate", 1)[i]) for i in range(n)]
+
+
+def _taps(w: dict, in_size: int, out_size: int) -> int:
+    """Multiply-accumulates one spatial dimension of a convolution really does, summed over its output
+    positions: the window taps that land on an input element (not on padding, nor between the
+    elements of a dilated input)."""
+    span = (in_size - 1) * w["lhs_dilate"] + 1
+    total = 0
+    for p in range(out_size):
+        for k in range(w["size"]):
+            at = p * w["stride"] + k * w["rhs_dilate"] - w["pad"][0]
+            total += 0 <= at < span and at % w["lhs_dilate"] == 0
+    return total
+
+
+def conv_flops(out_type: str, lhs_type: str, rhs_type: str, rest: str) -> float:
+    """FLOPs of an HLO convolution: 2 x the multiply-accumulates it does. Each output element contracts
+    the kernel's input features (one group's, under feature_group_count) over the window taps that land
+    on the input. XLA:TPU writes some matrix products as a convolution whose window slides over
+    padding (the head's `bld,cd->blc` on 16 rows: window 16, pad 15 on each side, an input of 1), where
+    only one tap of 16 meets an input element: counting the whole window counted that product 16x."""
+    labels = re.search(r"dim_labels=([^_]*)_([^-]*)->(\S+?)(?:,|$)", rest)
+    out, lhs, rhs = _dims(out_type), _dims(lhs_type), _dims(rhs_type)
+    if not labels:
+        return 2.0 * math.prod(out) * math.prod(rhs[:-1])
+    lhs_l, rhs_l, out_l = labels.group(1), labels.group(2), labels.group(3)
+    window = _window(rest)
+    total = 2.0 * math.prod(out[i] for i, c in enumerate(out_l) if not c.isdigit()) * rhs[rhs_l.index("i")]
+    for d, w in enumerate(window):
+        total *= _taps(w, lhs[lhs_l.index(str(d))], out[out_l.index(str(d))])
+    return total
+
+
+def _ragged_dot_flops(out_type: str, operand_types: list[str]) -> float:
+    """FLOPs of XLA:TPU's grouped matmul (a custom call): its rows [M, K] each by their group's [K, N]
+    kernel into [M, N], every one of the M rows (rows past the groups are computed and dropped)."""
+    out = _dims(out_type)
+    rows = [d for d in (_dims(t) for t in operand_types) if len(d) == 2 and d[0] == out[0]]
+    return 2.0 * math.prod(out) * rows[0][1] if rows and len(out) == 2 else 0.0
+
+
 def dot_flops(hlo_text: str) -> dict:
-    """{"flops": matrix-product FLOPs of the program, loops counted per trip, "loops": [(loop op name,
-    trips or None), ...], "uncounted_loops": how many loops' trip counts the HLO did not give (each
-    body counted once)}."""
+    """The program's matrix-product FLOPs, per chip (see the module docstring):
+
+    {"flops": what runs, loops counted per trip, except a loop of skipped blocks, one trip;
+     "flops_upper_bound": every loop counted per trip (each skipped block as if it ran);
+     "by_scope": {source scope (`hbm_traffic._scope`, layers folded): "flops"'s part};
+     "loops": [(loop op name, trips or None), ...]; "uncounted_loops": loops whose trip count the HLO
+     did not give (each body counted once); "skipped_block_loops": loops counted as one trip}."""
     comps, entry, param_index = _parse(hlo_text)
     consts = {n: int(v) for n, v in _INT_CONSTANT.findall(hlo_text)}
     loops: list[tuple[str, int | None]] = []
-    memo: dict[str, float] = {}
+    skipping: list[str] = []
+    memo: dict[tuple, tuple] = {}
 
-    def walk(comp: str) -> float:
-        if comp in memo:
-            return memo[comp]
+    def scaled(c: Counter, n: int) -> Counter:
+        return Counter({k: v * n for k, v in c.items()})
+
+    def walk(comp: str, within: str = "") -> tuple[Counter, float, float]:
+        """(FLOPs by scope as run, the upper bound, the part of the FLOPs under a conditional one of
+        whose branches does no products)."""
+        if (comp, within) in memo:
+            return memo[(comp, within)]
         shapes = {n: t for n, t, *_ in comps.get(comp, [])}
-        total = 0.0
+        total: Counter = Counter()
+        upper = gated = 0.0
         for name, typ, op, args, rest in comps.get(comp, []):
+            here = _scope(op, rest, within)
+            flops = 0.0
             if op == "dot":
                 lhs = _dims(shapes.get(args[0], ""))
                 contracted = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", rest)
                 k = math.prod(lhs[int(i)] for i in contracted.group(1).split(",") if i) if contracted else 1
-                total += 2.0 * math.prod(_dims(typ)) * k
+                flops = 2.0 * math.prod(_dims(typ)) * k
             elif op == "convolution":
-                rhs = _dims(shapes.get(args[1], ""))
-                labels = re.search(r"dim_labels=[^_]*_([^-]*)->", rest)
-                out_feature = labels.group(1).index("o") if labels and "o" in labels.group(1) else None
-                per_output = math.prod(d for i, d in enumerate(rhs) if i != out_feature)
-                groups = re.search(r"feature_group_count=(\d+)", rest)
-                per_output //= int(groups.group(1)) if groups else 1
-                total += 2.0 * math.prod(_dims(typ)) * per_output
-            elif op == "fusion" and (called := _CALLS.search(rest)):
-                total += walk(called.group(1))
-            elif op == "call" and (called := re.search(r"to_apply=%?([\w.\-]+)", rest)):
-                total += walk(called.group(1))
+                flops = conv_flops(typ, shapes.get(args[0], ""), shapes.get(args[1], ""), rest)
+            elif op == "custom-call" and _RAGGED_DOT.search(rest):
+                flops = _ragged_dot_flops(typ, [shapes.get(a, "") for a in args])
+            elif op in ("fusion", "call") and (called := _CALLS.search(rest) or
+                                                 re.search(r"to_apply=%?([\w.\-]+)", rest)):
+                c, u, g = walk(called.group(1), within)
+                total += c
+                upper, gated = upper + u, gated + g
             elif op == "while":
                 trips = trip_count(comps, param_index, consts, comp, (name, typ, op, args, rest))
                 loops.append((name, trips))
-                total += walk(re.search(r"body=%?([\w.\-]+)", rest).group(1)) * (1 if trips is None else trips)
+                c, u, g = walk(re.search(r"body=%?([\w.\-]+)", rest).group(1), here)
+                n = 1 if trips is None else trips
+                body = sum(c.values())
+                # a loop of blocks each run only while work is left (the MoE's per-shard blocks: a
+                # conditional whose other branch does nothing): one trip, the block that runs at a
+                # balanced load; every trip in the upper bound
+                skip = trips is not None and trips > 1 and body > 0 and g >= body
+                if skip:
+                    skipping.append(name)
+                total += c if skip else scaled(c, n)
+                upper += u * n
             elif op == "conditional":
                 m = re.search(r"branch_computations=\{([^}]*)\}", rest)
                 names = ([b.strip().lstrip("%") for b in m.group(1).split(",")] if m else
                          [re.search(k + r"=%?([\w.\-]+)", rest).group(1)
                           for k in ("true_computation", "false_computation")])
-                total += max(walk(b) for b in names)
-        memo[comp] = total
-        return total
+                branches = [walk(b, here) for b in names]
+                c, u, g = max(branches, key=lambda b: sum(b[0].values()))
+                total += c
+                upper += max(b[1] for b in branches)
+                empty = min(sum(b[0].values()) for b in branches) == 0
+                gated += sum(c.values()) if empty else g
+            if flops:
+                total[here] += flops
+                upper += flops
+        memo[(comp, within)] = (total, upper, gated)
+        return memo[(comp, within)]
 
-    flops = walk(entry)
-    return {"flops": flops, "loops": loops, "uncounted_loops": sum(t is None for _, t in loops)}
+    counts, upper, _ = walk(entry)
+    return {"flops": float(sum(counts.values())), "flops_upper_bound": float(upper),
+            "by_scope": {k: float(v) for k, v in counts.most_common()},
+            "loops": loops, "uncounted_loops": sum(t is None for _, t in loops), "skipped_block_loops": skipping}

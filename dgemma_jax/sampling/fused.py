@@ -45,7 +45,7 @@ from jax.extend.random import threefry2x32_p
 from jax.sharding import PartitionSpec as P
 
 from dgemma_jax.model.layers import QUANT_SCALE, QUANT_VALUES, is_quantized, softcap
-from dgemma_jax.parallel.rules import axes_of
+from dgemma_jax.axis_rules import axes_of
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.ops import StepStats, sanitize_logits
 
