@@ -163,14 +163,26 @@ def maxrss_mb():
 
 
 # ====================================================================== setup
-def build_models(seed):
-    import torch
-
+def build_models(seed, with_hf: bool = True):
+    """The HF reference model and the same weights read by dgemma_jax; without the reference side
+    (--skip-hf: no torch, the default install) dgemma_jax's own `init_params` weights and hf=None."""
     import dgemma_jax
     from dgemma_jax.config import ModelConfig
-    from tests.reference.hf_reference import build_preset, save_reference
 
     t0 = now()
+    if not with_hf:
+        import jax
+
+        cfg = ModelConfig.preset("bench")
+        params = dgemma_jax.init_params(cfg, seed)
+        n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+        return None, cfg, params, tempfile.mkdtemp(prefix="dgemma_bench_"), {
+            "setup_s": now() - t0, "param_count_jax": n_params, "param_count": cfg.param_count(),
+            "weights": "dgemma_jax.init_params(ModelConfig.preset('bench'), seed) (--skip-hf: no torch)"}
+    import torch  # deferred: the [ref] extra, absent from the default install
+
+    from tests.reference.hf_reference import build_preset, save_reference
+
     torch.manual_seed(seed)
     hf = build_preset("bench", seed=seed).eval()
     tmp = tempfile.mkdtemp(prefix="dgemma_bench_")
@@ -190,15 +202,17 @@ def build_models(seed):
 
 
 # ====================================================================== matmul peak
-def matmul_peak(shapes, reps):
-    """Best f32 GFLOP/s of jitted (JAX) and torch.mm (torch threads) matmuls [m, k] x [k, n].
+def matmul_peak(shapes, reps, with_torch: bool = True):
+    """Best f32 GFLOP/s of jitted (JAX) and torch.mm (torch threads) matmuls [m, k] x [k, n]; JAX alone
+    without torch (with_torch=False: torch_best_gflops None).
 
     shapes: (m, k, n) tuples: large squares plus the model's own shapes (a canvas of 256 rows times a
     512 x 2048 head chunk). On a loaded machine this is a lower bound of the true peak."""
     import jax
     import jax.numpy as jnp
-    import torch
 
+    if with_torch:
+        import torch  # deferred: the [ref] extra, absent from the default install
     out = {"jax": {}, "torch": {}}
     mm = jax.jit(lambda a, b: a @ b)
     for (m, k, n), r in zip(shapes, reps):
@@ -206,14 +220,17 @@ def matmul_peak(shapes, reps):
         flops = 2 * m * k * n
         a = jax.random.normal(jax.random.key(0), (m, k), jnp.float32)
         b = jax.random.normal(jax.random.key(1), (k, n), jnp.float32)
-        ta, tb = torch.randn(m, k), torch.randn(k, n)
-        for side, fn in (("jax", lambda: mm(a, b).block_until_ready()), ("torch", lambda: torch.mm(ta, tb))):
+        fns = [("jax", lambda: mm(a, b).block_until_ready())]
+        if with_torch:
+            ta, tb = torch.randn(m, k), torch.randn(k, n)
+            fns.append(("torch", lambda: torch.mm(ta, tb)))
+        for side, fn in fns:
             s = summary(samples(fn, r, warm=1))
             s["gflops_best"] = flops / s["min_s"] / 1e9
             out[side][name] = s
     out["jax_best_gflops"] = max(v["gflops_best"] for v in out["jax"].values())
-    out["torch_best_gflops"] = max(v["gflops_best"] for v in out["torch"].values())
-    out["peak_gflops"] = max(out["jax_best_gflops"], out["torch_best_gflops"])
+    out["torch_best_gflops"] = max(v["gflops_best"] for v in out["torch"].values()) if with_torch else None
+    out["peak_gflops"] = max(out["jax_best_gflops"], out["torch_best_gflops"] or 0.0)
     return out
 
 
@@ -932,7 +949,8 @@ def markdown(res):
         L.append("")
         mp = res["matmul_peak"]
         L.append(f"Machine f32 matmul peak: JAX {mp['jax_best_gflops']:.1f} GFLOP/s, torch "
-                 f"{mp['torch_best_gflops']:.1f} GFLOP/s (best of m x k x n = {', '.join(mp['jax'])}); peak = "
+                 f"{mp['torch_best_gflops'] or float('nan'):.1f} GFLOP/s "
+                 f"(best of m x k x n = {', '.join(mp['jax'])}); peak = "
                  f"the larger "
                  f"(a lower bound of the true peak on a loaded machine). Useful "
                  f"FLOPs of one denoise step (analytic, 2 x MACs): {fl['total'] / 1e9:.2f} GFLOP = trunk "
@@ -1046,9 +1064,10 @@ def main(argv=None):
     pinned = pin_cores(args.cores) if args.cores else None
     if args.threads is None:
         args.threads = args.cores or 2
-    import torch
+    if not args.skip_hf:  # torch: the [ref] extra, absent from the default install
+        import torch
 
-    torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
     import jax
 
     t_start = now()
@@ -1070,7 +1089,7 @@ def main(argv=None):
     log(f"machine: {res['machine']['cpu_model']}, nproc {res['machine']['nproc']}, load {res['load_average_start']}")
 
     rss.start("setup")
-    hf, cfg, params, tmp, info = build_models(args.seed)
+    hf, cfg, params, tmp, info = build_models(args.seed, with_hf=not args.skip_hf)
     rss.end()
     res["setup"] = info
     res["config"]["model_config"] = {k: (list(v) if isinstance(v, tuple) else v)
@@ -1089,13 +1108,15 @@ def main(argv=None):
     q = args.quick
     res["matmul_peak"] = matmul_peak([(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (256, 512, 2048),
                                       (256, 2048, 512)],
-                                     [10 if q else 30, 3 if q else 6, 1 if q else 3, 20 if q else 60, 20 if q else 60])
+                                     [10 if q else 30, 3 if q else 6, 1 if q else 3, 20 if q else 60, 20 if q else 60],
+                                     with_torch=not args.skip_hf)
     rss.end()
     log(f"peak {res['matmul_peak']['peak_gflops']:.1f} GFLOP/s")
     log("GEMM ceiling: the denoise step's matrix products at their own shapes, each timed alone")
     rss.start("gemm_ceiling")
     res["gemm_ceiling"] = gemm_ceiling(cfg, PROMPT_LEN, CANVAS, vocab_chunk(cfg.vocab_size),
-                                       res["matmul_peak"]["peak_gflops"], reps=10 if q else 30)
+                                       res["matmul_peak"]["peak_gflops"], reps=10 if q else 30,
+                                       with_torch=not args.skip_hf)
     rss.end()
 
     rss.start("dgemma_jax_pieces")

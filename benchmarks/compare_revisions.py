@@ -50,11 +50,12 @@ prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, (1, context)).asty
 engine = Engine(cfg, params, sampler)
 out = engine.generate(prompt, rng=0, max_new_tokens=2 * cfg.canvas_length)   # compile + warm
 tokens = np.asarray(out.tokens)
-t_gen = []
+t_gen, c_gen = [], []
 for _ in range(max(1, reps // 4)):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     jax.block_until_ready(engine.generate(prompt, rng=0, max_new_tokens=2 * cfg.canvas_length).tokens)
     t_gen.append(time.perf_counter() - t0)
+    c_gen.append(time.process_time() - c0)
 cache = init_cache(cfg, 1, context + cfg.canvas_length)
 _, cache = dgemma_jax.prefill(params, cfg, prompt, None, cache, logits="none")
 keys = row_keys(0, 1)
@@ -65,12 +66,14 @@ jax.block_until_ready(step(params, **args))
 # the step program as lowered (StableHLO, printed without source locations): equal text, equal
 # input to the compiler, equal compiled program
 hlo = step.lower(params, **args).as_text()
-t_step = []
+t_step, c_step = [], []
 for _ in range(reps):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     jax.block_until_ready(step(params, **args))
     t_step.append(time.perf_counter() - t0)
-print(json.dumps(dict(step_s=t_step, generate_s=t_gen, tokens_sha256=hashlib.sha256(tokens.tobytes()).hexdigest(),
+    c_step.append(time.process_time() - c0)
+print(json.dumps(dict(step_s=t_step, generate_s=t_gen, step_cpu_s=c_step, generate_cpu_s=c_gen,
+                      tokens_sha256=hashlib.sha256(tokens.tobytes()).hexdigest(),
                       steps=np.asarray(out.steps).tolist(),
                       step_hlo_sha256=hashlib.sha256(hlo.encode()).hexdigest())))
 """
@@ -98,7 +101,9 @@ def summarize(rounds: dict) -> dict:
         return [statistics.median(x[key]) for x in rounds[name]]
 
     summary = {}
-    for key in ("step_s", "generate_s"):
+    # *_cpu_s: the process's CPU seconds (every XLA thread) per call, older JSONs lack them: less disturbed
+    # than the wall time by other processes on a loaded machine (they take cores, not this program's work)
+    for key in [k for k in ("step_s", "generate_s", "step_cpu_s", "generate_cpu_s") if k in rounds["base"][0]]:
         b, h = statistics.median(medians("base", key)), statistics.median(medians("head", key))
         spread = max(max(medians(n, key)) / min(medians(n, key)) for n in ("base", "head")) - 1
         within = abs(h / b - 1) <= max(spread, 0.02) if len(rounds["base"]) > 1 else None

@@ -79,28 +79,34 @@ def _best(fn, reps):
     return min(samples(fn, reps))
 
 
-def time_gemms(gemms, reps: int = 30):
+def time_gemms(gemms, reps: int = 30, with_torch: bool = True):
     """Best seconds per call of each distinct (batch, m, k, n), for JAX and torch, less each side's
-    trivial-call time. Returns {"jax": {key: s}, "torch": {key: s}, "call_overhead_s": {...}}."""
+    trivial-call time. Returns {"jax": {key: s}, "torch": {key: s}, "call_overhead_s": {...}}; without
+    torch (with_torch=False: an install without the [ref] extra) the "torch" entries are absent."""
     import jax
     import jax.numpy as jnp
-    import torch
 
     mm = jax.jit(lambda a, b: jnp.matmul(a, b))
     tiny = jnp.ones((1, 1), jnp.float32)
     jax_call = _best(lambda: mm(tiny, tiny).block_until_ready(), reps * 4)
-    ttiny = torch.ones(1, 1)
-    torch_call = _best(lambda: torch.mm(ttiny, ttiny), reps * 4)
-    out = {"jax": {}, "torch": {}, "call_overhead_s": {"jax": jax_call, "torch": torch_call}}
+    out = {"jax": {}, "call_overhead_s": {"jax": jax_call}}
+    if with_torch:
+        import torch  # deferred: the [ref] extra, absent from the default install
+
+        ttiny = torch.ones(1, 1)
+        out["torch"] = {}
+        out["call_overhead_s"]["torch"] = _best(lambda: torch.mm(ttiny, ttiny), reps * 4)
     for key in sorted({_shape_key(g) for g in gemms}):
         b, m, k, n = key
         shape_a, shape_b = ((m, k), (k, n)) if b == 1 else ((b, m, k), (b, k, n))
         a = jax.random.normal(jax.random.key(0), shape_a, jnp.float32)
         w = jax.random.normal(jax.random.key(1), shape_b, jnp.float32)
         out["jax"][key] = max(_best(lambda: mm(a, w).block_until_ready(), reps) - jax_call, 1e-7)
+        if not with_torch:
+            continue
         ta, tw = torch.randn(*shape_a), torch.randn(*shape_b)
         fn = torch.mm if b == 1 else torch.bmm
-        out["torch"][key] = max(_best(lambda: fn(ta, tw), reps) - torch_call, 1e-7)
+        out["torch"][key] = max(_best(lambda: fn(ta, tw), reps) - out["call_overhead_s"]["torch"], 1e-7)
     return out
 
 
@@ -110,8 +116,9 @@ def ceiling(gemms, timings, peak_gflops: float):
     res = {"useful_gflop": useful / 1e9, "call_overhead_ms": {k: v * 1e3 for k, v in timings["call_overhead_s"].items()},
            "shapes": [dict(g, shape=f"{g['batch']}x{g['m']}x{g['k']}x{g['n']}",
                            jax_ms_per_call=timings["jax"][_shape_key(g)] * 1e3,
-                           torch_ms_per_call=timings["torch"][_shape_key(g)] * 1e3) for g in gemms]}
-    for side in ("jax", "torch"):
+                           torch_ms_per_call=timings["torch"][_shape_key(g)] * 1e3 if "torch" in timings else None)
+                      for g in gemms]}
+    for side in [s for s in ("jax", "torch") if s in timings]:
         groups = {}
         total = 0.0
         for g in gemms:
@@ -127,16 +134,22 @@ def ceiling(gemms, timings, peak_gflops: float):
     return res
 
 
-def gemm_ceiling(cfg, context: int, canvas: int, chunk: int, peak_gflops: float, reps: int = 30):
+def gemm_ceiling(cfg, context: int, canvas: int, chunk: int, peak_gflops: float, reps: int = 30,
+                 with_torch: bool = True):
     gemms = step_gemms(cfg, context, canvas, chunk)
-    return ceiling(gemms, time_gemms(gemms, reps), peak_gflops)
+    return ceiling(gemms, time_gemms(gemms, reps, with_torch), peak_gflops)
 
 
 def gemm_ceiling_markdown(gc, step_s):
     """The GEMM-ceiling table: the step's products, each timed alone, JAX (XLA:CPU) vs torch."""
     from dgemma_jax.perf.report import ms, table
 
-    j, t = gc["jax"], gc["torch"]
+    j = gc["jax"]
+    t = gc.get("torch")   # absent in a run without torch (bench_cpu.py --skip-hf)
+
+    def torch_cols(g):
+        return (f"{g['ms']:.1f}", f"{g['pct_of_peak']:.1f}%") if g else ("-", "-")
+
     rows = []
     for group, g in j["groups"].items():
         counts = {}
@@ -145,16 +158,17 @@ def gemm_ceiling_markdown(gc, step_s):
                 counts[s["shape"]] = counts.get(s["shape"], 0) + s["count"]
         shapes = [f"{c} x {shape}" for shape, c in counts.items()]
         rows.append((group, ", ".join(shapes), f"{g['gflop']:.2f}", f"{g['ms']:.1f}", f"{g['pct_of_peak']:.1f}%",
-                     f"{t['groups'][group]['ms']:.1f}", f"{t['groups'][group]['pct_of_peak']:.1f}%"))
+                     *torch_cols(t and t["groups"][group])))
     rows.append(("**sum: a step that is nothing but its products**", "", f"{gc['useful_gflop']:.2f}",
-                 f"**{j['ms']:.1f}**", f"**{j['pct_of_peak']:.1f}%**", f"{t['ms']:.1f}", f"{t['pct_of_peak']:.1f}%"))
+                 f"**{j['ms']:.1f}**", f"**{j['pct_of_peak']:.1f}%**", *torch_cols(t)))
     L = ["## GEMM ceiling of the denoise step (each matrix product at its own shape, timed alone)", ""]
     L += table(("products", "calls per step x shape (batch x m x k x n)", "useful GFLOP", "XLA:CPU ms", "% of peak",
                 "torch ms", "% of peak"), rows, "llrrrrr")
     L.append("")
     L.append(f"Expert rows are the exact mean share (perfectly even routing, no buffer padding); times are the best "
              f"of the repetitions less the framework's trivial-call time (JAX {gc['call_overhead_ms']['jax']:.3f} "
-             f"ms, torch {gc['call_overhead_ms']['torch']:.3f} ms), with the operands hot in cache. So the XLA:CPU "
+             f"ms, torch {gc['call_overhead_ms'].get('torch', float('nan')):.3f} ms), with the operands hot in cache. "
+             f"So the XLA:CPU "
              f"column is about the fastest a step built on XLA:CPU's matrix products could run at these shapes: "
              f"{j['pct_of_peak']:.1f}% of peak with zero time for softmax, sampling, norms, routing and weight "
              f"streaming. The fused step measured above takes {ms(step_s)} ms, "

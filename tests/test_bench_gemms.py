@@ -55,3 +55,23 @@ def test_time_gemms_times_every_distinct_shape_on_both_sides():
         assert t["call_overhead_s"][side] > 0
     r = gemm_ceiling.ceiling(gemms, t, peak_gflops=100.0)
     assert r["jax"]["ms"] == pytest.approx(1e3 * (7 * t["jax"][(1, 16, 32, 8)] + t["jax"][(3, 4, 8, 16)]))
+
+
+def test_without_torch_the_jax_side_is_timed_and_tabled(monkeypatch):
+    """`bench_cpu.py --skip-hf` on the default install (no torch): the matmul peak, the GEMM timings and
+    the ceiling table take JAX's side alone, and nothing imports torch."""
+    monkeypatch.setitem(sys.modules, "torch", None)   # `import torch` raises ImportError
+    import bench_cpu
+
+    gemms = [gemm_ceiling._gemm("a", 2, 1, 16, 32, 8), gemm_ceiling._gemm("b", 1, 3, 4, 8, 16)]
+    t = gemm_ceiling.time_gemms(gemms, reps=2, with_torch=False)
+    assert "torch" not in t and set(t["jax"]) == {(1, 16, 32, 8), (3, 4, 8, 16)}
+    r = gemm_ceiling.ceiling(gemms, t, peak_gflops=100.0)
+    assert "torch" not in r and r["shapes"][0]["torch_ms_per_call"] is None and r["jax"]["ms"] > 0
+    md = "\n".join(gemm_ceiling.gemm_ceiling_markdown(r, step_s=0.01))
+    assert "| - | - |" in md and "torch nan ms" in md
+    peak = bench_cpu.matmul_peak([(16, 32, 8)], [2], with_torch=False)
+    assert peak["torch"] == {} and peak["torch_best_gflops"] is None
+    assert peak["peak_gflops"] == peak["jax_best_gflops"] > 0
+    with pytest.raises(ImportError):
+        gemm_ceiling.time_gemms(gemms, reps=2)   # the torch side asked for: torch is needed

@@ -72,15 +72,17 @@ def test_a_short_request_behind_2x_slots_of_long_ones_finishes_within_3x_its_tim
     t_alone = statistics.median(alone)
     preempted_before = _metric(server, "vllm:num_preemptions_total")
     ratios = []
-    for _ in range(2):   # two rounds; the better one counts (one scheduling hiccup of a loaded machine)
+    # a long request is preempted when the short one meets it at the end of its first canvas (with 2
+    # canvases left it is not: PREEMPT_FACTOR); in a round where the short one comes later it takes
+    # the slot of the first long one to end instead
+    for _ in range(2):   # up to two rounds; the better one counts (one scheduling hiccup of a loaded machine)
         t_behind, short, behind_long = _behind(server, client, longs)
         assert short.choices[0].text == "01235678"
         ratios.append(t_behind / t_alone)
         assert behind_long == [a.choices[0].text for a in alone_long]
+        if min(ratios) < 3.0 and _metric(server, "vllm:num_preemptions_total") >= preempted_before + 1:
+            break   # both claims below already hold: a second round would assert them again
     assert min(ratios) < 3.0, (ratios, t_alone, alone)
-    # a long request is preempted when the short one meets it at the end of its first canvas (with 2
-    # canvases left it is not: PREEMPT_FACTOR); in a round where the short one comes later it takes
-    # the slot of the first long one to end instead
     assert _metric(server, "vllm:num_preemptions_total") >= preempted_before + 1
 
 
