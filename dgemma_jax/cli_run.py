@@ -121,6 +121,16 @@ def start_report(args) -> StartReport:
     return args.start_report
 
 
+def check_lora_path(args) -> None:
+    """Refuse a --lora path that holds no adapter checkpoint before the model loads (one error line,
+    not minutes of loading first)."""
+    if getattr(args, "lora", None):
+        try:
+            adapters_lib.locate(args.lora)
+        except ValueError as e:
+            raise UsageError(f"--lora {args.lora}: {e}") from None
+
+
 def lora_for(args, config):
     """The --lora adapter laid out for the engine (`training.adapters.single`), or None."""
     if not getattr(args, "lora", None):
@@ -192,6 +202,7 @@ def cmd_generate(args) -> int:
         raise UsageError("empty prompt: pass --prompt TEXT or pipe text on stdin")
     _check_infill_flags(args)
     grammar_args = _structured_flags(args)
+    check_lora_path(args)
     checkpoint = args.checkpoint
     if args.image and checkpoint in (None, ""):  # the default model for a picture: the bundled one that reads them
         checkpoint = f"{BUNDLED}:{VISION_NAME}"
@@ -331,6 +342,7 @@ def _generate_infill(args, engine, tok, tokens, compiles) -> int:
 # ---------------------------------------------------------------------------- chat
 def cmd_chat(args) -> int:
     compiles = CompileCounter()
+    check_lora_path(args)
     cfg, params, sampler, tok, shardings = load_model_for_cli(args)
     sampler = sampler_from_args(args, cfg, sampler)
     engine = Engine(cfg, params, sampler, shardings=shardings, runtime=runtime_for(args),

@@ -119,8 +119,11 @@ def test_lora_flag_errors_are_one_line_exit_2(tmp_path):
         assert r.returncode == 2 and r.stderr.startswith("dgemma: error:") and why in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
     (tmp_path / "empty").mkdir()
-    r = dgemma("generate", "--prompt", "s21=", "--lora", str(tmp_path / "empty"))
-    assert r.returncode == 2 and r.stderr.startswith("dgemma: error: --lora") and "no checkpoint" in r.stderr, r.stderr
+    for command in (("generate", "--prompt", "s21="), ("chat",)):   # refused before the model loads
+        r = dgemma(*command, "--lora", str(tmp_path / "empty"))
+        assert r.returncode == 2 and r.stderr.startswith("dgemma: error: --lora") and "no checkpoint" in r.stderr, \
+            r.stderr
+        assert "loading" not in r.stderr, r.stderr
 
 
 # ---------------------------------------------------------------------------- the server

@@ -40,8 +40,9 @@ class Adapter:
     tree: dict = dataclasses.field(repr=False)
 
 
-def _locate(path: str) -> tuple[str, str]:
-    """(the run's config.json, the checkpoint's state item) of a work directory or a checkpoints/<step>."""
+def locate(path: str) -> tuple[str, str]:
+    """(the run's config.json, the checkpoint's state item) of a work directory or a checkpoints/<step>;
+    ValueError naming the problem when `path` holds no adapter checkpoint (checked before any model loads)."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise ValueError(f"LoRA adapter {path}: no such directory; give a LoRA run's train.workdir (its latest "
@@ -60,7 +61,7 @@ def _locate(path: str) -> tuple[str, str]:
 def load_adapter(path: str, config: ModelConfig) -> Adapter:
     """The adapter a LoRA run saved at `path` (its work directory: the latest checkpoint; or a
     checkpoints/<step>), checked to fit `config`'s kernels. ValueError naming the problem otherwise."""
-    recipe_path, state = _locate(path)
+    recipe_path, state = locate(path)
     try:
         with open(recipe_path) as f:
             recipe = json.load(f)
