@@ -28,7 +28,7 @@ EVAL_SEED = 12345                     # the bundled model's held-out table (scri
 CI_SAMPLE = {"n": 100, "seed": 2024}  # tests/test_image_training.py's sort sample
 
 
-def plot_curves(metrics, evals, out_png):
+def plot_curves(metrics, evals, out_png, before=None, after=None, last_step=None):
     from dgemma_jax.training.plots import _plt, _save
 
     plt = _plt()
@@ -40,6 +40,10 @@ def plot_curves(metrics, evals, out_png):
     if evals:
         ax.plot([r["step"] for r in evals], [r["accuracy"] for r in evals], "o-", lw=1.5,
                 label=f"held-out exact match ({evals[0].get('n', '?')} pictures, same mix)")
+    for op, marker in (("sort", "s"), ("read", "^")):
+        if before and after and op in before:
+            ax.plot([0, last_step], [before[op]["accuracy"], after[op]["accuracy"]], marker + "--", lw=1.0,
+                    label=f"held out, {op!r} alone ({before[op]['n']} pictures): before / after")
     ax.set_xlabel("RL step")
     ax.set_ylabel("exact match")
     ax.set_ylim(0.8, 1.0)
@@ -63,6 +67,8 @@ def main(argv=None):
     ap.add_argument("--baseline-only", action="store_true", help="evaluate the bundled model and stop")
     ap.add_argument("--install", action="store_true", help="replace the bundled model if --target is reached")
     ap.add_argument("--target", type=float, default=0.98)
+    ap.add_argument("--resume-before", action="store_true",
+                    help="take the bundled model's numbers from an earlier results JSON (same --eval-n)")
     ap.add_argument("--set", nargs="*", default=[], help="recipe overrides key=value")
     args = ap.parse_args(argv)
 
@@ -110,7 +116,13 @@ def main(argv=None):
         return out
 
     res_path = os.path.join(args.results, "rl_vision_bundled.json")
-    before = evaluate_all(base_params, "bundled (before)")
+    before = None
+    if args.resume_before and os.path.exists(res_path):  # a resumed run: the bundled model's numbers again
+        with open(res_path) as f:
+            prev = json.load(f)
+        if prev["held_out"]["n_per_instruction"] == args.eval_n:
+            before = prev["before"]
+    before = before or evaluate_all(base_params, "bundled (before)")
     if args.baseline_only:
         return
     t0 = time.time()
@@ -119,7 +131,8 @@ def main(argv=None):
     after = evaluate_all(params, "after RL")
     metrics = read_jsonl(os.path.join(args.workdir, "metrics.jsonl"))
     evals = read_jsonl(os.path.join(args.workdir, "eval.jsonl"))
-    png = plot_curves(metrics, evals, os.path.join(args.results, "rl_vision_curves.png"))
+    png = plot_curves(metrics, evals, os.path.join(args.results, "rl_vision_curves.png"), before, after,
+                      summary.get("steps"))
     reached = all(after[t.op]["accuracy"] >= args.target for t in tasks)
     result = {
         "recipe": os.path.relpath(args.config, ROOT), "overrides": args.set,

@@ -195,8 +195,8 @@ def rl_source(rc: RLSection, dc: DataSection, tokenizer, layout: data_lib.Layout
         return PromptSource(bs, seed, image_source=build_source(dc, tokenizer, layout, bs, seed, config))
     if dc.kind == "jsonl" and dc.path:
         return PromptSource.from_jsonl(dc.path, bs, seed, dc.prompt_key, dc.response_key)
-    raise ValueError(f"rl.algorithm 'grpo' takes its prompts from data.kind 'tasks', 'image_tasks' or 'jsonl' (with data.path), "
-                     f"not {dc.kind!r}")
+    raise ValueError(f"rl.algorithm 'grpo' takes its prompts from data.kind 'tasks', 'image_tasks' or 'jsonl' "
+                     f"(with data.path), not {dc.kind!r}")
 
 
 def _read_pairs(path: str, prompt_key: str, response_key: str, what: str) -> list[tuple[str, str]]:
