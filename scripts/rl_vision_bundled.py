@@ -46,7 +46,7 @@ def plot_curves(metrics, evals, out_png, before=None, after=None, last_step=None
                     label=f"held out, {op!r} alone ({before[op]['n']} pictures): before / after")
     ax.set_xlabel("RL step")
     ax.set_ylabel("exact match")
-    ax.set_ylim(0.8, 1.0)
+    ax.set_ylim(min(0.8, min(r["reward_mean"] for r in metrics) - 0.02), 1.0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title("GRPO on the bundled image model (configs/rl_vision_digits.py)", fontsize=10)
