@@ -159,6 +159,26 @@ def test_the_loss_reads_the_picture_and_trains_the_tower():
     assert abs(float(just_loss(params, text_only)) - float(value)) > 1e-6
 
 
+def test_the_rl_likelihood_reads_the_picture_and_image_prompts_carry_their_pictures():
+    from dgemma_jax.training.likelihood import token_logprobs
+    from dgemma_jax.training.rl import PromptSource
+
+    cfg = _tiny_config()
+    params = init_params(cfg, 1)
+    tasks = [image_tasks.ImageDigitTask("sort", SORT, 4, 6)]
+    src = image_tasks.ImageTaskSource(tasks, TOK, Layout(104, 1, 8), 4, cfg, seed=0)
+    batch = {k: jnp.asarray(v) for k, v in src.batch(0).items()}
+    score = jax.jit(lambda b: token_logprobs(params, b, jax.random.key(0), config=cfg, num_canvases=1)[0].sum())
+    value = float(score(batch))
+    swapped = dict(batch, pixel_values=batch["pixel_values"][::-1], pixel_positions=batch["pixel_positions"][::-1])
+    assert np.isfinite(value) and abs(float(score(swapped)) - value) > 1e-6
+    # RL prompts from picture tasks: the instructions, the answers as references, the pictures preprocessed
+    prompts = PromptSource(4, 0, image_source=src).batch(0)
+    problems = src.problems(0)
+    assert prompts["prompts"] == [SORT] * 4 and prompts["references"] == [a for _, _, a in problems]
+    np.testing.assert_array_equal(prompts["images"].pixel_values, np.asarray(batch["pixel_values"]))
+
+
 # ------------------------------------------------------------------ a recipe run
 def _recipe(tmp_path, **extra):
     from dgemma_jax.training.train import load_config

@@ -47,7 +47,8 @@ def token_logprobs(params, batch: dict, rng: jax.Array, *, config: ModelConfig, 
                    num_samples: int = 1, t_eps: float = 1e-3, adapters=None, runtime: Runtime | None = None):
     """Per-position log-likelihood estimates of the response canvases: (logp [B, C*L] float32, mask [B, C*L]).
 
-    batch: "tokens", "lengths", "prompt_lengths", "num_canvases" (`data.collate`); num_canvases: the
+    batch: "tokens", "lengths", "prompt_lengths", "num_canvases" (`data.collate`), and with pictures
+    "pixel_values" / "pixel_positions" (`image_tasks.ImageTaskSource`'s); num_canvases: the
     layout's canvas slots C (static). rng: the noise; the same rng gives the same noisy canvases for
     any parameters (share it between the policy and the reference). Differentiable in params/adapters.
     """
@@ -58,7 +59,10 @@ def token_logprobs(params, batch: dict, rng: jax.Array, *, config: ModelConfig, 
     lengths = batch["lengths"].astype(jnp.int32)
     plen = batch["prompt_lengths"].astype(jnp.int32)
     b = tokens.shape[0]
-    _, cache = encoder_pass(config, params, tokens, lengths, False, adapters=adapters, runtime=runtime)
+    # a batch with "pixel_values" / "pixel_positions" (one picture per row) runs them through the tower
+    images = (batch["pixel_values"], batch["pixel_positions"]) if "pixel_values" in batch else None
+    _, cache = encoder_pass(config, params, tokens, lengths, False, adapters=adapters, runtime=runtime,
+                            images=images, prompt_lengths=plen)
     k_time, k_noise = jax.random.split(rng)
     times = stratified_times(k_time, b * num_canvases, num_samples, t_eps).reshape(num_samples * num_canvases, b)
 

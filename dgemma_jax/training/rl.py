@@ -130,11 +130,16 @@ def rl_update(state: TrainState, frozen, reference, batch: dict, *, optimizer: o
 # ---------------------------------------------------------------------------- prompts
 class PromptSource:
     """RL prompts: `batch(index)` -> {"prompts": [str], "references": [str or None]}, deterministic in
-    (seed, index). From a task mix (its answers are the references) or from JSON lines (prompt_key,
-    optional response_key as the reference), shuffled per epoch with `seed`."""
+    (seed, index). From a task mix (its answers are the references), from picture tasks (`image_source`,
+    an `image_tasks.ImageTaskSource`: the instruction is the prompt, and "images" holds the batch's
+    pictures preprocessed, one per prompt) or from JSON lines (prompt_key, optional response_key as the
+    reference), shuffled per epoch with `seed`."""
 
-    def __init__(self, batch_size: int, seed: int, *, task_source=None, rows: list[tuple[str, Any]] | None = None):
+    def __init__(self, batch_size: int, seed: int, *, task_source=None, rows: list[tuple[str, Any]] | None = None,
+                 image_source=None):
         self.batch_size, self.seed, self.task_source, self.rows = batch_size, seed, task_source, rows
+        self.image_source = image_source
+        self.settings = getattr(image_source, "settings", None)   # the evaluation's image processor
 
     @classmethod
     def from_jsonl(cls, path: str, batch_size: int, seed: int, prompt_key: str, response_key: str):
@@ -153,7 +158,13 @@ class PromptSource:
             raise ValueError(f"data.path {path} holds no prompts")
         return cls(batch_size, seed, rows=rows)
 
-    def batch(self, index: int) -> dict[str, list]:
+    def batch(self, index: int) -> dict[str, Any]:
+        if self.image_source is not None:
+            from dgemma_jax.io.images import preprocess_images  # deferred: only picture tasks preprocess
+
+            problems = self.image_source.problems(index)
+            return {"prompts": [p for _, p, _ in problems], "references": [a for _, _, a in problems],
+                    "images": preprocess_images([im for im, _, _ in problems], self.settings)}
         if self.task_source is not None:
             pairs = self.task_source.example_strings(index)
         else:
@@ -184,27 +195,40 @@ class GRPOStep:
 
     def __init__(self, *, tokenizer, layout: Layout, group_size: int, reward: Callable, seed: int,
                  rollout_params: Callable, engine: Callable, update: Callable, reference, place: Callable,
-                 eos_ids, pad_id: int, step_of: Callable):
+                 eos_ids, pad_id: int, step_of: Callable, config: ModelConfig | None = None):
+        self.config = config   # the model's (picture prompts are laid out for it)
         self.tok, self.layout, self.g, self.reward, self.seed = tokenizer, layout, group_size, reward, seed
         self.rollout_params, self.engine, self.update, self.reference = rollout_params, engine, update, reference
         self.place, self.eos_ids, self.pad_id, self.step_of = place, tuple(eos_ids), pad_id, step_of
 
-    def rollout(self, state, prompts: list[str]):
-        """(prompt ids [B*G], completion ids [B*G], completion texts) from the current policy."""
+    def rollout(self, state, prompts: list[str], images=None):
+        """(prompt ids [B*G], completion ids [B*G], completion texts) from the current policy. images: an
+        `ImageBatch` of one picture per prompt (each row of a group sees its prompt's picture), or None."""
         from dgemma_jax.training.evaluate import pad_prompts  # deferred: only rollouts pad prompts
 
         step = self.step_of(state)
-        ids = [[self.tok.bos_id] + self.tok.encode(p) for p in prompts for _ in range(self.g)]
+        if images is None:
+            ids = [[self.tok.bos_id] + self.tok.encode(p) for p in prompts for _ in range(self.g)]
+        else:
+            from dgemma_jax.io.images import prompt_with_images  # deferred: only picture prompts
+
+            images = images.select([i // self.g for i in range(len(prompts) * self.g)])
+            ids = [prompt_with_images(self.config, self.tok, prompts[i // self.g], images.select([i]))[0][0].tolist()
+                   for i in range(len(prompts) * self.g)]
+        if max(len(i) for i in ids) > self.layout.prompt_length:
+            raise ValueError(f"an RL prompt is {max(len(i) for i in ids)} tokens but data.prompt_length is "
+                             f"{self.layout.prompt_length}: raise prompt_length")
         toks, lens = pad_prompts(ids, self.layout.prompt_length, self.pad_id)
         keys = jax.random.split(jax.random.fold_in(jax.random.key(self.seed), step), len(ids))
         out = self.engine(self.rollout_params(state)).generate(
-            toks, lens, rng=keys, max_new_tokens=self.layout.response_capacity)
+            toks, lens, rng=keys, max_new_tokens=self.layout.response_capacity, images=images)
         comp = completion_ids(np.asarray(out.tokens), self.eos_ids)
         return ids, comp, [self.tok.decode(c) for c in comp]
 
     def __call__(self, state, frozen, batch):
         prompts, refs = batch["prompts"], batch["references"]
-        ids, comp, texts = self.rollout(state, prompts)
+        images = batch.get("images")
+        ids, comp, texts = self.rollout(state, prompts, images)
         rewards = np.asarray([float(self.reward(prompts[i // self.g], texts[i], refs[i // self.g]))
                               for i in range(len(texts))], np.float32)
         rows = [chunk_example(p, c, self.layout) for p, c in zip(ids, comp)]
@@ -212,6 +236,10 @@ class GRPOStep:
                   "prompt_lengths": np.asarray([r[2] for r in rows], np.int32),
                   "num_canvases": np.asarray([r[3] for r in rows], np.int32),
                   "advantages": group_advantages(rewards, self.g)}
+        if images is not None:   # each rollout row's picture, for the likelihood's encoder pass
+            rep = [i // self.g for i in range(len(texts))]
+            arrays["pixel_values"] = images.pixel_values[rep].astype(np.float32)
+            arrays["pixel_positions"] = images.position_ids[rep].astype(np.int32)
         state, m = self.update(state, frozen, self.reference, self.place(arrays))
         grouped = rewards.reshape(-1, self.g)
         m = dict(m, reward_mean=float(rewards.mean()), reward_max=float(rewards.max()),

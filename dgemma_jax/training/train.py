@@ -179,7 +179,7 @@ def build_source(dc: DataSection, tokenizer, layout: data_lib.Layout, batch_size
     raise ValueError(f"unknown data.kind {kind!r}: use 'tasks', 'image_tasks', 'jsonl', 'chat' or 'raw_text'")
 
 
-def rl_source(rc: RLSection, dc: DataSection, tokenizer, layout: data_lib.Layout):
+def rl_source(rc: RLSection, dc: DataSection, tokenizer, layout: data_lib.Layout, config: ModelConfig | None = None):
     """The data of an rl recipe: preference pairs (dpo) or prompts with their references (grpo)."""
     bs, seed = int(dc.batch_size), int(dc.seed)
     if rc.algorithm == "dpo":
@@ -191,10 +191,12 @@ def rl_source(rc: RLSection, dc: DataSection, tokenizer, layout: data_lib.Layout
     if dc.kind == "tasks":
         return PromptSource(bs, seed, task_source=data_lib.TaskSource(TaskMix.from_config(dc.tasks), tokenizer, layout,
                                                                       bs, seed))
+    if dc.kind == "image_tasks":
+        return PromptSource(bs, seed, image_source=build_source(dc, tokenizer, layout, bs, seed, config))
     if dc.kind == "jsonl" and dc.path:
         return PromptSource.from_jsonl(dc.path, bs, seed, dc.prompt_key, dc.response_key)
-    raise ValueError(f"rl.algorithm 'grpo' takes its prompts from data.kind 'tasks' or 'jsonl' (with data.path), "
-                     f"not {dc.kind!r}")
+    raise ValueError(f"rl.algorithm 'grpo' takes its prompts from data.kind 'tasks', 'image_tasks' or 'jsonl' "
+                     f"(with data.path), not {dc.kind!r}")
 
 
 def _read_pairs(path: str, prompt_key: str, response_key: str, what: str) -> list[tuple[str, str]]:
@@ -367,7 +369,7 @@ class Run:
         if self.rl is None:
             self.source = build_source(dc, self.tokenizer, self.layout, int(dc.batch_size), int(dc.seed), cfg)
         else:
-            self.source = rl_source(self.rl, dc, self.tokenizer, self.layout)
+            self.source = rl_source(self.rl, dc, self.tokenizer, self.layout, cfg)
         self.obj = ObjectiveConfig(canvas_length=L, **objective_options(dc, recipe.objective))
         self.num_steps = int(tc.num_steps)
         oc = dict(recipe.optimizer)
@@ -435,7 +437,7 @@ class Run:
                         reward=load_reward(rc.reward), seed=self.seed, rollout_params=rollout_params,
                         engine=lambda p: Engine(cfg, p, sampler, batch_invariant=False, compilation_cache=False),
                         update=update, reference=reference, place=self.place, eos_ids=cfg.eos_ids,
-                        pad_id=cfg.pad_id, step_of=lambda state: int(fetch(state.step)))
+                        pad_id=cfg.pad_id, step_of=lambda state: int(fetch(state.step)), config=cfg)
 
     def inference_params(self, state=None):
         state = state or self.state
