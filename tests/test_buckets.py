@@ -47,13 +47,15 @@ def test_nearby_prompt_lengths_share_one_program_and_the_tokens(params):
         before = eng.fused_program(32)._cache_size()
         outs[bucket] = [eng.generate(*_batch(w, w), rng=w, max_new_tokens=32) for w in widths]
         compiled = eng.fused_program(32)._cache_size() - before
-        # each row runs alone (Engine's batch_invariant): the exact engine compiles one program per
-        # distinct row length (w and w - 4: six), the bucketed one a single program for all of them
-        assert compiled == (1 if bucket else 2 * len(widths)), (bucket, compiled)
+        # both rows in one block of 8 (Engine's batch_invariant), as wide as its wider row: the exact
+        # engine compiles one program per width (three), the bucketed one a single program for all
+        assert compiled == (1 if bucket else len(widths)), (bucket, compiled)
     for w, a, b in zip(widths, outs[True], outs[False]):
         np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens), err_msg=f"width {w}")
         np.testing.assert_array_equal(np.asarray(a.steps), np.asarray(b.steps))
-        assert a.cache.max_length == 16 + 16 and b.cache.max_length == w + 16  # bucketed context + 1 canvas
+        # the context and one canvas (16 + 16 bucketed, w + 16 exact) in whole key blocks of 64
+        # (`Engine.invariant_cache_length`)
+        assert a.cache.max_length == b.cache.max_length == 64
 
 
 def test_streamed_canvases_through_the_shared_bucketing_match_the_exact_shapes(params):

@@ -150,7 +150,8 @@ def generate_structured(engine, prompt_tokens, lengths, grammars: Grammar | Sequ
         return score_program(table, soft_row)
     out = StructuredOutput([], [], np.zeros((b, n_canvas), np.int32), np.zeros((b,), np.int32), np.zeros((b,), bool),
                            np.zeros((b,)), np.zeros((b,)))
-    for i, (t, n, key, cache, _, _, _) in enumerate(rows):
+    for i, row in enumerate(rows):
+        t, n, key, cache, _, _, _ = engine._block([row])
         walker = _Walker(grammars[i], engine.config.vocab_size, int(sampler.eos_ids[0]), scores)
         cache = p.prefill(params, tokens=t, lengths=n, cache=cache, images=None)
         finished = jnp.zeros((1,), bool)
