@@ -27,7 +27,8 @@ from dgemma_jax import compile_cache
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.engine import infill as infill_driver
 from dgemma_jax.engine import structured as structured_driver
-from dgemma_jax.engine.inputs import canvas_length_warning, check_images, check_images_host, check_sampler, prepare_inputs
+from dgemma_jax.engine.inputs import (bucket_length, canvas_length_warning, check_images, check_images_host,
+                                      check_sampler, prepare_inputs)
 from dgemma_jax.engine.outputs import report_nonfinite, reporting
 from dgemma_jax.engine.placement import layers_for, runtime_for
 from dgemma_jax.engine.programs import ProgramCache, Programs
@@ -406,14 +407,25 @@ class Engine:
         if cache is not None and cache.batch_size != b:
             raise ValueError(f"cache batch {cache.batch_size} != prompt batch {b}")
         tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+        ends = lengths + (0 if committed is None else committed)
+        n_canvas = gen.num_canvases(int(max_new_tokens), self.sampler.canvas_length)
+        later = (n_canvas - 1) * self.sampler.canvas_length
+        top = self.config.max_position_embeddings
         first_image = 0
         rows = []
         for i in range(b):
+            # each row's shapes as `prepare_inputs` gives the row alone (the batch is checked above)
             n = int(lengths[i])
-            pick = (lambda x: None if x is None else x[i:i + 1])  # noqa: E731
-            t, ln, s, sc, pin = prepare_inputs(self.config, self.sampler, tokens[i:i + 1, :n], lengths[i:i + 1],
-                                               max_new_tokens, cache_length, pick(seed_canvas), pick(pinned),
-                                               pick(committed), bucket=self.bucket)
+            width = max(n, min(bucket_length(n), top)) if self.bucket else n
+            t = np.full((1, width), self.config.pad_id, np.int32)
+            t[0, :n] = tokens[i, :n]
+            ln = lengths[i:i + 1].astype(np.int32)
+            s = cache_length
+            if s is None:
+                need = int(ends[i]) + later
+                s = max(need, min(bucket_length(int(ends[i])) + later, top)) if self.bucket else need
+            sc = None if seed_canvas is None else seed_canvas[i:i + 1]
+            pin = None if pinned is None else pinned[i:i + 1]
             pictures = None
             if checked is not None:
                 count = len(image_runs(tokens[i, :n], self.config.image_token_id))
