@@ -392,7 +392,8 @@ class Engine:
         """`_prepare` for each row alone (`batch_invariant`): a list of per-row host inputs (tokens [1, W],
         lengths [1], its key as (keys, index), the length S of a new cache or its row of the caller's
         cache, seed_canvas, pinned, images), W the bucket of its own prompt length, S its own derived
-        cache length (or the `cache_length` the caller gave for all rows), images the row's own
+        cache length in whole key blocks (`invariant_cache_length`; or the `cache_length` the caller
+        gave for all rows), images the row's own
         (placed; such a row runs alone, `_blocks`). `_block` makes a program's inputs of them."""
         committed = None if cache is None else np.asarray(cache.lengths)
         if cache is not None:
@@ -421,9 +422,10 @@ class Engine:
             t[0, :n] = tokens[i, :n]
             ln = lengths[i:i + 1].astype(np.int32)
             s = cache_length
-            if s is None:
+            if s is None:   # derived: in whole key blocks, at least a ring (a given length is every row's)
                 need = int(ends[i]) + later
-                s = max(need, min(bucket_length(int(ends[i])) + later, top)) if self.bucket else need
+                s = self.invariant_cache_length(
+                    max(need, min(bucket_length(int(ends[i])) + later, top)) if self.bucket else need)
             sc = None if seed_canvas is None else seed_canvas[i:i + 1]
             pin = None if pinned is None else pinned[i:i + 1]
             pictures = None
@@ -460,9 +462,10 @@ class Engine:
     def _block(self, part, size: int = 1):
         """The placed inputs of one program call for the rows `part` (of `_prepare_rows`), filled to
         `size` rows with copies of the first: (tokens [size, W], lengths, keys, cache, seed_canvas,
-        pinned, images). W is the widest row's prompt, a new cache's length the longest row's,
-        rounded up to whole key blocks and at least a sliding layer's ring (`invariant_cache_length`),
-        so that each row's blocks and rings are those it gets alone."""
+        pinned, images). W is the widest row's prompt, a new cache's length the longest row's
+        (`_prepare_rows` gives derived lengths in whole key blocks and at least a sliding layer's
+        ring, `invariant_cache_length`; a length the caller gave is every row's), so that each row's
+        blocks and rings are those it gets alone."""
         fill = list(part) + [part[0]] * (size - len(part))
 
         def cat(xs):
@@ -476,7 +479,7 @@ class Engine:
         keys = fill[0][2][0][np.array([r[2][1] for r in fill])]
         first = fill[0][3]
         if isinstance(first, int):
-            cache = self.new_cache(size, self.invariant_cache_length(max(r[3] for r in fill)))
+            cache = self.new_cache(size, max(r[3] for r in fill))
         else:
             cache = first if len(fill) == 1 else concat_rows([r[3] for r in fill])
         t, ln, k, sc, pin = self.place(tokens, cat([r[1] for r in fill]), keys, cat([r[4] for r in fill]),
