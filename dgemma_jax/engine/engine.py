@@ -487,9 +487,14 @@ class Engine:
         return t, ln, k, cache, sc, pin, fill[0][6]
 
     def invariant_cache_length(self, need: int) -> int:
-        """The cache length a batch-invariant program gets for rows needing `need` slots: whole key
-        blocks of the invariant runtime (`Runtime.attn_fixed_blocks`), at least a sliding layer's whole
-        ring (so every row's ring has one size), within the model's positions."""
+        """The cache length a batch-invariant program gets for a row that needs `need` slots.
+
+        Args:
+          need: the slots the row's prompt and committed canvases take (bucketed).
+        Returns:
+          `need` in whole key blocks of the invariant runtime (`Runtime.attn_fixed_blocks`), at least a
+          sliding layer's whole ring (so every row's ring has one size), within the model's positions.
+        """
         kb = self.gen_runtime.attn_key_block
         need = max(int(need), ring_limit(self.config))
         return min(-(-need // kb) * kb, self.config.max_position_embeddings)
