@@ -144,11 +144,16 @@ def main(argv=None):
         if name not in args.models.split(","):
             continue
         out_all["models"][name] = _measure(model, prompts, seeds, n, args.repeats)
+        _write(args.out, out_all)   # after each model: a long run keeps what it measured
     if args.tpu:
         out_all["tpu"] = _tpu(args.tpu, n)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out_all, f, indent=1)
+    _write(args.out, out_all)
+
+
+def _write(path: str, out: dict):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
 
 
 def _tpu(topology: str, n: int) -> dict:
