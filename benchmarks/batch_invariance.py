@@ -1,25 +1,30 @@
-"""What batch-invariant generation costs: one batched program vs each prompt as its own program.
+"""What batch-invariant generation costs: the invariant blocks against one non-invariant batched program.
 
     python benchmarks/batch_invariance.py [--out benchmarks/results/batch_invariance.json]
 
-Two models, 8 prompts of different lengths with one seed each, on this machine's CPU, in one run: the
-bundled model (digit prompts) and the random 12-layer config of tests/test_batch_invariance.py (its
-8 prompts; a model of random weights, whose near-uniform logits make the sampler sensitive to rounding).
-Per model: `Engine(batch_invariant=False)` (one fused program for the batch of 8, padded to the longest
-prompt) and `Engine(batch_invariant=True)` (the default: each prompt its own batch-1 program, shaped
-by that prompt alone, run one after another). Per mode: the wall time of a warm `generate` (median
-of --repeats, the two modes' calls interleaved), the denoising loop iterations it ran (batched: per
-canvas the slowest row's steps, for all 8 rows at once; row by row: every row's own steps), the time
-per iteration, XLA's memory
-analysis of the compiled programs (batched: the one program; row by row: the largest of the row
-programs, since they run one at a time), and how many of the 8 rows give other tokens than the
-same prompt with the same seed alone.
+Two models, 8 prompts of different lengths in two prompt-width buckets (so the batched program pads
+every row to the longer bucket) with one seed each, on this machine's CPU, in one run: the bundled
+model (digit prompts) and the random 12-layer config of tests/test_batch_invariance.py (its 8
+prompts; random weights, whose near-uniform logits make the sampler sensitive to rounding).
+Per model and mode, the wall time of a warm `generate` of the batch of 8 (median of --repeats, the
+modes' calls interleaved so that they see the same load), of each prompt alone (summed over the 8),
+how many program calls and distinct compiled programs one batch of 8 takes, and how many of the 8
+rows give other tokens than the same prompt with the same seed alone (and reordered):
+
+- `batched`: `Engine(batch_invariant=False)`: one fused program for the batch, rows padded to the
+  longest prompt and cache; not invariant (the reference of issue 46's 1.25x bound);
+- `invariant`: `Engine(batch_invariant=True)`, the default: blocks of 8 rows whatever their prompt
+  lengths, prefill in canvas-length chunks, attention in fixed key blocks;
+- `rows`: `Engine(batch_invariant=1)`: the same programs one row at a time.
+
+`programs_per_batch` counts the fused-program calls and the compiles one batch adds (a jit's cache
+size); the invariant program is the same one on a TPU (one block: one program call, its shapes fixed
+by the block's widest prompt and longest cache), so a batch of 8 compiles one program there too.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
@@ -30,11 +35,13 @@ import jax
 import numpy as np
 
 from dgemma_jax.engine import Engine
-from dgemma_jax.engine.programs import compiled_memory
 from dgemma_jax.pipeline import DiffusionGemma
 
-PROMPTS = ["s3=", "s91=", "s4172=", "s904215=", "s31415926535=", "s27182818=", "s55012=", "s8642097531=",]
+# two prompt-width buckets (16 and 24 tokens with BOS)
+PROMPTS = ["s3=", "s91=", "s4172=", "s904215=", "s31415926535=", "s8877665544332211=", "s55012=",
+           "s99887766554433221="]
 SEEDS = [3, 1, 4, 1, 5, 9, 2, 6]
+MODES = {"batched": False, "invariant": True, "rows": 1}
 
 
 def _random_12layer():
@@ -50,82 +57,119 @@ def _random_12layer():
     return "random-12layer", model, t.TEXTS, t.SEEDS
 
 
-def _timed(fns: dict, repeats: int) -> dict:
-    """{name: (last output, median seconds)}; the functions' calls interleaved, so that both modes see the
-    same load on a shared machine."""
-    for fn in fns.values():
-        jax.block_until_ready(fn().tokens)  # compile and warm up
-    times = {k: [] for k in fns}
-    outs = {}
+def _counted(eng, n):
+    """The engine's fused program wrapped to count its calls; returns (calls list, compiled count fn)."""
+    calls, program = [], eng.fused_program
+
+    def counted(*a, **k):
+        fn = program(*a, **k)
+
+        def call(*x, **y):
+            calls.append(tuple(y["prompt_tokens"].shape) + (y["cache"].max_length,))
+            return fn(*x, **y)
+        return call
+
+    eng.fused_program = counted
+    return calls, lambda: program(n)._cache_size()
+
+
+def _measure(model, prompts, seeds, n, repeats):
+    cfg, sampler = model.config, model.sampler
+    tokens, lengths = model.encode_batch(prompts)
+    engines = {mode: Engine(cfg, model.params, sampler, batch_invariant=v) for mode, v in MODES.items()}
+    res = dict(model=cfg.name, num_layers=cfg.num_layers, batch=len(prompts), prompt_lengths=lengths.tolist(),
+               load_average_before=os.getloadavg()[0], modes={})
+    order = list(range(len(prompts)))[::-1]
+    for mode, eng in engines.items():
+        calls, compiled = _counted(eng, n)
+        before = compiled()
+        out = np.asarray(eng.generate(tokens, lengths, rng=seeds, max_new_tokens=n).tokens)
+        per_batch = dict(calls=len(calls), shapes=sorted(set(calls)), compiled=compiled() - before)
+        moved = np.asarray(eng.generate(tokens[order], lengths[order], rng=[seeds[i] for i in order],
+                                        max_new_tokens=n).tokens)
+        alone = [np.asarray(eng.generate(tokens[i:i + 1, :lengths[i]], lengths[i:i + 1], rng=[seeds[i]],
+                                         max_new_tokens=n).tokens)[0] for i in range(len(prompts))]
+        res["modes"][mode] = dict(
+            programs_per_batch=per_batch,
+            rows_differing_from_alone=sum(not np.array_equal(out[i], alone[i]) for i in range(len(prompts))),
+            rows_differing_reordered=sum(not np.array_equal(moved[order.index(i)], alone[i])
+                                         for i in range(len(prompts))),
+            texts=[model.tokenizer.decode_generated(a, skip_special=True) for a in alone])
+    times = {m: {"batch8": [], "alone_sum": []} for m in engines}
     for _ in range(repeats):
-        for k, fn in fns.items():
+        for mode, eng in engines.items():
             t = time.perf_counter()
-            outs[k] = fn()
-            jax.block_until_ready(outs[k].tokens)
-            times[k].append(time.perf_counter() - t)
-    return {k: (outs[k], statistics.median(times[k])) for k in fns}
+            jax.block_until_ready(eng.generate(tokens, lengths, rng=seeds, max_new_tokens=n).tokens)
+            times[mode]["batch8"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            for i in range(len(prompts)):
+                jax.block_until_ready(eng.generate(tokens[i:i + 1, :lengths[i]], lengths[i:i + 1], rng=[seeds[i]],
+                                                   max_new_tokens=n).tokens)
+            times[mode]["alone_sum"].append(time.perf_counter() - t)
+    for mode in engines:
+        res["modes"][mode]["batch8_ms"] = round(1e3 * statistics.median(times[mode]["batch8"]), 2)
+        res["modes"][mode]["eight_alone_ms"] = round(1e3 * statistics.median(times[mode]["alone_sum"]), 2)
+        res["modes"][mode]["batch8_ms_all"] = [round(1e3 * x, 2) for x in times[mode]["batch8"]]
+    base = res["modes"]["batched"]["batch8_ms"]
+    res["batch8_over_batched"] = {m: round(res["modes"][m]["batch8_ms"] / base, 3) for m in engines}
+    res["load_average_after"] = os.getloadavg()[0]
+    print(json.dumps(res))
+    return res
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "batch_invariance.json"))
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--models", default="bundled,random-12layer", help="which models, comma-separated")
+    ap.add_argument("--tpu", default=None, metavar="TOPOLOGY",
+                    help="also compile the bundled model's invariant program for a batch of 8 for this TPU topology "
+                         "(compile-only devices, `perf.aot.compile_report`); with --models '' only that, added "
+                         "to an existing --out file")
     args = ap.parse_args(argv)
+    if args.tpu and not args.models:
+        with open(args.out) as f:
+            out_all = json.load(f)
+        out_all["tpu"] = _tpu(args.tpu, args.new_tokens)
+        with open(args.out, "w") as f:
+            json.dump(out_all, f, indent=1)
+        return
     n = args.new_tokens
     out_all = dict(command="python benchmarks/batch_invariance.py " + " ".join(argv or []),
                    device=jax.devices()[0].device_kind, cpus=os.cpu_count(), machine=platform.machine(),
                    new_tokens=n, repeats=args.repeats, models={})
     for name, model, prompts, seeds in (("bundled", DiffusionGemma.from_pretrained(None), PROMPTS, SEEDS),
                                         _random_12layer()):
+        if name not in args.models.split(","):
+            continue
         out_all["models"][name] = _measure(model, prompts, seeds, n, args.repeats)
-        out_all["models"][name]["load_average_after"] = os.getloadavg()[0]
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out_all, f, indent=1)
+        _write(args.out, out_all)   # after each model: a long run keeps what it measured
+    if args.tpu:
+        out_all["tpu"] = _tpu(args.tpu, n)
+    _write(args.out, out_all)
 
 
-def _measure(model, prompts, seeds, n, repeats):
-    cfg, sampler = model.config, model.sampler
-    tokens, lengths = model.encode_batch(prompts)
-    res = dict(model=cfg.name, num_layers=cfg.num_layers, batch=len(prompts), prompt_lengths=lengths.tolist(),
-               load_average_before=os.getloadavg()[0], modes={})
-    engines = {mode: Engine(cfg, model.params, sampler, batch_invariant=invariant)
-               for mode, invariant in (("batched", False), ("row_by_row", True))}
-    timed = _timed({mode: functools.partial(eng.generate, tokens, lengths, rng=seeds, max_new_tokens=n)
-                    for mode, eng in engines.items()}, repeats)
-    for mode, eng in engines.items():
-        invariant = eng.batch_invariant
-        out, wall = timed[mode]
-        steps = np.asarray(out.steps)
-        iterations = int(steps.max(0).sum()) if not invariant else int(steps.sum())
-        fn = eng.fused_program(n)
-        if invariant:
-            rows = eng._prepare_rows(tokens, lengths, seeds, n, None, None, None)
-            mems = [compiled_memory(fn.lower(eng.params, prompt_tokens=t, prompt_lengths=ln, cache=c, keys=k,
-                                             seed_canvas=None, pinned=None, images=None).compile())
-                    for t, ln, k, c, _, _, _ in rows]
-            mem = max(mems, key=lambda m: m.get("total_bytes", 0))
-        else:
-            t, ln, k, c, _, _, _ = eng._prepare(tokens, lengths, seeds, n, None, None, None)
-            mem = compiled_memory(fn.lower(eng.params, prompt_tokens=t, prompt_lengths=ln, cache=c, keys=k,
-                                           seed_canvas=None, pinned=None, images=None).compile())
-        differ = 0
-        for i in range(len(prompts)):
-            m = int(lengths[i])
-            alone = eng.generate(tokens[i:i + 1, :m], lengths[i:i + 1], rng=[seeds[i]], max_new_tokens=n)
-            differ += not np.array_equal(np.asarray(alone.tokens)[0], np.asarray(out.tokens)[i])
-        res["modes"][mode] = dict(generate_ms=round(wall * 1e3, 2), loop_iterations=iterations,
-                                  ms_per_iteration=round(wall * 1e3 / max(iterations, 1), 3),
-                                  denoiser_passes_per_row=steps.sum(1).tolist(), memory=mem,
-                                  rows_differing_from_alone=differ)
-        print(mode, json.dumps(res["modes"][mode]))
-    b, r = res["modes"]["batched"], res["modes"]["row_by_row"]
-    res["row_by_row_over_batched"] = dict(
-        generate_time=round(r["generate_ms"] / b["generate_ms"], 3),
-        peak_program_bytes=round(r["memory"].get("total_bytes", 0) / max(b["memory"].get("total_bytes", 1), 1), 3))
-    print(json.dumps(res["row_by_row_over_batched"]))
-    return res
+def _write(path: str, out: dict):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def _tpu(topology: str, n: int) -> dict:
+    """The bundled model's batch-invariant generate program for one block of 8 rows (the batch's
+    widest prompt bucket, 24, and its cache, 128 slots at most for these prompts) compiled for a TPU:
+    the one program such a batch runs there."""
+    from dgemma_jax.perf.aot import compile_report
+
+    model = DiffusionGemma.from_pretrained(None)
+    t = time.perf_counter()
+    report = compile_report(model.config, topology, batch=8, context=128, prompt=24, programs=("generate",),
+                            max_new_tokens=n, sampler=model.sampler)
+    entry = report["programs"]["generate"]
+    return dict(topology=topology, batch=8, prompt_width=24, cache_length=128, programs_compiled=1,
+                fits=entry["fits"], compile_seconds=entry.get("compile_seconds"),
+                total_bytes=entry.get("total_bytes"), wall_seconds=round(time.perf_counter() - t, 1))
 
 
 if __name__ == "__main__":

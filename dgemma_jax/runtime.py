@@ -75,6 +75,10 @@ class Runtime:
       the kernel on any backend (interpreted off TPU).
     attn_key_block: keys per block when attending over a longer key set (blocks merged by
       log-sum-exp, so no score array larger than one block is live).
+    attn_fixed_blocks: attend over key blocks of `attn_key_block` keys always, even where one block
+      would hold them all (what batch invariance needs: a row's blocks are then the same whatever the
+      cache length its batch gets, and the blocks beyond its keys add exact zeros, `Engine`'s
+      `batch_invariant`).
     remat: recompute each block in the backward pass (training memory).
     layers: how the layers are laid out in the program (`model.scanned`, `model.layout`): "unrolled" (one traced
       block per layer), "scan" (a `lax.scan` over the repeated layer group, 5 sliding + 1 global on
@@ -98,6 +102,7 @@ class Runtime:
     moe_shard_rows_factor: float = 1.25
     attn_kernel: str = "auto"
     attn_key_block: int = 4096
+    attn_fixed_blocks: bool = False
     remat: bool = False
     observer: Any = None
     layers: str = "auto"
@@ -125,6 +130,8 @@ class Runtime:
             bad("attn_key_block", self.attn_key_block, "must be a positive int")
         if self.attn_kernel not in ATTN_KERNELS:
             bad("attn_kernel", self.attn_kernel, f"must be one of {ATTN_KERNELS}")
+        if not isinstance(self.attn_fixed_blocks, bool):
+            bad("attn_fixed_blocks", self.attn_fixed_blocks, "must be True or False")
         if not isinstance(self.remat, bool):
             bad("remat", self.remat, "must be True or False")
         if self.layers not in LAYER_LAYOUTS:

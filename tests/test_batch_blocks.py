@@ -1,18 +1,24 @@
-"""Batch invariance from batched programs (`Engine(batch_invariant=N)`, issue 46): the rows that get the
-same shapes alone (prompt-width bucket, cache length) run together in blocks of exactly N rows, so a
-batch of N such prompts is one program call, and a prompt's tokens still do not depend on the rest
-of the call (alone, in any batch, at any position; the fused program and the step driver alike).
-The random 12-layer model of tests/test_batch_invariance.py checks the same in the slow tier."""
+"""Batch invariance from batched programs (`Engine(batch_invariant=)`, issue 46): the rows of a call run
+in blocks of exactly N rows (`batch_invariant=8`; the default is row by row) whatever their prompt lengths, so a batch of 8 mixed-length
+prompts is one program call, and a prompt's tokens still do not depend on the rest of the call (alone,
+in any batch, at any position; the fused program and the step driver alike). What makes a row's bits
+independent of its block's widest prompt and longest cache: the prefill runs in canvas-length chunks,
+and attention runs over fixed key blocks (`Runtime.attn_fixed_blocks`), where the blocks past a row's
+keys add exact zeros. The random 12-layer model of tests/test_batch_invariance.py checks the same in
+the slow tier."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dgemma_jax.engine import Engine
+from dgemma_jax.model.attention import attend
 from dgemma_jax.pipeline import DiffusionGemma, load_checkpoint
 from dgemma_jax.sampling.generate import collect
 
-# four prompts of the 16-token bucket, two of the 24-token one
-PROMPTS = ["s3=", "s904215=", "s31415926535=", "s55012=", "s8877665544332211=", "s99887766554433221="]
+# four prompts of the 16-token bucket, one of the 24-token one, one of the 64-token one (its cache is
+# longer: 128 slots against 64 for the others alone)
+PROMPTS = ["s3=", "s904215=", "s31415926535=", "s55012=", "s8877665544332211=", "s" + "9876543210" * 6 + "="]
 SEEDS = [3, 1, 4, 1, 5, 9]
 
 
@@ -29,9 +35,9 @@ def _encode(tok, prompts):
     return tokens, np.array([len(x) for x in ids], np.int32)
 
 
-def test_rows_of_one_shape_run_as_one_block_and_keep_their_alone_tokens(bundled):
+def test_mixed_length_prompts_run_as_one_block_and_keep_their_alone_tokens(bundled):
     cfg, params, sampler, tok = bundled
-    eng = Engine(cfg, params, sampler, batch_invariant=4)
+    eng = Engine(cfg, params, sampler, batch_invariant=8)    # blocks of 8 rows
     calls = []
     program = eng.fused_program
 
@@ -39,36 +45,60 @@ def test_rows_of_one_shape_run_as_one_block_and_keep_their_alone_tokens(bundled)
         fn = program(*a, **k)
 
         def call(*x, **y):
-            calls.append(y["prompt_tokens"].shape)
+            calls.append((y["prompt_tokens"].shape, y["cache"].max_length))
             return fn(*x, **y)
         return call
 
     eng.fused_program = counted
     tokens, lengths = _encode(tok, PROMPTS)
     out = np.asarray(eng.generate(tokens, lengths, rng=SEEDS, max_new_tokens=16).tokens)
-    # the four 16-bucket prompts in one call of 4 rows, the two others in one block filled to 4 rows
-    assert sorted(calls) == [(4, 16), (4, 24)], calls
+    # the three buckets' prompts in one call of 8 rows (two copies fill it)
+    assert calls == [((8, 64), 128)], calls
+    calls.clear()
     alone = [np.asarray(eng.generate(tokens[i:i + 1, :lengths[i]], lengths[i:i + 1], rng=[SEEDS[i]],
                                      max_new_tokens=16).tokens)[0] for i in range(len(PROMPTS))]
+    # alone, a short prompt gets a narrower prompt and a shorter cache than in the batch
+    assert {c[0][1] for c in calls} == {16, 24, 64} and {c[1] for c in calls} == {64, 128}, calls
     assert len({a.tobytes() for a in alone}) == len(PROMPTS)
     order = [5, 2, 0, 4, 1, 3]
     moved = np.asarray(eng.generate(tokens[order], lengths[order], rng=[SEEDS[i] for i in order],
                                     max_new_tokens=16).tokens)
-    short = [i for i in order if i < 4]   # the step driver over one block (its programs: one shape)
-    stepped, _, _ = collect(eng.steps(tokens[short, :16], lengths[short], rng=[SEEDS[i] for i in short],
-                                      max_new_tokens=16), len(short), 16, sampler.canvas_length, sampler.pad_id)
+    two = [0, 5]   # the shortest and the longest prompt together, the step driver
+    stepped, _, _ = collect(eng.steps(tokens[two], lengths[two], rng=[SEEDS[i] for i in two], max_new_tokens=16),
+                            len(two), 16, sampler.canvas_length, sampler.pad_id)
     for i in range(len(PROMPTS)):
         np.testing.assert_array_equal(out[i], alone[i], err_msg=f"prompt {i} in the batch")
         np.testing.assert_array_equal(moved[order.index(i)], alone[i], err_msg=f"prompt {i} reordered")
-    for r, i in enumerate(short):
+    for r, i in enumerate(two):
         np.testing.assert_array_equal(stepped[r], alone[i], err_msg=f"prompt {i}, step driver")
+
+
+def test_fixed_key_blocks_make_masked_keys_past_a_row_change_no_bit():
+    """A query's attention over fixed key blocks is bitwise the same with 64 keys or with 192 (the
+    last 128 masked); one softmax over all keys (not fixed blocks) is not what makes that hold."""
+    rng = np.random.RandomState(0)
+    q = jnp.asarray(rng.randn(2, 8, 4, 16), jnp.float32)
+    k = jnp.asarray(rng.randn(2, 192, 2, 16), jnp.float32)
+    v = jnp.asarray(rng.randn(2, 192, 2, 16), jnp.float32)
+    seen = jnp.asarray(np.arange(192)[None, None, :] < np.array([40, 64])[:, None, None])
+    short = attend(q, [(k[:, :64], v[:, :64], seen[..., :64])], 64, fixed_blocks=True)
+    long = attend(q, [(k, v, seen)], 64, fixed_blocks=True)
+    np.testing.assert_array_equal(np.asarray(short), np.asarray(long))
+    np.testing.assert_allclose(np.asarray(attend(q, [(k, v, seen)], None)), np.asarray(long), atol=1e-5)
 
 
 def test_the_switch_reaches_the_engine_and_a_bad_value_is_refused(bundled):
     cfg, params, sampler, tok = bundled
-    gemma = DiffusionGemma(cfg, params, tok, sampler, batch_invariant=8)
-    assert gemma.engine.batch_invariant is True and gemma.engine.invariant_block == 8
-    assert Engine(cfg, params, sampler).invariant_block == 1   # the default: row by row
+    gemma = DiffusionGemma(cfg, params, tok, sampler, batch_invariant=4)
+    assert gemma.engine.batch_invariant is True and gemma.engine.invariant_block == 4
+    eng = Engine(cfg, params, sampler)
+    assert eng.invariant_block == 1 and eng.gen_runtime == eng.runtime   # the default: row by row
+    assert eng.prefill_chunk is None
+    eng = Engine(cfg, params, sampler, batch_invariant=8)
+    assert eng.invariant_block == 8 and eng.gen_runtime.attn_fixed_blocks
+    assert eng.prefill_chunk == sampler.canvas_length
+    off = Engine(cfg, params, sampler, batch_invariant=False)
+    assert off.prefill_chunk is None and off.gen_runtime == off.runtime
     for bad in (-1, 2.5, "8"):
         with pytest.raises(ValueError, match="batch_invariant must be True, False or a block size"):
             Engine(cfg, params, sampler, batch_invariant=bad)

@@ -4,7 +4,8 @@ A random 12-layer model (tiny width; the compiles of two prompt buckets take mos
 module is in the slow tier), prompts of different lengths (in two prompt-width buckets), each alone,
 in batches of 2, 3, 5 and 8 at different positions, and reordered: the fused `Engine.generate`, the
 step-by-step driver `Engine.steps` and `DiffusionGemma.generate` all give every prompt exactly the
-tokens it gets alone, float32 and int8 alike, row by row and in blocks of 8 rows (`batch_invariant=8`).
+tokens it gets alone, float32 and int8 alike, row by row (the default) and in blocks of 8 rows
+(`batch_invariant=8`: one program call for a batch of 8 mixed-length prompts, issue 46).
 Before the fix a row's key was `split(seed, B)[i]` (its
 list index) and the rows shared one batched program whose shapes (batch, prompt width, cache length)
 and MoE dispatch depended on the other prompts.
@@ -49,7 +50,7 @@ def params():
 @pytest.fixture(scope="module", params=["float32", "int8", "float32-blocks8"])
 def gemma(request, params):
     """Row by row (the default) in float32 and int8, and in blocks of 8 rows (`batch_invariant=8`: the
-    prompts of one bucket in one program)."""
+    prompts of both buckets in one program call)."""
     return DiffusionGemma(CFG, params, TOK, SAMPLER, quantize="int8" if request.param == "int8" else None,
                           batch_invariant=8 if request.param.endswith("blocks8") else True)
 

@@ -27,13 +27,14 @@ from dgemma_jax import compile_cache
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.engine import infill as infill_driver
 from dgemma_jax.engine import structured as structured_driver
-from dgemma_jax.engine.inputs import canvas_length_warning, check_images, check_images_host, check_sampler, prepare_inputs
+from dgemma_jax.engine.inputs import (bucket_length, canvas_length_warning, check_images, check_images_host,
+                                      check_sampler, prepare_inputs)
 from dgemma_jax.engine.outputs import report_nonfinite, reporting
 from dgemma_jax.engine.placement import layers_for, runtime_for
 from dgemma_jax.engine.programs import ProgramCache, Programs
 from dgemma_jax.errors import DgemmaWarning
 from dgemma_jax.model import api
-from dgemma_jax.model.cache import KVCache, cache_row, concat_rows, init_cache
+from dgemma_jax.model.cache import KVCache, cache_row, concat_rows, init_cache, ring_limit
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.model.masks import image_runs
 from dgemma_jax.model.quant import mode_for, quantization_of, quantize_params
@@ -42,6 +43,12 @@ from dgemma_jax.sampling import generate as gen
 from dgemma_jax.sampling import slots as slots_lib
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import Canvas, denoise_step, row_keys
+
+
+# the rows of one batch-invariant program call (`Engine(batch_invariant=True)`), and the keys per
+# attention block of its programs per platform (None: any other; `Runtime.attn_fixed_blocks`)
+INVARIANT_BLOCK = 8
+INVARIANT_KEY_BLOCK = {"cpu": 64, None: 512}
 
 
 class Engine:
@@ -61,19 +68,21 @@ class Engine:
     given); "auto" picks the first of none / int8 / int4 whose weights fit the devices' memory
     (`model.quant.resolve_quantize`; nothing on the CPU); params already quantized are passed as they
     are, without it (or with "auto"). None or "none" (default): run `params` as given.
-    batch_invariant (also `DiffusionGemma(batch_invariant=)`): True (default): `generate`, `stream` and
-    `steps` run each prompt of a batch as its
-    own batch-1 program, whose shapes (prompt width, cache length) come from that prompt alone, with
-    the key of its own seed (`row_keys`): a prompt with its seed gets the same tokens whatever else is
-    in the call (its size, order, the prompt's position; tests/test_batch_invariance.py on XLA:CPU,
-    float32 and int8). The rows run one after another, so a batch costs about the sum of its rows
-    (docs/api.md has the measured cost). An int N >= 1: invariant too, but the rows whose own shapes
-    agree run together in blocks of exactly N rows (a short block filled with copies of its first
-    row; `_blocks`), so a row's program depends on the row alone: N prompts of one bucket are one
-    program call, and a prompt alone costs a block of N rows (True is N = 1). False: one program for
-    the whole batch (rows padded to the
-    longest prompt, one MoE dispatch for all tokens): faster for big batches on accelerators, but a
-    row's tokens can change with the rest of the batch (float rounding, then the sampler).
+    batch_invariant (also `DiffusionGemma(batch_invariant=)`): a prompt with its seed (its key from the
+    seed alone, `row_keys`) gets the same tokens from `generate`, `stream` and `steps` whatever else is
+    in the call (its size, order, the prompt's position, the other prompts' lengths;
+    tests/test_batch_invariance.py and tests/test_batch_blocks.py on XLA:CPU, float32 and int8).
+    True (default): row by row, each prompt its own batch-1 program shaped by itself (a batch costs
+    about the sum of its rows; a prompt alone costs one row). An int N > 1 (`INVARIANT_BLOCK`, 8, is
+    the measured choice): batched programs of exactly N rows whatever the prompt lengths (a short
+    block filled with copies of its first row; `_blocks`), the prompt prefilled in canvas-length
+    chunks (`prefill_chunk`) and attention over fixed key blocks (`gen_runtime`,
+    `Runtime.attn_fixed_blocks`), so that no shape a row's numbers depend on comes from the other
+    rows: a batch of 8 is one program call (about 1.2x the non-invariant batched program on a CPU),
+    but a prompt alone costs a block of N rows (docs/api.md has the measured costs; why this is not
+    the default). A row with images runs alone, shaped by itself. False: one program for the whole
+    batch (rows padded to the longest prompt, one MoE dispatch for all tokens, one softmax over the
+    keys): a row's tokens can change with the rest of the batch (float rounding, then the sampler).
     compilation_cache: True (default) turns jax's persistent compilation cache on
     (`dgemma_jax.compile_cache.enable`: JAX_COMPILATION_CACHE_DIR, else a directory already set in
     jax.config, else ~/.cache/dgemma_jax/xla), a string names the directory, False leaves jax's
@@ -120,7 +129,13 @@ class Engine:
         if not isinstance(batch_invariant, (bool, int)) or batch_invariant < 0:
             raise ValueError(f"batch_invariant must be True, False or a block size >= 1; got {batch_invariant!r}")
         self.batch_invariant = bool(batch_invariant)
-        self.invariant_block = 1 if isinstance(batch_invariant, bool) else int(batch_invariant)
+        self.invariant_block = 1 if batch_invariant is True else int(batch_invariant)
+        # what the generation programs run: with blocks of several rows, attention in fixed key blocks
+        self.gen_runtime = self.runtime
+        if self.batch_invariant and self.invariant_block > 1:
+            kb = INVARIANT_KEY_BLOCK.get(self.runtime.platform, INVARIANT_KEY_BLOCK[None])
+            self.gen_runtime = self.runtime.replace(attn_fixed_blocks=True,
+                                                    attn_key_block=min(kb, self.runtime.attn_key_block))
         self._program_cache = ProgramCache.shared if programs is None else programs
         self._programs = {}
         self._bound = None
@@ -161,19 +176,29 @@ class Engine:
         Returns:
           the jitted function, called as `generate_fused` is, with config, sampler and runtime bound.
         """
+        chunk = self.prefill_chunk
         fn = functools.partial(gen.generate_fused, config=self.config, sampler=self.sampler,
-                               max_new_tokens=int(max_new_tokens), runtime=self.runtime)
+                               max_new_tokens=int(max_new_tokens), runtime=self.gen_runtime, prefill_chunk=chunk)
         if not donate_cache:
-            return self._program(("fused", int(max_new_tokens), "cache kept"), fn, donate=())
-        return self._program(("fused", int(max_new_tokens)), fn)
+            return self._program(("fused", int(max_new_tokens), chunk, "cache kept"), fn, donate=(),
+                                 runtime=self.gen_runtime)
+        return self._program(("fused", int(max_new_tokens), chunk), fn, runtime=self.gen_runtime)
 
-    def _program(self, key, fn, donate=("cache",)):
+    @property
+    def prefill_chunk(self) -> int | None:
+        """The tokens per prefill pass of the generation programs: with batch invariance a canvas's
+        length (a row's passes then have the same shapes whatever the other rows' prompt lengths),
+        else None (one pass over the padded prompts)."""
+        return self.sampler.canvas_length if self.batch_invariant and self.invariant_block > 1 else None
+
+    def _program(self, key, fn, donate=("cache",), runtime: Runtime | None = None):
         """`fn` (its static arguments, the runtime among them, bound) jitted, donating `donate` unless
         `donate=False`. Engines with equal configs, runtimes and donation share one jit (and so its
         compiled programs) per `key`, through their `ProgramCache`."""
         if key not in self._programs:
             dn = tuple(donate) if self.donate else ()
-            self._programs[key] = self._program_cache.get((key, self.config, self.sampler, self.runtime, dn),
+            rt = self.runtime if runtime is None else runtime
+            self._programs[key] = self._program_cache.get((key, self.config, self.sampler, rt, dn),
                                                           lambda: jax.jit(fn, donate_argnames=dn))
         return self._programs[key]
 
@@ -200,19 +225,24 @@ class Engine:
         """The engine's jitted programs (`Programs`): one per pure function of `dgemma_jax.sampling`,
         config, sampler and runtime bound; the fused generate is `fused_program`."""
         if self._bound is None:
-            cfg, rt, smp = self.config, self.runtime, self.sampler
+            cfg, rt, smp, grt = self.config, self.runtime, self.sampler, self.gen_runtime
             model = dict(config=cfg, runtime=rt)
             full = dict(model, sampler=smp)
+            # the generation drivers' programs (`iter_steps`, `iter_canvases`) run the generation runtime
+            gmodel = dict(config=cfg, runtime=grt)
+            gfull = dict(gmodel, sampler=smp)
             program = self._program
+            gen_program = functools.partial(self._program, runtime=grt)
             self._bound = Programs(
                 sampler=smp,
-                prefill=program(("prefill",), functools.partial(gen.prefill, **model)),
-                commit=program(("commit",), functools.partial(gen.commit, **model)),
+                prefill=gen_program(("prefill", self.prefill_chunk),
+                                    functools.partial(gen.prefill, chunk=self.prefill_chunk, **gmodel)),
+                commit=gen_program(("commit",), functools.partial(gen.commit, **gmodel)),
                 canvas_start=program(("canvas_start",), functools.partial(gen.canvas_start, config=cfg, sampler=smp),
                                      donate=()),
-                denoise_step=program(("denoise_step",), functools.partial(denoise_step, **full), donate=()),
-                canvas_end=program(("canvas_end",), functools.partial(gen.canvas_end, **full)),
-                canvas_step=program(("canvas_step",), functools.partial(gen.canvas_step, **full)),
+                denoise_step=gen_program(("denoise_step",), functools.partial(denoise_step, **gfull), donate=()),
+                canvas_end=gen_program(("canvas_end",), functools.partial(gen.canvas_end, **gfull)),
+                canvas_step=gen_program(("canvas_step",), functools.partial(gen.canvas_step, **gfull)),
                 prefill_slot=program(("prefill_slot",), functools.partial(slots_lib.prefill_slot, **model)),
                 slot_tick=program(("slot_tick",), functools.partial(slots_lib.slot_tick, **full),
                                   donate=("cache", "state")),
@@ -253,8 +283,9 @@ class Engine:
                  nonfinite: str = "warn") -> gen.GenerateOutput:
         """Generate with the fused program (prefill, then every canvas in one compiled loop).
 
-        With `batch_invariant` (the default) each row runs as its own program, so its tokens do not
-        depend on the rest of the batch (the class docstring says what is tested).
+        With `batch_invariant` (the default) the rows run in fixed-size blocks whose shapes do not
+        change a row's numbers, so its tokens do not depend on the rest of the batch (the class
+        docstring says how and what is tested).
 
         Args:
           prompt_tokens: [B, P] int token ids, right-padded.
@@ -361,10 +392,12 @@ class Engine:
 
     def _prepare_rows(self, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length,
                       cache=None, images=None):
-        """`_prepare` for each row alone (`batch_invariant`): a list of per-row inputs (tokens [1, W],
-        lengths [1], keys [1], cache [1, S], seed_canvas, pinned, images) whose shapes come from the
-        row alone: W the bucket of its own prompt length, S its own derived cache length (or the
-        `cache_length` / cache the caller gave for all rows), images the row's own."""
+        """`_prepare` for each row alone (`batch_invariant`): a list of per-row host inputs (tokens [1, W],
+        lengths [1], its key as (keys, index), the length S of a new cache or its row of the caller's
+        cache, seed_canvas, pinned, images), W the bucket of its own prompt length, S its own derived
+        cache length in whole key blocks (`invariant_cache_length`; or the `cache_length` the caller
+        gave for all rows), images the row's own
+        (placed; such a row runs alone, `_blocks`). `_block` makes a program's inputs of them."""
         committed = None if cache is None else np.asarray(cache.lengths)
         if cache is not None:
             cache_length = cache.max_length
@@ -378,14 +411,31 @@ class Engine:
         if cache is not None and cache.batch_size != b:
             raise ValueError(f"cache batch {cache.batch_size} != prompt batch {b}")
         tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+        ends = lengths + (0 if committed is None else committed)
+        n_canvas = gen.num_canvases(int(max_new_tokens), self.sampler.canvas_length)
+        later = (n_canvas - 1) * self.sampler.canvas_length
+        top = self.config.max_position_embeddings
         first_image = 0
         rows = []
         for i in range(b):
+            # each row's shapes as `prepare_inputs` gives the row alone (the batch is checked above)
             n = int(lengths[i])
-            pick = (lambda x: None if x is None else x[i:i + 1])  # noqa: E731
-            t, ln, s, sc, pin = prepare_inputs(self.config, self.sampler, tokens[i:i + 1, :n], lengths[i:i + 1],
-                                               max_new_tokens, cache_length, pick(seed_canvas), pick(pinned),
-                                               pick(committed), bucket=self.bucket)
+            width = max(n, min(bucket_length(n), top)) if self.bucket else n
+            t = np.full((1, width), self.config.pad_id, np.int32)
+            t[0, :n] = tokens[i, :n]
+            ln = lengths[i:i + 1].astype(np.int32)
+            s = cache_length
+            if self.invariant_block == 1:   # row by row: the row's own shapes, as `prepare_inputs` sizes them
+                pick = (lambda x: None if x is None else x[i:i + 1])  # noqa: E731
+                t, ln, s, _, _ = prepare_inputs(self.config, self.sampler, tokens[i:i + 1, :n], lengths[i:i + 1],
+                                                max_new_tokens, cache_length, pick(seed_canvas), pick(pinned),
+                                                pick(committed), bucket=self.bucket)
+            elif s is None:   # derived: in whole key blocks, at least a ring (a given length is every row's)
+                need = int(ends[i]) + later
+                s = self.invariant_cache_length(
+                    max(need, min(bucket_length(int(ends[i])) + later, top)) if self.bucket else need)
+            sc = None if seed_canvas is None else seed_canvas[i:i + 1]
+            pin = None if pinned is None else pinned[i:i + 1]
             pictures = None
             if checked is not None:
                 count = len(image_runs(tokens[i, :n], self.config.image_token_id))
@@ -393,49 +443,69 @@ class Engine:
                     pictures = self.place(*(jnp.asarray(x[first_image:first_image + count], dtype)
                                              for x, dtype in zip(checked, (jnp.float32, jnp.int32))))
                 first_image += count
-            if self.invariant_block > 1 and pictures is None:
-                # a row for a block (`_blocks`): host inputs, its key as (keys, index), the length of a new
-                # cache (one per block) or its row of the caller's
-                rows.append((t, ln, (keys, i), int(s) if cache is None else cache if b == 1 else cache_row(cache, i),
-                             sc, pin, None))
-                continue
-            row_cache = self.new_cache(1, s) if cache is None else cache if b == 1 else cache_row(cache, i)
-            t, ln, k, sc, pin = self.place(t, ln, keys[i:i + 1], sc, pin)
-            rows.append((t, ln, k, row_cache, sc, pin, pictures))
+            rows.append((t, ln, (keys, i), int(s) if cache is None else cache if b == 1 else cache_row(cache, i),
+                         sc, pin, pictures))
         return rows
 
     def _blocks(self, rows):
-        """The rows of `_prepare_rows` as the engine runs them: with `invariant_block` n > 1 the rows
-        whose inputs have the same shapes (each row's own: prompt bucket, cache length) go together in
-        blocks of exactly n rows, a short block filled with copies of its first row, so that a row's
-        program depends on the row alone; a row with images runs alone. A block's rows come as host
-        inputs, their keys as (keys, index) and a new cache as its length (one for the block).
-        Yields (row indices, placed inputs)."""
+        """The rows of `_prepare_rows` as the engine runs them, in blocks of exactly `invariant_block`
+        rows (a short block filled with copies of its first row): the rows that start new caches and
+        have the same seed-canvas shape go together whatever their prompt lengths (`_block` gives
+        every block the same row count and the shapes of its rows' own programs do not matter to
+        a row's bits: prefill in chunks, attention in fixed key blocks); rows continuing a
+        caller's cache go together by its length; a row with images runs alone, shaped by itself.
+        Yields (row indices, the program's inputs)."""
         n = self.invariant_block
         groups: dict = {}
         for i, (t, ln, k, c, sc, pin, im) in enumerate(rows):
-            length = c if isinstance(c, int) else c.max_length
-            shape = (t.shape, length, None if sc is None else sc.shape, None if pin is None else pin.shape)
-            groups.setdefault(("alone", i) if n == 1 or im is not None else shape, []).append(i)
+            shape = ("new" if isinstance(c, int) else c.max_length, None if sc is None else sc.shape,
+                     None if pin is None else pin.shape)
+            groups.setdefault(("alone", i) if im is not None else shape, []).append(i)
+        for idx in groups.values():
+            size = 1 if rows[idx[0]][6] is not None else n
+            for start in range(0, len(idx), size):
+                part = idx[start:start + size]
+                yield part, self._block([rows[i] for i in part], size)
+
+    def _block(self, part, size: int = 1):
+        """The placed inputs of one program call for the rows `part` (of `_prepare_rows`), filled to
+        `size` rows with copies of the first: (tokens [size, W], lengths, keys, cache, seed_canvas,
+        pinned, images). W is the widest row's prompt, a new cache's length the longest row's
+        (`_prepare_rows` gives derived lengths in whole key blocks and at least a sliding layer's
+        ring, `invariant_cache_length`; a length the caller gave is every row's), so that each row's
+        blocks and rings are those it gets alone."""
+        fill = list(part) + [part[0]] * (size - len(part))
 
         def cat(xs):
             if xs[0] is None:
                 return None
             return np.concatenate(xs) if all(isinstance(x, np.ndarray) for x in xs) else jnp.concatenate(xs)
 
-        for idx in groups.values():
-            for start in range(0, len(idx), n):
-                part = idx[start:start + n]
-                if len(part) == 1 and (n == 1 or rows[part[0]][6] is not None):
-                    yield part, rows[part[0]]
-                    continue
-                fill = [rows[i] for i in part] + [rows[part[0]]] * (n - len(part))
-                keys = fill[0][2][0][np.array([r[2][1] for r in fill])]
-                first = fill[0][3]
-                block_cache = (self.new_cache(n, first) if isinstance(first, int)
-                               else concat_rows([r[3] for r in fill]))
-                t, ln, k, sc, pin = self.place(*(cat([r[j] for r in fill]) if j != 2 else keys for j in (0, 1, 2, 4, 5)))
-                yield part, (t, ln, k, block_cache, sc, pin, None)
+        width = max(r[0].shape[1] for r in fill)
+        tokens = np.concatenate([np.pad(np.asarray(r[0]), ((0, 0), (0, width - r[0].shape[1])),
+                                        constant_values=self.config.pad_id) for r in fill])
+        keys = fill[0][2][0][np.array([r[2][1] for r in fill])]
+        first = fill[0][3]
+        if isinstance(first, int):
+            cache = self.new_cache(size, max(r[3] for r in fill))
+        else:
+            cache = first if len(fill) == 1 else concat_rows([r[3] for r in fill])
+        t, ln, k, sc, pin = self.place(tokens, cat([r[1] for r in fill]), keys, cat([r[4] for r in fill]),
+                                       cat([r[5] for r in fill]))
+        return t, ln, k, cache, sc, pin, fill[0][6]
+
+    def invariant_cache_length(self, need: int) -> int:
+        """The cache length a batch-invariant program gets for a row that needs `need` slots.
+
+        Args:
+          need: the slots the row's prompt and committed canvases take (bucketed).
+        Returns:
+          `need` in whole key blocks of the invariant runtime (`Runtime.attn_fixed_blocks`), at least a
+          sliding layer's whole ring (so every row's ring has one size), within the model's positions.
+        """
+        kb = self.gen_runtime.attn_key_block
+        need = max(int(need), ring_limit(self.config))
+        return min(-(-need // kb) * kb, self.config.max_position_embeddings)
 
     def _iter(self, which, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, images,
               cache=None, final_cache=False):
@@ -474,8 +544,8 @@ class Engine:
               cache: KVCache | None = None, final_cache: bool = False):
         """Per-step driver: every denoising step's state and every finished canvas (same tokens as `generate`).
 
-        With `batch_invariant` each row runs its own step programs, in lockstep (`gen.merge_row_events`:
-        a row already done shows its last state, a finished row pad).
+        With `batch_invariant` each block of rows runs its own step programs, in lockstep
+        (`gen.merge_row_events`: a row already done shows its last state, a finished row pad).
 
         Args:
           as `generate` (prompt_tokens [B, P], lengths [B], rng, max_new_tokens, seed_canvas, pinned,

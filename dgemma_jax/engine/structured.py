@@ -257,12 +257,13 @@ def generate_structured(engine, prompt_tokens, lengths, grammars: Grammar | Sequ
         return score_program(table, soft_row)
     out = StructuredOutput([], [], np.zeros((b, n_canvas), np.int32), np.zeros((b,), np.int32),
                            np.zeros((b,), np.int32), np.zeros((b,), bool), np.zeros((b,)), np.zeros((b,)), [])
-    for i, (t, n, key, cache, _, _, _) in enumerate(rows):
+    for i, row in enumerate(rows):
+        t, n, key, cache, _, _, _ = engine._block([row])
         dfa = grammars[i].dfa if constraint_decoder == "dingo" else None
         if dfa is not None and dingo_program is None:
             dingo_program = engine._program(
                 ("dingo_step", k), functools.partial(dingo_step, config=engine.config, sampler=sampler,
-                                                     runtime=engine.runtime, k=k), donate=())
+                                                     runtime=engine.gen_runtime, k=k), donate=())
         out.decoders.append("dingo" if dfa is not None else "prefix")
         walker = _Walker(grammars[i], engine.config.vocab_size, int(sampler.eos_ids[0]), scores, dfa)
         cache = p.prefill(params, tokens=t, lengths=n, cache=cache, images=None)

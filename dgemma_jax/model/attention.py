@@ -32,7 +32,8 @@ _NEG = -1e30
 
 
 def attend(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array | None]],
-           key_block: int | None = None, prior: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+           key_block: int | None = None, prior: tuple[jax.Array, jax.Array] | None = None,
+           fixed_blocks: bool = False) -> jax.Array:
     """Softmax attention of q [B, T, N, H] over several key/value sets sharing one softmax.
 
     parts: (k [B, S, K, H], v [B, S, K, H], mask [B, T or 1, S] bool or None). Query head n reads
@@ -40,8 +41,12 @@ def attend(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array | Non
     key_block: a part with more keys than this is attended block by block (see `_attend_blocks`).
     prior: (out [B, T, N, H], lse [B, T, N]) of keys attended elsewhere (the cache kernel,
     `model.flash`), merged into the same softmax; lse <= -1e29 marks a row that saw no key there.
+    fixed_blocks: attend block by block even when every part fits one block (`Runtime.attn_fixed_blocks`):
+    a query's result then depends only on the blocks holding keys it sees, not on how many fully
+    masked blocks follow (each adds exact zeros), so a longer cache changes none of its bits.
     """
-    if prior is not None or (key_block is not None and any(k.shape[1] > key_block for k, _, _ in parts)):
+    if prior is not None or (key_block is not None and (fixed_blocks or any(k.shape[1] > key_block
+                                                                           for k, _, _ in parts))):
         return _attend_blocks(q, parts, key_block or max(k.shape[1] for k, _, _ in parts), prior)
     b, t, n, h = q.shape
     kh = parts[0][0].shape[2]
@@ -215,7 +220,7 @@ class Attention(nn.Module):
         valid_end = starts + num_new
         parts = [(pk, pv, masks.causal_mask(positions, k_pos, valid_end, self.window, image_span))
                  for pk, pv, k_pos in parts]
-        y = attend(q, parts, self.rt.attn_key_block)
+        y = attend(q, parts, self.rt.attn_key_block, fixed_blocks=self.rt.attn_fixed_blocks)
         return self._out(y), new_k, new_v
 
     def denoise(self, x, context_end, cache_k, cache_v):
@@ -245,8 +250,10 @@ class Attention(nn.Module):
         if kernel and flash.supported(l * (n // keys.shape[2]), keys.shape[1], h):
             prior = flash.head_parallel(self.rt, flash.cache_attention, q, keys, vals, ctx_mask[:, 0])
             if prior is not None:  # the cache through the fused kernel, the canvas's own keys here
-                return self._out(attend(q, [(k, v, None)], self.rt.attn_key_block, prior=prior))
-        y = attend(q, [(keys, vals, ctx_mask), (k, v, None)], self.rt.attn_key_block)
+                return self._out(attend(q, [(k, v, None)], self.rt.attn_key_block, prior=prior,
+                                              fixed_blocks=self.rt.attn_fixed_blocks))
+        y = attend(q, [(keys, vals, ctx_mask), (k, v, None)], self.rt.attn_key_block,
+                   fixed_blocks=self.rt.attn_fixed_blocks)
         return self._out(y)
 
     def _kernel_wanted(self) -> bool:

@@ -79,7 +79,7 @@ def commit(params, config: ModelConfig, cache: KVCache, tokens: jax.Array, activ
 
 
 def prefill(params, config: ModelConfig, tokens, lengths, cache: KVCache,
-            runtime: Runtime | None = None, images=None) -> KVCache:
+            runtime: Runtime | None = None, images=None, chunk: int | None = None) -> KVCache:
     """The causal pass over the prompts' tokens [B, T] (row b's first lengths[b]), traceable: what
     `model.api.prefill` does after its host checks, and the engine's `prefill` program.
 
@@ -89,15 +89,41 @@ def prefill(params, config: ModelConfig, tokens, lengths, cache: KVCache,
         images, in the row-major order of their runs of image tokens (`config.image_token_id`): the
         vision tower's soft tokens replace those tokens' embeddings, and each image attends to
         itself bidirectionally.
+      chunk: None (one pass over all T tokens), or the prompts go in passes of `chunk` tokens
+        (`prefill_chunks`; not with images): a row's passes then have the same shapes whatever the
+        other rows' prompt lengths (batch invariance, `Engine(batch_invariant=)`).
     Returns:
       the new cache (`lengths` advanced by `lengths`).
     """
+    if chunk is not None and images is None:
+        return prefill_chunks(params, config, tokens, lengths, cache, chunk, runtime)
     if images is None:
         return encode_pass(params, config, tokens, cache.lengths, lengths, cache, runtime=runtime)[1]
     features, _ = image_features_pass(params, config, images[0], images[1], runtime=runtime)
     within = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
     return encode_pass(params, config, tokens, cache.lengths, lengths, cache, runtime=runtime,
                        image_features=features, image_tokens=(tokens == config.image_token_id) & within)[1]
+
+
+def prefill_chunks(params, config: ModelConfig, tokens, lengths, cache: KVCache, chunk: int,
+                   runtime: Runtime | None = None) -> KVCache:
+    """`prefill` in causal passes of `chunk` tokens [B, chunk]: pass j writes row b's tokens
+    [j * chunk, (j + 1) * chunk) that lie within lengths[b] (a row whose prompt has ended writes
+    nothing, and its cache keeps every bit), until the longest prompt is in. A row's passes are the
+    same whatever the other rows' prompts and the width T they are padded to."""
+    b, t = tokens.shape
+    n = -(-t // chunk)
+    chunks = jnp.pad(tokens, ((0, 0), (0, n * chunk - t)), constant_values=config.pad_id).reshape(b, n, chunk)
+    lengths = lengths.astype(jnp.int32)
+
+    def body(carry):
+        j, cache = carry
+        part = jax.lax.dynamic_index_in_dim(chunks, j, 1, keepdims=False)
+        num = jnp.clip(lengths - j * chunk, 0, chunk).astype(jnp.int32)
+        return j + 1, encode_pass(params, config, part, cache.lengths, num, cache, runtime=runtime)[1]
+
+    count = (jnp.max(lengths) + chunk - 1) // chunk
+    return jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.zeros((), jnp.int32), cache))[1]
 
 
 def finish_canvas(sampler: SamplerConfig, argmax: jax.Array, finished: jax.Array):
@@ -170,7 +196,8 @@ def canvas_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCa
 
 def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_tokens, prompt_lengths,
                    cache: KVCache, keys: jax.Array, max_new_tokens: int, seed_canvas=None,
-                   pinned=None, runtime: Runtime | None = None, images=None) -> GenerateOutput:
+                   pinned=None, runtime: Runtime | None = None, images=None,
+                   prefill_chunk: int | None = None) -> GenerateOutput:
     """The whole generation as one program: prefill, then canvases in one `lax.while_loop`.
 
     Traceable (jit the caller; config, sampler, max_new_tokens and runtime static). No input checks:
@@ -184,6 +211,7 @@ def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_t
       seed_canvas, pinned: [B, n * L] the first n canvases' starts and their held positions (infilling), or None.
       runtime: how the passes run (default: this backend, one device).
       images: the prompt's images (pixel_values [N, P, 3 p^2], position_ids [N, P, 2]), or None.
+      prefill_chunk: prefill in passes of this many tokens (`prefill_chunks`), or None: one pass.
     Returns:
       `GenerateOutput`: tokens [B, max_new_tokens] (EOS-truncated, pad after), steps [B, C],
       finished [B], num_canvases [], cache (prompt and committed canvases), nonfinite [B].
@@ -191,7 +219,7 @@ def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_t
     b = prompt_tokens.shape[0]
     l = sampler.canvas_length
     n_canvas = num_canvases(max_new_tokens, l)
-    cache = prefill(params, config, prompt_tokens, prompt_lengths, cache, runtime, images)
+    cache = prefill(params, config, prompt_tokens, prompt_lengths, cache, runtime, images, prefill_chunk)
     out = jnp.full((b, n_canvas * l), sampler.pad_id, jnp.int32)
     steps = jnp.zeros((b, n_canvas), jnp.int32)
     finished = jnp.zeros((b,), bool)

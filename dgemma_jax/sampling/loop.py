@@ -7,7 +7,8 @@ operands: read, never carried, copied or written. Randomness is per row: step `s
 so a row's random draws do not depend on the other rows. Its numbers can: a batched step shares
 shapes (batch, prompt width, cache length) and the MoE dispatch with the other rows, and float
 rounding that differs by ~1e-4 in the logits changes sampled tokens. `Engine` (batch_invariant,
-the default) runs each row as its own batch-1 program for that reason (tests/test_batch_invariance.py).
+the default) runs rows in blocks of a fixed row count, prefilled in fixed chunks, attending over
+fixed key blocks, for that reason (tests/test_batch_invariance.py).
 
 One step (HF / SGLang / vLLM semantics, spec §3.2)::
 
