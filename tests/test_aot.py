@@ -339,4 +339,7 @@ def test_the_lora_rl_step_and_its_rollout_compile_for_v5p_8(tmp_path):
     assert q["rollout_seconds"] == pytest.approx(rep["programs"]["prefill"]["projected_seconds"]
                                                  + 2 * rep["projection"]["per_canvas_ms"] / 1e3)
     assert q["step_seconds"] == pytest.approx(q["rollout_seconds"] + q["update_seconds"])
+    assert q["rollout_with_training_state_bytes"] == (rep["programs"]["generate"]["total_bytes"] + rep["programs"]
+                                                      ["rl_step"]["memory"]["argument_size_in_bytes"])
+    assert q["rollout_with_training_state_fits"] and q["fits"]
     assert "RL step projected" in r.stdout and "not a measurement" in r.stdout

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers.kill_harness import checkpoint_steps, kill_after_checkpoints, metrics_by_step
+from tests.helpers.kill_harness import kill_after_checkpoints, metrics_by_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "configs", "rl_tiny.py")

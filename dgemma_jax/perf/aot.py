@@ -431,10 +431,43 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         report["programs"][name] = entry
         if progress is not None:
             progress(name, index, len(programs), time.perf_counter() - t0, entry)
-    step = report["programs"].get("denoise_step", {})
     for name in ("denoise_step", "slot_tick"):   # one denoising step over `batch` rows each (a tick: per loop trip)
         if "flops" in report["programs"].get(name, {}):
             _add_efficiency(report["programs"][name], cfg, sh, topo, batch, context, args["params"])
+    report["steps_per_canvas"], report["canvas_length"] = steps_per_canvas, sampler.canvas_length
+    report["rl_options"] = {**RL_STEP_DEFAULTS, **(rl or {})} if "rl_step" in programs else None
+    _add_projections(report)
+    return report
+
+
+def combine_reports(reports: list[dict]) -> dict:
+    """One report from `compile_report`s of the same model, topology, mesh and shapes that compiled
+    different programs (e.g. one process per program, each saved as it finishes): their programs
+    together, the projections recomputed over them."""
+    if not reports:
+        raise ValueError("no reports to combine")
+    same = ("preset", "topology", "mesh", "rules", "batch", "context", "prompt", "dtype", "moe_dispatch", "layers",
+            "quantize", "steps_per_canvas", "canvas_length")
+    first = reports[0]
+    for r in reports[1:]:
+        differ = [k for k in same if r.get(k) != first.get(k)]
+        if differ:
+            raise ValueError(f"reports differ in {', '.join(differ)}: they compiled different things")
+    out = {k: v for k, v in first.items() if k not in ("projection", "rl")}
+    out["programs"] = {}
+    for r in reports:
+        out["programs"].update(r["programs"])
+        out["rl_options"] = out.get("rl_options") or r.get("rl_options")
+    out["fits"] = all(e.get("fits", False) for e in out["programs"].values())
+    _add_projections(out)
+    return out
+
+
+def _add_projections(report: dict) -> None:
+    """The report's "projection" (per canvas: steps_per_canvas denoise steps and a commit, from the
+    compiled denoise_step and commit) and "rl" (`_rl_projection`), from its programs' entries."""
+    step = report["programs"].get("denoise_step", {})
+    steps_per_canvas, canvas_length, batch = report["steps_per_canvas"], report["canvas_length"], report["batch"]
     commit = report["programs"].get("commit", {})
     if "projected_seconds" in step:
         per_canvas = steps_per_canvas * step["projected_seconds"] + commit.get("projected_seconds", 0.0)
@@ -451,28 +484,30 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
             "roofline_step_ms": 1e3 * step.get("roofline_floor_seconds", float("nan")),
             "per_canvas_ms": 1e3 * per_canvas,
             "per_canvas_ms_with_ici": 1e3 * per_canvas_ici,
-            "tokens_per_second": sampler.canvas_length / per_canvas if per_canvas else None,
-            "tokens_per_second_with_ici": sampler.canvas_length / per_canvas_ici if per_canvas_ici else None,
+            "tokens_per_second": canvas_length / per_canvas if per_canvas else None,
+            "tokens_per_second_with_ici": canvas_length / per_canvas_ici if per_canvas_ici else None,
             # every row (a server's slot) refines its own canvas in the same step
             "rows": batch,
-            "tokens_per_second_all_rows": batch * sampler.canvas_length / per_canvas if per_canvas else None,
+            "tokens_per_second_all_rows": batch * canvas_length / per_canvas if per_canvas else None,
         }
     if "projected_seconds" in report["programs"].get("rl_step", {}):
-        report["rl"] = _rl_projection(report, cfg, sampler, context, prompt, rl)
-    return report
+        report["rl"] = _rl_projection(report)
+        report["fits"] &= report["rl"]["fits"]
 
 
-def _rl_projection(report: dict, cfg: ModelConfig, sampler, context: int, prompt: int, rl: dict | None) -> dict:
+def _rl_projection(report: dict) -> dict:
     """One GRPO step's projected time: the rollout of `batch` rows (one prefill of the prompt, then per
     canvas steps_per_canvas denoise steps and a commit) and the update (`rl_step`); with the
     collectives run after the HBM-bound work too (`..._with_ici`). The rollout's part is None when its
-    programs were not compiled."""
+    programs were not compiled. With generate compiled, whether it fits beside the training state
+    (the update's arguments: the frozen base, adapters, moments), which the trainer keeps meanwhile."""
     progs, proj = report["programs"], report.get("projection")
-    canvases = max(1, (context - prompt) // cfg.canvas_length)
+    prompt = report["prompt"]
+    canvases = max(1, (report["context"] - prompt) // report["canvas_length"])
     update = progs["rl_step"]
     out: dict[str, Any] = {
-        "label": PROJECTION_LABEL, "options": {**RL_STEP_DEFAULTS, **(rl or {})}, "rows": report["batch"],
-        "prompt_tokens": prompt, "canvases": canvases, "canvas_length": sampler.canvas_length,
+        "label": PROJECTION_LABEL, "options": report["rl_options"], "rows": report["batch"],
+        "prompt_tokens": prompt, "canvases": canvases, "canvas_length": report["canvas_length"],
         "update_seconds": update["projected_seconds"],
         "update_seconds_with_ici": update.get("projected_seconds_with_ici", update["projected_seconds"]),
         "rollout_seconds": None, "step_seconds": None,
@@ -485,7 +520,15 @@ def _rl_projection(report: dict, cfg: ModelConfig, sampler, context: int, prompt
                                            + canvases * proj["per_canvas_ms_with_ici"] / 1e3)
         out["step_seconds"] = out["rollout_seconds"] + out["update_seconds"]
         out["step_seconds_with_ici"] = out["rollout_seconds_with_ici"] + out["update_seconds_with_ici"]
-    out["fits"] = all(progs[n].get("fits", False) for n in progs)
+    gen = progs.get("generate", {})
+    if "total_bytes" in gen:
+        # the rollout runs while the training state lives on: the frozen base, the adapters and their
+        # moments (the update's arguments) beside generate's own (its merged parameters and cache)
+        held = update["memory"]["argument_size_in_bytes"] + gen["total_bytes"]
+        out["rollout_with_training_state_bytes"] = held
+        out["rollout_with_training_state_fits"] = held <= report["hbm_limit_bytes"]
+    out["fits"] = (all(progs[n].get("fits", False) for n in progs)
+                   and out.get("rollout_with_training_state_fits", True))
     return out
 
 
