@@ -114,7 +114,7 @@ def cmd_compile(args) -> int:
     if args.topology not in aot.TOPOLOGIES:
         raise UsageError(f"unknown --topology {args.topology!r}; choose one of {', '.join(aot.TOPOLOGIES)}")
     programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
-    known = ("prefill", "denoise_step", "commit", "generate", "lora_step", "slot_tick", "prefill_slot",
+    known = ("prefill", "denoise_step", "commit", "generate", "lora_step", "rl_step", "slot_tick", "prefill_slot",
              "prefill_images", "prefill_slot_images")
     bad = [p for p in programs if p not in known]
     if bad:
@@ -156,7 +156,8 @@ def cmd_compile(args) -> int:
                                     steps_per_canvas=args.steps, programs=programs, dtype=args.dtype,
                                     moe_dispatch=args.moe_dispatch, progress=progress, devices=devices,
                                     quantize=args.quantize, images=args.images, layers=args.layers,
-                                    compiler_options=options, explain_memory=args.explain_memory)
+                                    compiler_options=options, explain_memory=args.explain_memory,
+                                    rl=dict(num_samples=args.rl_samples, updates=args.rl_updates))
     except (RuntimeError, ValueError) as e:
         raise UsageError(str(e)) from None
     if args.save:
@@ -230,6 +231,14 @@ def _print_compile_report(r):
             print(f"with the step's collectives on the ICI ({p['denoise_step_ici_ms']:.2f} ms, perf/collectives.py): "
                   f"{p['denoise_step_ms_with_ici']:.2f} ms run after the HBM-bound work, "
                   f"{p['denoise_step_ms_ici_overlapped']:.2f} ms hidden under it")
+    if "rl" in r:
+        q = r["rl"]
+        rollout = ("" if q["rollout_seconds"] is None else
+                   f"rollout of {q['rows']} rows ({q['canvases']} canvas(es) x {q['steps_per_canvas']} steps) "
+                   f"{q['rollout_seconds']:.3f} s + ")
+        total = "" if q["step_seconds"] is None else f" = {q['step_seconds']:.3f} s per RL step"
+        print(f"RL step projected from the TPU compiler's output, not a measurement: {rollout}update "
+              f"{q['update_seconds']:.3f} s{total}")
     for name, e in r["programs"].items():
         if "memory_peak" in e:
             _print_memory_peak(name, e["memory_peak"])
@@ -270,8 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--programs", default="prefill,denoise_step,commit,generate",
                    help="comma list of prefill, denoise_step, commit, generate, lora_step (a LoRA training "
                         "step on a batch of --batch rows of --prompt + canvases up to --context; use --rules training), "
+                        "rl_step (GRPO's LoRA update on --batch rollout rows, likewise; with prefill, denoise_step, "
+                        "commit and generate, the rollout of those rows: one RL step's projected time), "
                         "slot_tick, prefill_slot (the server's programs: --batch slots, one --prompt per prefill), "
                         "prefill_images, prefill_slot_images (with --images)")
+    s.add_argument("--rl-samples", type=_positive(int), default=1,
+                   help="rl_step: noise draws per canvas of the likelihood estimate (rl.num_samples; 1: the "
+                        "compiler's cost counts the whole update, a loop body being counted once)")
+    s.add_argument("--rl-updates", type=_positive(int), default=1, help="rl_step: rl.updates_per_rollout")
     s.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     s.add_argument("--moe-dispatch", choices=["auto", "ragged", "capacity", "dense", "gmm"], default="auto",
                    help="MoE dispatch the programs are compiled with (auto: ragged on TPU; gmm: the Pallas "

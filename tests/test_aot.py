@@ -319,3 +319,27 @@ def test_explain_memory_lists_what_is_live_at_each_programs_peak(tmp_path):
         assert len([ln for ln in lines[1:4] if "MiB" in ln]) == len(peak["largest"]), r.stdout
     r = _run("--preset", "tiny-2layer", "--topology", "v5e-1", "--explain-memory", "-1")
     assert r.returncode == 2 and "--explain-memory must be >= 0" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_lora_rl_step_and_its_rollout_compile_for_v5p_8(tmp_path):
+    out = tmp_path / "rl.json"
+    r = _run("--preset", "tiny-2layer", "--topology", "v5p-8", "--mesh", "fsdp=2,expert=2", "--rules", "training",
+             "--batch", "8", "--context", "48", "--prompt", "16",
+             "--programs", "rl_step,prefill,denoise_step,commit,generate", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert rep["fits"] and rep["chips"] == 4
+    for name in ("rl_step", "prefill", "denoise_step", "commit", "generate"):
+        assert rep["programs"][name]["fits"] and rep["programs"][name]["flops"] > 0
+    # the update donates the old state: adapters and moments are aliased into the new one
+    assert rep["programs"]["rl_step"]["memory"]["alias_size_in_bytes"] > 0
+    q = rep["rl"]
+    assert q["rows"] == 8 and q["canvases"] == 2 and q["options"]["num_samples"] == 1
+    assert q["update_seconds"] == rep["programs"]["rl_step"]["projected_seconds"] > 0
+    assert q["rollout_seconds"] == pytest.approx(rep["programs"]["prefill"]["projected_seconds"]
+                                                 + 2 * rep["projection"]["per_canvas_ms"] / 1e3)
+    assert q["step_seconds"] == pytest.approx(q["rollout_seconds"] + q["update_seconds"])
+    assert q["rollout_with_training_state_bytes"] == (rep["programs"]["generate"]["total_bytes"] + rep["programs"]
+                                                      ["rl_step"]["memory"]["argument_size_in_bytes"])
+    assert q["rollout_with_training_state_fits"] and q["fits"]
+    assert "RL step projected" in r.stdout and "not a measurement" in r.stdout

@@ -328,7 +328,6 @@ def test_the_circle_check_sees_a_circle(tmp_path):
 # code, which cannot import the engine from the model layer); any new one fails this test.
 JIT_OWNERS = {"dgemma_jax.engine.engine", "dgemma_jax.engine.placement", "dgemma_jax.training.step"}
 OTHER_JITS = {
-    ("dgemma_jax.training.train", "_rl_step"),     # the RL / DPO update (training.rl's losses); to move into training.step
     ("dgemma_jax.model.api", "init_params"),       # random parameters
     ("dgemma_jax.model.api", "_prefill"),          # the checked passes for callers (see above)
     ("dgemma_jax.model.api", "_denoise"),

@@ -16,7 +16,8 @@ import pytest
 from dgemma_jax.training.data import ChatSource, Layout, chat_turns
 from dgemma_jax.training.objective import ar_loss, gather_canvas
 from dgemma_jax.io.char_tokenizer import CharTokenizer
-from test_training_resume import _finish, _kill_after_two_checkpoints, _losses, _start
+from tests.helpers.kill_harness import metrics_by_step
+from test_training_resume import _finish, _kill_after_two_checkpoints, _start
 
 CHARS = "\n <>|abcdefghijklmnopqrstuvwxyz"
 TOK = CharTokenizer(CHARS)
@@ -232,7 +233,7 @@ def test_chat_run_kill9_then_resume_matches_uninterrupted_run(tmp_path):
     assert 8 <= resumed_from < 16, resumed_from
 
     _finish(_start(killed, cache, **_overrides(path)))
-    ref, got = _losses(full), _losses(killed)
+    ref, got = metrics_by_step(full), metrics_by_step(killed)
     assert sorted(ref) == sorted(got) == list(range(1, 17))
     for s in range(1, 17):
         for k in ("loss", "diffusion_loss", "ar_loss", "grad_norm", "mean_t", "lr"):

@@ -22,6 +22,7 @@ import time
 
 
 from tests.helpers.fake_gcs import fake_gcs
+from tests.helpers.kill_harness import checkpoint_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "configs", "train_tiny.py")
@@ -110,11 +111,6 @@ def _launch_pod(cmd, hosts, devices, logs, env):
     return Pod(proc, logs)
 
 
-def _ckpt_steps(workdir):
-    d = os.path.join(workdir, "checkpoints")
-    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
-
-
 def test_a_pod_saves_loses_a_host_and_resumes_with_the_uninterrupted_losses(tmp_path):
     # no persistent compilation cache (neither the recipe's nor the CLI's default one): with it, host 0 read
     # the train step back from the cache while host 1 compiled it, and host 0 failed in the step's first
@@ -140,7 +136,7 @@ def test_a_pod_saves_loses_a_host_and_resumes_with_the_uninterrupted_losses(tmp_
     cmd = _train_cmd(killed, cache, steps, *pod)
     run = _launch_pod(cmd, 2, 4, tmp_path / "logs_killed", env)
     deadline = time.time() + 600
-    while not _ckpt_steps(killed):
+    while not checkpoint_steps(killed):
         assert run.running(), run.wait()[1][-3000:]
         assert time.time() < deadline, "no checkpoint appeared"
         time.sleep(0.05)
@@ -148,7 +144,7 @@ def test_a_pod_saves_loses_a_host_and_resumes_with_the_uninterrupted_losses(tmp_
         os.kill(int(f.read()), signal.SIGKILL)
     _, err, code = run.wait(timeout=120)
     assert code == 128 + signal.SIGKILL, err[-3000:]  # the killed host's status; host 0 was stopped, not left alone
-    resumed_from = max(_ckpt_steps(killed))
+    resumed_from = max(checkpoint_steps(killed))
     assert 2 <= resumed_from < steps and not (killed / "summary.json").exists()
 
     run = _launch_pod(cmd, 2, 4, tmp_path / "logs_resumed", env)  # the same command, again
@@ -160,4 +156,4 @@ def test_a_pod_saves_loses_a_host_and_resumes_with_the_uninterrupted_losses(tmp_
     for s in range(1, steps + 1):
         for k in KEYS:
             assert got[s][k] == ref[s][k], (s, k, got[s][k], ref[s][k])
-    assert max(_ckpt_steps(killed)) == steps
+    assert max(checkpoint_steps(killed)) == steps

@@ -9,13 +9,13 @@ The three runs share a persistent compilation cache, so only the first one compi
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
+
+from tests.helpers.kill_harness import checkpoint_steps, kill_after_checkpoints, metrics_by_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "configs", "train_tiny.py")
@@ -41,33 +41,9 @@ def _finish(proc, timeout=300):
     return out
 
 
-def _losses(workdir):
-    rows = {}
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            rows[r["step"]] = r
-    return rows
-
-
-def _ckpt_steps(workdir):
-    d = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(d):
-        return []
-    return sorted(int(n) for n in os.listdir(d) if n.isdigit())
-
-
 def _kill_after_two_checkpoints(proc, workdir) -> int:
     """SIGKILL a training run once it has written two checkpoints; the last checkpoint's step."""
-    deadline = time.time() + 240
-    while len(_ckpt_steps(workdir)) < 2:
-        assert proc.poll() is None, proc.communicate()[0][-4000:]
-        assert time.time() < deadline, "no checkpoints appeared"
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
-    return max(_ckpt_steps(workdir))
+    return kill_after_checkpoints(proc, workdir, 2)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +57,7 @@ def runs(tmp_path_factory):
 
 def test_tiny_training_lowers_loss_and_keeps_router_frozen(runs):
     _, _, full = runs
-    rows = _losses(full)
+    rows = metrics_by_step(full)
     assert sorted(rows) == list(range(1, 41))
     loss = np.asarray([rows[s]["loss"] for s in range(1, 41)])
     assert np.isfinite(loss).all()
@@ -118,11 +94,11 @@ def test_kill9_then_resume_matches_uninterrupted_run(runs):
     assert 10 <= resumed_from < 40, resumed_from
 
     _finish(_start(killed, cache))
-    ref, got = _losses(full), _losses(killed)
+    ref, got = metrics_by_step(full), metrics_by_step(killed)
     assert sorted(got) == list(range(1, 41))
     for s in range(resumed_from + 1, 41):
         for k in ("loss", "diffusion_loss", "ar_loss", "grad_norm", "mean_t", "lr"):
             assert got[s][k] == ref[s][k], (s, k, got[s][k], ref[s][k])
     for s in range(1, resumed_from + 1):
         assert got[s]["loss"] == ref[s]["loss"]
-    assert max(_ckpt_steps(killed)) == 40
+    assert max(checkpoint_steps(killed)) == 40

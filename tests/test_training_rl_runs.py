@@ -11,15 +11,14 @@ Slow (every run compiles the rollout engine and the update); the single-process 
 compilation cache.
 """
 
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
+
+from tests.helpers.kill_harness import kill_after_checkpoints, metrics_by_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "configs", "rl_tiny.py")
@@ -38,16 +37,6 @@ def _env(**extra):
     return dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", **extra)
 
 
-def _rows(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return {r["step"]: r for r in map(json.loads, f.read().splitlines())}
-
-
-def _ckpt_steps(workdir):
-    d = os.path.join(workdir, "checkpoints")
-    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
-
-
 def _run(cmd, env):
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -58,7 +47,7 @@ def _run(cmd, env):
 def full(tmp_path_factory):
     base = tmp_path_factory.mktemp("rl_tiny")
     _run(_cmd(base / "full", base / "cache"), _env())
-    rows = _rows(base / "full")
+    rows = metrics_by_step(base / "full")
     assert sorted(rows) == list(range(1, STEPS + 1))
     return base, rows
 
@@ -71,20 +60,12 @@ def test_rl_kill9_then_resume_matches_uninterrupted_run(full):
     cmd = _cmd(killed, base / "cache")
     proc = subprocess.Popen(cmd + ["--set", "train.throttle_s=0.5"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while len(_ckpt_steps(killed)) < 1:
-        assert proc.poll() is None, proc.communicate()[0][-4000:]
-        assert time.time() < deadline, "no checkpoint appeared"
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
-    resumed_from = max(_ckpt_steps(killed))
+    resumed_from = kill_after_checkpoints(proc, killed, 1, timeout=300)
     assert 2 <= resumed_from < STEPS, resumed_from
 
     again = _run(cmd, _env())
     assert f"resuming from the step-{resumed_from} checkpoint" in again.stderr
-    got = _rows(killed)
+    got = metrics_by_step(killed)
     assert sorted(got) == list(range(1, STEPS + 1))
     for s in range(1, STEPS + 1):
         for k in KEYS:
@@ -106,7 +87,7 @@ def test_two_processes_give_the_one_process_update(tmp_path):
     done = subprocess.run(script, cwd=ROOT, env=dict(env, DGEMMA_SIM_LOGS=str(logs)), capture_output=True,
                           text=True, stdin=subprocess.DEVNULL, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    a, b = _rows(one), _rows(two)
+    a, b = metrics_by_step(one), metrics_by_step(two)
     assert sorted(a) == sorted(b) == list(range(1, STEPS // 2 + 1))
     for s in a:
         # the rollouts (from the updated policy from step 2 on) and their rewards: identical

@@ -56,7 +56,7 @@ from dgemma_jax.sampling.slots import idle_slots
 from dgemma_jax.training import lora as lora_lib
 from dgemma_jax.training.objective import ObjectiveConfig
 from dgemma_jax.training.optim import make_optimizer
-from dgemma_jax.training.step import LoraSpec, init_train_state, make_train_step
+from dgemma_jax.training.step import LoraSpec, init_train_state, make_rl_update, make_train_step
 
 
 PROJECTION_LABEL = ("projection from the TPU compiler (the compiled HLO's matrix-product FLOPs, loops counted per "
@@ -238,15 +238,11 @@ def engine_programs(engine: Engine, max_new_tokens: int) -> dict:
     }
 
 
-def lora_step_program(config: ModelConfig, shardings, batch: int, prompt: int, num_canvases: int, rank: int = 16,
-                      groups=("attention", "mlp"), runtime: Runtime | None = None):
-    """(jitted LoRA train step, abstract args) for `config` on `shardings` (the "training" rules).
-
-    The base weights are frozen and FSDP/tensor/expert-sharded; adapters and optimizer state are
-    replicated (they are small); the batch is split over data/fsdp. runtime: default, the shardings'
-    mesh compiled for TPU; remat is always on (one layer's activations kept, not all 30).
-    """
-    runtime = (runtime or shardings.runtime(platform="tpu")).replace(remat=True)
+def _lora_training_inputs(config: ModelConfig, shardings, batch: int, prompt: int, num_canvases: int, rank: int,
+                          groups):
+    """(optimizer, schedule, abstract train state of rank-`rank` adapters, abstract frozen base, abstract
+    batch of SFT's layout) for a LoRA step on `shardings`: the base FSDP/tensor/expert-sharded, adapters
+    and optimizer state replicated (they are small), the batch split over data/fsdp."""
     rep = shardings.replicated
     frozen = _abstract(param_shapes(config), shardings.params)
     adapters = jax.eval_shape(lambda p: lora_lib.init_lora(config, p, jax.random.key(0), rank, groups),
@@ -258,10 +254,53 @@ def lora_step_program(config: ModelConfig, shardings, batch: int, prompt: int, n
     data = {"tokens": (batch, t), "lengths": (batch,), "prompt_lengths": (batch,), "num_canvases": (batch,)}
     data = {k: jax.ShapeDtypeStruct(v, jnp.int32, sharding=shardings.named(v, ("batch",) + (None,) * (len(v) - 1)))
             for k, v in data.items()}
+    return optimizer, schedule, state, frozen, data
+
+
+def lora_step_program(config: ModelConfig, shardings, batch: int, prompt: int, num_canvases: int, rank: int = 16,
+                      groups=("attention", "mlp"), runtime: Runtime | None = None):
+    """(jitted LoRA train step, abstract args) for `config` on `shardings` (the "training" rules).
+
+    The base weights are frozen and FSDP/tensor/expert-sharded; adapters and optimizer state are
+    replicated (they are small); the batch is split over data/fsdp. runtime: default, the shardings'
+    mesh compiled for TPU; remat is always on (one layer's activations kept, not all 30).
+    """
+    runtime = (runtime or shardings.runtime(platform="tpu")).replace(remat=True)
+    optimizer, schedule, state, frozen, data = _lora_training_inputs(config, shardings, batch, prompt, num_canvases,
+                                                                     rank, groups)
     obj = ObjectiveConfig(canvas_length=config.canvas_length)
     step = make_train_step(config, obj, optimizer, schedule=schedule, lora=LoraSpec(rank, 2.0 * rank, tuple(groups)),
                            runtime=runtime)
     return step, (state, frozen, data)
+
+
+# GRPO's update as `dgemma compile --programs rl_step` compiles it: the RL recipe's defaults
+# (recipe.RLSection) except num_samples, 1 so the likelihood's scan over (sample, canvas) draws runs
+# once per canvas and cost_analysis (which counts a loop body once) counts the whole update
+RL_STEP_DEFAULTS = dict(num_samples=1, updates=1, clip_eps=0.2, kl_beta=0.04, t_eps=1e-3)
+
+
+def rl_step_program(config: ModelConfig, shardings, batch: int, prompt: int, num_canvases: int, rank: int = 16,
+                    groups=("attention", "mlp"), runtime: Runtime | None = None, **rl):
+    """(jitted GRPO LoRA update `step.make_rl_update`, abstract args) on a rollout batch of `batch` rows
+    (prompts x group size) laid out as SFT's plus "advantages" [batch]; rl: `RL_STEP_DEFAULTS`'s keys.
+
+    The reference is the frozen base (LoRA: adapters off), so the update scores the rows three times
+    (policy, rollout policy, reference: one shared rng) and differentiates the policy's. Shardings and
+    remat as `lora_step_program`'s."""
+    unknown = set(rl) - set(RL_STEP_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown RL step option(s) {sorted(unknown)}; known: {', '.join(RL_STEP_DEFAULTS)}")
+    opts = {**RL_STEP_DEFAULTS, **rl}
+    runtime = (runtime or shardings.runtime(platform="tpu")).replace(remat=True)
+    optimizer, schedule, state, frozen, data = _lora_training_inputs(config, shardings, batch, prompt, num_canvases,
+                                                                     rank, groups)
+    data["advantages"] = jax.ShapeDtypeStruct((batch,), jnp.float32, sharding=shardings.named((batch,), ("batch",)))
+    step = make_rl_update(config, optimizer, num_canvases=num_canvases, lora=LoraSpec(rank, 2.0 * rank, tuple(groups)),
+                          num_samples=int(opts["num_samples"]), t_eps=float(opts["t_eps"]),
+                          clip_eps=float(opts["clip_eps"]), kl_beta=float(opts["kl_beta"]),
+                          updates=int(opts["updates"]), schedule=schedule, runtime=runtime)
+    return step, (state, frozen, None, data)
 
 
 def _cost(compiled) -> dict:
@@ -275,7 +314,7 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
                    max_new_tokens: int | None = None, progress=None, quantize: str | None = None,
                    hop_latency_s: float = coll.DEFAULT_HOP_LATENCY_S, images: int = 0,
                    layers: str = "auto", compiler_options: dict[str, str] | None = None,
-                   explain_memory: int = 0) -> dict[str, Any]:
+                   explain_memory: int = 0, rl: dict | None = None) -> dict[str, Any]:
     """Lower and compile the engine's programs for a TPU topology; per-chip memory, cost, projections.
 
     context: KV cache capacity (prompt + committed canvases). prompt: tokens in one prefill call.
@@ -293,6 +332,10 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
     explain_memory: N > 0 adds each program's memory peak as XLA's buffer assignment gives it
     (`perf.memory_peak.read_peak`: bytes by parameters / temporaries / outputs and the N largest
     buffers live at the peak with the op that made each) as the entry's "memory_peak".
+    rl: options of the "rl_step" program (GRPO's LoRA update on `batch` rollout rows, `rl_step_program`;
+    `RL_STEP_DEFAULTS` for the rest). With "rl_step" and the rollout's programs (prefill, denoise_step,
+    commit) the report's "rl" block projects one RL step: the rollout (prefill + canvases x (steps x
+    denoise_step + commit)) plus the update.
     progress: optional callable(name, index, count, seconds, entry) called before each program
     (seconds and entry None) and after it (its compile seconds and report entry).
     Returns a JSON-able dict; `fits` is False when any program exceeds the chip's HBM.
@@ -336,11 +379,15 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
             progress(name, index, len(programs), None, None)
         kernels = KernelFlops()  # a fresh observer: a fresh trace of this program
         observed = runtime.replace(observer=kernels)
-        if name == "lora_step" and quantize is not None:
-            raise ValueError("lora_step compiles the float training step; drop quantize for it")
+        if name in ("lora_step", "rl_step") and quantize is not None:
+            raise ValueError(f"{name} compiles the float training step; drop quantize for it")
         if name == "lora_step":
             fn, pos = lora_step_program(cfg, sh, batch, prompt, max(1, (context - prompt) // cfg.canvas_length),
                                         runtime=observed)
+            kw = {}
+        elif name == "rl_step":
+            fn, pos = rl_step_program(cfg, sh, batch, prompt, max(1, (context - prompt) // cfg.canvas_length),
+                                      runtime=observed, **(rl or {}))
             kw = {}
         else:
             engine = Engine(cfg, args["params"], sampler, shardings=sh, runtime=observed,
@@ -401,10 +448,43 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         report["programs"][name] = entry
         if progress is not None:
             progress(name, index, len(programs), time.perf_counter() - t0, entry)
-    step = report["programs"].get("denoise_step", {})
     for name in ("denoise_step", "slot_tick"):   # one denoising step over `batch` rows each (a tick: per loop trip)
         if "flops" in report["programs"].get(name, {}):
             _add_efficiency(report["programs"][name], cfg, sh, topo, batch, context, args["params"])
+    report["steps_per_canvas"], report["canvas_length"] = steps_per_canvas, sampler.canvas_length
+    report["rl_options"] = {**RL_STEP_DEFAULTS, **(rl or {})} if "rl_step" in programs else None
+    _add_projections(report)
+    return report
+
+
+def combine_reports(reports: list[dict]) -> dict:
+    """One report from `compile_report`s of the same model, topology, mesh and shapes that compiled
+    different programs (e.g. one process per program, each saved as it finishes): their programs
+    together, the projections recomputed over them."""
+    if not reports:
+        raise ValueError("no reports to combine")
+    same = ("preset", "topology", "mesh", "rules", "batch", "context", "prompt", "dtype", "moe_dispatch", "layers",
+            "quantize", "steps_per_canvas", "canvas_length")
+    first = reports[0]
+    for r in reports[1:]:
+        differ = [k for k in same if r.get(k) != first.get(k)]
+        if differ:
+            raise ValueError(f"reports differ in {', '.join(differ)}: they compiled different things")
+    out = {k: v for k, v in first.items() if k not in ("projection", "rl")}
+    out["programs"] = {}
+    for r in reports:
+        out["programs"].update(r["programs"])
+        out["rl_options"] = out.get("rl_options") or r.get("rl_options")
+    out["fits"] = all(e.get("fits", False) for e in out["programs"].values())
+    _add_projections(out)
+    return out
+
+
+def _add_projections(report: dict) -> None:
+    """The report's "projection" (per canvas: steps_per_canvas denoise steps and a commit, from the
+    compiled denoise_step and commit) and "rl" (`_rl_projection`), from its programs' entries."""
+    step = report["programs"].get("denoise_step", {})
+    steps_per_canvas, canvas_length, batch = report["steps_per_canvas"], report["canvas_length"], report["batch"]
     commit = report["programs"].get("commit", {})
     if "projected_seconds" in step:
         per_canvas = steps_per_canvas * step["projected_seconds"] + commit.get("projected_seconds", 0.0)
@@ -421,13 +501,52 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
             "roofline_step_ms": 1e3 * step.get("roofline_floor_seconds", float("nan")),
             "per_canvas_ms": 1e3 * per_canvas,
             "per_canvas_ms_with_ici": 1e3 * per_canvas_ici,
-            "tokens_per_second": sampler.canvas_length / per_canvas if per_canvas else None,
-            "tokens_per_second_with_ici": sampler.canvas_length / per_canvas_ici if per_canvas_ici else None,
+            "tokens_per_second": canvas_length / per_canvas if per_canvas else None,
+            "tokens_per_second_with_ici": canvas_length / per_canvas_ici if per_canvas_ici else None,
             # every row (a server's slot) refines its own canvas in the same step
             "rows": batch,
-            "tokens_per_second_all_rows": batch * sampler.canvas_length / per_canvas if per_canvas else None,
+            "tokens_per_second_all_rows": batch * canvas_length / per_canvas if per_canvas else None,
         }
-    return report
+    if "projected_seconds" in report["programs"].get("rl_step", {}):
+        report["rl"] = _rl_projection(report)
+        report["fits"] &= report["rl"]["fits"]
+
+
+def _rl_projection(report: dict) -> dict:
+    """One GRPO step's projected time: the rollout of `batch` rows (one prefill of the prompt, then per
+    canvas steps_per_canvas denoise steps and a commit) and the update (`rl_step`); with the
+    collectives run after the HBM-bound work too (`..._with_ici`). The rollout's part is None when its
+    programs were not compiled. With generate compiled, whether it fits beside the training state
+    (the update's arguments: the frozen base, adapters, moments), which the trainer keeps meanwhile."""
+    progs, proj = report["programs"], report.get("projection")
+    prompt = report["prompt"]
+    canvases = max(1, (report["context"] - prompt) // report["canvas_length"])
+    update = progs["rl_step"]
+    out: dict[str, Any] = {
+        "label": PROJECTION_LABEL, "options": report["rl_options"], "rows": report["batch"],
+        "prompt_tokens": prompt, "canvases": canvases, "canvas_length": report["canvas_length"],
+        "update_seconds": update["projected_seconds"],
+        "update_seconds_with_ici": update.get("projected_seconds_with_ici", update["projected_seconds"]),
+        "rollout_seconds": None, "step_seconds": None,
+    }
+    prefill = progs.get("prefill", {})
+    if proj is not None and "projected_seconds" in prefill:
+        out["steps_per_canvas"] = proj["steps_per_canvas"]
+        out["rollout_seconds"] = prefill["projected_seconds"] + canvases * proj["per_canvas_ms"] / 1e3
+        out["rollout_seconds_with_ici"] = (prefill.get("projected_seconds_with_ici", prefill["projected_seconds"])
+                                           + canvases * proj["per_canvas_ms_with_ici"] / 1e3)
+        out["step_seconds"] = out["rollout_seconds"] + out["update_seconds"]
+        out["step_seconds_with_ici"] = out["rollout_seconds_with_ici"] + out["update_seconds_with_ici"]
+    gen = progs.get("generate", {})
+    if "total_bytes" in gen:
+        # the rollout runs while the training state lives on: the frozen base, the adapters and their
+        # moments (the update's arguments) beside generate's own (its merged parameters and cache)
+        held = update["memory"]["argument_size_in_bytes"] + gen["total_bytes"]
+        out["rollout_with_training_state_bytes"] = held
+        out["rollout_with_training_state_fits"] = held <= report["hbm_limit_bytes"]
+    out["fits"] = (all(progs[n].get("fits", False) for n in progs)
+                   and out.get("rollout_with_training_state_fits", True))
+    return out
 
 
 def _add_collectives(entry: dict, hlo_text: str, chips: int, topo: Topology, hop_latency_s: float):

@@ -11,7 +11,9 @@ Modules:
   objective    encoder AR loss + two-pass self-conditioned diffusion CE on one selected canvas
   lora         adapters on linear groups, applied unmerged in training (merged for export)
   optim        clip + AdamW + warmup/cosine (the published SFT recipe), frozen groups
-  step         TrainState and the jitted train step (optional in/out shardings)
+  state        TrainState, LoraSpec, the LoRA split and one optimizer update, shared by every step
+  step         the jitted steps: SFT's train step, GRPO's update, DPO's step (optional in/out shardings)
+  rl, dpo      GRPO (rollouts, rewards, clipped surrogate) and DPO on the likelihood estimate
   checkpoint   orbax CheckpointManager wrapper (params, optimizer, step, rng, iterator position)
   evaluate     exact-match evaluation with the real sampler, max_denoising_steps sweeps
   train        the driver: train(config) / main(config) / load_config(path)

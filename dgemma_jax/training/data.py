@@ -115,6 +115,17 @@ class TaskSource(Source):
         return [([self.tok.bos_id] + self.tok.encode(p), self.tok.encode(a)) for p, a in self.example_strings(index)]
 
 
+def epoch_batch(rows: Sequence, index: int, batch_size: int, seed: int) -> list:
+    """Batch `index` of `rows` read in epochs, each a permutation of the rows from (seed, epoch): rows
+    index * batch_size ... of that order (SFT's JSON lines, RL's prompts and DPO's pairs)."""
+    n = len(rows)
+    out = []
+    for j in range(index * batch_size, (index + 1) * batch_size):
+        epoch, k = divmod(j, n)
+        out.append(rows[int(np.random.default_rng([seed, epoch]).permutation(n)[k])])
+    return out
+
+
 class JsonlSource(Source):
     """Supervised pairs from a JSON-lines file ({"prompt": ..., "response": ...} per line), shuffled
     per epoch with `seed`. `tokenize(str) -> list[int]`; BOS is prepended to the prompt when bos_id is
@@ -132,13 +143,7 @@ class JsonlSource(Source):
         self.layout, self.batch_size, self.seed = layout, batch_size, seed
 
     def examples(self, index: int):
-        n = len(self.pairs)
-        out = []
-        for j in range(index * self.batch_size, (index + 1) * self.batch_size):
-            epoch, k = divmod(j, n)
-            perm = np.random.default_rng([self.seed, epoch]).permutation(n)
-            out.append(self.pairs[int(perm[k])])
-        return out
+        return epoch_batch(self.pairs, index, self.batch_size, self.seed)
 
 
 class RawTextSource(Source):

@@ -29,9 +29,9 @@ import optax
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.runtime import Runtime
-from dgemma_jax.training.data import Layout, collate
+from dgemma_jax.training.data import Layout, collate, epoch_batch
 from dgemma_jax.training.likelihood import sequence_logprob
-from dgemma_jax.training.step import LoraSpec, TrainState, model_variables
+from dgemma_jax.training.state import LoraSpec, TrainState, model_variables, optimizer_step
 
 SIDES = ("chosen", "rejected")
 
@@ -61,11 +61,7 @@ class PairSource:
         self.layout, self.batch_size, self.seed = layout, batch_size, seed
 
     def batch(self, index: int) -> dict[str, np.ndarray]:
-        n = len(self.rows)
-        picked = []
-        for j in range(index * self.batch_size, (index + 1) * self.batch_size):
-            epoch, k = divmod(j, n)
-            picked.append(self.rows[int(np.random.default_rng([self.seed, epoch]).permutation(n)[k])])
+        picked = epoch_batch(self.rows, index, self.batch_size, self.seed)
         out = {}
         for side, col in zip(SIDES, (1, 2)):
             for key, arr in collate([(r[0], r[col]) for r in picked], self.layout).items():
@@ -89,25 +85,20 @@ def dpo_step(state: TrainState, frozen, reference, batch: dict, *, config: Model
              beta: float, nll_weight: float = 0.0, schedule: Callable | None = None,
              runtime: Runtime | None = None):
     """One DPO update. reference: the reference's full parameters (full fine-tuning), None with LoRA."""
-    key = jax.random.wrap_key_data(state.rng)
-    key, sub = jax.random.split(key)
     both = {k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])
             for k in ("tokens", "lengths", "prompt_lengths", "num_canvases")}
     b = batch["chosen_tokens"].shape[0]
-    score = functools.partial(sequence_logprob, batch=both, rng=sub, config=config, num_canvases=num_canvases,
-                              num_samples=num_samples, t_eps=t_eps, runtime=runtime)
-    ref = jax.lax.stop_gradient(score(frozen if lora is not None else reference))
+    n_chosen = (batch["chosen_num_canvases"] * config.canvas_length).astype(jnp.float32)
 
-    def objective(trainable):
-        params, adapters = model_variables(config, trainable, frozen, lora)
-        lp = score(params, adapters=adapters)
-        n_chosen = (batch["chosen_num_canvases"] * config.canvas_length).astype(jnp.float32)
-        return dpo_objective(lp[:b], lp[b:], ref[:b], ref[b:], beta, nll_weight, n_chosen)
+    def objective_at(rng):
+        score = functools.partial(sequence_logprob, batch=both, rng=rng, config=config, num_canvases=num_canvases,
+                                  num_samples=num_samples, t_eps=t_eps, runtime=runtime)
+        ref = jax.lax.stop_gradient(score(frozen if lora is not None else reference))
 
-    (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
-    upd, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, upd)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads))
-    if schedule is not None:
-        metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=jax.random.key_data(key)), metrics
+        def objective(trainable):
+            params, adapters = model_variables(config, trainable, frozen, lora)
+            lp = score(params, adapters=adapters)
+            return dpo_objective(lp[:b], lp[b:], ref[:b], ref[b:], beta, nll_weight, n_chosen)
+        return objective
+
+    return optimizer_step(state, objective_at, optimizer, schedule)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 from typing import Any, Callable
 
 import jax
@@ -33,9 +34,10 @@ import optax
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.runtime import Runtime
-from dgemma_jax.training.data import Layout, chunk_example
+from dgemma_jax.training.data import Layout, chunk_example, epoch_batch
+from dgemma_jax.training.evaluate import pad_prompts
 from dgemma_jax.training.likelihood import token_logprobs
-from dgemma_jax.training.step import LoraSpec, TrainState, model_variables
+from dgemma_jax.training.state import LoraSpec, TrainState, model_variables
 
 ALGORITHMS = ("grpo", "dpo")
 
@@ -143,8 +145,6 @@ class PromptSource:
 
     @classmethod
     def from_jsonl(cls, path: str, batch_size: int, seed: int, prompt_key: str, response_key: str):
-        import json  # deferred: only the DPO data path reads JSON lines
-
         rows = []
         with open(path) as f:
             for n, line in enumerate(f, 1):
@@ -168,11 +168,7 @@ class PromptSource:
         if self.task_source is not None:
             pairs = self.task_source.example_strings(index)
         else:
-            n = len(self.rows)
-            pairs = []
-            for j in range(index * self.batch_size, (index + 1) * self.batch_size):
-                epoch, k = divmod(j, n)
-                pairs.append(self.rows[int(np.random.default_rng([self.seed, epoch]).permutation(n)[k])])
+            pairs = epoch_batch(self.rows, index, self.batch_size, self.seed)
         return {"prompts": [p for p, _ in pairs], "references": [r for _, r in pairs]}
 
 
@@ -204,8 +200,6 @@ class GRPOStep:
     def rollout(self, state, prompts: list[str], images=None):
         """(prompt ids [B*G], completion ids [B*G], completion texts) from the current policy. images: an
         `ImageBatch` of one picture per prompt (each row of a group sees its prompt's picture), or None."""
-        from dgemma_jax.training.evaluate import pad_prompts  # deferred: only rollouts pad prompts
-
         step = self.step_of(state)
         if images is None:
             ids = [[self.tok.bos_id] + self.tok.encode(p) for p in prompts for _ in range(self.g)]

@@ -1,90 +1,44 @@
-"""Train state and the jitted train step.
+"""The jitted steps: SFT's train step, GRPO's update and DPO's step, and the eval loss.
 
-The step is a pure function (state, frozen, batch) -> (state, metrics):
+Each step is a pure function (state, frozen, [reference,] batch) -> (state, metrics) over a
+`state.TrainState` (full fine-tuning: state.params is the whole tree and frozen None; LoRA: the
+adapters, and frozen the base, see `state`). SFT's loss is `objective.loss_fn`; GRPO's
+`rl.grpo_loss` (`rl.rl_update`), DPO's `dpo.dpo_objective` (`dpo.dpo_step`).
 
-* full fine-tuning: state.params is the whole parameter tree, `frozen` is None;
-* LoRA: state.params is the adapter tree (float32), `frozen` the base parameters (in their own
-  dtype); the model runs on the base plus the UNMERGED adapters (y = x W + (alpha/r) (x A) B, see
-  `lora.forward_adapters`) and only the adapters get gradients. `inference_params` merges them
-  (for export / the sampler).
-
-`make_train_step` jits it with optional in/out shardings (the model math never names a mesh; the
-driver passes `NamedSharding`s built for its mesh) and donates the old state.
+`make_train_step` / `make_rl_update` / `make_dpo_step` jit them (the model math never names a mesh:
+arguments carry their shardings, or the driver passes `NamedSharding`s) and donate the old state.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import optax
-from flax import struct
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.runtime import Runtime
-from dgemma_jax.training import lora as lora_lib
+from dgemma_jax.training.dpo import dpo_step
 from dgemma_jax.training.objective import ObjectiveConfig, loss_fn
+from dgemma_jax.training.rl import rl_update
+from dgemma_jax.training.state import (LoraSpec, TrainState, inference_params, init_train_state, model_variables,
+                                       optimizer_step)
 
-
-@struct.dataclass
-class TrainState:
-    step: jax.Array        # [] int32: number of updates applied
-    params: Any            # trainable tree (full params or LoRA adapters)
-    opt_state: Any
-    rng: jax.Array         # raw PRNG key data (uint32), split once per step
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraSpec:
-    rank: int
-    alpha: float
-    groups: tuple[str, ...]
-
-
-def init_train_state(trainable, optimizer: optax.GradientTransformation, rng: jax.Array | int) -> TrainState:
-    key = jax.random.key(rng) if isinstance(rng, int) else rng
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=trainable, opt_state=optimizer.init(trainable),
-                      rng=jnp.asarray(key, jnp.uint32))
-
-
-def model_variables(config: ModelConfig, state_params, frozen, lora: LoraSpec | None):
-    """(params, adapters) the model trains with: the full tree and None, or the frozen base and the
-    adapters laid out for the model's "lora" collection (unmerged)."""
-    if lora is None:
-        return state_params, None
-    return frozen, lora_lib.forward_adapters(config, frozen, state_params, lora.alpha, lora.rank)
-
-
-def inference_params(config: ModelConfig, state_params, frozen, lora: LoraSpec | None):
-    """One parameter tree for inference / export (adapters merged into the base, in its dtype)."""
-    if lora is None:
-        return state_params
-    return lora_lib.merge(config, frozen, state_params, lora.alpha, lora.rank)
+__all__ = ["LoraSpec", "TrainState", "inference_params", "init_train_state", "make_dpo_step", "make_eval_loss",
+           "make_rl_update", "make_train_step", "model_variables", "train_step"]
 
 
 def train_step(state: TrainState, frozen, batch: dict, *, config: ModelConfig, obj: ObjectiveConfig,
                optimizer: optax.GradientTransformation, schedule: Callable | None = None,
                lora: LoraSpec | None = None, runtime: Runtime | None = None):
-    key = jax.random.wrap_key_data(state.rng)
-    key, sub = jax.random.split(key)
+    def objective_at(rng):
+        def objective(trainable):
+            params, adapters = model_variables(config, trainable, frozen, lora)
+            return loss_fn(params, batch, rng, config=config, obj=obj, adapters=adapters, runtime=runtime)
+        return objective
 
-    def objective(trainable):
-        params, adapters = model_variables(config, trainable, frozen, lora)
-        return loss_fn(params, batch, sub, config=config, obj=obj, adapters=adapters, runtime=runtime)
-
-    (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads))
-    if schedule is not None:
-        metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
-    new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=jax.random.key_data(key))
-    return new, metrics
+    return optimizer_step(state, objective_at, optimizer, schedule)
 
 
 def make_train_step(config: ModelConfig, obj: ObjectiveConfig, optimizer: optax.GradientTransformation, *,
@@ -112,3 +66,26 @@ def make_eval_loss(config: ModelConfig, obj: ObjectiveConfig, lora: LoraSpec | N
         return loss_fn(params, batch, rng, config=config, obj=obj, adapters=adapters, runtime=runtime)[1]
 
     return jax.jit(f)
+
+
+def make_rl_update(config: ModelConfig, optimizer: optax.GradientTransformation, *, num_canvases: int,
+                   lora: LoraSpec | None, num_samples: int, t_eps: float, clip_eps: float, kl_beta: float,
+                   updates: int = 1, schedule: Callable | None = None, runtime: Runtime | None = None,
+                   donate: bool = True):
+    """jit(`rl.rl_update`): (state, frozen, reference, batch) -> (state, metrics), GRPO's update of one
+    rollout batch (SFT's layout plus "advantages" [B]); reference None with LoRA (the base is it)."""
+    fn = functools.partial(rl_update, config=config, num_canvases=num_canvases, optimizer=optimizer, lora=lora,
+                           num_samples=num_samples, t_eps=t_eps, clip_eps=clip_eps, kl_beta=kl_beta,
+                           updates=updates, schedule=schedule, runtime=runtime)
+    return jax.jit(fn, donate_argnums=(0,) if donate else ())
+
+
+def make_dpo_step(config: ModelConfig, optimizer: optax.GradientTransformation, *, num_canvases: int,
+                  lora: LoraSpec | None, num_samples: int, t_eps: float, beta: float, nll_weight: float = 0.0,
+                  schedule: Callable | None = None, runtime: Runtime | None = None, donate: bool = True):
+    """jit(`dpo.dpo_step`): (state, frozen, reference, batch) -> (state, metrics), one DPO update of a
+    batch of pairs ("chosen_<key>" / "rejected_<key>"); reference None with LoRA."""
+    fn = functools.partial(dpo_step, config=config, num_canvases=num_canvases, optimizer=optimizer, lora=lora,
+                           num_samples=num_samples, t_eps=t_eps, beta=beta, nll_weight=nll_weight,
+                           schedule=schedule, runtime=runtime)
+    return jax.jit(fn, donate_argnums=(0,) if donate else ())

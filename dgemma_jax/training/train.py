@@ -27,7 +27,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
-import functools
 import importlib.util
 import json
 import os
@@ -61,16 +60,17 @@ from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.training import data as data_lib
 from dgemma_jax.training import image_tasks
 from dgemma_jax.training import lora as lora_lib
-from dgemma_jax.training.dpo import PairSource, dpo_step
+from dgemma_jax.training.dpo import PairSource
 from dgemma_jax.training.checkpoint import Checkpointer, load_params, save_params
 from dgemma_jax.training.evaluate import evaluate_exact_match
 from dgemma_jax.training.objective import ObjectiveConfig
 from dgemma_jax.training.optim import make_optimizer
 from dgemma_jax.training.recipe import (DataSection, EvalSection, InitSection, ModelSection, RLSection, TrainConfig,
                                         TrainSection, plain, section_keys)
-from dgemma_jax.training.rl import GRPOStep, PromptSource, load_reward, rl_update
+from dgemma_jax.training.rl import GRPOStep, PromptSource, load_reward
 from dgemma_jax.training.plots import plot_loss_curve, read_jsonl
-from dgemma_jax.training.step import LoraSpec, inference_params, init_train_state, make_train_step
+from dgemma_jax.training.step import (LoraSpec, inference_params, init_train_state, make_dpo_step, make_rl_update,
+                                      make_train_step)
 from dgemma_jax.training.tasks import TaskMix, task_tokenizer
 
 
@@ -418,15 +418,13 @@ class Run:
         # the frozen reference: the base under LoRA (adapters off), else a copy of the initial weights (the
         # state's own buffers are donated to each update)
         reference = None if self.lora is not None else jax.tree.map(jnp.copy, base)
-        common = dict(config=cfg, num_canvases=self.layout.num_canvases, optimizer=self.optimizer, lora=self.lora,
-                      num_samples=int(rc.num_samples), t_eps=float(rc.t_eps), schedule=self.schedule,
-                      runtime=self.runtime)
+        common = dict(num_canvases=self.layout.num_canvases, lora=self.lora, num_samples=int(rc.num_samples),
+                      t_eps=float(rc.t_eps), schedule=self.schedule, runtime=self.runtime)
         if rc.algorithm == "dpo":
-            fn = jax.jit(functools.partial(dpo_step, beta=float(rc.dpo_beta), nll_weight=float(rc.nll_weight), **common),
-                         donate_argnums=(0,))
+            fn = make_dpo_step(cfg, self.optimizer, beta=float(rc.dpo_beta), nll_weight=float(rc.nll_weight), **common)
             return lambda state, frozen, batch: fn(state, frozen, reference, self.place(batch))
-        update = jax.jit(functools.partial(rl_update, clip_eps=float(rc.clip_eps), kl_beta=float(rc.kl_beta),
-                                           updates=int(rc.updates_per_rollout), **common), donate_argnums=(0,))
+        update = make_rl_update(cfg, self.optimizer, clip_eps=float(rc.clip_eps), kl_beta=float(rc.kl_beta),
+                                updates=int(rc.updates_per_rollout), **common)
         sampler = sampler_from(None, cfg, rc.sampler)
 
         def rollout_params(state):  # the policy on this process (a pod: gathered from every host's shards)
