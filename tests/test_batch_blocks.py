@@ -1,5 +1,5 @@
-"""Batch invariance from batched programs (`Engine(batch_invariant=)`, issue 46): the rows of a call run
-in blocks of exactly N rows (`batch_invariant=8`; the default is row by row) whatever their prompt lengths, so a batch of 8 mixed-length
+"""Batch invariance from batched programs (`Engine(batch_invariant=N)`, issue 46; the default is row by
+row): the rows of a call run in blocks of exactly N rows whatever their prompt lengths, so a batch of 8 mixed-length
 prompts is one program call, and a prompt's tokens still do not depend on the rest of the call (alone,
 in any batch, at any position; the fused program and the step driver alike). What makes a row's bits
 independent of its block's widest prompt and longest cache: the prefill runs in canvas-length chunks,
