@@ -59,7 +59,6 @@ def pytest_collection_modifyitems(config, items):
         if any(nodeid == p or nodeid.startswith(p + "::") or nodeid.startswith(p + "[") for p in prefixes):
             item.add_marker(pytest.mark.slow)
     if config.getoption("--full") or config.option.markexpr:
-        _slow_modules_first(items)
         return
     keep, slow = [], []
     for item in items:
@@ -67,17 +66,6 @@ def pytest_collection_modifyitems(config, items):
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = keep
-
-
-def _slow_modules_first(items) -> None:
-    """Reorder a full run: the modules holding slow tests first (each module kept whole and in its own
-    order, so its module-scoped fixtures are built once a worker), the fast modules after them, so the
-    end of a run split over workers (`-n 2`) is short tests, not one worker alone on a long one."""
-    def module(item):
-        return item.nodeid.split("::")[0]
-
-    slow_modules = {module(item) for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: module(item) not in slow_modules)   # stable: the order within stays
 
 
 def _memory_map_count() -> int | None:
