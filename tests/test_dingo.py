@@ -11,7 +11,7 @@ import pytest
 
 from dgemma_jax.engine.dingo import END, TokenDFA, viterbi
 from dgemma_jax.engine.grammar import DFA_REGEX_LIMIT, compile_grammar, schema_regex
-from dgemma_jax.engine.structured import _Walker
+from dgemma_jax.engine.structured import Walker
 from dgemma_jax.io.tokenizer import load_tokenizer
 from tests.helpers.subword_tokenizer import subword_tokenizer_json
 
@@ -156,16 +156,16 @@ def test_the_schemas_fixed_text_is_pinned_before_any_step(tokenizer):
     pinned whole, then EOS."""
     schema = {"type": "object", "required": ["name"], "additionalProperties": False,
               "properties": {"name": {"type": "string", "maxLength": 5}}}
-    w = _Walker(compile_grammar(tokenizer, 400, (1,), json_schema=schema), 400, 1, scores=None)
+    w = Walker(compile_grammar(tokenizer, 400, (1,), json_schema=schema), 400, 1, scores=None)
     w.start(16, 16)
     prefix = tokenizer.decode(w.seed[0, :w.held].tolist())
     assert w.held >= 3 and prefix == '{"name":' and w.forced == w.held
     assert w.pinned[0, :w.held].all() and not w.pinned[0, w.held:].any()
-    w = _Walker(compile_grammar(tokenizer, 400, (1,), regex="hello world"), 400, 1, scores=None)
+    w = Walker(compile_grammar(tokenizer, 400, (1,), regex="hello world"), 400, 1, scores=None)
     w.start(16, 16)
     assert w.ended and tokenizer.decode(w.answer) == "hello world" and w.pinned.all()
     assert (w.seed[0, len(w.answer):] == 1).all()
-    w = _Walker(compile_grammar(tokenizer, 400, (1,), regex="hello world"), 400, 1, scores=None)
+    w = Walker(compile_grammar(tokenizer, 400, (1,), regex="hello world"), 400, 1, scores=None)
     w.start(16, 3)                          # only 3 positions owed: the forced text stops there
     assert w.held == 3 and not w.ended
 
@@ -184,7 +184,7 @@ def test_the_dingo_walker_holds_the_agreeing_run_and_its_repair_then_commits_the
     ids = np.asarray([[t[c] for c in pair] for pair in cands])
     lp = np.log(np.tile([0.7, 0.2], (length, 1)))
     eos_lp = np.log(np.asarray([1e-4] * 6 + [0.9, 0.9]))
-    w = _Walker(g, 400, eos, scores=None, dfa=g.dfa)
+    w = Walker(g, 400, eos, scores=None, dfa=g.dfa)
     w.start(length, length)
     assert w.held == 0
     w.advance_dingo(argmax, None, (ids, lp, eos_lp), length, final=True, whole=False)

@@ -106,7 +106,7 @@ def dingo_step(params, config, sampler, runtime, k, **kw):
     return state, ids, lp, eos_lp
 
 
-class _Walker:
+class Walker:
     """One row's matcher, the valid prefix of the canvas in flight (held positions) and, for "dingo",
     the regex DFA's state after it."""
 
@@ -265,7 +265,7 @@ def generate_structured(engine, prompt_tokens, lengths, grammars: Grammar | Sequ
                 ("dingo_step", k), functools.partial(dingo_step, config=engine.config, sampler=sampler,
                                                      runtime=engine.gen_runtime, k=k), donate=())
         out.decoders.append("dingo" if dfa is not None else "prefix")
-        walker = _Walker(grammars[i], engine.config.vocab_size, int(sampler.eos_ids[0]), scores, dfa)
+        walker = Walker(grammars[i], engine.config.vocab_size, int(sampler.eos_ids[0]), scores, dfa)
         cache = p.prefill(params, tokens=t, lengths=n, cache=cache, images=None)
         finished = jnp.zeros((1,), bool)
         for c in range(n_canvas):

@@ -6,9 +6,9 @@ operands: read, never carried, copied or written. Randomness is per row: step `s
 `fold_in(row_key, s)`, and `row_keys` derives a row's key from its own seed, never from its index,
 so a row's random draws do not depend on the other rows. Its numbers can: a batched step shares
 shapes (batch, prompt width, cache length) and the MoE dispatch with the other rows, and float
-rounding that differs by ~1e-4 in the logits changes sampled tokens. `Engine` (batch_invariant,
-the default) runs rows in blocks of a fixed row count, prefilled in fixed chunks, attending over
-fixed key blocks, for that reason (tests/test_batch_invariance.py).
+rounding that differs by ~1e-4 in the logits changes sampled tokens. `Engine` (batch_invariant)
+runs each row as its own batch-1 program for that reason (the default), or rows in blocks of a fixed
+row count, prefilled in fixed chunks, attending over fixed key blocks (tests/test_batch_invariance.py).
 
 One step (HF / SGLang / vLLM semantics, spec §3.2)::
 
@@ -276,7 +276,7 @@ def where_rows(mask, new, old):
 def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, context_end: jax.Array,
                  keys: jax.Array, state: LoopState, seed: jax.Array | None = None,
                  pinned: jax.Array | None = None, knobs: RowKnobs | None = None,
-                 runtime: Runtime | None = None, with_features: bool = False, plain_rows: bool = False):
+                 runtime: Runtime | None = None, with_features: bool = False):
     """One denoising step for every unfinished row (pure; jit it or run it in a while_loop).
 
     Args:
@@ -288,8 +288,6 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
       runtime: how the pass runs (`dgemma_jax.runtime`; default: this backend, one device).
       with_features: also return the step's final-normed hidden state h [B, L, D] (structured output's
         DINGO decoder reads the step's distributions from it).
-      plain_rows: with `pinned`, a row that holds no position takes its mean entropy exactly as without
-        pins (a server's slots, where only some rows hold positions, decide as each would alone).
     Returns:
       the next `LoopState` (with h: `(state, h)`): step + 1; canvas, soft, history and argmax advanced for the unfinished
       rows (the positions `sampler.accept` keeps, fresh noise elsewhere); done set where
@@ -309,8 +307,9 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
         argmax = jnp.where(pinned, seed, argmax)
         free = (~pinned).astype(jnp.float32)
         mean_h = (entropy * free).sum(-1) / jnp.maximum(free.sum(-1), 1.0)
-        if plain_rows:
-            mean_h = jnp.where(pinned.any(-1), mean_h, entropy.mean(-1))
+        # a row holding no position decides exactly as without pins (a server's slots, where only some
+        # rows hold positions, decide as each would alone)
+        mean_h = jnp.where(pinned.any(-1), mean_h, entropy.mean(-1))
     else:
         mean_h = entropy.mean(-1)
     view = StepView(step=state.step + 1, argmax=argmax, history=state.history, entropy=entropy, mean_entropy=mean_h,

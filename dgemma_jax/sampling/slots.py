@@ -122,7 +122,7 @@ def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCach
     def tick(carry):
         t, lp = carry
         new = denoise_step(params, config, sampler, cache, cache.lengths, canvas.keys, lp, knobs=knobs,
-                           seed=seed, pinned=pinned, plain_rows=pinned is not None, runtime=runtime)
+                           seed=seed, pinned=pinned, runtime=runtime)
         return t + 1, new.replace(step=jnp.where(lp.done, lp.step, new.step))   # a frozen row keeps its step
 
     def going(carry):

@@ -66,7 +66,7 @@ import numpy as np
 
 from dgemma_jax.engine import Engine
 from dgemma_jax.engine.inputs import new_tokens_that_fit
-from dgemma_jax.engine.structured import _Walker, token_scores
+from dgemma_jax.engine.structured import Walker, token_scores
 from dgemma_jax.model.cache import rewind_ok
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.fused import _head_table
@@ -445,7 +445,7 @@ class Scheduler:
         for s, c in enumerate(busy):
             if structured[s] and c.begin:   # a new canvas: nothing held yet
                 if c.walker is None:
-                    c.walker = _Walker(c.request.grammar, self.engine.config.vocab_size,
+                    c.walker = Walker(c.request.grammar, self.engine.config.vocab_size,
                                        int(self.engine.sampler.eos_ids[0]), self._token_scores())
                 owed = min(self.canvas_length, c.request.max_tokens - c.canvas * self.canvas_length)
                 c.walker.start(self.canvas_length, owed)   # holds the grammar's forced text at once
