@@ -29,13 +29,13 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from dgemma_jax.engine.drivers import CanvasEvent, collect
 from dgemma_jax.engine.inputs import default_new_tokens
 from dgemma_jax.engine.outputs import warn_if_cut_short
 from dgemma_jax.io.chat import strip_thinking
 from dgemma_jax.io.images import image_runs
 from dgemma_jax.io.prompts import chat_prompt, common_prefix
 from dgemma_jax.model.cache import KVCache, rewind_ok
-from dgemma_jax.sampling.generate import CanvasEvent, collect
 
 
 @dataclasses.dataclass

@@ -17,6 +17,7 @@ from dgemma_jax import compile_cache
 from dgemma_jax.compile_cache import CompileCounter
 from dgemma_jax.chat_session import ChatSession
 from dgemma_jax.engine import Engine
+from dgemma_jax.engine.drivers import CanvasEvent, collect
 from dgemma_jax.engine.grammar import compile_grammar
 from dgemma_jax.engine.inputs import DEFAULT_NEW_TOKENS, default_new_tokens
 from dgemma_jax.engine.outputs import warn_if_cut_short
@@ -35,7 +36,6 @@ from dgemma_jax.progress import StartReport
 from dgemma_jax.runtime import LAYER_LAYOUTS, Runtime, resolve_layers
 from dgemma_jax.sampling import settings as sampler_settings
 from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.sampling.generate import CanvasEvent, collect
 from dgemma_jax.sampling.loop import SEED_RANGE
 from dgemma_jax.training import adapters as adapters_lib
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from dgemma_jax.engine import Engine
+from dgemma_jax.engine.drivers import collect
 from dgemma_jax.model.attention import attend
 from dgemma_jax.pipeline import DiffusionGemma, load_checkpoint
-from dgemma_jax.sampling.generate import collect
 
 # four prompts of the 16-token bucket, one of the 24-token one, one of the 64-token one (its cache is
 # longer: 128 slots against 64 for the others alone)

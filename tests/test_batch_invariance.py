@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from dgemma_jax import ModelConfig, init_params
+from dgemma_jax.engine.drivers import collect
 from dgemma_jax.io.char_tokenizer import CharTokenizer
 from dgemma_jax.pipeline import DiffusionGemma
 from dgemma_jax.sampling import SamplerConfig
-from dgemma_jax.sampling.generate import collect
 
 TOK = CharTokenizer(string.printable[:95])
 CFG = ModelConfig.preset("tiny-6layer", num_layers=12, layer_types=(), vocab_size=TOK.vocab_size)

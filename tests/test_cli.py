@@ -544,8 +544,8 @@ def test_chat_session_steps_give_the_fused_turns_and_cache_without_batch_invaria
 
     from dgemma_jax.chat_session import ChatSession
     from dgemma_jax.engine import Engine
+    from dgemma_jax.engine.drivers import CanvasEvent, StepEvent
     from dgemma_jax.pipeline import load_checkpoint
-    from dgemma_jax.sampling.generate import CanvasEvent, StepEvent
 
     cfg, params, sampler, tok = load_checkpoint(None)
     engine = Engine(cfg, params, sampler, batch_invariant=False)

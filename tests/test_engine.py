@@ -9,10 +9,10 @@ import pytest
 
 from dgemma_jax import ModelConfig, init_params
 from dgemma_jax.engine import Engine
+from dgemma_jax.engine.drivers import collect
 from dgemma_jax.engine.inputs import prepare_inputs
 from dgemma_jax.model.cache import layer_slots
 from dgemma_jax.sampling import SamplerConfig
-from dgemma_jax.sampling.generate import collect
 from dgemma_jax.sampling.loop import Canvas, denoise_canvas, init_state, loop_running, row_keys
 
 CFG = ModelConfig.preset("tiny-6layer")

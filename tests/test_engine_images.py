@@ -70,7 +70,7 @@ def _prompt(model, text, images):
 
 
 def test_generate_with_images_is_deterministic_and_the_drivers_agree(model, ckpt):
-    from dgemma_jax.sampling.generate import CanvasEvent, collect
+    from dgemma_jax.engine.drivers import CanvasEvent, collect
 
     engine, c = model.engine, model.sampler.canvas_length
     tokens, lengths, batch = _prompt(model, "a <|image|> b <|image|> c", ckpt[1][:2])

@@ -1,13 +1,13 @@
-"""Infill: the suffix pinned on the canvas after a middle of each candidate length (sampling/infill.py),
-the driver that keeps the most likely candidate (engine/infill.py), and the library's `suffix=`."""
+"""Infill: the suffix pinned on the canvas after a middle of each candidate length and the driver that keeps
+the most likely candidate (both engine/infill.py), and the library's `suffix=`."""
 
 import numpy as np
 import pytest
 
 from dgemma_jax import ModelConfig, init_params
 from dgemma_jax.engine import Engine
+from dgemma_jax.engine import infill as lay
 from dgemma_jax.sampling import SamplerConfig
-from dgemma_jax.sampling import infill as lay
 
 CFG = ModelConfig.preset("tiny-2layer")
 

@@ -6,6 +6,9 @@ parallel (meshes, multi-host, and the shardings that place a model's parameters 
 sampling < the engine < io < training < chat_session < pipeline < serving, the perf reports and the
 CLI's runners < the CLI and the package root. Every `from dgemma_jax... import` counts, at module level or inside a function.
 
+`sampling/` holds traceable code only: a host driver over the compiled programs (a generator, a read of a
+device value into the host) is the engine's (`test_sampling_holds_traceable_code_only`).
+
 Imports sit at the top of their module: one inside a function defers a heavy or optional dependency
 on purpose and says why in a comment (`test_no_imports_inside_functions_without_a_reason`).
 """
@@ -219,6 +222,70 @@ def test_the_hidden_state_check_sees_a_violation(tmp_path):
                     "    _STACK.append(x)\n")
     assert [f.split(":")[1].strip() for f in _hidden_state(str(fake))] == ["threading.local()", "_STACK.append(...)"]
 
+
+
+# ---------------------------------------------------------------------------- sampling/ is traceable code
+# `sampling/` holds what the engine traces; the host drivers that loop over the compiled programs and
+# read their results between them are the engine's (`engine/drivers.py`, `engine/rows.py`,
+# `engine/infill.py`). A generator (a driver yields between programs) or a read of a device value into
+# the host under `sampling/` fails this test. The functions below read host values, not device ones:
+SAMPLING_HOST_READS = {
+    ("dgemma_jax.sampling.loop", "seed_key"),             # the two words of an int seed
+    ("dgemma_jax.sampling.loop", "row_keys"),             # the caller's seeds (a host list or array)
+    ("dgemma_jax.sampling.settings", "knob_values"),      # the samplers' settings (declarations) as columns
+    ("dgemma_jax.sampling.generate", "GenerateOutput.tokens_per_forward"),  # a finished result's metric
+}
+_HOST_READS = {"np.asarray", "np.array", "numpy.asarray", "numpy.array", "jax.device_get"}
+_HOST_READ_METHODS = {"block_until_ready", "item", "tolist"}
+
+
+def _host_code(path: str, module: str) -> set:
+    """(module, function, what) of every generator (`yield`) and every read into the host in the file:
+    np.asarray / np.array / jax.device_get, `.block_until_ready()` / `.item()` / `.tolist()`, and
+    int / float / bool of a jax expression. `function` is the qualified name (`Class.method`, `f.inner`)."""
+    found = set()
+
+    def walk(node, where):
+        for child in ast.iter_child_nodes(node):
+            inner = where
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                inner = child.name if where == "<module>" else f"{where}.{child.name}"
+            if isinstance(child, (ast.Yield, ast.YieldFrom)):
+                found.add((module, where, "yield"))
+            elif isinstance(child, ast.Call):
+                func = ast.unparse(child.func)
+                if func in _HOST_READS or (isinstance(child.func, ast.Attribute)
+                                           and child.func.attr in _HOST_READ_METHODS):
+                    found.add((module, where, func))
+                elif func in ("int", "float", "bool") and child.args and any(
+                        isinstance(n, ast.Name) and n.id in ("jnp", "jax") for n in ast.walk(child.args[0])):
+                    found.add((module, where, f"{func}(jax value)"))
+            walk(child, inner)
+
+    walk(ast.parse(open(path).read(), path), "<module>")
+    return found
+
+
+def test_sampling_holds_traceable_code_only():
+    """No host driver under `sampling/`: no generator, and no read of a device value into the host
+    but the declared reads of host values (`SAMPLING_HOST_READS`)."""
+    sampling = [(m, p) for m, p in MODULES if m.startswith("dgemma_jax.sampling")]
+    assert len(sampling) >= 8
+    found = {s for m, p in sampling for s in _host_code(p, m)}
+    bad = sorted(s for s in found if s[2] == "yield" or s[:2] not in SAMPLING_HOST_READS)
+    assert not bad, ("host code under sampling/ (a driver over the compiled programs belongs in engine/):\n"
+                     + "\n".join(f"{m}.{f}: {what}" for m, f, what in bad))
+
+
+def test_the_sampling_check_sees_a_host_driver(tmp_path):
+    fake = tmp_path / "m.py"
+    fake.write_text("import jax.numpy as jnp\nimport numpy as np\n\n\n"
+                    "def drive(programs, state):\n    while True:\n        state = programs.step(state)\n"
+                    "        yield np.asarray(state.argmax)\n        if bool(jnp.all(state.done)):\n            return\n\n\n"
+                    "class Out:\n    def read(self):\n        return self.tokens.tolist()\n\n\n"
+                    "def pure(x):\n    return jnp.asarray(x) + int(3)\n")
+    assert _host_code(str(fake), "m") == {("m", "drive", "yield"), ("m", "drive", "np.asarray"),
+                                          ("m", "drive", "bool(jax value)"), ("m", "Out.read", "self.tokens.tolist")}
 
 # ---------------------------------------------------------------------------- imports inside functions
 def _uncommented_imports_in_functions(path: str) -> list[int]:

@@ -11,6 +11,7 @@ from safetensors.numpy import load_file, save_file
 import dgemma_jax as dg
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.engine import Engine
+from dgemma_jax.engine.drivers import collect
 from dgemma_jax.io.char_tokenizer import CharTokenizer
 from dgemma_jax.errors import DgemmaWarning, NonFiniteLogits
 from dgemma_jax.io.finite import first_nonfinite
@@ -19,7 +20,6 @@ from dgemma_jax.io.model_dir import load_model, save_model
 from dgemma_jax.pipeline import DiffusionGemma
 from dgemma_jax.sampling import slots as slots_lib
 from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.sampling.generate import collect
 from dgemma_jax.sampling.loop import RowKnobs, row_keys
 from tests.helpers.gemma_tokenizer import gemma_like_tokenizer_json
 

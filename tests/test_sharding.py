@@ -70,7 +70,7 @@ def test_streaming_driver_sharded(reference):
     params, ref_tokens = reference
     sh = Shardings(CFG, make_mesh("expert=2,tensor=4"), "latency")
     eng = Engine(CFG, sh.place_params(params), SAMPLER, shardings=sh)
-    from dgemma_jax.sampling.generate import collect
+    from dgemma_jax.engine.drivers import collect
 
     toks, _, _ = collect(eng.stream(TOKENS, LENGTHS, rng=0, max_new_tokens=32), 2, 32, 16, 0)
     np.testing.assert_array_equal(toks, ref_tokens)

@@ -16,7 +16,7 @@ import pytest
 
 from dgemma_jax import Runtime, load_hf
 from dgemma_jax.engine import Engine
-from dgemma_jax.sampling.generate import CanvasEvent, StepEvent
+from dgemma_jax.engine.drivers import CanvasEvent, StepEvent
 from tests.golden import parity_case, store
 from tests.golden import trace_case as case
 

@@ -25,7 +25,9 @@ import numpy as np
 
 from dgemma_jax import compile_cache
 from dgemma_jax.config import ModelConfig
+from dgemma_jax.engine import drivers
 from dgemma_jax.engine import infill as infill_driver
+from dgemma_jax.engine import rows as rows_lib
 from dgemma_jax.engine import structured as structured_driver
 from dgemma_jax.engine.inputs import (bucket_length, canvas_length_warning, check_images, check_images_host,
                                       check_sampler, prepare_inputs)
@@ -324,9 +326,9 @@ class Engine:
                     where[i] = sum(o.tokens.shape[0] for o in outs) + r
                 outs.append(fn(self.params, prompt_tokens=t, prompt_lengths=n, cache=c, keys=k, seed_canvas=sc,
                                pinned=pin, images=im))
-            out = gen.merge_outputs(outs)
+            out = rows_lib.merge_outputs(outs)
             if where != list(range(out.tokens.shape[0])):   # blocks filled up or out of the call's order
-                out = gen.take_rows(out, where)
+                out = rows_lib.take_rows(out, where)
             report_nonfinite(out.nonfinite, nonfinite)
             return out
         tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
@@ -516,10 +518,10 @@ class Engine:
             per_row = [None] * len(rows)
             for idx, (t, n, k, c, sc, pin, im) in self._blocks(rows):
                 events = which(self.programs, self.params, t, n, c, k, max_new_tokens, sc, pin, im)
-                for i, view in zip(idx, [events] if t.shape[0] == 1 else gen.split_rows(events, t.shape[0])):
+                for i, view in zip(idx, [events] if t.shape[0] == 1 else rows_lib.split_rows(events, t.shape[0])):
                     per_row[i] = view
-            return reporting(gen.merge_row_events(per_row, max_new_tokens, self.sampler.canvas_length,
-                                                  self.sampler.pad_id, final_cache), "warn")
+            return reporting(rows_lib.merge_row_events(per_row, max_new_tokens, self.sampler.canvas_length,
+                                                       self.sampler.pad_id, final_cache), "warn")
         tokens, lengths, keys, cache, seed_canvas, pinned, images = self._prepare(
             prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned, cache_length, cache, images)
         return reporting(which(self.programs, self.params, tokens, lengths, cache, keys, max_new_tokens, seed_canvas,
@@ -527,7 +529,7 @@ class Engine:
 
     def stream(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
                seed_canvas=None, pinned=None, cache_length: int | None = None,
-               images=None) -> Iterator[gen.CanvasEvent]:
+               images=None) -> Iterator[drivers.CanvasEvent]:
         """Per-canvas driver: each finished canvas as it is committed (the same tokens as `generate`).
 
         Args:
@@ -536,7 +538,7 @@ class Engine:
         Returns:
           an iterator of `CanvasEvent`s (index, tokens [B, L], steps [B], finished [B]).
         """
-        return self._iter(gen.iter_canvases, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned,
+        return self._iter(drivers.iter_canvases, prompt_tokens, lengths, rng, max_new_tokens, seed_canvas, pinned,
                           cache_length, images)
 
     def steps(self, prompt_tokens, lengths=None, *, rng: Any = 0, max_new_tokens: int | None = None,
@@ -545,7 +547,7 @@ class Engine:
         """Per-step driver: every denoising step's state and every finished canvas (same tokens as `generate`).
 
         With `batch_invariant` each block of rows runs its own step programs, in lockstep
-        (`gen.merge_row_events`: a row already done shows its last state, a finished row pad).
+        (`rows.merge_row_events`: a row already done shows its last state, a finished row pad).
 
         Args:
           as `generate` (prompt_tokens [B, P], lengths [B], rng, max_new_tokens, seed_canvas, pinned,
@@ -558,7 +560,7 @@ class Engine:
           an iterator of a `StepEvent` per step (canvas_index, step, argmax [B, L], the next input
           canvas [B, L], done [B]) and a `CanvasEvent` per canvas, then the final cache when `final_cache`.
         """
-        return self._iter(functools.partial(gen.iter_steps, final_cache=final_cache), prompt_tokens, lengths, rng,
+        return self._iter(functools.partial(drivers.iter_steps, final_cache=final_cache), prompt_tokens, lengths, rng,
                           max_new_tokens, seed_canvas, pinned, cache_length, images, cache, final_cache)
 
 

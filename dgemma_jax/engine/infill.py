@@ -1,10 +1,21 @@
-"""The infill driver: the middle between a prompt (the prefix) and a suffix, over the engine's programs.
+"""Infilling: the middle between a prompt (the prefix) and a suffix, over the engine's programs (host side).
 
-For each prompt, every candidate middle length k (`sampling.infill.candidate_lengths`) is generated
-with the suffix pinned right after k free positions and EOS pinned after it (`sampling.infill.layout`),
-all with the prompt's own key (so each candidate, and the choice, is the same alone or in a batch);
-the candidate whose whole continuation (middle + suffix + EOS) has the highest log-likelihood under the
-model's causal pass wins. Cost: one generation per candidate plus one causal pass each.
+DiffusionGemma was trained on one layout only (spec §4.2): prompt, then the answer cut into canvases,
+the last partial canvas filled with EOS. It has no fill-in-the-middle tokens and no layout with a
+suffix in the prompt. So a suffix goes where the training layout puts the end of an answer: right
+after the middle, on the canvas, held there (pinned), with the rest of its canvas pinned to EOS. For
+a middle of `k` tokens and a suffix of `s`, the answer region is (`layout`)
+
+    [ middle: k free positions ][ suffix: s pinned ][ EOS pinned ... to the end of the canvas ]
+
+spread over `ceil((k + s + 1) / L)` canvases (canvas c is columns [c L, (c + 1) L) of the seed). The
+denoiser sees the suffix bidirectionally on the canvas that holds it. The middle's length is not
+known, so for each prompt every candidate middle length k (`candidate_lengths`) is generated, all with
+the prompt's own key (so each candidate, and the choice, is the same alone or in a batch), and the
+candidate whose whole continuation (middle + suffix + EOS) the model's own causal pass (trained with
+the AR co-loss, spec §4.4) finds most likely wins. A candidate too long can still end its middle
+early: EOS / pad written inside the middle are dropped (`middle_of`). Cost: one generation per
+candidate plus one causal pass each.
 """
 
 from __future__ import annotations
@@ -17,8 +28,45 @@ import numpy as np
 
 from dgemma_jax.engine.inputs import bucket_length
 from dgemma_jax.model import api
-from dgemma_jax.sampling import infill as layout_lib
 from dgemma_jax.sampling.loop import row_keys
+
+DEFAULT_MAX_CANDIDATES = 32
+
+
+def layout(middle: int, suffix_ids: Sequence[int], canvas_length: int, eos_id: int):
+    """The seed and pinned mask of a middle of `middle` free tokens followed by the suffix and EOS.
+
+    Returns (seed [n L] int32, pinned [n L] bool), n = ceil((middle + len(suffix) + 1) / L): the free
+    positions hold 0 in the seed (noise replaces them), the suffix and the EOS fill are pinned."""
+    s = len(suffix_ids)
+    n = -(-(middle + s + 1) // canvas_length)
+    seed = np.full((n * canvas_length,), eos_id, np.int32)
+    seed[:middle] = 0
+    seed[middle:middle + s] = np.asarray(suffix_ids, np.int32)
+    pinned = np.ones((n * canvas_length,), bool)
+    pinned[:middle] = False
+    return seed, pinned
+
+
+def candidate_lengths(max_middle: int, limit: int = DEFAULT_MAX_CANDIDATES) -> list[int]:
+    """The middle lengths tried: every k in [0, max_middle] when they are at most `limit`, else `limit`
+    lengths spread evenly over that range (0 and max_middle included; a longer middle may end early)."""
+    if max_middle < 0:
+        raise ValueError(f"the middle's budget must be >= 0 tokens; got {max_middle}")
+    if limit < 1:
+        raise ValueError(f"infill needs at least one candidate length; got limit={limit}")
+    if max_middle + 1 <= limit:
+        return list(range(max_middle + 1))
+    if limit == 1:
+        return [max_middle]
+    return sorted({round(i * max_middle / (limit - 1)) for i in range(limit)})
+
+
+def middle_of(tokens, middle: int, stop_ids: Sequence[int]) -> list[int]:
+    """The middle's tokens from a candidate's output row: its first `middle` tokens without the
+    EOS / pad (`stop_ids`) written among them."""
+    stop = set(int(t) for t in stop_ids)
+    return [int(t) for t in np.asarray(tokens)[:middle] if int(t) not in stop]
 
 
 @dataclasses.dataclass
@@ -49,7 +97,7 @@ def continuation_logprob(engine, prompt: Sequence[int], continuation: Sequence[i
 
 
 def infill(engine, prompt_tokens, lengths, suffixes: Sequence[Sequence[int]], *, rng: Any = 0,
-           max_new_tokens: int | None = None, max_candidates: int = layout_lib.DEFAULT_MAX_CANDIDATES,
+           max_new_tokens: int | None = None, max_candidates: int = DEFAULT_MAX_CANDIDATES,
            middle_lengths: Sequence[int] | None = None, nonfinite: str = "warn") -> InfillOutput:
     """Write the middle between each prompt and its suffix (`Engine.infill`).
 
@@ -82,7 +130,7 @@ def infill(engine, prompt_tokens, lengths, suffixes: Sequence[Sequence[int]], *,
     if not isinstance(budget, (int, np.integer)) or budget < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0; got {budget!r}")
     if middle_lengths is None:
-        ks = layout_lib.candidate_lengths(int(budget), max_candidates)
+        ks = candidate_lengths(int(budget), max_candidates)
     else:
         ks = sorted({int(k) for k in middle_lengths})
         if not ks or ks[0] < 0 or ks[-1] > budget:
@@ -97,11 +145,11 @@ def infill(engine, prompt_tokens, lengths, suffixes: Sequence[Sequence[int]], *,
         prompt = tokens[i, :int(lengths[i])]
         rows = []
         for k in ks:
-            seed, pinned = layout_lib.layout(k, suffixes[i], l, eos[0])
+            seed, pinned = layout(k, suffixes[i], l, eos[0])
             out = engine.generate(prompt[None], np.asarray([len(prompt)], np.int32), rng=keys[i:i + 1],
                                   max_new_tokens=len(seed), seed_canvas=seed[None], pinned=pinned[None],
                                   nonfinite=nonfinite)
-            mid = layout_lib.middle_of(np.asarray(out.tokens[0]), k, stop)
+            mid = middle_of(np.asarray(out.tokens[0]), k, stop)
             score = continuation_logprob(engine, prompt, mid + list(suffixes[i]) + [eos[0]])
             rows.append((k, score, mid, int(np.asarray(out.steps[0]).sum())))
         best = max(rows, key=lambda r: r[1])   # the first (shortest) of equal scores

@@ -7,9 +7,9 @@ import warnings
 import jax
 import numpy as np
 
+from dgemma_jax.engine.drivers import CanvasEvent
 from dgemma_jax.engine.inputs import DEFAULT_NEW_TOKENS
 from dgemma_jax.errors import DgemmaWarning, NonFiniteLogits
-from dgemma_jax.sampling import generate as gen
 
 
 def warn_if_cut_short(config, max_new: int, finished, context: int, cache_length: int | None = None) -> None:
@@ -49,6 +49,6 @@ def report_nonfinite(flags, action: str = "warn") -> None:
 def reporting(events, action: str):
     """The streaming drivers' events, each `CanvasEvent`'s nonfinite flags reported as they come."""
     for ev in events:
-        if isinstance(ev, gen.CanvasEvent) and ev.nonfinite is not None:
+        if isinstance(ev, CanvasEvent) and ev.nonfinite is not None:
             report_nonfinite(ev.nonfinite, action)
         yield ev

@@ -5,14 +5,14 @@ A canvas has three parts, each written once: `canvas_start` (noise or a seed, as
 truncation and the commit). `canvas_step` is the three in a row. Every driver runs these:
 * `generate_fused`: the whole generation is one traceable program (an outer `lax.while_loop` over
   canvases, each a `canvas_step`).
-* `iter_canvases`: a Python loop that runs the jitted `canvas_step` once per canvas and yields each
-  finished canvas (streaming); `iter_steps` runs the jitted `canvas_start`, `denoise_step` and
-  `canvas_end` itself and yields every denoising step.
+* the engine's streaming drivers (`engine.drivers`: `iter_canvases`, `iter_steps`): host loops over
+  the jitted `canvas_step`, or over `canvas_start`, `denoise_step` and `canvas_end`, yielding each
+  canvas or step.
 * the server's slots (`sampling.slots`): `canvas_start` per slot, `denoise_step` per tick,
   `finish_canvas` and `commit` for the settled ones.
-The canvas functions and `generate_fused` are pure and traceable; `iter_canvases`, `iter_steps` and
-the output merging are host drivers over the engine's jitted programs (Python loops, host reads), not
-traceable. The engine (`dgemma_jax.engine`) owns the jits.
+Everything here is pure and traceable (but `GenerateOutput.tokens_per_forward`, a finished result's
+metric, read on the host); the host drivers (Python loops, host reads) and the merging of single-row
+outputs are the engine's (`engine.drivers`, `engine.rows`), which owns the jits.
 
 Canvas c of a row uses the key `fold_in(row_key, c)`. A row that emitted an EOS is finished: its
 later canvases are all pad and are neither denoised nor committed. The output has exactly
@@ -21,10 +21,7 @@ later canvases are all pad and are neither denoised nor committed. The output ha
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import math
-from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +30,7 @@ from flax import struct
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import encode_pass, image_features_pass
-from dgemma_jax.model.cache import KVCache, cache_row, concat_rows
-from dgemma_jax.model.cache import take_rows as cache_take_rows
+from dgemma_jax.model.cache import KVCache
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
@@ -239,192 +235,3 @@ def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_t
     c, cache, out, steps, finished, bad = jax.lax.while_loop(
         cond, body, (jnp.zeros((), jnp.int32), cache, out, steps, finished, jnp.zeros((b,), bool)))
     return GenerateOutput(out[:, :max_new_tokens], steps, finished, c, cache, bad)
-
-
-@dataclasses.dataclass
-class CanvasEvent:
-    """One finished canvas from `iter_canvases` (host numpy arrays)."""
-
-    index: int
-    tokens: np.ndarray       # [B, L] EOS-truncated (the last canvas: only the tokens still owed)
-    steps: np.ndarray        # [B]
-    finished: np.ndarray     # [B]
-    nonfinite: np.ndarray | None = None  # [B] the row met non-finite logits in this canvas
-
-
-@dataclasses.dataclass
-class StepEvent:
-    """One denoising step from `iter_steps`."""
-
-    canvas_index: int
-    step: int
-    argmax: np.ndarray       # [B, L] current argmax canvas
-    canvas: np.ndarray       # [B, L] next input canvas (accepted samples + fresh noise)
-    done: np.ndarray         # [B]
-
-
-def _iterate(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens, seed_canvas,
-             pinned, per_step: bool, images=None) -> Iterator:
-    """The streaming driver. programs: the engine's jits (`engine.Programs`: config, sampler and
-    runtime bound; called with keywords)."""
-    sampler = programs.sampler
-    l = sampler.canvas_length
-    n_canvas = num_canvases(max_new_tokens, l)
-    cache = programs.prefill(params, tokens=prompt_tokens, lengths=prompt_lengths, cache=cache, images=images)
-    finished = jnp.zeros((prompt_tokens.shape[0],), bool)
-    for c in range(n_canvas):
-        index, last = jnp.int32(c), jnp.bool_(c + 1 >= n_canvas)
-        if per_step:
-            canvas = programs.canvas_start(keys=keys, index=index, finished=finished, seed_canvas=seed_canvas,
-                                           pinned=pinned)
-            state, running = canvas.state, True
-            while running:
-                state = programs.denoise_step(params, cache=cache, context_end=cache.lengths, keys=canvas.keys,
-                                              state=state, seed=canvas.seed, pinned=canvas.pinned)
-                step, done = int(state.step), np.asarray(state.done)
-                yield StepEvent(c, step, np.asarray(state.argmax), np.asarray(state.canvas), done)
-                running = step < sampler.max_denoising_steps and not done.all()
-            toks, finished_after, cache = programs.canvas_end(params, cache=cache, argmax=state.argmax,
-                                                              finished=finished, last=last)
-            steps, bad = state.steps, state.nonfinite
-        else:
-            cache, toks, steps, finished_after, bad = programs.canvas_step(
-                params, cache=cache, keys=keys, index=index, last=last, finished=finished, seed_canvas=seed_canvas,
-                pinned=pinned)
-        # the last canvas's event carries only the tokens still owed (max_new_tokens in all, as generate)
-        owed = max_new_tokens - c * l
-        yield CanvasEvent(c, np.asarray(toks)[:, :owed], np.asarray(steps), np.asarray(finished_after),
-                          np.asarray(bad))
-        finished = finished_after
-        if bool(jnp.all(finished)):
-            break
-    yield cache
-
-
-def iter_canvases(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens,
-                  seed_canvas=None, pinned=None, images=None) -> Iterator[CanvasEvent]:
-    """Yield each finished canvas as soon as it is committed (streaming driver)."""
-    for ev in _iterate(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens, seed_canvas,
-                       pinned, per_step=False, images=images):
-        if isinstance(ev, CanvasEvent):
-            yield ev
-
-
-def iter_steps(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens,
-               seed_canvas=None, pinned=None, images=None,
-               final_cache: bool = False) -> Iterator[StepEvent | CanvasEvent | KVCache]:
-    """Yield every denoising step (a `StepEvent`) and every finished canvas (a `CanvasEvent`);
-    final_cache: then the `KVCache` holding everything committed (`generate_fused`'s `cache`)."""
-    for ev in _iterate(programs, params, prompt_tokens, prompt_lengths, cache, keys, max_new_tokens, seed_canvas,
-                       pinned, per_step=True, images=images):
-        if final_cache or not isinstance(ev, KVCache):
-            yield ev
-
-
-def collect(events, batch: int, max_new_tokens: int, canvas_length: int, pad_id: int):
-    """Assemble `CanvasEvent`s into (tokens [B, max_new_tokens], steps [B, C], finished [B])."""
-    n = num_canvases(max_new_tokens, canvas_length)
-    out = np.full((batch, n * canvas_length), pad_id, np.int32)
-    steps = np.zeros((batch, n), np.int32)
-    finished = np.zeros((batch,), bool)
-    for ev in events:
-        if isinstance(ev, CanvasEvent):
-            out[:, ev.index * canvas_length:ev.index * canvas_length + ev.tokens.shape[1]] = ev.tokens
-            steps[:, ev.index] = ev.steps
-            finished = ev.finished
-    return out[:, :max_new_tokens], steps, finished
-
-
-def merge_outputs(outs) -> GenerateOutput:
-    """The outputs of single-row generations as one batch's (caches padded to the longest, `concat_rows`)."""
-    outs = list(outs)
-    if len(outs) == 1:
-        return outs[0]
-    return GenerateOutput(tokens=jnp.concatenate([o.tokens for o in outs]),
-                          steps=jnp.concatenate([o.steps for o in outs]),
-                          finished=jnp.concatenate([o.finished for o in outs]),
-                          num_canvases=jnp.max(jnp.stack([o.num_canvases for o in outs])),
-                          cache=concat_rows([o.cache for o in outs]),
-                          nonfinite=jnp.concatenate([o.nonfinite for o in outs]))
-
-
-def take_rows(out: GenerateOutput, rows) -> GenerateOutput:
-    """The rows `rows` (indices, in that order) of a batch's output."""
-    idx = jnp.asarray(rows, jnp.int32)
-    return out.replace(tokens=out.tokens[idx], steps=out.steps[idx], finished=out.finished[idx],
-                       cache=cache_take_rows(out.cache, rows), nonfinite=out.nonfinite[idx])
-
-
-def row_of(item, r: int):
-    """Row `r` of a driver's event or cache of a batch (as a batch of one)."""
-    one = slice(r, r + 1)
-    if isinstance(item, StepEvent):
-        return StepEvent(item.canvas_index, item.step, item.argmax[one], item.canvas[one], item.done[one])
-    if isinstance(item, CanvasEvent):
-        return CanvasEvent(item.index, item.tokens[one], item.steps[one], item.finished[one],
-                           None if item.nonfinite is None else item.nonfinite[one])
-    return cache_row(item, r)
-
-
-def split_rows(events: Iterator, n: int) -> list[Iterator]:
-    """The driver of a block of n rows as n single-row drivers (what `merge_row_events` takes): each
-    yields its row of every event, pulling the block's next event when its own are used up."""
-    events, buffers = iter(events), [collections.deque() for _ in range(n)]
-
-    def view(r):
-        while True:
-            if not buffers[r]:
-                item = next(events, None)
-                if item is None:
-                    return
-                for i in range(n):
-                    buffers[i].append(row_of(item, i))
-            yield buffers[r].popleft()
-
-    return [view(r) for r in range(n)]
-
-
-def merge_row_events(rows, max_new_tokens: int, canvas_length: int, pad_id: int,
-                     final_cache: bool = False) -> Iterator:
-    """The events of B single-row drivers (`iter_canvases` or `iter_steps` over batch-1 inputs) as one
-    batch's, in lockstep. Step event s of canvas c shows every row: a row still denoising its step s,
-    a row whose canvas already ended its last state (done), a row finished in an earlier canvas pad
-    (done). A canvas event holds every row (a finished row: pad, 0 steps, finished). final_cache
-    (the rows' drivers end with their caches, `iter_steps(final_cache=True)`): then the rows'
-    caches as one (`concat_rows`, as `merge_outputs`)."""
-    rows = list(rows)
-    b = len(rows)
-    finished = np.zeros((b,), bool)
-    pad = np.full((1, canvas_length), pad_id, np.int32)
-    for c in range(num_canvases(max_new_tokens, canvas_length)):
-        owed = min(canvas_length, max_new_tokens - c * canvas_length)
-        live = [i for i in range(b) if not finished[i]]
-        last = {i: StepEvent(c, 0, pad, pad, np.ones((1,), bool)) for i in range(b)}
-        ends: dict[int, CanvasEvent] = {}
-        while len(ends) < len(live):
-            stepped = False
-            for i in live:
-                if i in ends:
-                    continue
-                ev = next(rows[i])
-                if isinstance(ev, CanvasEvent):
-                    ends[i] = ev
-                else:
-                    last[i], stepped = ev, True
-            if stepped:
-                yield StepEvent(c, max(last[i].step for i in live),
-                                np.concatenate([last[i].argmax for i in range(b)]),
-                                np.concatenate([last[i].canvas for i in range(b)]),
-                                np.concatenate([last[i].done for i in range(b)]))
-        tokens = np.concatenate([ends[i].tokens if i in ends else pad[:, :owed] for i in range(b)])
-        steps = np.concatenate([ends[i].steps if i in ends else np.zeros((1,), np.int32) for i in range(b)])
-        finished = np.concatenate([ends[i].finished if i in ends else np.ones((1,), bool) for i in range(b)])
-        bad = np.concatenate([np.asarray(ends[i].nonfinite) if i in ends and ends[i].nonfinite is not None
-                              else np.zeros((1,), bool) for i in range(b)])
-        yield CanvasEvent(c, tokens, steps, finished, bad)
-        if finished.all():
-            break
-    if final_cache:  # every row's driver has yielded its last canvas: its cache comes next (a row of a
-        # block, `split_rows`, may first show the canvases the rest of its block ran on: skipped)
-        caches = [next(x for x in r if isinstance(x, KVCache)) for r in rows]
-        yield caches[0] if b == 1 else concat_rows(caches)
