@@ -1,9 +1,10 @@
 """A batch as single rows (or blocks of rows) and back: the host side of the engine's batch invariance.
 
-`Engine(batch_invariant=True)` runs a batch's rows as separate programs (`Engine._blocks`):
-`merge_outputs` / `take_rows` put the fused program's outputs back into the call's batch and order;
-`split_rows` gives each row of a block its own view of the block's streaming driver (`row_of`), and
-`merge_row_events` runs the rows' drivers (`engine.drivers`) in lockstep as one batch's events.
+`Engine(batch_invariant=True)` runs a batch as separate programs, one row or block of rows each
+(`Engine._blocks`): `merge_outputs` / `take_rows` put the fused program's outputs back into the call's
+batch and order; `split_rows` gives each row of a block its own view of the block's streaming driver
+(`row_of`), and `merge_row_events` runs the rows' drivers (`engine.drivers`) in lockstep as one
+batch's events.
 Host code (Python loops, numpy), not traceable.
 """
 
