@@ -2,6 +2,7 @@
 
     python benchmarks/serve_projection.py --topology v6e-8 --mesh data=2,expert=4 --rules serving \
         --out benchmarks/results/serve_projection_v6e-8.json
+    (--quantize int8|int4: the weight-only quantized parameters; the rows say which weights ran)
 
 For each slot count N it compiles the 26B's `slot_tick` (one denoising step of every slot per loop
 trip) and `commit_slots` (K = max(1, N // 8) settled canvases committed in one causal pass) for the
@@ -108,13 +109,16 @@ def main(argv=None):
     ap.add_argument("--steps", default="16,32")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                    help="weight-only quantized parameters (model.quant); default: the bf16 weights")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     rows, reports = [], {}
     for n in [int(x) for x in args.slots.split(",")]:
         t0 = time.time()
         rep = aot.compile_report(args.preset, args.topology, mesh=args.mesh, rules=args.rules, batch=n,
-                                 context=args.context, prompt=args.prompt, programs=("slot_tick",))
+                                 context=args.context, prompt=args.prompt, programs=("slot_tick",),
+                                 quantize=args.quantize)
         print(f"{n} slots: compiled in {time.time() - t0:.0f} s", flush=True)
         progs = rep["programs"]
         reports[str(n)] = {k: {f: v for f, v in p.items() if f not in ("collectives",)} for k, p in progs.items()}
@@ -125,11 +129,12 @@ def main(argv=None):
             rows.append(rows_for(rep, s, 256))
             print(rows[-1], flush=True)
     for r in rows:
-        r.update(topology=args.topology, mesh=rep["mesh"], rules=args.rules, context=args.context)
+        r.update(topology=args.topology, mesh=rep["mesh"], rules=args.rules, context=args.context,
+                 weights=args.quantize or "bfloat16")
     write(rows, args.out)
     details = os.path.splitext(args.out)[0] + "_programs.json"
     write({"label": "projection from the TPU compiler's output (slot_tick and commit_slots of the step-level "
-                    "engine, the 26B's bf16 shapes), not a measurement on a TPU",
+                    "engine, the 26B's shapes, weights " + (args.quantize or "bfloat16") + "), not a measurement on a TPU",
            "command": "python benchmarks/serve_projection.py " + " ".join(argv or sys.argv[1:]),
            "ici": rep["ici"], "programs": reports}, details)
     print("wrote", details)
