@@ -239,7 +239,8 @@ def test_max_new_tokens_zero_is_an_error_not_a_canvas(params):
 
 def test_stream_yields_exactly_max_new_tokens(params):
     eng = Engine(CFG, params, _sampler(eos_ids=()))  # no EOS: every row runs every canvas
-    tokens, lengths = _prompts()
+    tokens, _ = _prompts(2)
+    lengths = np.array([20, 17], np.int32)   # two rows (their streams merged) of one width bucket: one shape
     for max_new in (5, 21):  # inside one canvas; a whole canvas then part of the next
         events = list(eng.stream(tokens, lengths, rng=2, max_new_tokens=max_new))
         assert sum(ev.tokens.shape[1] for ev in events) == max_new
