@@ -10,7 +10,9 @@ pictures come from the eval seed's stream), each rolled out group_size times wit
 settings (the ones the accuracy is measured with), reward 1 for the exact answer else 0, group-relative
 advantages, updates_per_rollout optimizer steps on the clipped surrogate; likelihoods from
 `likelihood.token_logprobs` (num_samples stratified noise draws per canvas, shared by policy, old
-policy and reference) with the picture through the tower.
+policy and reference) with the picture through the tower. Dynamic sampling (rl.skip_equal_groups): most
+groups of the bundled model are all correct (no gradient); each step rolls out up to rl.max_rounds batches
+of pictures and updates on the groups whose rewards differ (`rl.GRPOStep`).
 """
 
 import ml_collections
@@ -38,7 +40,8 @@ def get_config():
     c.lora = ml_collections.ConfigDict(dict(enabled=False, rank=8, alpha=8.0, groups=("attention",)))
     c.rl = ml_collections.ConfigDict(dict(
         algorithm="grpo", group_size=8, reward="dgemma_jax.training.rewards:exact_match", num_samples=2,
-        updates_per_rollout=2, clip_eps=0.2, kl_beta=0.01, t_eps=1e-3, sampler=SAMPLER))
+        updates_per_rollout=2, clip_eps=0.2, kl_beta=0.01, t_eps=1e-3, sampler=SAMPLER,
+        skip_equal_groups=True, max_rounds=4))
     c.train = ml_collections.ConfigDict(dict(
         workdir="/tmp/dgemma_rl_vision", num_steps=300, seed=0, log_every=5, checkpoint_every=50,
         eval_every=25, max_to_keep=1, time_limit_s=1800, export=True, progress=False, final_eval=True))

@@ -27,7 +27,7 @@ from dgemma_jax.training.data import Layout, TaskSource, collate
 from dgemma_jax.training.dpo import dpo_objective
 from dgemma_jax.training.likelihood import sequence_logprob, token_logprobs
 from dgemma_jax.training.recipe import TrainConfig
-from dgemma_jax.training.rl import group_advantages, grpo_loss, load_reward
+from dgemma_jax.training.rl import GRPOStep, group_advantages, grpo_loss, load_reward
 from dgemma_jax.training.step import LoraSpec
 from dgemma_jax.training.tasks import Task, TaskMix, task_tokenizer
 from dgemma_jax.training.train import load_config
@@ -217,3 +217,65 @@ def test_dpo_objective_values():
     # rl.nll_weight adds the chosen answers' per-token NLL (RPO's regulariser)
     with_nll, _ = dpo_objective(lp_c, lp_r, ref_c, ref_r, 0.5, 2.0, jnp.asarray([8.0, 16.0]))
     np.testing.assert_allclose(float(with_nll) - float(loss), 2.0 * np.mean([3 / 8, 10 / 16]), rtol=1e-6)
+
+
+class _CharTok:
+    bos_id = 2
+
+    def encode(self, s):
+        return [ord(c) for c in s]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+class _FakeEngine:
+    """Rows whose prompt starts with "m" answer "a" / "b" alternately (a mixed group), others "a"."""
+
+    def generate(self, toks, lens, *, rng, max_new_tokens, images=None):
+        out = np.ones((len(toks), max_new_tokens), np.int32)   # EOS (1) after the answer
+        for i, (t, n) in enumerate(zip(np.asarray(toks), np.asarray(lens))):
+            out[i, 0] = ord("b") if t[1] == ord("m") and i % 2 else ord("a")
+        return type("Out", (), {"tokens": out})()
+
+
+def _grpo_step(skip, max_rounds=3, extra=("m1", "m2", "e3", "m3")):
+    seen = {}
+
+    def update(state, frozen, reference, batch):
+        seen["batch"] = batch
+        return state, {}
+
+    def extra_prompts(step, rnd):
+        seen.setdefault("rounds", []).append((step, rnd))
+        return {"prompts": list(extra), "references": ["a"] * len(extra)}
+
+    step = GRPOStep(tokenizer=_CharTok(), layout=Layout(prompt_length=8, num_canvases=1, canvas_length=4),
+                    group_size=4, reward=lambda p, c, r: float(c == r), seed=0, rollout_params=lambda s: None,
+                    engine=lambda p: _FakeEngine(), update=update, reference=None, place=lambda b: b,
+                    eos_ids=(1,), pad_id=0, step_of=lambda s: 7, skip_equal_groups=skip, max_rounds=max_rounds,
+                    extra_prompts=extra_prompts)
+    _, m = step(None, None, {"prompts": ["e0", "m0", "e1", "e2"], "references": ["a"] * 4})
+    adv = np.asarray(seen["batch"]["advantages"]).reshape(4, 4)
+    prompts = ["".join(chr(t) for t in row[1:3]) for row in np.asarray(seen["batch"]["tokens"])[::4]]
+    return adv, prompts, m, seen.get("rounds", [])
+
+
+def test_dynamic_sampling_updates_only_groups_whose_rewards_differ():
+    # without it: the step's batch as rolled out, three of its four groups all correct (A = 0)
+    adv, prompts, m, rounds = _grpo_step(False)
+    assert prompts == ["e0", "m0", "e1", "e2"] and int((np.abs(adv).max(1) > 0).sum()) == 1 and rounds == []
+    assert m["groups_all_equal"] == 0.75 and "groups_kept" not in m
+    # with it: one more round of extra prompts (step 7's round 1), the update holds only mixed groups
+    adv, prompts, m, rounds = _grpo_step(True)
+    assert rounds == [(7, 1)] and prompts == ["m0", "m1", "m2", "m3"]
+    assert (np.abs(adv).max(1) > 0).all() and m["groups_kept"] == 1.0 and m["rollout_rounds"] == 2.0
+    assert m["groups_all_equal"] == 0.5   # over all 8 groups rolled out
+    # bounded: max_rounds rounds at most; too few mixed groups -> the step's own equal groups fill, reported
+    adv, prompts, m, rounds = _grpo_step(True, max_rounds=3, extra=("e4", "e5", "e6", "e7"))
+    assert rounds == [(7, 1), (7, 2)] and prompts == ["m0", "e0", "e1", "e2"]
+    assert m["groups_kept"] == 0.25 and m["rollout_rounds"] == 3.0
+    with pytest.raises(ValueError, match="extra_prompts"):
+        GRPOStep(tokenizer=None, layout=None, group_size=2, reward=None, seed=0, rollout_params=None, engine=None,
+                 update=None, reference=None, place=None, eos_ids=(1,), pad_id=0, step_of=None,
+                 skip_equal_groups=True, max_rounds=2)

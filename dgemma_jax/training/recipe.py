@@ -143,7 +143,9 @@ class RLSection:
     {prompt, chosen, rejected} (keys data.prompt_key, chosen_key, rejected_key), loss DPO's with
     dpo_beta (plus nll_weight times the chosen answers' per-token NLL when > 0, RPO's regulariser).
     Both score sequences with `likelihood.token_logprobs`: num_samples stratified noise
-    draws per canvas, t in [t_eps, 1), shared between the policy and the reference."""
+    draws per canvas, t in [t_eps, 1), shared between the policy and the reference.
+    skip_equal_groups (grpo): dynamic sampling, `rl.GRPOStep`: the update takes only groups whose rewards
+    differ, rolling out up to max_rounds batches of data.batch_size prompts per step to find them."""
 
     algorithm: str = "grpo"
     group_size: int = 4
@@ -158,6 +160,8 @@ class RLSection:
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     sampler: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    skip_equal_groups: bool = False
+    max_rounds: int = 4
 
     def __post_init__(self):
         if self.algorithm not in ("grpo", "dpo"):
@@ -167,7 +171,7 @@ class RLSection:
         if self.algorithm == "grpo" and not self.reward:
             raise ValueError("rl.algorithm 'grpo' needs rl.reward: a function 'module:function' "
                              "(e.g. 'dgemma_jax.training.rewards:exact_match')")
-        for name in ("num_samples", "updates_per_rollout"):
+        for name in ("num_samples", "updates_per_rollout", "max_rounds"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
 

@@ -187,19 +187,34 @@ class GRPOStep:
     rollout_params(state): the current policy's inference parameters on this process (LoRA merged).
     engine(params): an `Engine` for them (one ProgramCache: every step reuses the compiled generate).
     update: the jitted `rl_update` with everything static bound: (state, frozen, reference, batch).
-    place(batch): the batch as the update's input (global arrays split over the mesh's batch axes)."""
+    place(batch): the batch as the update's input (global arrays split over the mesh's batch axes).
+
+    Dynamic sampling (skip_equal_groups; the idea is DAPO's, Yu et al. 2025, "DAPO: an open-source LLM
+    reinforcement learning system at scale"): a group whose G rewards are all equal has A = 0 and carries
+    no policy gradient, only the KL term. With it, after the step's own batch, up to max_rounds - 1 more
+    rounds roll out extra_prompts(step, round) (another batch of as many prompts, deterministic in
+    (step, round): resume stays bit-exact) until B groups have reward variance; the update takes the
+    first B such groups (the step's own first), one shape every step; when fewer exist after max_rounds,
+    the step's own equal groups fill the rest. Metrics: groups_kept (the update's fraction of mixed
+    groups), rollout_rounds; groups_all_equal, reward_mean and completion_length are over every
+    rolled-out group."""
 
     def __init__(self, *, tokenizer, layout: Layout, group_size: int, reward: Callable, seed: int,
                  rollout_params: Callable, engine: Callable, update: Callable, reference, place: Callable,
-                 eos_ids, pad_id: int, step_of: Callable, config: ModelConfig | None = None):
+                 eos_ids, pad_id: int, step_of: Callable, config: ModelConfig | None = None,
+                 skip_equal_groups: bool = False, max_rounds: int = 1, extra_prompts: Callable | None = None):
+        if skip_equal_groups and max_rounds > 1 and extra_prompts is None:
+            raise ValueError("dynamic sampling (skip_equal_groups with max_rounds > 1) needs extra_prompts")
         self.config = config   # the model's (picture prompts are laid out for it)
+        self.skip_equal_groups, self.max_rounds, self.extra_prompts = skip_equal_groups, int(max_rounds), extra_prompts
         self.tok, self.layout, self.g, self.reward, self.seed = tokenizer, layout, group_size, reward, seed
         self.rollout_params, self.engine, self.update, self.reference = rollout_params, engine, update, reference
         self.place, self.eos_ids, self.pad_id, self.step_of = place, tuple(eos_ids), pad_id, step_of
 
-    def rollout(self, state, prompts: list[str], images=None):
+    def rollout(self, state, prompts: list[str], images=None, rnd: int = 0):
         """(prompt ids [B*G], completion ids [B*G], completion texts) from the current policy. images: an
-        `ImageBatch` of one picture per prompt (each row of a group sees its prompt's picture), or None."""
+        `ImageBatch` of one picture per prompt (each row of a group sees its prompt's picture), or None.
+        rnd: the step's rollout round (dynamic sampling's extra rounds draw other keys)."""
         step = self.step_of(state)
         if images is None:
             ids = [[self.tok.bos_id] + self.tok.encode(p) for p in prompts for _ in range(self.g)]
@@ -213,30 +228,56 @@ class GRPOStep:
             raise ValueError(f"an RL prompt is {max(len(i) for i in ids)} tokens but data.prompt_length is "
                              f"{self.layout.prompt_length}: raise prompt_length")
         toks, lens = pad_prompts(ids, self.layout.prompt_length, self.pad_id)
-        keys = jax.random.split(jax.random.fold_in(jax.random.key(self.seed), step), len(ids))
+        key = jax.random.fold_in(jax.random.key(self.seed), step)
+        keys = jax.random.split(jax.random.fold_in(key, rnd) if rnd else key, len(ids))
         out = self.engine(self.rollout_params(state)).generate(
             toks, lens, rng=keys, max_new_tokens=self.layout.response_capacity, images=images)
         comp = completion_ids(np.asarray(out.tokens), self.eos_ids)
         return ids, comp, [self.tok.decode(c) for c in comp]
 
-    def __call__(self, state, frozen, batch):
+    def _round(self, state, batch, rnd: int):
+        """One rollout round of a prompt batch: per group (prompt ids [G], completions [G], rewards [G],
+        (pixel values, pixel positions) or None)."""
         prompts, refs = batch["prompts"], batch["references"]
         images = batch.get("images")
-        ids, comp, texts = self.rollout(state, prompts, images)
+        ids, comp, texts = self.rollout(state, prompts, images, rnd)
         rewards = np.asarray([float(self.reward(prompts[i // self.g], texts[i], refs[i // self.g]))
                               for i in range(len(texts))], np.float32)
+        g = self.g
+        return [(ids[j * g:(j + 1) * g], comp[j * g:(j + 1) * g], rewards[j * g:(j + 1) * g],
+                 None if images is None else (images.pixel_values[j], images.position_ids[j]))
+                for j in range(len(prompts))]
+
+    def __call__(self, state, frozen, batch):
+        b = len(batch["prompts"])
+        groups = self._round(state, batch, 0)
+        rolled = list(groups)
+        rounds = 1
+        if self.skip_equal_groups:   # dynamic sampling: more prompts until b groups with reward variance
+            step = self.step_of(state)
+            while sum(float(r.std()) > 0 for _, _, r, _ in rolled) < b and rounds < self.max_rounds:
+                rolled += self._round(state, self.extra_prompts(step, rounds), rounds)
+                rounds += 1
+            mixed = [grp for grp in rolled if float(grp[2].std()) > 0]
+            # too few after max_rounds: the step's own equal groups fill the batch (A = 0: KL term only)
+            groups = (mixed + [grp for grp in groups if float(grp[2].std()) == 0])[:b]
+        ids = [p for grp in groups for p in grp[0]]
+        comp = [c for grp in groups for c in grp[1]]
+        rewards = np.concatenate([grp[2] for grp in groups])
         rows = [chunk_example(p, c, self.layout) for p, c in zip(ids, comp)]
         arrays = {"tokens": np.stack([r[0] for r in rows]), "lengths": np.asarray([r[1] for r in rows], np.int32),
                   "prompt_lengths": np.asarray([r[2] for r in rows], np.int32),
                   "num_canvases": np.asarray([r[3] for r in rows], np.int32),
                   "advantages": group_advantages(rewards, self.g)}
-        if images is not None:   # each rollout row's picture, for the likelihood's encoder pass
-            rep = [i // self.g for i in range(len(texts))]
-            arrays["pixel_values"] = images.pixel_values[rep].astype(np.float32)
-            arrays["pixel_positions"] = images.position_ids[rep].astype(np.int32)
+        if groups[0][3] is not None:   # each rollout row's picture, for the likelihood's encoder pass
+            arrays["pixel_values"] = np.stack([grp[3][0] for grp in groups for _ in range(self.g)]).astype(np.float32)
+            arrays["pixel_positions"] = np.stack([grp[3][1] for grp in groups for _ in range(self.g)]).astype(np.int32)
         state, m = self.update(state, frozen, self.reference, self.place(arrays))
+        all_r = np.concatenate([grp[2] for grp in rolled])
         grouped = rewards.reshape(-1, self.g)
-        m = dict(m, reward_mean=float(rewards.mean()), reward_max=float(rewards.max()),
-                 groups_all_equal=float(np.mean(grouped.std(1) == 0)),
-                 completion_length=float(np.mean([len(c) for c in comp])))
+        m = dict(m, reward_mean=float(all_r.mean()), reward_max=float(all_r.max()),
+                 groups_all_equal=float(np.mean(all_r.reshape(-1, self.g).std(1) == 0)),
+                 completion_length=float(np.mean([len(c) for grp in rolled for c in grp[1]])))
+        if self.skip_equal_groups:
+            m.update(groups_kept=float(np.mean(grouped.std(1) > 0)), rollout_rounds=float(rounds))
         return state, m

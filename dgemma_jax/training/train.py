@@ -179,9 +179,14 @@ def build_source(dc: DataSection, tokenizer, layout: data_lib.Layout, batch_size
     raise ValueError(f"unknown data.kind {kind!r}: use 'tasks', 'image_tasks', 'jsonl', 'chat' or 'raw_text'")
 
 
-def rl_source(rc: RLSection, dc: DataSection, tokenizer, layout: data_lib.Layout, config: ModelConfig | None = None):
-    """The data of an rl recipe: preference pairs (dpo) or prompts with their references (grpo)."""
-    bs, seed = int(dc.batch_size), int(dc.seed)
+EXTRA_PROMPT_SEED = 1_000_003   # data.seed + this: dynamic sampling's extra prompt stream
+
+
+def rl_source(rc: RLSection, dc: DataSection, tokenizer, layout: data_lib.Layout, config: ModelConfig | None = None,
+              seed: int | None = None):
+    """The data of an rl recipe: preference pairs (dpo) or prompts with their references (grpo); seed:
+    data.seed unless given (dynamic sampling's extra prompts are another stream)."""
+    bs, seed = int(dc.batch_size), int(dc.seed if seed is None else seed)
     if rc.algorithm == "dpo":
         if dc.kind != "jsonl" or not dc.path:
             raise ValueError("rl.algorithm 'dpo' reads preference pairs from JSON lines: set data.kind='jsonl' and "
@@ -431,7 +436,15 @@ class Run:
             params = self.inference_params(state)
             return jax.tree.map(fetch, params) if jax.process_count() > 1 else params
 
-        return GRPOStep(tokenizer=self.tokenizer, layout=self.layout, group_size=int(rc.group_size),
+        extra_prompts, rounds = None, int(rc.max_rounds) if rc.skip_equal_groups else 1
+        if rounds > 1:   # dynamic sampling's extra prompts: their own stream, batch (step, round) of it
+            extra = rl_source(rc, self.dc, self.tokenizer, self.layout, cfg, seed=int(self.dc.seed) + EXTRA_PROMPT_SEED)
+
+            def extra_prompts(step, rnd):
+                return extra.batch(step * (rounds - 1) + rnd - 1)
+
+        return GRPOStep(skip_equal_groups=bool(rc.skip_equal_groups), max_rounds=rounds, extra_prompts=extra_prompts,
+                        tokenizer=self.tokenizer, layout=self.layout, group_size=int(rc.group_size),
                         reward=load_reward(rc.reward), seed=self.seed, rollout_params=rollout_params,
                         engine=lambda p: Engine(cfg, p, sampler, batch_invariant=False, compilation_cache=False),
                         update=update, reference=reference, place=self.place, eos_ids=cfg.eos_ids,
