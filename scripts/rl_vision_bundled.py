@@ -37,6 +37,12 @@ def plot_curves(metrics, evals, out_png, before=None, after=None, last_step=None
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot([r["step"] for r in metrics], [r["reward_mean"] for r in metrics], lw=1.0, alpha=0.7,
             label="mean exact-match reward of the rollouts (sort 3 : read 1)")
+    kept = [r for r in metrics if r.get("groups_kept") is not None]
+    if kept:   # dynamic sampling (rl.skip_equal_groups): the update's fraction of groups with reward variance
+        ax2 = ax.twinx()
+        ax2.plot([r["step"] for r in kept], [r["groups_kept"] for r in kept], lw=0.8, alpha=0.5, color="gray")
+        ax2.set_ylim(0.0, 1.0)
+        ax2.set_ylabel("groups kept (gray): update's groups with differing rewards", fontsize=8, color="gray")
     if evals:
         ax.plot([r["step"] for r in evals], [r["accuracy"] for r in evals], "o-", lw=1.5,
                 label=f"held-out exact match ({evals[0].get('n', '?')} pictures, same mix)")
@@ -145,7 +151,8 @@ def main(argv=None):
         "machine": f"{os.cpu_count()} CPU cores (shared with other jobs), jax {jax.__version__}",
         "load_average_at_end": os.getloadavg(),
         "reward_curve": [{"step": r["step"], "reward_mean": r.get("reward_mean"), "kl": r.get("kl"),
-                          "time_s": r.get("time_s")} for r in metrics],
+                          "groups_all_equal": r.get("groups_all_equal"), "groups_kept": r.get("groups_kept"),
+                          "rollout_rounds": r.get("rollout_rounds"), "time_s": r.get("time_s")} for r in metrics],
         "accuracy_curve": [{k: r[k] for k in ("step", "accuracy", "n") if k in r} for r in evals],
         "curves_png": os.path.relpath(png, ROOT) if png else None,
         "installed": False, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
