@@ -3,6 +3,8 @@
 * a run killed with SIGKILL after two checkpoints, then resumed by the same command, logs exactly the
   metrics of the uninterrupted run: the same prompts, the same rollouts (their keys are
   fold_in(seed, step)), the same rewards, losses, KL and gradient norms, step by step;
+* with dynamic sampling (rl.skip_equal_groups, a coarse reward so that many groups are all equal) the
+  same holds: the extra rollout rounds' prompts and keys are functions of the step;
 * two processes under jax.distributed (launch/tpu_vm.sh --simulate 2: gloo on CPU, 4 devices each, the
   mesh data=2,fsdp=4 spanning both) give the update of one process holding all 8 devices on the same
   mesh: the same rollouts and rewards every step, the same loss and gradient norm up to float rounding.
@@ -69,6 +71,27 @@ def test_rl_kill9_then_resume_matches_uninterrupted_run(full):
     assert sorted(got) == list(range(1, STEPS + 1))
     for s in range(1, STEPS + 1):
         for k in KEYS:
+            assert got[s][k] == ref[s][k], (s, k, got[s][k], ref[s][k])
+
+
+def test_rl_dynamic_sampling_kill9_then_resume_matches_uninterrupted_run(full):
+    base = full[0]
+    dyn = ("--set", "rl.skip_equal_groups=True", "--set", "rl.max_rounds=3", "--set",
+           "rl.reward=tests.helpers.rl_rewards:first_char", "--set", "train.num_steps=4")
+    _run(_cmd(base / "dyn_full", base / "cache", *dyn), _env())
+    ref = metrics_by_step(base / "dyn_full")
+    assert sorted(ref) == [1, 2, 3, 4]
+    # extra rounds ran and picked mixed groups (the comparison below covers them)
+    assert max(r["rollout_rounds"] for r in ref.values()) > 1 and max(r["groups_kept"] for r in ref.values()) > 0
+    killed = base / "dyn_killed"
+    cmd = _cmd(killed, base / "cache", *dyn)
+    proc = subprocess.Popen(cmd + ["--set", "train.throttle_s=0.5"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert kill_after_checkpoints(proc, killed, 1, timeout=300) == 2
+    _run(cmd, _env())
+    got = metrics_by_step(killed)
+    for s in ref:
+        for k in KEYS + ("groups_kept", "rollout_rounds"):
             assert got[s][k] == ref[s][k], (s, k, got[s][k], ref[s][k])
 
 
