@@ -251,7 +251,8 @@ def _rss(pid: int) -> int:
 def test_twelve_huge_images_keep_a_text_request_fast_and_memory_bounded(tmp_path):
     """12 concurrent chats with a 9400x9400 PNG (under Pillow's pixel limit, a few hundred KB encoded) to the
     bundled vision model: they decode in threads of their own within the decoded-pixel budget (one at a
-    time at the default 100 M pixels), so a text request beside them answers within 1 s and the server's
+    time at the default 100 M pixels), so a text request beside them answers within 1 s (or 10x its time alone on
+    a loaded machine) and the server's
     memory grows by less than 1.5 GB (before: 6 such images took it from 1.2 to 6.9 GB, a text chat waited
     20 s behind 12)."""
     from PIL import Image
@@ -280,6 +281,12 @@ def test_twelve_huge_images_keep_a_text_request_fast_and_memory_bounded(tmp_path
         image_chat()
         assert results == ["stop"] or results == ["length"], results
         results.clear()
+        alone = []   # the text chat's time with nothing beside it: the bound below scales with the machine's load
+        for _ in range(5):
+            t0 = time.monotonic()
+            cl.chat.completions.create(model="dgemma-tiny-vision-digits", messages=text, max_tokens=8, seed=0)
+            alone.append(time.monotonic() - t0)
+        bound = max(1.0, 10 * sorted(alone)[2])
         base = _rss(srv.proc.pid)
         peak = base
         threads = [threading.Thread(target=image_chat) for _ in range(12)]
@@ -293,7 +300,7 @@ def test_twelve_huge_images_keep_a_text_request_fast_and_memory_bounded(tmp_path
             peak = max(peak, _rss(srv.proc.pid))
             time.sleep(0.1)
         assert len(results) == 12 and all(r in ("stop", "length") for r in results), results
-        assert worst < 1.0, f"a text chat took {worst:.2f} s beside 12 huge images"
+        assert worst < bound, f"a text chat took {worst:.2f} s beside 12 huge images ({sorted(alone)[2]:.2f} s alone)"
         assert peak - base < 1.5 * 2 ** 30, f"the server grew by {(peak - base) / 2 ** 30:.2f} GB"
         # four such images take at least 4 x 66 prompt tokens, more than the context (256): a 400 from their
         # headers, before any of them is decoded (each decode takes seconds)
