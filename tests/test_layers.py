@@ -223,7 +223,6 @@ def test_the_hidden_state_check_sees_a_violation(tmp_path):
     assert [f.split(":")[1].strip() for f in _hidden_state(str(fake))] == ["threading.local()", "_STACK.append(...)"]
 
 
-
 # ---------------------------------------------------------------------------- sampling/ is traceable code
 # `sampling/` holds what the engine traces; the host drivers that loop over the compiled programs and
 # read their results between them are the engine's (`engine/drivers.py`, `engine/rows.py`,
