@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 import tempfile
@@ -30,12 +31,19 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
 SLOW_LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_tests.txt")
+# Seconds each module took in a measured full run (`--module-seconds-out`), read to order a full run:
+# pytest.ini hands whole modules to the xdist workers (--dist loadfile: a module's fixtures are built
+# once, not once per worker) in collection order, so the longest go first and the run ends on short ones.
+MODULE_SECONDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "module_seconds.json")
 
 
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", default=False,
                      help="run every tier (CI does): the default run leaves out the tests marked slow "
                           "and those listed in tests/slow_tests.txt")
+    parser.addoption("--module-seconds-out", default=None, metavar="PATH",
+                     help="write each module's seconds (setup + call + teardown, summed) as JSON to PATH "
+                          "(a full run's written to tests/module_seconds.json orders later full runs)")
 
 
 def pytest_configure(config):
@@ -59,6 +67,7 @@ def pytest_collection_modifyitems(config, items):
         if any(nodeid == p or nodeid.startswith(p + "::") or nodeid.startswith(p + "[") for p in prefixes):
             item.add_marker(pytest.mark.slow)
     if config.getoption("--full") or config.option.markexpr:
+        _longest_modules_first(items)
         return
     keep, slow = [], []
     for item in items:
@@ -66,6 +75,35 @@ def pytest_collection_modifyitems(config, items):
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = keep
+
+
+def _longest_modules_first(items) -> None:
+    """Order the modules by their measured seconds (`MODULE_SECONDS`), longest first, each kept whole
+    and in its own order; a module not measured yet goes first (it may be long)."""
+    try:
+        with open(MODULE_SECONDS) as f:
+            seconds = json.load(f)
+    except FileNotFoundError:
+        return
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], float("inf")))  # stable
+
+
+_MODULE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::")[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("--module-seconds-out")
+    # under xdist the controller sees every worker's reports; a worker writes nothing
+    if path and not hasattr(session.config, "workerinput"):
+        with open(path, "w") as f:
+            json.dump({m: round(t, 1) for m, t in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])}, f,
+                      indent=0)
+            f.write("\n")
 
 
 def _memory_map_count() -> int | None:
