@@ -79,13 +79,13 @@ def pytest_collection_modifyitems(config, items):
 
 def _longest_modules_first(items) -> None:
     """Order the modules by their measured seconds (`MODULE_SECONDS`), longest first, each kept whole
-    and in its own order; a module not measured yet goes first (it may be long)."""
+    and in its own order; a module not measured goes last (re-measure after adding a long one)."""
     try:
         with open(MODULE_SECONDS) as f:
             seconds = json.load(f)
     except FileNotFoundError:
         return
-    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], float("inf")))  # stable
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))  # stable
 
 
 _MODULE_SECONDS: dict[str, float] = {}
