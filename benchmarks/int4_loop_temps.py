@@ -30,6 +30,10 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--explain", type=int, default=0, metavar="N",
                     help="record the N largest buffers live at the memory peak (perf.memory_peak)")
+    ap.add_argument("--moe-dispatch", default="auto", help="the MoE dispatch compiled (gmm: the Pallas kernel)")
+    ap.add_argument("--param-formats", default="default", choices=["default", "compiler"],
+                    help="compiler: the parameters in the layouts the compiler prefers (perf.aot.compile_report)")
+    ap.add_argument("--images", type=int, default=0, help="with the released vision tower in the parameters")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -37,11 +41,17 @@ def main(argv=None):
     from dgemma_jax.perf.aot import compile_report
 
     cfg = ModelConfig.preset("diffusiongemma-26b-a4b")
-    cfg = cfg.replace(num_layers=args.layers, layer_types=cfg.layer_types[6 - args.layers:6])
+    if args.layers < cfg.num_layers:  # the last layers of the first repeated group (5 sliding, 1 global)
+        cfg = cfg.replace(num_layers=args.layers, layer_types=cfg.layer_types[6 - args.layers:6])
     rep = compile_report(cfg, "v5e-1", context=args.context, prompt=1024, batch=args.slots, programs=(args.program,),
-                         quantize="int4", layers="unrolled", explain_memory=args.explain)
+                         quantize="int4", layers="unrolled", explain_memory=args.explain,
+                         moe_dispatch=args.moe_dispatch, param_formats=args.param_formats, images=args.images)
     p = rep["programs"][args.program]
     out = {"layers": args.layers, "slots": args.slots, "program": args.program, "context": args.context,
+           "moe_dispatch": rep["moe_dispatch"], "param_formats": args.param_formats, "images": args.images,
+           "hbm_limit_bytes": rep["hbm_limit_bytes"], "total_bytes": p.get("total_bytes"),
+           "projected_seconds": p.get("projected_seconds"), "hbm_bytes": p.get("hbm_bytes"),
+           "roofline_floor_seconds": p.get("roofline_floor_seconds"),
            "fits": p.get("fits"), "memory": p.get("memory"), "compile_seconds": p.get("compile_seconds")}
     if "memory_peak" in p:
         peak = p["memory_peak"]

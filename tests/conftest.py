@@ -32,7 +32,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 SLOW_LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_tests.txt")
 # Seconds each module took in a measured full run (`--module-seconds-out`), read to order a full run:
-# pytest.ini hands whole modules to the xdist workers (--dist loadfile: a module's fixtures are built
+# `pytest_xdist_make_scheduler` hands whole modules to the xdist workers (a module's fixtures are built
 # once, not once per worker) in collection order, so the longest go first and the run ends on short ones.
 MODULE_SECONDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "module_seconds.json")
 
@@ -75,6 +75,18 @@ def pytest_collection_modifyitems(config, items):
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = keep
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` (pytest-xdist's default "load" distribution): whole modules to each worker, in collection
+    order (`--dist loadfile --no-loadscope-reorder`); an explicit other --dist is left alone."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
+    return LoadFileScheduling(config, log)
 
 
 def _longest_modules_first(items) -> None:

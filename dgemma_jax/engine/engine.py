@@ -140,6 +140,7 @@ class Engine:
                                                     attn_key_block=min(kb, self.runtime.attn_key_block))
         self._program_cache = ProgramCache.shared if programs is None else programs
         self._programs = {}
+        self._donated: dict = {}  # per program key: the argument names it donates
         self._bound = None
 
     def with_sampler(self, sampler: SamplerConfig) -> "Engine":
@@ -202,7 +203,24 @@ class Engine:
             rt = self.runtime if runtime is None else runtime
             self._programs[key] = self._program_cache.get((key, self.config, self.sampler, rt, dn),
                                                           lambda: jax.jit(fn, donate_argnames=dn))
+            self._donated[key] = dn
         return self._programs[key]
+
+    def with_param_formats(self, program, formats, kwargs: dict):
+        """One of this engine's programs jitted again with its parameters (the first argument) in `formats`
+        (a `jax.experimental.layout.Format` per leaf; `Layout.AUTO`: left to the compiler) and the rest
+        passed by keyword as in `kwargs` (their shardings taken from it), donating what it donated:
+        -> (f(params, donated kwargs, other kwargs), the donated names). For `perf.aot`'s
+        param_formats="compiler"."""
+        key = next((k for k, fn in self._programs.items() if fn is program), None)
+        if key is None:
+            raise ValueError("not a program of this engine")
+        raw, donated = program.__wrapped__, self._donated[key]
+        shardings = lambda tree: jax.tree.map(lambda s: s.sharding, tree)  # noqa: E731
+        give = shardings({k: v for k, v in kwargs.items() if k in donated})
+        keep = shardings({k: v for k, v in kwargs.items() if k not in donated})
+        return jax.jit(lambda params, give, keep: raw(params, **give, **keep), in_shardings=(formats, give, keep),
+                       donate_argnums=(1,)), donated
 
     def new_slots(self, slots: int) -> Canvas:
         """Idle server slots: the first state the `slot_tick` program takes.

@@ -314,7 +314,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
                    max_new_tokens: int | None = None, progress=None, quantize: str | None = None,
                    hop_latency_s: float = coll.DEFAULT_HOP_LATENCY_S, images: int = 0,
                    layers: str = "auto", compiler_options: dict[str, str] | None = None,
-                   explain_memory: int = 0, rl: dict | None = None) -> dict[str, Any]:
+                   explain_memory: int = 0, rl: dict | None = None,
+                   param_formats: str = "default") -> dict[str, Any]:
     """Lower and compile the engine's programs for a TPU topology; per-chip memory, cost, projections.
 
     context: KV cache capacity (prompt + committed canvases). prompt: tokens in one prefill call.
@@ -336,6 +337,11 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
     `RL_STEP_DEFAULTS` for the rest). With "rl_step" and the rollout's programs (prefill, denoise_step,
     commit) the report's "rl" block projects one RL step: the rollout (prefill + canvases x (steps x
     denoise_step + commit)) plus the update.
+    param_formats: "default" (the parameters in the default layouts, as the engine places them) or
+    "compiler": each engine program compiled with its parameters (its first argument) in the layouts the
+    TPU compiler prefers (`Engine.with_param_formats`, `Layout.AUTO`; the other inputs and the donation as
+    the engine's), so that no relayout copy of a weight is made at the program's start and held as a
+    temporary. The engine does not place parameters so (yet): "compiler" measures what that would save.
     progress: optional callable(name, index, count, seconds, entry) called before each program
     (seconds and entry None) and after it (its compile seconds and report entry).
     Returns a JSON-able dict; `fits` is False when any program exceeds the chip's HBM.
@@ -361,7 +367,10 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
     sh = Shardings(cfg, make_mesh(mesh, devices=devs), rules)
     runtime = sh.runtime(platform="tpu", moe_dispatch=moe_dispatch, attn_kernel=attn_kernel, layers=layers)
     args = program_inputs(cfg, sampler, sh, batch, context, prompt, quantize, images, runtime.layers)
+    if param_formats not in ("default", "compiler"):
+        raise ValueError(f"param_formats={param_formats!r} is invalid: 'default' or 'compiler'")
     report: dict[str, Any] = {
+        "param_formats": param_formats,
         "preset": cfg.name, "topology": topology_name, "chips": len(devs), "mesh": dict(sh.mesh.shape),
         "rules": rules, "batch": batch, "context": context, "prompt": prompt, "dtype": cfg.param_dtype,
         "moe_dispatch": runtime.dispatch, "attn_kernel": attn_kernel, "layers": runtime.layers,
@@ -381,6 +390,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         observed = runtime.replace(observer=kernels)
         if name in ("lora_step", "rl_step") and quantize is not None:
             raise ValueError(f"{name} compiles the float training step; drop quantize for it")
+        if name in ("lora_step", "rl_step") and param_formats != "default":
+            raise ValueError(f"{name} is not an engine program: param_formats='compiler' applies to those only")
         if name == "lora_step":
             fn, pos = lora_step_program(cfg, sh, batch, prompt, max(1, (context - prompt) // cfg.canvas_length),
                                         runtime=observed)
@@ -394,6 +405,13 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
                             compilation_cache=False)   # the caller decides (dgemma compile: off, or --save DIR)
             fn, make_args = engine_programs(engine, max_new_tokens)[name]
             pos, kw = make_args(args)
+            if param_formats == "compiler":  # f(params, donated kwargs, other kwargs)
+                from jax.experimental.layout import Format, Layout  # deferred: this measurement alone
+
+                auto = jax.tree.map(lambda s: Format(Layout.AUTO, s.sharding), pos[0])
+                fn, donated = engine.with_param_formats(fn, auto, kw)
+                pos, kw = (pos[0], {k: v for k, v in kw.items() if k in donated},
+                           {k: v for k, v in kw.items() if k not in donated}), {}
         entry: dict[str, Any] = {}
         t0 = time.perf_counter()
         try:
