@@ -21,12 +21,9 @@ class _HideModules:
 if os.environ.get("DGEMMA_HIDE_TORCH") == "1":
     sys.meta_path.insert(0, _HideModules())
 
-# Tests run on the CPU; 8 fake devices let sharding tests build real meshes. XLA:CPU's code generation
-# at LLVM's optimization level 0: the suite's time is mostly compiling small programs, and this cut a
-# compile-bound module's CPU time by a quarter (tests/test_sharding.py's generate tests: 171 vs 227 s);
-# XLA's own passes and the matmul library calls are the same at either level.
+# Tests run on the CPU; 8 fake devices let sharding tests build real meshes.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # One persistent compilation cache for this test session, shared with the subprocesses the CLI,
 # multi-process and resume tests start: each distinct program compiles once per session.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="dgemma_jax_xla_cache_"))
