@@ -207,11 +207,18 @@ class Engine:
         return self._programs[key]
 
     def with_param_formats(self, program, formats, kwargs: dict):
-        """One of this engine's programs jitted again with its parameters (the first argument) in `formats`
-        (a `jax.experimental.layout.Format` per leaf; `Layout.AUTO`: left to the compiler) and the rest
-        passed by keyword as in `kwargs` (their shardings taken from it), donating what it donated:
-        -> (f(params, donated kwargs, other kwargs), the donated names). For `perf.aot`'s
-        param_formats="compiler"."""
+        """One of this engine's programs jitted again with its parameters in given formats (layouts).
+
+        For `perf.aot`'s param_formats="compiler".
+
+        Args:
+          program: one of this engine's jitted programs (`programs`, `fused_program`).
+          formats: a `jax.experimental.layout.Format` per parameter leaf (`Layout.AUTO`: left to the compiler).
+          kwargs: the program's keyword arguments (arrays or ShapeDtypeStructs: their shardings are kept).
+        Returns:
+          (f, donated): f(params, donated kwargs, other kwargs) jitted, donating what `program` donated,
+          and the names of the donated keyword arguments.
+        """
         key = next((k for k, fn in self._programs.items() if fn is program), None)
         if key is None:
             raise ValueError("not a program of this engine")
