@@ -216,18 +216,19 @@ class Engine:
           formats: a `jax.experimental.layout.Format` per parameter leaf (`Layout.AUTO`: left to the compiler).
           kwargs: the program's keyword arguments (arrays or ShapeDtypeStructs: their shardings are kept).
         Returns:
-          (f, donated): f(params, donated kwargs, other kwargs) jitted, donating what `program` donated,
-          and the names of the donated keyword arguments.
+          (f, (donated, other)): f(params, donated, other) jitted, donating what `program` donated, and
+          `kwargs` split into those two dicts.
         """
         key = next((k for k, fn in self._programs.items() if fn is program), None)
         if key is None:
             raise ValueError("not a program of this engine")
         raw, donated = program.__wrapped__, self._donated[key]
+        give = {k: v for k, v in kwargs.items() if k in donated}
+        keep = {k: v for k, v in kwargs.items() if k not in donated}
         shardings = lambda tree: jax.tree.map(lambda s: s.sharding, tree)  # noqa: E731
-        give = shardings({k: v for k, v in kwargs.items() if k in donated})
-        keep = shardings({k: v for k, v in kwargs.items() if k not in donated})
-        return jax.jit(lambda params, give, keep: raw(params, **give, **keep), in_shardings=(formats, give, keep),
-                       donate_argnums=(1,)), donated
+        fn = jax.jit(lambda params, give, keep: raw(params, **give, **keep),
+                     in_shardings=(formats, shardings(give), shardings(keep)), donate_argnums=(1,))
+        return fn, (give, keep)
 
     def new_slots(self, slots: int) -> Canvas:
         """Idle server slots: the first state the `slot_tick` program takes.

@@ -409,9 +409,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
                 from jax.experimental.layout import Format, Layout  # deferred: this measurement alone
 
                 auto = jax.tree.map(lambda s: Format(Layout.AUTO, s.sharding), pos[0])
-                fn, donated = engine.with_param_formats(fn, auto, kw)
-                pos, kw = (pos[0], {k: v for k, v in kw.items() if k in donated},
-                           {k: v for k, v in kw.items() if k not in donated}), {}
+                fn, split = engine.with_param_formats(fn, auto, kw)
+                pos, kw = (pos[0], *split), {}
         entry: dict[str, Any] = {}
         t0 = time.perf_counter()
         try:
