@@ -43,6 +43,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="rollout rows: prompts x group size")
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--context", type=int, default=1280)
+    p.add_argument("--layers", default="scan", choices=("scan", "unrolled"),
+                   help="the programs' layer layout: a recipe's model.overrides.layers, which the trainer's update "
+                        "and rollout engine both run (unrolled: the 26B update's compile needs > 23 GB of host memory)")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--parts", default="/tmp/aot_rl_parts", help="one JSON per compiled (topology, program)")
     args = p.parse_args()
@@ -58,7 +61,8 @@ def main() -> None:
                 print(f"{topo} {name}: compiling (load {os.getloadavg()[0]:.1f}) ...", flush=True)
                 t0 = time.time()
                 rep = compile_report(args.preset, topo, mesh=MESHES.get(topo), rules="training", batch=args.batch,
-                                     context=args.context, prompt=args.prompt, programs=(name,))
+                                     context=args.context, prompt=args.prompt, programs=(name,),
+                                     layers=args.layers)
                 rep["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
                 with open(part, "w") as f:
                     json.dump(rep, f, indent=2)
@@ -79,7 +83,7 @@ def _write(args, topo: str, topologies, programs) -> None:
     rep["compiled"] = sorted(rep["programs"])
     rep["not_compiled"] = [n for n in programs if n not in rep["programs"]]
     rep["command"] = ("flock /tmp/aot.lock python benchmarks/aot_rl.py --topologies " + ",".join(topologies)
-                      + f" --batch {args.batch} --prompt {args.prompt} --context {args.context}")
+                      + f" --batch {args.batch} --prompt {args.prompt} --context {args.context} --layers {args.layers}")
     rep["machine_note"] = ("compiled one program per process call on a 2-core CPU shared with other sessions' "
                            "compiles and tests (load in each part's loadavg_after): compile_seconds are not "
                            "comparable with other runs")

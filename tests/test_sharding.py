@@ -1,4 +1,7 @@
-"""Sharding changes nothing: sharded == unsharded on several meshes of 8 fake CPU devices."""
+"""Sharding changes nothing: sharded == unsharded on several meshes of 8 fake CPU devices.
+
+The model has one sliding and one global layer, 8 experts, 8 heads: every kind of layer and every split
+the meshes make (more layers add compile time, not another kind of sharding)."""
 
 import os
 import re
@@ -20,7 +23,8 @@ from dgemma_jax.sampling.loop import denoise_step, init_state, row_keys
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
 
-CFG = ModelConfig.preset("tiny-6layer", num_heads=8, num_kv_heads=4, num_global_kv_heads=2)
+CFG = ModelConfig.preset("tiny-6layer", num_heads=8, num_kv_heads=4, num_global_kv_heads=2, num_layers=2,
+                          layer_types=("sliding", "global"))
 SAMPLER = SamplerConfig(canvas_length=16, max_denoising_steps=4, eos_ids=(1,))
 TOKENS = np.random.RandomState(0).randint(3, CFG.vocab_size, (2, 20)).astype(np.int32)
 LENGTHS = np.array([20, 13], np.int32)

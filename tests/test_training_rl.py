@@ -279,3 +279,17 @@ def test_dynamic_sampling_updates_only_groups_whose_rewards_differ():
         GRPOStep(tokenizer=None, layout=None, group_size=2, reward=None, seed=0, rollout_params=None, engine=None,
                  update=None, reference=None, place=None, eos_ids=(1,), pad_id=0, step_of=None,
                  skip_equal_groups=True, max_rounds=2)
+
+
+@pytest.mark.parametrize("layers", ["scan", "unrolled"])
+def test_the_rollouts_run_in_the_recipes_layer_layout(layers, tmp_path):
+    """model.overrides.layers reaches the RL step's rollout engine as well as its update (the 26B's
+    update is compiled scanned, benchmarks/aot_rl.py; its rollouts ran unrolled whatever the recipe said)."""
+    from dgemma_jax.training.train import Run
+
+    cfg = load_config(os.path.join(ROOT, "configs", "rl_tiny.py"),
+                      {"model.overrides.layers": layers, "train.workdir": str(tmp_path)})
+    run = Run(cfg)
+    assert run.runtime.layers == layers
+    engine = run.step_fn.engine(run.inference_params())
+    assert engine.runtime.layers == layers

@@ -436,6 +436,8 @@ class Run:
             params = self.inference_params(state)
             return jax.tree.map(fetch, params) if jax.process_count() > 1 else params
 
+        # the rollouts run in the recipe's layer layout (model.overrides.layers), as the update does
+        rollout_runtime = Runtime(layers=self.runtime.layers)
         extra_prompts, rounds = None, int(rc.max_rounds) if rc.skip_equal_groups else 1
         if rounds > 1:   # dynamic sampling's extra prompts: their own stream, batch (step, round) of it
             extra = rl_source(rc, self.dc, self.tokenizer, self.layout, cfg, seed=int(self.dc.seed) + EXTRA_PROMPT_SEED)
@@ -446,7 +448,8 @@ class Run:
         return GRPOStep(skip_equal_groups=bool(rc.skip_equal_groups), max_rounds=rounds, extra_prompts=extra_prompts,
                         tokenizer=self.tokenizer, layout=self.layout, group_size=int(rc.group_size),
                         reward=load_reward(rc.reward), seed=self.seed, rollout_params=rollout_params,
-                        engine=lambda p: Engine(cfg, p, sampler, batch_invariant=False, compilation_cache=False),
+                        engine=lambda p: Engine(cfg, p, sampler, batch_invariant=False, compilation_cache=False,
+                                                runtime=rollout_runtime),
                         update=update, reference=reference, place=self.place, eos_ids=cfg.eos_ids,
                         pad_id=cfg.pad_id, step_of=lambda state: int(fetch(state.step)), config=cfg)
 

@@ -24,7 +24,8 @@ from dgemma_jax.parallel import Shardings, fetch, make_mesh  # noqa: E402
 from dgemma_jax.sampling import SamplerConfig  # noqa: E402
 
 assert len(jax.devices()) == 8, jax.devices()
-cfg = ModelConfig.preset("tiny-6layer", num_heads=8, num_kv_heads=4, num_global_kv_heads=2)
+cfg = ModelConfig.preset("tiny-6layer", num_heads=8, num_kv_heads=4, num_global_kv_heads=2, num_layers=2,
+                         layer_types=("sliding", "global"))
 sh = Shardings(cfg, make_mesh("expert=2,tensor=4"), "latency")
 params = sh.init_params(jax.random.key(0))
 sampler = SamplerConfig(canvas_length=16, max_denoising_steps=4, eos_ids=(1,))
