@@ -15,7 +15,8 @@ from dgemma_jax.model.cache import layer_slots
 from dgemma_jax.sampling import SamplerConfig
 from dgemma_jax.sampling.loop import Canvas, denoise_canvas, init_state, loop_running, row_keys
 
-CFG = ModelConfig.preset("tiny-6layer")
+# one sliding and one global layer: every kind of layer the engine handles (more add compile time only)
+CFG = ModelConfig.preset("tiny-6layer", num_layers=2, layer_types=("sliding", "global"))
 
 
 @pytest.fixture(scope="module")
