@@ -16,7 +16,7 @@ def _run(*args, timeout=600):
 
 def test_small_config_compiles_for_v5e_8(tmp_path):
     out = tmp_path / "r.json"
-    r = _run("--preset", "tiny-6layer", "--topology", "v5e-8", "--mesh", "expert=4,tensor=2", "--context", "64",
+    r = _run("--preset", "tiny-2layer", "--topology", "v5e-8", "--mesh", "expert=4,tensor=2", "--context", "64",
              "--prompt", "16", "--programs", "denoise_step,commit,generate", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads(out.read_text())

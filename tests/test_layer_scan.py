@@ -109,9 +109,12 @@ def test_stack_unstack_round_trip_exact():
 
 
 def test_engine_scan_generates_the_same_tokens():
-    params = init_params(CFG12, 0)
-    ref = Engine(CFG12, params, SAMPLER).generate(TOKENS, LENGTHS, rng=0, max_new_tokens=32)
-    eng = Engine(CFG12, params, SAMPLER, runtime=Runtime(layers="scan"))
+    # two groups of (sliding, global): the engine's scan over groups (the 6-layer period of the 26B's
+    # groups is test_scan_equals_unrolled's)
+    cfg = TINY.replace(num_layers=4, layer_types=("sliding", "global") * 2)
+    params = init_params(cfg, 0)
+    ref = Engine(cfg, params, SAMPLER).generate(TOKENS, LENGTHS, rng=0, max_new_tokens=32)
+    eng = Engine(cfg, params, SAMPLER, runtime=Runtime(layers="scan"))
     assert layout.is_stacked(eng.params) and eng.new_cache(2, 64).groups == 2
     out = eng.generate(TOKENS, LENGTHS, rng=0, max_new_tokens=32)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
