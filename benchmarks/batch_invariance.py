@@ -12,10 +12,13 @@ how many program calls and distinct compiled programs one batch of 8 takes, and 
 rows give other tokens than the same prompt with the same seed alone (and reordered):
 
 - `batched`: `Engine(batch_invariant=False)`: one fused program for the batch, rows padded to the
-  longest prompt and cache; not invariant (the reference of issue 46's 1.25x bound);
-- `invariant`: `Engine(batch_invariant=True)`, the default: blocks of 8 rows whatever their prompt
-  lengths, prefill in canvas-length chunks, attention in fixed key blocks;
-- `rows`: `Engine(batch_invariant=1)`: the same programs one row at a time.
+  longest prompt and cache; not invariant (the reference of issue 46's 1.25x bound). A prompt alone in
+  this mode runs the program shaped by itself alone (what the invariant default ran before it batched);
+- `invariant`: `Engine(batch_invariant=True)`, the default: the call's rows as one block of exactly
+  their number whatever their prompt lengths, prefill in canvas-length chunks, attention in fixed key
+  blocks (a prompt alone: a 1-row program);
+- `blocks8`: `Engine(batch_invariant=8)`: the same programs in blocks of exactly 8 rows (a prompt
+  alone fills its block with 7 copies).
 
 `programs_per_batch` counts the fused-program calls and the compiles one batch adds (a jit's cache
 size); the invariant program is the same one on a TPU (one block: one program call, its shapes fixed
@@ -29,6 +32,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import jax
@@ -41,13 +45,11 @@ from dgemma_jax.pipeline import DiffusionGemma
 PROMPTS = ["s3=", "s91=", "s4172=", "s904215=", "s31415926535=", "s8877665544332211=", "s55012=",
            "s99887766554433221="]
 SEEDS = [3, 1, 4, 1, 5, 9, 2, 6]
-MODES = {"batched": False, "invariant": True, "rows": 1}
+MODES = {"batched": False, "invariant": True, "blocks8": 8}
 
 
 def _random_12layer():
     """The random 12-layer model and prompts of tests/test_batch_invariance.py."""
-    import sys
-
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from tests import test_batch_invariance as t
 
@@ -136,7 +138,7 @@ def main(argv=None):
             json.dump(out_all, f, indent=1)
         return
     n = args.new_tokens
-    out_all = dict(command="python benchmarks/batch_invariance.py " + " ".join(argv or []),
+    out_all = dict(command=" ".join(["python benchmarks/batch_invariance.py", *(sys.argv[1:] if argv is None else argv)]),
                    device=jax.devices()[0].device_kind, cpus=os.cpu_count(), machine=platform.machine(),
                    new_tokens=n, repeats=args.repeats, models={})
     for name, model, prompts, seeds in (("bundled", DiffusionGemma.from_pretrained(None), PROMPTS, SEEDS),

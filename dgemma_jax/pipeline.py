@@ -150,9 +150,10 @@ class DiffusionGemma:
             False, but a Hub repo read by a single process is downloaded (`locations.locate`).
           progress: show a bar while a Hugging Face checkpoint's tensors are read (and quantized).
           batch_invariant: `Engine`'s: True (default) a prompt with its seed gets the same text alone or in
-            any list (each prompt its own program); an int N the same from programs of N rows whatever
-            the prompts' lengths (N = 8 and a list of 8: one program; one prompt alone costs N rows);
-            False one batched program for a list (a row's text can change with the rest).
+            any list (float32 on a CPU: one batched program per list; elsewhere each prompt its own
+            program); an int N the same text from blocks of exactly N rows (one compiled program for
+            lists up to N; one prompt alone costs N rows); False one batched program without those
+            guarantees (a row's text can change with the rest; the fastest).
           lora: a LoRA adapter (a `dgemma train` LoRA run's work directory or checkpoints/<step>), run
             unmerged beside the weights; None: the checkpoint alone.
         Returns:
@@ -221,9 +222,8 @@ class DiffusionGemma:
             without an end of sequence is a DgemmaWarning).
           seed: one int (every prompt uses that seed's stream) or one int per prompt. A prompt with its
             seed gets the same text alone or in any list, at any position, given the same
-            max_new_tokens (`Engine`'s batch_invariant: each prompt runs as its own program, or in
-            blocks of a fixed N rows whose shapes do not change a row's numbers;
-            tests/test_batch_invariance.py, XLA:CPU).
+            max_new_tokens (`Engine`'s batch_invariant: one batched program whose shapes do not
+            change a row's numbers, or each prompt its own; tests/test_batch_invariance.py, XLA:CPU).
           images: for one prompt, an image or a list (paths, bytes, PIL images or uint8 arrays;
             `dgemma_jax.io.images`), placed at the `<|image|>` markers of `text` (or, without
             markers, before it).

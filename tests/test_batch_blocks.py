@@ -1,20 +1,25 @@
-"""Batch invariance from batched programs (`Engine(batch_invariant=N)`, issue 46; the default is row by
-row): the rows of a call run in blocks of exactly N rows whatever their prompt lengths, so a batch of 8 mixed-length
-prompts is one program call, and a prompt's tokens still do not depend on the rest of the call (alone,
-in any batch, at any position; the fused program and the step driver alike). What makes a row's bits
-independent of its block's widest prompt and longest cache: the prefill runs in canvas-length chunks,
-and attention runs over fixed key blocks (`Runtime.attn_fixed_blocks`), where the blocks past a row's
-keys add exact zeros. The random 12-layer model of tests/test_batch_invariance.py checks the same in
-the slow tier."""
+"""Batch invariance from batched programs (`Engine(batch_invariant=True)`, the default, and
+`batch_invariant=N`; issue 46): the rows of a call run as one block of exactly their number (True) or
+in blocks of exactly N rows, whatever their prompt lengths, so a batch of mixed-length prompts is one
+program call, and a prompt's tokens still do not depend on the rest of the call (alone, in any batch,
+at any position; the fused program and the step driver alike) nor on the setting (True or N). What
+makes a row's bits independent of its block's size, widest prompt and longest cache: the prefill runs
+in canvas-length chunks, and attention runs over fixed key blocks (`Runtime.attn_fixed_blocks`), where
+the blocks past a row's keys add exact zeros. The random 12-layer model of
+tests/test_batch_invariance.py checks the same in the slow tier."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dgemma_jax import ModelConfig, init_params
 from dgemma_jax.engine import Engine
+from dgemma_jax.engine.engine import rows_share_programs
 from dgemma_jax.engine.drivers import collect
 from dgemma_jax.model.attention import attend
 from dgemma_jax.pipeline import DiffusionGemma, load_checkpoint
+from dgemma_jax.runtime import Runtime
+from dgemma_jax.sampling import SamplerConfig
 
 # four prompts of the 16-token bucket, one of the 24-token one, one of the 64-token one (its cache is
 # longer: 128 slots against 64 for the others alone)
@@ -35,11 +40,9 @@ def _encode(tok, prompts):
     return tokens, np.array([len(x) for x in ids], np.int32)
 
 
-def test_mixed_length_prompts_run_as_one_block_and_keep_their_alone_tokens(bundled):
-    cfg, params, sampler, tok = bundled
-    eng = Engine(cfg, params, sampler, batch_invariant=8)    # blocks of 8 rows
-    calls = []
-    program = eng.fused_program
+def _counting(eng):
+    """The engine's fused program wrapped to record each call's (prompt shape, cache length)."""
+    calls, program = [], eng.fused_program
 
     def counted(*a, **k):
         fn = program(*a, **k)
@@ -50,27 +53,42 @@ def test_mixed_length_prompts_run_as_one_block_and_keep_their_alone_tokens(bundl
         return call
 
     eng.fused_program = counted
+    return calls
+
+
+def test_mixed_length_prompts_run_as_one_block_and_keep_their_alone_tokens(bundled):
+    cfg, params, sampler, tok = bundled
     tokens, lengths = _encode(tok, PROMPTS)
-    out = np.asarray(eng.generate(tokens, lengths, rng=SEEDS, max_new_tokens=16).tokens)
-    # the three buckets' prompts in one call of 8 rows (two copies fill it)
-    assert calls == [((8, 64), 128)], calls
-    calls.clear()
-    alone = [np.asarray(eng.generate(tokens[i:i + 1, :lengths[i]], lengths[i:i + 1], rng=[SEEDS[i]],
-                                     max_new_tokens=16).tokens)[0] for i in range(len(PROMPTS))]
-    # alone, a short prompt gets a narrower prompt and a shorter cache than in the batch
-    assert {c[0][1] for c in calls} == {16, 24, 64} and {c[1] for c in calls} == {64, 128}, calls
-    assert len({a.tobytes() for a in alone}) == len(PROMPTS)
-    order = [5, 2, 0, 4, 1, 3]
-    moved = np.asarray(eng.generate(tokens[order], lengths[order], rng=[SEEDS[i] for i in order],
-                                    max_new_tokens=16).tokens)
-    two = [0, 5]   # the shortest and the longest prompt together, the step driver
-    stepped, _, _ = collect(eng.steps(tokens[two], lengths[two], rng=[SEEDS[i] for i in two], max_new_tokens=16),
-                            len(two), 16, sampler.canvas_length, sampler.pad_id)
-    for i in range(len(PROMPTS)):
-        np.testing.assert_array_equal(out[i], alone[i], err_msg=f"prompt {i} in the batch")
-        np.testing.assert_array_equal(moved[order.index(i)], alone[i], err_msg=f"prompt {i} reordered")
-    for r, i in enumerate(two):
-        np.testing.assert_array_equal(stepped[r], alone[i], err_msg=f"prompt {i}, step driver")
+    answers = {}
+    # the default (one block of the call's rows) and blocks of 8 rows (two copies fill the block)
+    for mode, block in ((True, (6, 64)), (8, (8, 64))):
+        eng = Engine(cfg, params, sampler, batch_invariant=mode)
+        calls = _counting(eng)
+        out = np.asarray(eng.generate(tokens, lengths, rng=SEEDS, max_new_tokens=16).tokens)
+        # the three buckets' prompts in one call
+        assert calls == [(block, 128)], (mode, calls)
+        calls.clear()
+        alone = [np.asarray(eng.generate(tokens[i:i + 1, :lengths[i]], lengths[i:i + 1], rng=[SEEDS[i]],
+                                         max_new_tokens=16).tokens)[0] for i in range(len(PROMPTS))]
+        # alone, a short prompt gets a narrower prompt and a shorter cache than in the batch, and
+        # (the default) one row
+        assert {c[0][1] for c in calls} == {16, 24, 64} and {c[1] for c in calls} == {64, 128}, calls
+        assert {c[0][0] for c in calls} == {1 if mode is True else 8}, calls
+        assert len({a.tobytes() for a in alone}) == len(PROMPTS)
+        order = [5, 2, 0, 4, 1, 3]
+        moved = np.asarray(eng.generate(tokens[order], lengths[order], rng=[SEEDS[i] for i in order],
+                                        max_new_tokens=16).tokens)
+        two = [0, 5]   # the shortest and the longest prompt together, the step driver
+        stepped, _, _ = collect(eng.steps(tokens[two], lengths[two], rng=[SEEDS[i] for i in two],
+                                          max_new_tokens=16), len(two), 16, sampler.canvas_length, sampler.pad_id)
+        for i in range(len(PROMPTS)):
+            np.testing.assert_array_equal(out[i], alone[i], err_msg=f"{mode}: prompt {i} in the batch")
+            np.testing.assert_array_equal(moved[order.index(i)], alone[i], err_msg=f"{mode}: prompt {i} reordered")
+        for r, i in enumerate(two):
+            np.testing.assert_array_equal(stepped[r], alone[i], err_msg=f"{mode}: prompt {i}, step driver")
+        answers[mode] = out
+    # the same tokens whichever invariant setting runs them
+    np.testing.assert_array_equal(answers[True], answers[8])
 
 
 def test_fixed_key_blocks_make_masked_keys_past_a_row_change_no_bit():
@@ -92,13 +110,37 @@ def test_the_switch_reaches_the_engine_and_a_bad_value_is_refused(bundled):
     gemma = DiffusionGemma(cfg, params, tok, sampler, batch_invariant=4)
     assert gemma.engine.batch_invariant is True and gemma.engine.invariant_block == 4
     eng = Engine(cfg, params, sampler)
-    assert eng.invariant_block == 1 and eng.gen_runtime == eng.runtime   # the default: row by row
-    assert eng.prefill_chunk is None
+    assert eng.invariant_block is None and eng.gen_runtime.attn_fixed_blocks   # the default: a call's rows
+    assert eng.prefill_chunk == sampler.canvas_length
+    assert rows_share_programs(cfg, Runtime()) and not rows_share_programs(cfg, Runtime(platform="tpu"))
+    one = Engine(cfg, params, sampler, batch_invariant=1)      # row by row: each row's own shapes
+    assert one.invariant_block == 1 and one.gen_runtime == one.runtime and one.prefill_chunk is None
     eng = Engine(cfg, params, sampler, batch_invariant=8)
     assert eng.invariant_block == 8 and eng.gen_runtime.attn_fixed_blocks
     assert eng.prefill_chunk == sampler.canvas_length
     off = Engine(cfg, params, sampler, batch_invariant=False)
-    assert off.prefill_chunk is None and off.gen_runtime == off.runtime
+    assert off.prefill_chunk is None and off.gen_runtime == off.runtime and off.invariant_block is None
     for bad in (-1, 2.5, "8"):
         with pytest.raises(ValueError, match="batch_invariant must be True, False or a block size"):
             Engine(cfg, params, sampler, batch_invariant=bad)
+
+
+def test_bfloat16_runs_row_by_row_and_keeps_its_alone_tokens():
+    """With bfloat16 activations a row's numbers changed with the row count of a shared program on
+    XLA:CPU (benchmarks/results/batch_invariance_configs.json: 5 of 6 rows), so the default runs such
+    a model row by row, each prompt its own program: a batch's rows get their alone tokens."""
+    cfg = ModelConfig.preset("tiny-2layer", dtype="bfloat16", param_dtype="bfloat16")
+    assert not rows_share_programs(cfg, Runtime())
+    eng = Engine(cfg, init_params(cfg, 0), SamplerConfig(canvas_length=16, max_denoising_steps=4, eos_ids=(1,)))
+    assert eng.invariant_block == 1 and eng.prefill_chunk is None and not eng.gen_runtime.attn_fixed_blocks
+    rng = np.random.default_rng(1)
+    lengths = np.array([3, 20, 9], np.int32)
+    tokens = np.zeros((3, 20), np.int32)
+    for r, n in enumerate(lengths):
+        tokens[r, :n] = rng.integers(3, cfg.vocab_size, n)
+    both = np.asarray(eng.generate(tokens, lengths, rng=[1, 2, 3], max_new_tokens=16).tokens)
+    alone = [np.asarray(eng.generate(tokens[i:i + 1, :n], lengths[i:i + 1], rng=[i + 1],
+                                     max_new_tokens=16).tokens)[0] for i, n in enumerate(lengths)]
+    assert len({a.tobytes() for a in alone}) == 3
+    for i in range(3):
+        np.testing.assert_array_equal(both[i], alone[i], err_msg=f"prompt {i}")

@@ -4,8 +4,9 @@ A random 12-layer model (tiny width; the compiles of two prompt buckets take mos
 module is in the slow tier), prompts of different lengths (in two prompt-width buckets), each alone,
 in batches of 2, 3, 5 and 8 at different positions, and reordered: the fused `Engine.generate`, the
 step-by-step driver `Engine.steps` and `DiffusionGemma.generate` all give every prompt exactly the
-tokens it gets alone, float32 and int8 alike, row by row (the default) and in blocks of 8 rows
-(`batch_invariant=8`: one program call for a batch of 8 mixed-length prompts, issue 46).
+tokens it gets alone, float32 and int8 alike, with the default (a call's rows as one block of their
+number: a batch of 3 and of 8 against 1-row programs alone) and in blocks of 8 rows
+(`batch_invariant=8`: every batch size above, one program shape; issue 46).
 Before the fix a row's key was `split(seed, B)[i]` (its
 list index) and the rows shared one batched program whose shapes (batch, prompt width, cache length)
 and MoE dispatch depended on the other prompts.
@@ -20,6 +21,7 @@ import pytest
 from dgemma_jax import ModelConfig, init_params
 from dgemma_jax.engine.drivers import collect
 from dgemma_jax.io.char_tokenizer import CharTokenizer
+from dgemma_jax.model.quant import quantization_of
 from dgemma_jax.pipeline import DiffusionGemma
 from dgemma_jax.sampling import SamplerConfig
 
@@ -49,8 +51,8 @@ def params():
 
 @pytest.fixture(scope="module", params=["float32", "int8", "float32-blocks8"])
 def gemma(request, params):
-    """Row by row (the default) in float32 and int8, and in blocks of 8 rows (`batch_invariant=8`: the
-    prompts of both buckets in one program call)."""
+    """The default (a call's rows in one block of their number) in float32 and int8, and blocks of 8
+    rows (`batch_invariant=8`): the prompts of both buckets in one program call either way."""
     return DiffusionGemma(CFG, params, TOK, SAMPLER, quantize="int8" if request.param == "int8" else None,
                           batch_invariant=8 if request.param.endswith("blocks8") else True)
 
@@ -63,9 +65,10 @@ def test_a_prompt_gets_the_same_tokens_alone_in_any_batch_at_any_position(gemma)
         alone[i] = np.asarray(eng.generate(tokens, lengths, rng=seeds, max_new_tokens=NEW).tokens)[0]
     # the prompts really differ from each other (a constant output would pass everything below)
     assert len({a.tobytes() for a in alone.values()}) == len(TEXTS)
-    # row by row, a row's program never sees the batch: a subset and the whole batch reordered say so;
-    # blocks of 8 share a program among the rows, so every batch shape and position is tried there
-    for idx in BATCHES if eng.invariant_block > 1 else (BATCHES[1], BATCHES[-1]):
+    # the default: two block sizes (3 and 8, reordered; int8 the 8) against the 1-row programs alone
+    # (each batch size compiles its programs: the slow part); blocks of 8: every batch shape and position
+    batches = (BATCHES[-1],) if quantization_of(eng.params) else (BATCHES[1], BATCHES[-1])
+    for idx in BATCHES if eng.invariant_block else batches:
         tokens, lengths, seeds = _ids(idx)
         fused = np.asarray(eng.generate(tokens, lengths, rng=seeds, max_new_tokens=NEW).tokens)
         stepped, _, _ = collect(eng.steps(tokens, lengths, rng=seeds, max_new_tokens=NEW), len(idx), NEW,

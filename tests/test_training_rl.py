@@ -281,15 +281,19 @@ def test_dynamic_sampling_updates_only_groups_whose_rewards_differ():
                  skip_equal_groups=True, max_rounds=2)
 
 
-@pytest.mark.parametrize("layers", ["scan", "unrolled"])
-def test_the_rollouts_run_in_the_recipes_layer_layout(layers, tmp_path):
-    """model.overrides.layers reaches the RL step's rollout engine as well as its update (the 26B's
-    update is compiled scanned, benchmarks/aot_rl.py; its rollouts ran unrolled whatever the recipe said)."""
+@pytest.mark.parametrize("layers, dispatch, kernel", [("scan", "dense", "xla"), ("unrolled", "ragged", "auto")])
+def test_the_rollouts_run_the_recipes_execution_choices(layers, dispatch, kernel, tmp_path):
+    """model.overrides' execution choices (layer layout, MoE dispatch, attention kernel) reach the RL
+    step's rollout engine as well as its update (the 26B's update is compiled scanned,
+    benchmarks/aot_rl.py; its rollouts ran unrolled with the default dispatch whatever the recipe said)."""
     from dgemma_jax.training.train import Run
 
     cfg = load_config(os.path.join(ROOT, "configs", "rl_tiny.py"),
-                      {"model.overrides.layers": layers, "train.workdir": str(tmp_path)})
+                      {"model.overrides.layers": layers, "model.overrides.moe_dispatch": dispatch,
+                       "model.overrides.attn_kernel": kernel, "train.workdir": str(tmp_path)})
     run = Run(cfg)
-    assert run.runtime.layers == layers
+    assert (run.runtime.layers, run.runtime.moe_dispatch, run.runtime.attn_kernel) == (layers, dispatch, kernel)
     engine = run.step_fn.engine(run.inference_params())
-    assert engine.runtime.layers == layers
+    assert (engine.runtime.layers, engine.runtime.moe_dispatch, engine.runtime.attn_kernel) == (layers, dispatch,
+                                                                                                 kernel)
+    assert engine.runtime.mesh is None

@@ -47,10 +47,20 @@ from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.loop import Canvas, denoise_step, row_keys
 
 
-# the rows of one batch-invariant program call (`Engine(batch_invariant=True)`), and the keys per
-# attention block of its programs per platform (None: any other; `Runtime.attn_fixed_blocks`)
-INVARIANT_BLOCK = 8
+# the keys per attention block of the batch-invariant programs per platform (None: any other;
+# `Runtime.attn_fixed_blocks`)
 INVARIANT_KEY_BLOCK = {"cpu": 64, None: 512}
+
+
+def rows_share_programs(config: ModelConfig, runtime: Runtime) -> bool:
+    """Whether `batch_invariant=True` runs a call's rows as one program (else each row as its own 1-row
+    program). Prefill chunks and fixed key blocks make a row's numbers independent of the other rows'
+    prompt widths and cache lengths by construction; independence of the row count is measured, not
+    built in: on XLA:CPU with float32 activations (float32, int8 and int4 weights) no row's tokens
+    changed with it in any model tried, with bfloat16 activations most did
+    (benchmarks/results/batch_invariance_configs.json). So: one device, a CPU, float32 activations."""
+    return (runtime.platform == "cpu" and runtime.mesh is None
+            and jnp.dtype(dtype_of(config.dtype)) == jnp.dtype(jnp.float32))
 
 
 class Engine:
@@ -73,18 +83,25 @@ class Engine:
     batch_invariant (also `DiffusionGemma(batch_invariant=)`): a prompt with its seed (its key from the
     seed alone, `row_keys`) gets the same tokens from `generate`, `stream` and `steps` whatever else is
     in the call (its size, order, the prompt's position, the other prompts' lengths;
-    tests/test_batch_invariance.py and tests/test_batch_blocks.py on XLA:CPU, float32 and int8).
-    True (default): row by row, each prompt its own batch-1 program shaped by itself (a batch costs
-    about the sum of its rows; a prompt alone costs one row). An int N > 1 (`INVARIANT_BLOCK`, 8, is
-    the measured choice): batched programs of exactly N rows whatever the prompt lengths (a short
-    block filled with copies of its first row; `_blocks`), the prompt prefilled in canvas-length
-    chunks (`prefill_chunk`) and attention over fixed key blocks (`gen_runtime`,
-    `Runtime.attn_fixed_blocks`), so that no shape a row's numbers depend on comes from the other
-    rows: a batch of 8 is one program call (about 1.2x the non-invariant batched program on a CPU),
-    but a prompt alone costs a block of N rows (docs/api.md has the measured costs; why this is not
-    the default). A row with images runs alone, shaped by itself. False: one program for the whole
-    batch (rows padded to the longest prompt, one MoE dispatch for all tokens, one softmax over the
-    keys): a row's tokens can change with the rest of the batch (float rounding, then the sampler).
+    tests/test_batch_invariance.py and tests/test_batch_blocks.py on XLA:CPU, float32 and int8), and
+    the same tokens under every batched invariant setting (True where it batches, any N > 1). The rows run in batched
+    programs in which no shape a row's numbers depend on comes from the other rows: the prompt
+    prefilled in canvas-length chunks (`prefill_chunk`), attention over fixed key blocks
+    (`gen_runtime`, `Runtime.attn_fixed_blocks`) in a cache of whole key blocks
+    (`invariant_cache_length`), so that a row's numbers do not depend on the block's widest prompt
+    or longest cache (`_blocks`). True (default): on one CPU device with float32 activations the
+    rows of a call that start new caches run as one block of exactly their number (one program
+    call; a prompt alone a 1-row program; a batch of 8 costs at most about 1.1x the non-invariant
+    batched program, docs/api.md), where a row's independence of the row count was measured
+    (`rows_share_programs`); elsewhere (bfloat16, an accelerator, a mesh) row by row: each prompt
+    its own program shaped by itself (invariant by construction; a batch costs about the sum of its
+    rows). An int N > 1: blocks of exactly N rows (a short block filled with copies of its first
+    row; any dtype and device): one compiled program for any batch size up to N, a prompt alone
+    paying N rows; N = 1: row by row. A row with images runs alone, shaped by
+    itself; rows continuing a caller's cache go together by its length. False: one program for the
+    whole batch (rows padded to the longest prompt, one softmax over the keys, no prefill chunks):
+    the fastest batches, and a row's tokens can change with the rest of the batch (float rounding,
+    then the sampler).
     compilation_cache: True (default) turns jax's persistent compilation cache on
     (`dgemma_jax.compile_cache.enable`: JAX_COMPILATION_CACHE_DIR, else a directory already set in
     jax.config, else ~/.cache/dgemma_jax/xla), a string names the directory, False leaves jax's
@@ -131,10 +148,15 @@ class Engine:
         if not isinstance(batch_invariant, (bool, int)) or batch_invariant < 0:
             raise ValueError(f"batch_invariant must be True, False or a block size >= 1; got {batch_invariant!r}")
         self.batch_invariant = bool(batch_invariant)
-        self.invariant_block = 1 if batch_invariant is True else int(batch_invariant)
-        # what the generation programs run: with blocks of several rows, attention in fixed key blocks
+        # rows per invariant program call: None, a call's rows together; N, blocks of exactly N
+        if batch_invariant is True:
+            self.invariant_block = None if rows_share_programs(config, self.runtime) else 1
+        else:
+            self.invariant_block = int(batch_invariant) if batch_invariant else None
+        # what the generation programs run: rows sharing programs attend in fixed key blocks (a row
+        # alone in its program runs it shaped by itself)
         self.gen_runtime = self.runtime
-        if self.batch_invariant and self.invariant_block > 1:
+        if self.batch_invariant and self.invariant_block != 1:
             kb = INVARIANT_KEY_BLOCK.get(self.runtime.platform, INVARIANT_KEY_BLOCK[None])
             self.gen_runtime = self.runtime.replace(attn_fixed_blocks=True,
                                                     attn_key_block=min(kb, self.runtime.attn_key_block))
@@ -189,10 +211,10 @@ class Engine:
 
     @property
     def prefill_chunk(self) -> int | None:
-        """The tokens per prefill pass of the generation programs: with batch invariance a canvas's
-        length (a row's passes then have the same shapes whatever the other rows' prompt lengths),
-        else None (one pass over the padded prompts)."""
-        return self.sampler.canvas_length if self.batch_invariant and self.invariant_block > 1 else None
+        """The tokens per prefill pass of the generation programs: with rows sharing batch-invariant
+        programs a canvas's length (a row's passes then have the same shapes whatever the other rows'
+        prompt lengths), else None (one pass over the padded prompts; row by row, the row's own)."""
+        return self.sampler.canvas_length if self.batch_invariant and self.invariant_block != 1 else None
 
     def _program(self, key, fn, donate=("cache",), runtime: Runtime | None = None):
         """`fn` (its static arguments, the runtime among them, bound) jitted, donating `donate` unless
@@ -476,21 +498,20 @@ class Engine:
         return rows
 
     def _blocks(self, rows):
-        """The rows of `_prepare_rows` as the engine runs them, in blocks of exactly `invariant_block`
-        rows (a short block filled with copies of its first row): the rows that start new caches and
-        have the same seed-canvas shape go together whatever their prompt lengths (`_block` gives
-        every block the same row count and the shapes of its rows' own programs do not matter to
-        a row's bits: prefill in chunks, attention in fixed key blocks); rows continuing a
-        caller's cache go together by its length; a row with images runs alone, shaped by itself.
-        Yields (row indices, the program's inputs)."""
-        n = self.invariant_block
+        """The rows of `_prepare_rows` as the engine runs them: the rows that start new caches and
+        have the same seed-canvas shape go together whatever their prompt lengths (the shapes of
+        their program do not matter to a row's bits: prefill in chunks, attention in fixed key
+        blocks); rows continuing a caller's cache go together by its length; a row with images runs
+        alone, shaped by itself. A group runs as one block of its rows (`invariant_block` None) or
+        in blocks of exactly `invariant_block` rows (a short block filled with copies of its first
+        row). Yields (row indices, the program's inputs)."""
         groups: dict = {}
         for i, (t, ln, k, c, sc, pin, im) in enumerate(rows):
             shape = ("new" if isinstance(c, int) else c.max_length, None if sc is None else sc.shape,
                      None if pin is None else pin.shape)
             groups.setdefault(("alone", i) if im is not None else shape, []).append(i)
         for idx in groups.values():
-            size = 1 if rows[idx[0]][6] is not None else n
+            size = 1 if rows[idx[0]][6] is not None else self.invariant_block or len(idx)
             for start in range(0, len(idx), size):
                 part = idx[start:start + size]
                 yield part, self._block([rows[i] for i in part], size)

@@ -1,6 +1,7 @@
-"""A batch as single rows (or blocks of rows) and back: the host side of the engine's batch invariance.
+"""A batch as blocks of rows and back: the host side of the engine's batch invariance.
 
-`Engine(batch_invariant=True)` runs a batch as separate programs, one row or block of rows each
+`Engine(batch_invariant=True)` runs a batch as one program per group of rows (those starting new caches,
+those continuing a cache of one length, a row with images alone) or, with an int N, per block of N rows
 (`Engine._blocks`): `merge_outputs` / `take_rows` put the fused program's outputs back into the call's
 batch and order; `split_rows` gives each row of a block its own view of the block's streaming driver
 (`row_of`), and `merge_row_events` runs the rows' drivers (`engine.drivers`) in lockstep as one

@@ -6,9 +6,10 @@ operands: read, never carried, copied or written. Randomness is per row: step `s
 `fold_in(row_key, s)`, and `row_keys` derives a row's key from its own seed, never from its index,
 so a row's random draws do not depend on the other rows. Its numbers can: a batched step shares
 shapes (batch, prompt width, cache length) and the MoE dispatch with the other rows, and float
-rounding that differs by ~1e-4 in the logits changes sampled tokens. `Engine` (batch_invariant)
-runs each row as its own batch-1 program for that reason (the default), or rows in blocks of a fixed
-row count, prefilled in fixed chunks, attending over fixed key blocks (tests/test_batch_invariance.py).
+rounding that differs by ~1e-4 in the logits changes sampled tokens. `Engine` (batch_invariant, the
+default) runs batches whose shapes a row's numbers do not depend on for that reason (prefilled in
+fixed chunks, attending over fixed key blocks), or each row as its own program
+(tests/test_batch_invariance.py).
 
 One step (HF / SGLang / vLLM semantics, spec §3.2)::
 

@@ -436,8 +436,9 @@ class Run:
             params = self.inference_params(state)
             return jax.tree.map(fetch, params) if jax.process_count() > 1 else params
 
-        # the rollouts run in the recipe's layer layout (model.overrides.layers), as the update does
-        rollout_runtime = Runtime(layers=self.runtime.layers)
+        # the rollouts run the recipe's execution choices (model.overrides: layer layout, MoE dispatch,
+        # attention kernel, ...) as the update does; the engine follows the parameters' placement
+        rollout_runtime = self.runtime.local()
         extra_prompts, rounds = None, int(rc.max_rounds) if rc.skip_equal_groups else 1
         if rounds > 1:   # dynamic sampling's extra prompts: their own stream, batch (step, round) of it
             extra = rl_source(rc, self.dc, self.tokenizer, self.layout, cfg, seed=int(self.dc.seed) + EXTRA_PROMPT_SEED)
