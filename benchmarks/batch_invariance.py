@@ -171,7 +171,27 @@ def _tpu(topology: str, n: int) -> dict:
     entry = report["programs"]["generate"]
     return dict(topology=topology, batch=8, prompt_width=24, cache_length=128, programs_compiled=1,
                 fits=entry["fits"], compile_seconds=entry.get("compile_seconds"),
-                total_bytes=entry.get("total_bytes"), wall_seconds=round(time.perf_counter() - t, 1))
+                total_bytes=entry.get("total_bytes"), wall_seconds=round(time.perf_counter() - t, 1),
+                calls_per_batch_of_8=_tpu_calls(model, n))
+
+
+def _tpu_calls(model, n: int) -> dict:
+    """How a TPU engine runs the batch of 8 (program calls, distinct program shapes) per mode, from its
+    plan (`Engine._blocks`; nothing runs): the default runs row by row there (`rows_share_programs`)."""
+    from dgemma_jax.runtime import Runtime
+
+    tokens, lengths = model.encode_batch(PROMPTS)
+    out = {}
+    for mode, value in MODES.items():
+        if value is False:
+            out[mode] = dict(calls=1, shapes=1)
+            continue
+        eng = Engine(model.config, model.params, model.sampler, batch_invariant=value,
+                     runtime=Runtime(platform="tpu"), compilation_cache=False)
+        rows = eng._prepare_rows(tokens, lengths, SEEDS, n, None, None, None)
+        blocks = [(b[1][0].shape, b[1][3].max_length) for b in eng._blocks(rows)]
+        out[mode] = dict(calls=len(blocks), shapes=len({(shape, cache) for shape, cache in blocks}))
+    return out
 
 
 if __name__ == "__main__":
