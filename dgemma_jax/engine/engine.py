@@ -84,8 +84,8 @@ class Engine:
     seed alone, `row_keys`) gets the same tokens from `generate`, `stream` and `steps` whatever else is
     in the call (its size, order, the prompt's position, the other prompts' lengths;
     tests/test_batch_invariance.py and tests/test_batch_blocks.py on XLA:CPU, float32 and int8), and
-    the same tokens under every batched invariant setting (True where it batches, any N > 1). The rows run in batched
-    programs in which no shape a row's numbers depend on comes from the other rows: the prompt
+    the same tokens under every batched setting (True where it batches, any N > 1). Where rows share
+    a program, no shape a row's numbers depend on comes from the other rows: the prompt
     prefilled in canvas-length chunks (`prefill_chunk`), attention over fixed key blocks
     (`gen_runtime`, `Runtime.attn_fixed_blocks`) in a cache of whole key blocks
     (`invariant_cache_length`), so that a row's numbers do not depend on the block's widest prompt
