@@ -41,15 +41,24 @@ def _batch(width, seed):
 
 def test_nearby_prompt_lengths_share_one_program_and_the_tokens(params):
     widths = (9, 11, 14)  # one bucket (16); the exact engine compiles each width separately
-    outs = {}
+    outs, together = {}, {}
     for bucket in (True, False):
-        eng = Engine(CFG, params, SAMPLER, bucket=bucket)
+        # row by row (batch_invariant=1, the default off a CPU's float32): each row runs alone, so the
+        # exact engine compiles one program per distinct row length (w and w - 4: six), the bucketed
+        # one a single program for all of them
+        eng = Engine(CFG, params, SAMPLER, bucket=bucket, batch_invariant=1)
         before = eng.fused_program(32)._cache_size()
         outs[bucket] = [eng.generate(*_batch(w, w), rng=w, max_new_tokens=32) for w in widths]
         compiled = eng.fused_program(32)._cache_size() - before
-        # each row runs alone (Engine's batch_invariant): the exact engine compiles one program per
-        # distinct row length (w and w - 4: six), the bucketed one a single program for all of them
         assert compiled == (1 if bucket else 2 * len(widths)), (bucket, compiled)
+        # the default on a CPU runs the two rows as one program, as wide as the wider row's bucket
+        # (exact: its own width), its cache in whole key blocks
+        eng = Engine(CFG, params, SAMPLER, bucket=bucket)
+        before = eng.fused_program(32)._cache_size()
+        together[bucket] = [eng.generate(*_batch(w, w), rng=w, max_new_tokens=32) for w in widths]
+        assert eng.fused_program(32)._cache_size() - before == (1 if bucket else len(widths)), bucket
+    for w, a, b in zip(widths, together[True], together[False]):
+        np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens), err_msg=f"default, width {w}")
     for w, a, b in zip(widths, outs[True], outs[False]):
         np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens), err_msg=f"width {w}")
         np.testing.assert_array_equal(np.asarray(a.steps), np.asarray(b.steps))
