@@ -59,36 +59,36 @@ def _counting(eng):
 def test_mixed_length_prompts_run_as_one_block_and_keep_their_alone_tokens(bundled):
     cfg, params, sampler, tok = bundled
     tokens, lengths = _encode(tok, PROMPTS)
-    answers = {}
-    # the default (one block of the call's rows) and blocks of 8 rows (two copies fill the block)
-    for mode, block in ((True, (6, 64)), (8, (8, 64))):
-        eng = Engine(cfg, params, sampler, batch_invariant=mode)
-        calls = _counting(eng)
-        out = np.asarray(eng.generate(tokens, lengths, rng=SEEDS, max_new_tokens=16).tokens)
-        # the three buckets' prompts in one call
-        assert calls == [(block, 128)], (mode, calls)
-        calls.clear()
-        alone = [np.asarray(eng.generate(tokens[i:i + 1, :lengths[i]], lengths[i:i + 1], rng=[SEEDS[i]],
-                                         max_new_tokens=16).tokens)[0] for i in range(len(PROMPTS))]
-        # alone, a short prompt gets a narrower prompt and a shorter cache than in the batch, and
-        # (the default) one row
-        assert {c[0][1] for c in calls} == {16, 24, 64} and {c[1] for c in calls} == {64, 128}, calls
-        assert {c[0][0] for c in calls} == {1 if mode is True else 8}, calls
-        assert len({a.tobytes() for a in alone}) == len(PROMPTS)
-        order = [5, 2, 0, 4, 1, 3]
-        moved = np.asarray(eng.generate(tokens[order], lengths[order], rng=[SEEDS[i] for i in order],
-                                        max_new_tokens=16).tokens)
-        two = [0, 5]   # the shortest and the longest prompt together, the step driver
-        stepped, _, _ = collect(eng.steps(tokens[two], lengths[two], rng=[SEEDS[i] for i in two],
-                                          max_new_tokens=16), len(two), 16, sampler.canvas_length, sampler.pad_id)
-        for i in range(len(PROMPTS)):
-            np.testing.assert_array_equal(out[i], alone[i], err_msg=f"{mode}: prompt {i} in the batch")
-            np.testing.assert_array_equal(moved[order.index(i)], alone[i], err_msg=f"{mode}: prompt {i} reordered")
-        for r, i in enumerate(two):
-            np.testing.assert_array_equal(stepped[r], alone[i], err_msg=f"{mode}: prompt {i}, step driver")
-        answers[mode] = out
-    # the same tokens whichever invariant setting runs them
-    np.testing.assert_array_equal(answers[True], answers[8])
+    eng = Engine(cfg, params, sampler)    # the default: the call's rows as one block
+    calls = _counting(eng)
+    out = np.asarray(eng.generate(tokens, lengths, rng=SEEDS, max_new_tokens=16).tokens)
+    # the three buckets' prompts in one call of their six rows
+    assert calls == [((6, 64), 128)], calls
+    calls.clear()
+    alone = [np.asarray(eng.generate(tokens[i:i + 1, :lengths[i]], lengths[i:i + 1], rng=[SEEDS[i]],
+                                     max_new_tokens=16).tokens)[0] for i in range(len(PROMPTS))]
+    # alone, a prompt is one row, and a short one gets a narrower prompt and a shorter cache
+    assert {c[0][0] for c in calls} == {1}, calls
+    assert {c[0][1] for c in calls} == {16, 24, 64} and {c[1] for c in calls} == {64, 128}, calls
+    assert len({a.tobytes() for a in alone}) == len(PROMPTS)
+    order = [5, 2, 0, 4, 1, 3]
+    moved = np.asarray(eng.generate(tokens[order], lengths[order], rng=[SEEDS[i] for i in order],
+                                    max_new_tokens=16).tokens)
+    two = [0, 5]   # the shortest and the longest prompt together, the step driver
+    stepped, _, _ = collect(eng.steps(tokens[two], lengths[two], rng=[SEEDS[i] for i in two], max_new_tokens=16),
+                            len(two), 16, sampler.canvas_length, sampler.pad_id)
+    # blocks of 8 rows (two copies fill the block): one call, the same tokens (its every batch shape
+    # and position: tests/test_batch_invariance.py)
+    eight = Engine(cfg, params, sampler, batch_invariant=8)
+    calls = _counting(eight)
+    blocks = np.asarray(eight.generate(tokens, lengths, rng=SEEDS, max_new_tokens=16).tokens)
+    assert calls == [((8, 64), 128)], calls
+    for i in range(len(PROMPTS)):
+        np.testing.assert_array_equal(out[i], alone[i], err_msg=f"prompt {i} in the batch")
+        np.testing.assert_array_equal(moved[order.index(i)], alone[i], err_msg=f"prompt {i} reordered")
+        np.testing.assert_array_equal(blocks[i], alone[i], err_msg=f"prompt {i} in a block of 8")
+    for r, i in enumerate(two):
+        np.testing.assert_array_equal(stepped[r], alone[i], err_msg=f"prompt {i}, step driver")
 
 
 def test_fixed_key_blocks_make_masked_keys_past_a_row_change_no_bit():
