@@ -144,3 +144,23 @@ def test_bfloat16_runs_row_by_row_and_keeps_its_alone_tokens():
     assert len({a.tobytes() for a in alone}) == 3
     for i in range(3):
         np.testing.assert_array_equal(both[i], alone[i], err_msg=f"prompt {i}")
+
+
+def test_a_long_call_runs_in_blocks_of_at_most_the_row_limit(bundled, monkeypatch):
+    """The default runs a call's rows together up to `INVARIANT_MAX_ROWS` a program (memory stays
+    bounded for a long list): with the limit at 2, three prompts run as a block of 2 and one of 1,
+    each with its alone tokens."""
+    from dgemma_jax.engine import engine as engine_lib
+
+    cfg, params, sampler, tok = bundled
+    monkeypatch.setattr(engine_lib, "INVARIANT_MAX_ROWS", 2)
+    eng = Engine(cfg, params, sampler)
+    calls = _counting(eng)
+    idx = [0, 3, 1]   # three prompts of the 16-token bucket
+    tokens, lengths = _encode(tok, [PROMPTS[i] for i in idx])
+    out = np.asarray(eng.generate(tokens, lengths, rng=[SEEDS[i] for i in idx], max_new_tokens=16).tokens)
+    assert [c[0][0] for c in calls] == [2, 1], calls
+    for r, i in enumerate(idx):
+        one, n = _encode(tok, [PROMPTS[i]])
+        np.testing.assert_array_equal(out[r], np.asarray(eng.generate(one, n, rng=[SEEDS[i]],
+                                                                      max_new_tokens=16).tokens)[0])

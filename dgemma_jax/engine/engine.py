@@ -50,6 +50,9 @@ from dgemma_jax.sampling.loop import Canvas, denoise_step, row_keys
 # the keys per attention block of the batch-invariant programs per platform (None: any other;
 # `Runtime.attn_fixed_blocks`)
 INVARIANT_KEY_BLOCK = {"cpu": 64, None: 512}
+# the most rows the default (`batch_invariant=True`) runs in one program where rows share programs: a
+# longer call runs in blocks of this many rows and one of the rest, so its memory stays bounded
+INVARIANT_MAX_ROWS = 64
 
 
 def rows_share_programs(config: ModelConfig, runtime: Runtime) -> bool:
@@ -91,14 +94,14 @@ class Engine:
     (`invariant_cache_length`), so that a row's numbers do not depend on the block's widest prompt
     or longest cache (`_blocks`). True (default): on one CPU device with float32 activations the
     rows of a call that start new caches run as one block of exactly their number (one program
-    call; a prompt alone a 1-row program; a batch of 8 costs at most about 1.1x the non-invariant
-    batched program, docs/api.md), where a row's independence of the row count was measured
-    (`rows_share_programs`); elsewhere (bfloat16, an accelerator, a mesh) row by row: each prompt
-    its own program shaped by itself (invariant by construction; a batch costs about the sum of its
-    rows). An int N > 1: blocks of exactly N rows (a short block filled with copies of its first
-    row; any dtype and device): one compiled program for any batch size up to N, a prompt alone
-    paying N rows; N = 1: row by row. A row with images runs alone, shaped by
-    itself; rows continuing a caller's cache go together by its length. False: one program for the
+    call, up to `INVARIANT_MAX_ROWS` rows a block; a prompt alone a 1-row program; a batch of 8
+    costs at most about 1.1x the non-invariant batched program, docs/api.md), where a row's
+    independence of the row count was measured (`rows_share_programs`); elsewhere (bfloat16, an
+    accelerator, a mesh) row by row: each prompt its own program shaped by itself (invariant by
+    construction; a batch costs about the sum of its rows). An int N > 1: blocks of exactly N rows
+    (a short block filled with copies of its first row; any dtype and device): one compiled program
+    for any batch size up to N, a prompt alone paying N rows; N = 1: row by row. A row with images
+    runs alone, shaped by itself; rows continuing a caller's cache go together by its length. False: one program for the
     whole batch (rows padded to the longest prompt, one softmax over the keys, no prefill chunks):
     the fastest batches, and a row's tokens can change with the rest of the batch (float rounding,
     then the sampler).
@@ -502,19 +505,21 @@ class Engine:
         have the same seed-canvas shape go together whatever their prompt lengths (the shapes of
         their program do not matter to a row's bits: prefill in chunks, attention in fixed key
         blocks); rows continuing a caller's cache go together by its length; a row with images runs
-        alone, shaped by itself. A group runs as one block of its rows (`invariant_block` None) or
-        in blocks of exactly `invariant_block` rows (a short block filled with copies of its first
-        row). Yields (row indices, the program's inputs)."""
+        alone, shaped by itself. A group runs as one block of its rows (`invariant_block` None; at most
+        `INVARIANT_MAX_ROWS` a block, the last block the rest) or in blocks of exactly
+        `invariant_block` rows (a short block filled with copies of its first row). Yields (row
+        indices, the program's inputs)."""
         groups: dict = {}
         for i, (t, ln, k, c, sc, pin, im) in enumerate(rows):
             shape = ("new" if isinstance(c, int) else c.max_length, None if sc is None else sc.shape,
                      None if pin is None else pin.shape)
             groups.setdefault(("alone", i) if im is not None else shape, []).append(i)
         for idx in groups.values():
-            size = 1 if rows[idx[0]][6] is not None else self.invariant_block or len(idx)
-            for start in range(0, len(idx), size):
-                part = idx[start:start + size]
-                yield part, self._block([rows[i] for i in part], size)
+            step = 1 if rows[idx[0]][6] is not None else self.invariant_block or INVARIANT_MAX_ROWS
+            for start in range(0, len(idx), step):
+                part = idx[start:start + step]
+                # blocks of exactly `invariant_block` rows; a call's rows (None) as many as they are
+                yield part, self._block([rows[i] for i in part], step if self.invariant_block else len(part))
 
     def _block(self, part, size: int = 1):
         """The placed inputs of one program call for the rows `part` (of `_prepare_rows`), filled to
