@@ -35,22 +35,15 @@ LENGTHS = [3, 7, 12, 20, 33, 50]
 SEEDS = [5, 6, 7, 8, 9, 10]
 SUBSET = [4, 0, 2]
 
+# a wider model (4 layers, 8 experts, canvas 32) in float32, bfloat16 and with int4 weights
+WIDE = dict(hidden_size=256, num_layers=4, layer_types=(), head_dim=64, global_head_dim=64, intermediate_size=1024,
+            num_experts=8, moe_intermediate_size=256, sliding_window=32, canvas_length=32, vocab_size=1024)
 CONFIGS = {
     "tiny-2layer (hidden 64, canvas 16)": (dict(), None),
     "tiny-2layer, canvas 8": (dict(canvas_length=8), None),
-    "hidden 256, 4 layers, canvas 32": (dict(hidden_size=256, num_layers=4, layer_types=(), head_dim=64,
-                                             global_head_dim=64, intermediate_size=1024, num_experts=8,
-                                             moe_intermediate_size=256, sliding_window=32, canvas_length=32,
-                                             vocab_size=1024), None),
-    "hidden 256, 4 layers, canvas 32, bfloat16": (dict(hidden_size=256, num_layers=4, layer_types=(), head_dim=64,
-                                                       global_head_dim=64, intermediate_size=1024, num_experts=8,
-                                                       moe_intermediate_size=256, sliding_window=32,
-                                                       canvas_length=32, vocab_size=1024, dtype="bfloat16",
-                                                       param_dtype="bfloat16"), None),
-    "hidden 256, 4 layers, canvas 32, int4": (dict(hidden_size=256, num_layers=4, layer_types=(), head_dim=64,
-                                                   global_head_dim=64, intermediate_size=1024, num_experts=8,
-                                                   moe_intermediate_size=256, sliding_window=32, canvas_length=32,
-                                                   vocab_size=1024), "int4"),
+    "hidden 256, 4 layers, canvas 32": (WIDE, None),
+    "hidden 256, 4 layers, canvas 32, bfloat16": (dict(WIDE, dtype="bfloat16", param_dtype="bfloat16"), None),
+    "hidden 256, 4 layers, canvas 32, int4": (WIDE, "int4"),
     "hidden 512, 2 layers, canvas 64, 16 experts top 4": (dict(hidden_size=512, head_dim=64, global_head_dim=128,
                                                                num_heads=8, num_kv_heads=4, intermediate_size=1024,
                                                                num_experts=16, top_k=4, moe_intermediate_size=256,
@@ -60,9 +53,6 @@ CONFIGS = {
 
 
 def _measure(overrides: dict, quantize) -> dict:
-    # what `batch_invariant=True` would run for every config if it always batched a call's rows (the
-    # engine decides per dtype and device from these results, `rows_share_programs`)
-    engine_lib.rows_share_programs = lambda config, runtime: True
     cfg = ModelConfig.preset("tiny-2layer", **overrides)
     sampler = SamplerConfig(canvas_length=cfg.canvas_length, max_denoising_steps=6, eos_ids=(1,))
     eng = Engine(cfg, init_params(cfg, 0), sampler, quantize=quantize)
@@ -89,6 +79,9 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "batch_invariance_configs.json"))
     args = ap.parse_args(argv)
+    # what `batch_invariant=True` would run for every config if it always batched a call's rows (the
+    # engine decides per dtype and device from these results, `rows_share_programs`)
+    engine_lib.rows_share_programs = lambda config, runtime: True
     out = dict(command=" ".join(["python benchmarks/batch_invariance_configs.py",
                                  *(sys.argv[1:] if argv is None else argv)]),
                device=f"{jax.devices()[0].device_kind}, jax {jax.__version__}", cpus=os.cpu_count(), configs={})

@@ -101,10 +101,10 @@ class Engine:
     construction; a batch costs about the sum of its rows). An int N > 1: blocks of exactly N rows
     (a short block filled with copies of its first row; any dtype and device): one compiled program
     for any batch size up to N, a prompt alone paying N rows; N = 1: row by row. A row with images
-    runs alone, shaped by itself; rows continuing a caller's cache go together by its length. False: one program for the
-    whole batch (rows padded to the longest prompt, one softmax over the keys, no prefill chunks):
-    the fastest batches, and a row's tokens can change with the rest of the batch (float rounding,
-    then the sampler).
+    runs alone, shaped by itself; rows continuing a caller's cache go together by its length.
+    False: one program for the whole batch (rows padded to the longest prompt, one softmax over the
+    keys, no prefill chunks): the fastest batches, and a row's tokens can change with the rest of
+    the batch (float rounding, then the sampler).
     compilation_cache: True (default) turns jax's persistent compilation cache on
     (`dgemma_jax.compile_cache.enable`: JAX_COMPILATION_CACHE_DIR, else a directory already set in
     jax.config, else ~/.cache/dgemma_jax/xla), a string names the directory, False leaves jax's
@@ -156,10 +156,11 @@ class Engine:
             self.invariant_block = None if rows_share_programs(config, self.runtime) else 1
         else:
             self.invariant_block = int(batch_invariant) if batch_invariant else None
-        # what the generation programs run: rows sharing programs attend in fixed key blocks (a row
-        # alone in its program runs it shaped by itself)
+        # rows share invariant programs (a call's, or blocks of N): those attend in fixed key blocks
+        # and prefill in chunks; a row alone in its program (row by row) runs it shaped by itself
+        self.shared_rows = self.batch_invariant and self.invariant_block != 1
         self.gen_runtime = self.runtime
-        if self.batch_invariant and self.invariant_block != 1:
+        if self.shared_rows:
             kb = INVARIANT_KEY_BLOCK.get(self.runtime.platform, INVARIANT_KEY_BLOCK[None])
             self.gen_runtime = self.runtime.replace(attn_fixed_blocks=True,
                                                     attn_key_block=min(kb, self.runtime.attn_key_block))
@@ -217,7 +218,7 @@ class Engine:
         """The tokens per prefill pass of the generation programs: with rows sharing batch-invariant
         programs a canvas's length (a row's passes then have the same shapes whatever the other rows'
         prompt lengths), else None (one pass over the padded prompts; row by row, the row's own)."""
-        return self.sampler.canvas_length if self.batch_invariant and self.invariant_block != 1 else None
+        return self.sampler.canvas_length if self.shared_rows else None
 
     def _program(self, key, fn, donate=("cache",), runtime: Runtime | None = None):
         """`fn` (its static arguments, the runtime among them, bound) jitted, donating `donate` unless
