@@ -21,7 +21,7 @@ from dgemma_jax.io.model_dir import read_checkpoint
 from dgemma_jax.parallel import distributed
 from dgemma_jax.model.quant import weight_bytes
 from dgemma_jax.parallel.mesh import make_mesh
-from dgemma_jax.axis_rules import rules_for
+from dgemma_jax.axis_rules import RULE_SETS, rules_for
 from dgemma_jax.serving import cli as serve_cli
 
 
@@ -271,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--topology", default="v5e-8", help="v5e-4/8/16, v6e-4/8/16, v5p-8/16, v4-8/16")
     s.add_argument("--mesh", default=None,
                    help="axis=size list over data,fsdp,tensor,expert (default: every chip on expert)")
-    s.add_argument("--rules", default="latency", choices=["latency", "serving", "training"])
+    s.add_argument("--rules", default="latency", choices=list(RULE_SETS))
     s.add_argument("--batch", type=_positive(int), default=1)
     s.add_argument("--context", type=_positive(int), default=32768, help="KV cache tokens per row")
     s.add_argument("--prompt", type=_positive(int), default=2048, help="tokens per prefill call")

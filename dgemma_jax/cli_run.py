@@ -15,6 +15,7 @@ import numpy as np
 
 from dgemma_jax import compile_cache
 from dgemma_jax.compile_cache import CompileCounter
+from dgemma_jax.axis_rules import RULE_SETS
 from dgemma_jax.chat_session import ChatSession
 from dgemma_jax.engine import Engine
 from dgemma_jax.engine.drivers import CanvasEvent, collect
@@ -81,7 +82,8 @@ def mesh_flags(s, rules: str = "latency") -> None:
                    help="shard the model over the devices of every host of the run, e.g. expert=8 or tensor=4,expert=2 "
                         "(axes data, fsdp, tensor, expert; default: one device)")
     s.add_argument("--rules", default=rules,
-                   help=f"how logical axes map to mesh axes: latency, serving, training or a rules file (default {rules})")
+                   help=f"how logical axes map to mesh axes: {', '.join(RULE_SETS)} or a rules file (default {rules}; "
+                        "docs/tpu.md)")
     s.add_argument("--layers", choices=LAYER_LAYOUTS, default="auto",
                    help="how the compiled programs lay out the layers: unrolled, or scan (the repeated layer group "
                         "compiled once: on TPU about half the compile time, 1.02-1.25x the HBM traffic per call); "

@@ -438,23 +438,29 @@ def expert_parallel(rt: Runtime, fn, z, weights, experts, gate_up, down, adapter
     mesh = rt.mesh
     tok = axes_of(rt.spec(z.shape[:1], ("batch",))[0])
     n_experts = jax.tree.leaves(gate_up)[0].shape[0]  # a float kernel, or an int8 pair's values and scales
-    ex = tuple(a for a in axes_of(rt.spec((n_experts,), ("experts",))[0]) if a not in tok)
+    ex_all = axes_of(rt.spec((n_experts,), ("experts",))[0])
+    ex = tuple(a for a in ex_all if a not in tok)       # experts split, tokens whole: partial outputs summed
+    gathered = tuple(a for a in ex_all if a in tok)     # both split: tokens gathered, outputs reduce-scattered
     dense_specs = None if dense is None else _dense_beside_experts(rt, dense.kernels, dense.axes, ex)
-    if dense is not None and dense_specs is None:  # the caller's, partitioned by XLA
+    if dense is not None and (dense_specs is None or gathered):  # the caller's, partitioned by XLA
         return expert_parallel(rt, fn, z, weights, experts, gate_up, down, adapters), None
     if not (tok or ex):
         return fn(rt, z, weights, experts, gate_up, down, adapters)
     shards = 1
-    for a in ex:
+    for a in ex_all:
         shards *= mesh.shape[a]
     e_local = n_experts // shards
     inner = rt.local()  # no logical constraints inside the per-shard body
 
     def body(z, weights, experts, gate_up, down, adapters, dense_x, dense_kernels):
         index = jnp.zeros((), jnp.int32)
-        for a in ex:
+        for a in ex_all:
             index = index * mesh.shape[a] + jax.lax.axis_index(a)
+        if gathered:  # every token of the expert group, in the order `psum_scatter` hands the rows back
+            z, weights, experts = (jax.lax.all_gather(x, gathered, axis=0, tiled=True) for x in (z, weights, experts))
         y = fn(inner, z, weights, experts, gate_up, down, adapters, offset=index * e_local, shards=shards)
+        if gathered:  # summed over the group and split back to this shard's own tokens in one collective
+            y = jax.lax.psum_scatter(y.astype(z.dtype), gathered, scatter_dimension=0, tiled=True)
         if dense_kernels is None:
             return jax.lax.psum(y, ex) if ex else y
         # this shard's hidden units give a partial sum too: both reduced as one array, one
@@ -472,7 +478,7 @@ def expert_parallel(rt: Runtime, fn, z, weights, experts, gate_up, down, adapter
         return both[:, :y.shape[-1]], both[:, y.shape[-1]:]
 
     t = entry_of(tok)
-    kernel = PartitionSpec(entry_of(ex), None, None)
+    kernel = PartitionSpec(entry_of(ex_all), None, None)
     rows = PartitionSpec(t, None)
     dense_x, dense_kernels = (None, None) if dense is None else (dense.x, dense.kernels)
     return jax.shard_map(
