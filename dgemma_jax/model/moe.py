@@ -35,7 +35,9 @@ two more grouped matmuls for "ragged"), so an expert never needs a merged dense 
 
 On a mesh the dispatch runs per expert shard (`expert_parallel`,
 a `shard_map`): each device serves only the pairs routed to the experts it holds and the partial
-outputs are summed, so expert weights never move. A shard's "ragged" pairs run in blocks of
+outputs are summed, so expert weights never move. Where the rows are split over the experts' mesh
+axes too (the "throughput" rules) each shard gathers its expert group's rows first and the sums are
+reduce-scattered back to the rows' own shards. A shard's "ragged" pairs run in blocks of
 `Runtime.moe_shard_rows_factor` x its expected share (a scan whose empty blocks are skipped), so each
 shard does ~1/shards of the grouped-matmul work yet drops nothing when its share is larger.
 """
@@ -65,8 +67,9 @@ from dgemma_jax.runtime import Runtime
 # larger ones go through HBM, and some of the layer's code is written differently for them
 # (`moe.dispatch_ragged`'s sum, `expert_parallel`'s all-reduce). Measured on the 26B's serving
 # tick for v6e-8: a [tokens, hidden] float32 of 23 MB (8 slots) stayed on chip, 92 MB (32 slots) did
-# not; the line between is not measured.
-ON_CHIP_BYTES = 32 * 2 ** 20
+# not; the MoE's bfloat16 sum of 23 MB (4,096 tokens, the 32-slot tick on the "throughput" rules) moved
+# fewer bytes scattered in place (a 2-layer cut: 5.77 vs 6.00 GB a tick); the line is not measured closer.
+ON_CHIP_BYTES = 16 * 2 ** 20
 
 
 class DenseBeside(NamedTuple):
@@ -214,22 +217,29 @@ def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | 
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
 
+    # a token's pair outputs are summed in the activation dtype, as the reference sums its experts'
+    # outputs (and as "capacity" and "dense" do): in bfloat16 a float32 sum wrote and read twice the bytes
+    acc_dtype = z.dtype
+
     def add_block(acc, lo, length):
-        """acc [N, D] float32 (None: zeros) plus the weighted outputs of sorted pairs [lo, lo + length),
+        """acc [N, D] (None: zeros) plus the weighted outputs of sorted pairs [lo, lo + length),
         scattered into their tokens' rows."""
         idx = jax.lax.dynamic_slice_in_dim(order, lo, length)
         token = idx // k
         in_block = jnp.clip(jnp.minimum(ends, lo + length) - jnp.maximum(starts, lo), 0, length).astype(jnp.int32)
         live = (lo + jnp.arange(length)) < total  # rows past the groups are not defined outputs
         wgt = jax.lax.dynamic_slice_in_dim(w_sorted, lo, length)
+        dest = jnp.where(live, token, n)  # a row that is not an output is dropped by the scatter's index
         if kernel is not None:
             h = _gated(kernel(z[token], gate_up, in_block), f)
-            y = jnp.where(live[:, None], kernel(h, down, in_block, wgt), 0)
-            return (jnp.zeros((n, d), jnp.float32) if acc is None else acc).at[token].add(y.astype(jnp.float32))
-        h = _gated(_ragged(z[token], gate_up, in_block, _ab(adapters, "gate_up")), f)
-        y = _ragged(h, down, in_block, _ab(adapters, "down"))
-        y = jnp.where(live[:, None], y * wgt[:, None].astype(y.dtype), 0)
-        return (jnp.zeros((n, d), jnp.float32) if acc is None else acc).at[token].add(y.astype(jnp.float32))
+            y = kernel(h, down, in_block, wgt)
+        else:
+            # each pair's combine weight scales its hidden row (F wide, in the gating's pass) rather than
+            # its output row (D wide: a pass of its own before the scatter), as "capacity" does
+            h = _gated(_ragged(z[token], gate_up, in_block, _ab(adapters, "gate_up")), f)
+            y = _ragged(h * wgt[:, None].astype(h.dtype), down, in_block, _ab(adapters, "down"))
+        acc = jnp.zeros((n, d), acc_dtype) if acc is None else acc
+        return acc.at[dest].add(y.astype(acc_dtype), mode="drop")
 
     if rows is None or rows >= n * k:
         return add_block(None, 0, n * k).astype(z.dtype)
@@ -239,7 +249,7 @@ def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | 
         order = jnp.concatenate([order, jnp.zeros((pad,), order.dtype)])
         w_sorted = jnp.concatenate([w_sorted, jnp.zeros((pad,), w_sorted.dtype)])
 
-    if n * d * 4 > ON_CHIP_BYTES:
+    if n * d * jnp.dtype(acc_dtype).itemsize > ON_CHIP_BYTES:
         # a sum too large to stay on chip: each block scatters into it in place (only its rows read
         # and written), and a block past the last valid pair leaves it as it is
         def body(acc, i):
@@ -250,10 +260,10 @@ def dispatch_ragged(z, weights, experts, gate_up, down, valid=None, rows: int | 
         # would keep the total in HBM
         def body(acc, i):
             lo = i * rows
-            part = jax.lax.cond(lo < total, lambda: add_block(None, lo, rows), lambda: jnp.zeros((n, d), jnp.float32))
+            part = jax.lax.cond(lo < total, lambda: add_block(None, lo, rows), lambda: jnp.zeros((n, d), acc_dtype))
             return acc + part, None
 
-    out, _ = jax.lax.scan(body, jnp.zeros((n, d), jnp.float32), jnp.arange(nblocks, dtype=jnp.int32))
+    out, _ = jax.lax.scan(body, jnp.zeros((n, d), acc_dtype), jnp.arange(nblocks, dtype=jnp.int32))
     return out.astype(z.dtype)
 
 
@@ -423,6 +433,14 @@ def expert_parallel(rt: Runtime, fn, z, weights, experts, gate_up, down, adapter
     as for every FSDP layer). Each expert is whole on one shard (gate_up [E, D, 2F] keeps gate and
     up side by side). gate_up / down may be int8 pairs {"int8", "scale"} (every leaf [E, ., .]):
     split over the experts like float kernels. Without a mesh this is just `fn(...)` with all experts local.
+
+    Where the tokens are split over some of the experts' mesh axes too (the "throughput" rules: rows
+    over every axis), each shard first gathers the rows of its group along those axes (`all_gather`),
+    serves its experts' pairs among them, and the group's partial outputs are summed and split back to
+    each shard's own rows in one `psum_scatter`, in the activation dtype. A layer then moves its rows
+    once each way, where splitting the attention's heads too would all-reduce its output as well as
+    the experts' sum (the 26B's 32-slot serving tick on v6e-8: 5.6 ms of ICI a step against 16.6,
+    benchmarks/results/serve_projection_v6e-8_throughput.json, a projection).
 
     dense: optional `DenseBeside`, a dense MLP that runs beside the experts (Gemma 4's parallel
     dense and MoE branches). Where the dense kernels' hidden units are split over exactly
