@@ -82,13 +82,14 @@ RULE_SETS: dict[str, Rules] = {
     "latency": (("batch", "data"),) + _MODEL_SPLIT + (("embed", None), ("vision_embed", None)),
     # Batch serving: rows over data/fsdp, model split as for latency.
     "serving": (("batch", ("data", "fsdp")),) + _MODEL_SPLIT + (("embed", None), ("vision_embed", None)),
-    # Batch serving at many slots: rows over every mesh axis, only the experts split. Attention, the
-    # dense MLP, the norms and the head run on each chip's own rows with whole (replicated) weights;
-    # the MoE gathers the rows of each expert group and hands each chip its rows' sums back
-    # (`model.moe.expert_parallel`): per layer one all-gather and one reduce-scatter of the rows
-    # instead of all-reducing the attention's and the MoE's partial sums.
-    "throughput": (("batch", MESH_AXES), ("experts", ("expert", "tensor")))
-    + tuple((name, None) for name in ("heads", "kv_heads", "mlp", "vocab", "vision_heads", "vision_kv_heads",
+    # Batch serving at many slots: rows over every mesh axis, only the experts and the vocabulary
+    # split. Attention, the dense MLP and the norms run on each chip's own rows with whole (replicated)
+    # weights; the MoE and the sampling head gather the rows of each group and hand each chip its
+    # rows' sums back (`model.moe.expert_parallel`, `sampling.fused.head_sample_stats_split`): per
+    # layer one all-gather and one reduce-scatter of the rows instead of all-reducing the
+    # attention's and the MoE's partial sums.
+    "throughput": (("batch", MESH_AXES), ("experts", ("expert", "tensor")), ("vocab", ("tensor", "expert")))
+    + tuple((name, None) for name in ("heads", "kv_heads", "mlp", "vision_heads", "vision_kv_heads",
                                       "vision_mlp", "embed", "vision_embed")),
     # Training: FSDP (parameters split along `embed` over fsdp, batch over data+fsdp),
     # optionally combined with tensor and expert parallelism.

@@ -242,12 +242,15 @@ def test_head_step_scans_the_vocabulary_on_every_layout_it_can():
                                                       ("expert=4", "latency", True, False),
                                                       ("data=2,expert=2", "serving", False, False),
                                                       ("expert=4", "latency", False, True),
-                                                      ("data=2,expert=2", "serving", True, True)])
+                                                      ("data=2,expert=2", "serving", True, True),
+                                                      ("data=2,expert=2", "throughput", False, False),
+                                                      ("data=2,expert=2", "throughput", True, True)])
 def test_the_vocabulary_split_scan_draws_what_the_full_pass_draws(mesh, rules, int8, parts, monkeypatch):
     """On a mesh that splits the vocabulary (4 CPU devices), each device scanning its own rows of the
     table and the shards' statistics merged gives the full pass's tokens for the same seed (sampled and
     argmax, per-row temperatures, an int8 table), and its entropy and soft embedding up to float32
-    rounding; on the serving mesh the rows are split over `data` as well. parts: each device scans its
+    rounding; on the serving mesh the rows are split over `data` as well, on the throughput rules over
+    `expert` too (each device gathers its group's rows and keeps its own). parts: each device scans its
     rows one at a time (`fused.CARRY_ON_CHIP_BYTES` set to one row's running sum)."""
     from dgemma_jax.model.quant import quantize_kernel
     from dgemma_jax.sampling import fused

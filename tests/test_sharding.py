@@ -199,8 +199,8 @@ def test_dense_mlp_sums_with_the_experts_in_one_all_reduce(mesh_spec, fused, lar
 
 @pytest.mark.parametrize("mesh_spec", ["data=2,expert=4", "expert=8"])
 def test_throughput_rules_gather_rows_for_the_experts(mesh_spec):
-    """The "throughput" rules split the rows over every mesh axis and only the experts over theirs:
-    each expert shard gathers its group's rows for the MoE and reduce-scatters the sums back. Same
+    """The "throughput" rules split the rows over every mesh axis and only the experts (and the vocabulary)
+    over theirs: each expert shard gathers its group's rows for the MoE and reduce-scatters the sums back. Same
     tokens as unsharded on data=2,expert=4 (CPU dispatch and the TPU path's ragged dispatch); on both
     meshes the compiled step's layers move rows only: per layer one all-gather and one reduce-scatter
     of the MoE's rows, no all-reduce, no expert weight gathered."""
@@ -215,7 +215,8 @@ def test_throughput_rules_gather_rows_for_the_experts(mesh_spec):
     assert placed["blocks_0"]["moe"]["gate_up"].sharding.spec[0] is not None  # the experts are split
     split = {jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_leaves_with_path(placed)
              if any(entry is not None for entry in x.sharding.spec)}
-    assert split == {f"['blocks_{i}']['moe']['{k}']" for i in range(CFG.num_layers) for k in ("gate_up", "down")}
+    assert split == {f"['blocks_{i}']['moe']['{k}']" for i in range(CFG.num_layers) for k in ("gate_up", "down")} \
+        | {"['embedding']"}   # and the vocabulary
     # the tokens on one mesh (the other runs the same code with a group of 8): the CPU dispatch and the TPU path's
     runtimes = (None, Runtime(platform="tpu", moe_dispatch="ragged", moe_shard_rows_factor=1.0)) if group == 4 else ()
     for rt in runtimes:

@@ -226,22 +226,29 @@ def head_sample_stats_split(h: jax.Array, embedding, cap: float, temperature: ja
     statistics are merged over the vocabulary's mesh axes (`_merge`: maxima, then the sums rescaled to
     the common max; a tie goes to the lower token id, as `argmax` gives it).
 
+    Where the rows are split over the vocabulary's mesh axes too (the "throughput" rules: rows over
+    every axis), each device first gathers the rows of its group along those axes, scans them against
+    its rows of the table, and keeps its own rows' merged statistics (the soft embeddings' sums
+    reduce-scattered): the table is read once a step in quarters, not whole on every chip.
+
     temperature: [B, 1, 1] or []. Returns None where the layout does not allow it (the table's
-    hidden axis, or h's sequence or hidden axis, split; the rows split over a vocabulary axis): the
-    caller then keeps the full pass."""
+    hidden axis, or h's sequence or hidden axis, split; the rows split over some of the vocabulary's
+    axes but not all): the caller then keeps the full pass."""
     table, row_scale = _head_table(embedding)
     v, d = table.shape
     mesh = rt.mesh
     spec_e = rt.spec((v, d), ("vocab", "embed"))
     spec_h = rt.spec(h.shape, ("batch", "seq", "embed"))
     vocab, batch = axes_of(spec_e[0]), axes_of(spec_h[0])
+    gathered = bool(set(vocab) & set(batch))
     if not vocab or spec_e[1] is not None or spec_h[1] is not None or spec_h[2] is not None \
-            or set(vocab) & set(batch):
+            or (gathered and not set(vocab) <= set(batch)):
         return None
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32).reshape((-1, 1, 1)), (h.shape[0], 1, 1))
     rows = P(spec_h[0])
     local = v // math.prod(mesh.shape[a] for a in vocab)
-    args = (h, table, temperature, keys) + (() if row_scale is None else (row_scale,))
+    impl = jax.random.key_impl(keys)
+    args = (h, table, temperature, jax.random.key_data(keys)) + (() if row_scale is None else (row_scale,))
     specs = (P(spec_h[0], None, None), P(spec_e[0], None), P(spec_h[0], None, None), rows) \
         + (() if row_scale is None else (P(spec_e[0]),))
 
@@ -249,27 +256,36 @@ def head_sample_stats_split(h: jax.Array, embedding, cap: float, temperature: ja
         shard = jnp.zeros((), jnp.int32)
         for a in vocab:   # the device's position along the vocabulary's axes, major to minor
             shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
-        out = _scan_stats_in_parts(h, table, row_scale, cap, temperature, keys, chunk, gumbel=True,
-                                   offset=shard * local, total=v)
-        return _finish(_merge(out, vocab, v), embed_scale, h.dtype)
+        own = h.shape[0]
+        if gathered:   # the group's rows, in the order the merge hands each device its own back
+            h, temperature, keys = (jax.lax.all_gather(x, vocab, axis=0, tiled=True) for x in (h, temperature, keys))
+        out = _scan_stats_in_parts(h, table, row_scale, cap, temperature, jax.random.wrap_key_data(keys, impl=impl),
+                                   chunk, gumbel=True, offset=shard * local, total=v)
+        return _finish(_merge(out, vocab, v, own_rows=(shard * own, own) if gathered else None), embed_scale, h.dtype)
 
     row_out = P(spec_h[0], None)
     return jax.shard_map(body, mesh=mesh, in_specs=specs, check_vma=False,
                          out_specs=(StepStats(row_out, row_out, row_out), P(spec_h[0], None, None)))(*args)
 
 
-def _merge(out: dict, axes: tuple, vocab: int) -> dict:
+def _merge(out: dict, axes: tuple, vocab: int, own_rows: tuple | None = None) -> dict:
     """Running statistics of disjoint vocabulary shards (one per device along `axes`) merged into
-    those of the whole vocabulary, on every device."""
+    those of the whole vocabulary, on every device; own_rows (start, count): only those rows kept on
+    this device, the [rows, L, D] sums reduce-scattered (tiled over `axes`, in their order)."""
     m = jax.lax.pmax(out["m"], axes)
     scale = jnp.exp(out["m"] - m)
     s = jax.lax.psum(out["s"] * scale, axes)
     t = jax.lax.psum((out["t"] + out["s"] * (out["m"] - m)) * scale, axes)
-    acc = jax.lax.psum(out["acc"] * scale[..., None], axes)
     arg = jax.lax.pmin(jnp.where(out["m"] == m, out["arg"], vocab), axes)
     gmax = jax.lax.pmax(out["gmax"], axes)
     sample = jax.lax.pmin(jnp.where(out["gmax"] == gmax, out["sample"], vocab), axes)
-    return dict(m=m, s=s, t=t, arg=arg, sample=sample, acc=acc, gmax=gmax)
+    merged = dict(m=m, s=s, t=t, arg=arg, sample=sample, gmax=gmax)
+    if own_rows is None:
+        return dict(merged, acc=jax.lax.psum(out["acc"] * scale[..., None], axes))
+    start, count = own_rows
+    merged = {k: jax.lax.dynamic_slice_in_dim(x, start, count, 0) for k, x in merged.items()}
+    acc = jax.lax.psum_scatter(out["acc"] * scale[..., None], axes, scatter_dimension=0, tiled=True)
+    return dict(merged, acc=acc)
 
 
 def head_sample_stats_full(h: jax.Array, embedding: jax.Array, cap: float, temperature: jax.Array,
