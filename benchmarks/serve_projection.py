@@ -99,6 +99,16 @@ def rows_for(report: dict, steps: int, canvas: int) -> dict:
             "hbm_gb_by_scope": {k2: round(v / 1e9, 2) for k2, v in list(tick["hbm_bytes_by_scope"].items())[:10]}}
 
 
+def markdown_rows(rows: list, steps: int = 16) -> str:
+    """The docs' table rows (docs/serving.md) of a result file's rows at `steps` steps a canvas."""
+    out = []
+    for r in sorted((r for r in rows if r.get("steps_per_canvas") == steps), key=lambda r: r["slots"]):
+        out.append(f"| {r['slots']} | {r['gb_per_chip']:.2f} | {r['step_ms']:.2f} ({r['floor_ms']:.2f}, "
+                   f"{r['step_over_floor']:.2f}x) | {r['ici_ms']:.2f} | {r['commit_ms']:.2f} + {r['commit_ici_ms']:.2f} "
+                   f"({r['commit_rows']}) | {r['tokens_per_s_total']:,.0f} / {r['tokens_per_s_total_overlapped']:,.0f} |")
+    return "\n".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--topology", required=True)
@@ -132,6 +142,7 @@ def main(argv=None):
         r.update(topology=args.topology, mesh=rep["mesh"], rules=args.rules, context=args.context,
                  weights=args.quantize or "bfloat16")
     write(rows, args.out)
+    print(markdown_rows(rows))   # docs/serving.md's table rows
     details = os.path.splitext(args.out)[0] + "_programs.json"
     write({"label": "projection from the TPU compiler's output (slot_tick and commit_slots of the step-level "
                     "engine, the 26B's shapes, weights " + (args.quantize or "bfloat16") + "), not a measurement on a TPU",

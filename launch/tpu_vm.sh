@@ -87,7 +87,7 @@ Examples:
   # rerun on an existing VM without copying or reinstalling
   # serve the 26B on a v6e-8: an OpenAI-compatible server, reachable at http://localhost:8000/v1
   launch/tpu_vm.sh --name dg-v6e --zone us-east5-b --accelerator v6e-8 --serve \
-      -- --checkpoint gs://my-bucket/diffusiongemma --mesh data=2,expert=4 --rules serving --slots 32 --context 4096
+      -- --checkpoint gs://my-bucket/diffusiongemma --mesh data=2,expert=4 --rules throughput --slots 32 --context 4096
 
   launch/tpu_vm.sh --name dg-v5e --zone us-east5-b --reuse --skip-copy --skip-install \
       -- python -c "import jax; print(jax.device_count())"
