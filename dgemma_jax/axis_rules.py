@@ -98,10 +98,10 @@ RULE_SETS: dict[str, Rules] = {
 
 
 def rules_for(value, mesh: Mesh | None = None) -> Rules:
-    """A checked rule set from a built-in name ("latency", "serving", "training"), a JSON rules file
-    (path), a mapping {logical name: mesh axis | [mesh axes] | None} (e.g. an ml_collections entry)
-    or a sequence of (logical name, target) pairs. Mesh axes are checked against `MESH_AXES` and the
-    axes of `mesh` when given (`check_rules`)."""
+    """A checked rule set from a built-in name (`RULE_SETS`: "latency", "serving", "throughput",
+    "training"), a JSON rules file (path), a mapping {logical name: mesh axis | [mesh axes] | None}
+    (e.g. an ml_collections entry) or a sequence of (logical name, target) pairs. Mesh axes are
+    checked against `MESH_AXES` and the axes of `mesh` when given (`check_rules`)."""
     if isinstance(value, str):
         if value in RULE_SETS:
             return check_rules(RULE_SETS[value], mesh) if mesh is not None else RULE_SETS[value]
