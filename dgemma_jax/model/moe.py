@@ -439,8 +439,8 @@ def expert_parallel(rt: Runtime, fn, z, weights, experts, gate_up, down, adapter
     serves its experts' pairs among them, and the group's partial outputs are summed and split back to
     each shard's own rows in one `psum_scatter`, in the activation dtype. A layer then moves its rows
     once each way, where splitting the attention's heads too would all-reduce its output as well as
-    the experts' sum (the 26B's 32-slot serving tick on v6e-8: 5.6 ms of ICI a step against 16.6,
-    benchmarks/results/serve_projection_v6e-8_throughput.json, a projection).
+    the experts' sum (the 26B's 32-slot serving tick on v6e-8: 6.1 ms of ICI a step against 16.6 on the
+    "serving" rules, benchmarks/results/serve_projection_v6e-8_throughput.json, a projection).
 
     dense: optional `DenseBeside`, a dense MLP that runs beside the experts (Gemma 4's parallel
     dense and MoE branches). Where the dense kernels' hidden units are split over exactly
