@@ -459,8 +459,9 @@ def expert_parallel(rt: Runtime, fn, z, weights, experts, gate_up, down, adapter
     ex_all = axes_of(rt.spec((n_experts,), ("experts",))[0])
     ex = tuple(a for a in ex_all if a not in tok)       # experts split, tokens whole: partial outputs summed
     gathered = tuple(a for a in ex_all if a in tok)     # both split: tokens gathered, outputs reduce-scattered
-    dense_specs = None if dense is None else _dense_beside_experts(rt, dense.kernels, dense.axes, ex)
-    if dense is not None and (dense_specs is None or gathered):  # the caller's, partitioned by XLA
+    # the dense MLP joins the experts' body only where its partial sums meet theirs in one all-reduce
+    dense_specs = None if dense is None or gathered else _dense_beside_experts(rt, dense.kernels, dense.axes, ex)
+    if dense is not None and dense_specs is None:  # the caller's, partitioned by XLA
         return expert_parallel(rt, fn, z, weights, experts, gate_up, down, adapters), None
     if not (tok or ex):
         return fn(rt, z, weights, experts, gate_up, down, adapters)
