@@ -322,3 +322,23 @@ def test_model_dispatch_strategies_agree(tiny):
         got = _run_model(cfg, params, soft, rt)
         for what, a, r in zip(("prefill", "denoise"), got, ref):
             np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-4, err_msg=f"{name}/{what}")
+
+
+def test_the_ragged_sum_of_a_32_slot_shard_stays_in_bfloat16_for_a_tpu():
+    """One expert shard's ragged dispatch at the 26B's 32-slot serving shapes (a group's 4,096 rows, 32 of 128
+    experts, blocks of 1.25x the shard's share), compiled for a v6e chip: a token's expert rows are summed in
+    the activation dtype, so the compiled program holds no float32 [tokens, hidden] sum (the float32 sum, its
+    casts and its zero fill moved 12.5 GB of the 32-slot step's HBM traffic; docs/serving.md)."""
+    pytest.importorskip("libtpu")
+    from jax.sharding import SingleDeviceSharding
+
+    from dgemma_jax.perf.aot import tpu_devices
+
+    where = SingleDeviceSharding(tpu_devices("v6e-1")[0])
+    n, d, f, e_local, k, shards = 4096, 2816, 704, 32, 8, 4
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=where)  # noqa: E731
+    args = (spec((n, d), jnp.bfloat16), spec((n, k), jnp.float32), spec((n, k), jnp.int32),
+            spec((e_local, d, 2 * f), jnp.bfloat16), spec((e_local, f, d), jnp.bfloat16), spec((n, k), jnp.bool_))
+    rows = int(1.25 * n * k / shards)
+    hlo = jax.jit(lambda *a: moe.dispatch_ragged(*a, rows=rows)).lower(*args).compile().as_text()
+    assert f"f32[{n},{d}]" not in hlo and f"bf16[{n},{d}]" in hlo
