@@ -2,7 +2,9 @@
 
     python benchmarks/serve_projection.py --topology v6e-8 --mesh data=2,expert=4 --rules serving \
         --out benchmarks/results/serve_projection_v6e-8.json
-    (--quantize int8|int4: the weight-only quantized parameters; the rows say which weights ran)
+    (--quantize int8|int4: the weight-only quantized parameters; the rows say which weights ran;
+    --param-formats compiler (default): the parameters in the layouts the compiler prefers for the tick,
+    as `dgemma serve` places them on a TPU (`serving.runner.SlotRunner`); default: as loaded)
 
 For each slot count N it compiles the 26B's `slot_tick` (one denoising step of every slot per loop
 trip) and `commit_slots` (K = max(1, N // 8) settled canvases committed in one causal pass) for the
@@ -121,6 +123,9 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--quantize", choices=("int8", "int4"), default=None,
                     help="weight-only quantized parameters (model.quant); default: the bf16 weights")
+    ap.add_argument("--param-formats", choices=("compiler", "default"), default="compiler", dest="param_formats",
+                    help="the parameters' layouts: the tick's preferred ones, as dgemma serve places them on a TPU "
+                         "(default), or as loaded (dgemma serve --param-layouts default)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     rows, reports = [], {}
@@ -128,7 +133,7 @@ def main(argv=None):
         t0 = time.time()
         rep = aot.compile_report(args.preset, args.topology, mesh=args.mesh, rules=args.rules, batch=n,
                                  context=args.context, prompt=args.prompt, programs=("slot_tick",),
-                                 quantize=args.quantize)
+                                 quantize=args.quantize, param_formats=args.param_formats)
         print(f"{n} slots: compiled in {time.time() - t0:.0f} s", flush=True)
         progs = rep["programs"]
         reports[str(n)] = {k: {f: v for f, v in p.items() if f not in ("collectives",)} for k, p in progs.items()}
@@ -140,7 +145,7 @@ def main(argv=None):
             print(rows[-1], flush=True)
     for r in rows:
         r.update(topology=args.topology, mesh=rep["mesh"], rules=args.rules, context=args.context,
-                 weights=args.quantize or "bfloat16")
+                 weights=args.quantize or "bfloat16", param_formats=args.param_formats)
     write(rows, args.out)
     print(markdown_rows(rows))   # docs/serving.md's table rows
     details = os.path.splitext(args.out)[0] + "_programs.json"

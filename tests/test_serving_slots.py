@@ -477,3 +477,53 @@ def test_a_server_with_the_layers_scanned_gives_the_same_answers(bundled, schedu
         assert got[1][0][0] and tok.decode(got[1][0][0]) == "0122345789"
     finally:
         scanned.stop()
+
+
+def _transposed(params):
+    """A Format per parameter leaf: arrays of 2+ dims in the reverse of the default (row-major) layout."""
+    from jax.experimental.layout import Format, Layout
+
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda a: Format(Layout(major_to_minor=tuple(range(a.ndim))[::-1]) if a.ndim >= 2 else None,
+                                         getattr(a, "sharding", device)), params)
+
+
+def test_a_server_with_its_weights_in_other_layouts_gives_the_same_answers(bundled, scheduler):
+    """`dgemma serve --param-layouts`: the engine's weights moved to other memory layouts (`Engine.place_params`)
+    before the server compiles: its programs compile for them (no relayout at the call: the compiled
+    tick takes the weights' layouts), and the answers, tokens and steps are the reference server's.
+    With "compiler" the tick compiles first with its weights' layouts left to the compiler
+    (`Engine.compile_in_compiler_layouts`) and the weights move to what it chose: from the reversed
+    layouts back to the row-major ones XLA:CPU picks."""
+    cfg, params, sampler, tok = bundled
+    prompts = ["s9350814272=", "s8877665544332211=", "s31415926535="]
+
+    def answers(sch):
+        runs = [_submit(sch, tok, sampler, p, seed=i, max_tokens=16 + 8 * i)[0] for i, p in enumerate(prompts)]
+        assert all(c.done.wait(120) for c in runs)
+        return [(c.final[0].token_ids, c.final[0].steps, c.final[0].text) for c in runs]
+
+    ref = answers(scheduler)
+    assert [t for _, _, t in ref] == ["0122345789", "1122334455667788", "11233455569"]
+    for mode in ("default", "compiler"):
+        sch = Scheduler.for_model(cfg, params, tok, sampler, slots=4, max_steps=32, max_queue=16, param_layouts=mode)
+        assert sch.runner.param_layouts == mode
+        sch.engine.place_params(_transposed(sch.engine.params))
+        moved = [a for a in jax.tree.leaves(sch.engine.params) if a.ndim >= 2]
+        assert moved and all(a.format.layout.major_to_minor == tuple(range(a.ndim))[::-1] for a in moved)
+        sch.start()
+        try:
+            assert answers(sch) == ref
+            want = (lambda nd: tuple(range(nd))[::-1]) if mode == "default" else (lambda nd: tuple(range(nd)))
+            assert all(a.format.layout.major_to_minor == want(a.ndim) for a in jax.tree.leaves(sch.engine.params)
+                       if a.ndim >= 2), mode
+            if mode == "default":   # the tick was compiled for the weights' layouts as they came
+                tick = sch.runner.compile_tick(sch._tick_args())
+                took = [f.layout.major_to_minor for f in jax.tree.leaves(tick.input_formats[0][0]) if len(
+                    f.layout.major_to_minor) >= 2]
+                assert took and all(m == tuple(range(len(m)))[::-1] for m in took)
+        finally:
+            sch.stop()
+    with pytest.raises(ValueError, match="param_layouts='tiled' is invalid"):
+        Scheduler.for_model(cfg, params, tok, sampler, slots=2, param_layouts="tiled")
+    assert Scheduler.for_model(cfg, params, tok, sampler, slots=2).runner.param_layouts == "default"   # auto, CPU

@@ -66,6 +66,11 @@ def rows_share_programs(config: ModelConfig, runtime: Runtime) -> bool:
             and jnp.dtype(dtype_of(config.dtype)) == jnp.dtype(jnp.float32))
 
 
+def _sharding_of(a) -> jax.sharding.Sharding:
+    """Where an engine's array lives: its own sharding, or the default device for a host (numpy) array."""
+    return a.sharding if isinstance(a, jax.Array) else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
 class Engine:
     """A model + sampler with compiled programs (built lazily, cached per input shape).
 
@@ -235,12 +240,11 @@ class Engine:
     def with_param_formats(self, program, formats, kwargs: dict):
         """One of this engine's programs jitted again with its parameters in given formats (layouts).
 
-        For `perf.aot`'s param_formats="compiler".
-
         Args:
           program: one of this engine's jitted programs (`programs`, `fused_program`).
           formats: a `jax.experimental.layout.Format` per parameter leaf (`Layout.AUTO`: left to the compiler).
-          kwargs: the program's keyword arguments (arrays or ShapeDtypeStructs: their shardings are kept).
+          kwargs: the program's keyword arguments (arrays or ShapeDtypeStructs keep their shardings; host
+            arrays are placed as jit places them).
         Returns:
           (f, (donated, other)): f(params, donated, other) jitted, donating what `program` donated, and
           `kwargs` split into those two dicts.
@@ -251,10 +255,49 @@ class Engine:
         raw, donated = program.__wrapped__, self._donated[key]
         give = {k: v for k, v in kwargs.items() if k in donated}
         keep = {k: v for k, v in kwargs.items() if k not in donated}
-        shardings = lambda tree: jax.tree.map(lambda s: s.sharding, tree)  # noqa: E731
+        shardings = lambda tree: jax.tree.map(lambda s: getattr(s, "sharding", None), tree)  # noqa: E731
         fn = jax.jit(lambda params, give, keep: raw(params, **give, **keep),
                      in_shardings=(formats, shardings(give), shardings(keep)), donate_argnums=(1,))
         return fn, (give, keep)
+
+    def compile_in_compiler_layouts(self, program, kwargs: dict):
+        """Compile one of this engine's programs with its parameters in the layouts the compiler
+        prefers for it (`Layout.AUTO`): on a TPU the weights' tiled layouts differ between programs,
+        and a program given them in other layouts re-lays them out (reads and writes them) at every call.
+
+        Args:
+          program: one of this engine's jitted programs.
+          kwargs: its keyword arguments (their shardings are kept, their layouts the default).
+        Returns:
+          (formats, compiled, call): the parameters' formats the compiler chose (a pytree of
+          `jax.experimental.layout.Format`, for `place_params`), the compiled program, and
+          call(params, **kwargs) running it as `program` is called (params in `formats`).
+        """
+        from jax.experimental.layout import Format, Layout  # deferred: placement only
+
+        auto = jax.tree.map(lambda a: Format(Layout.AUTO, _sharding_of(a)), self.params)
+        fn, (give, keep) = self.with_param_formats(program, auto, kwargs)
+        spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_sharding_of(a)), self.params)
+        compiled = fn.lower(spec, give, keep).compile()
+
+        def call(params, **kw):
+            return compiled(params, {k: v for k, v in kw.items() if k in give}, {k: v for k, v in kw.items() if k in keep})
+
+        return compiled.input_formats[0][0], compiled, call
+
+    def place_params(self, formats) -> None:
+        """Lay this engine's parameters out in `formats` (a `Format` per leaf, e.g. from
+        `compile_in_compiler_layouts`), leaf by leaf: each old array is freed once nothing else holds it
+        (a caller keeping the parameters it gave the engine keeps both copies). Every program compiles
+        for the layouts its arguments come in, so the engine's programs then take the new layouts."""
+        leaves, tree = jax.tree.flatten(self.params)
+        wanted = tree.flatten_up_to(formats)
+        self.params = None
+        for i, fmt in enumerate(wanted):
+            leaf, leaves[i] = leaves[i], None
+            leaves[i] = leaf if getattr(leaf, "format", None) == fmt else jax.device_put(leaf, fmt)
+            del leaf
+        self.params = tree.unflatten(leaves)
 
     def new_slots(self, slots: int) -> Canvas:
         """Idle server slots: the first state the `slot_tick` program takes.

@@ -1,5 +1,6 @@
 """Where an engine's parameters live and how its programs run: the layer layout the parameters are
-converted to once (`layers_for`) and the runtime on the shardings' mesh (`runtime_for`)."""
+converted to once (`layers_for`), the runtime on the shardings' mesh (`runtime_for`), and the
+choices of their memory layouts (`PARAM_LAYOUTS`, `Engine.place_params`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ import jax
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.layout import check_scannable, is_stacked, stack_layers, unstack_layers
 from dgemma_jax.runtime import Runtime
+
+# the server's choices of the parameters' memory layouts (`serving.runner.SlotRunner`): "compiler", the
+# layouts the compiler prefers for the tick (`Engine.compile_in_compiler_layouts`); "default", as placed;
+# "auto", "compiler" on a TPU
+PARAM_LAYOUTS = ("auto", "default", "compiler")
 
 
 def layers_for(config: ModelConfig, params, layers: str, shardings=None):

@@ -337,11 +337,12 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
     `RL_STEP_DEFAULTS` for the rest). With "rl_step" and the rollout's programs (prefill, denoise_step,
     commit) the report's "rl" block projects one RL step: the rollout (prefill + canvases x (steps x
     denoise_step + commit)) plus the update.
-    param_formats: "default" (the parameters in the default layouts, as the engine places them) or
-    "compiler": each engine program compiled with its parameters (its first argument) in the layouts the
-    TPU compiler prefers (`Engine.with_param_formats`, `Layout.AUTO`; the other inputs and the donation as
-    the engine's), so that no relayout copy of a weight is made at the program's start and held as a
-    temporary. The engine does not place parameters so (yet): "compiler" measures what that would save.
+    param_formats: "default" (the parameters in the default layouts, as `Engine` places them) or
+    "compiler", as `dgemma serve` runs on a TPU (`serving.runner.SlotRunner`): the first program of
+    `programs` compiled with its parameters (its first argument) in the layouts the TPU compiler prefers
+    (`Engine.with_param_formats`, `Layout.AUTO`; the other inputs and the donation as the engine's), and
+    the other programs for those layouts, so that the first makes no relayout copy of a weight at its
+    start (a temporary, and HBM traffic at every call).
     progress: optional callable(name, index, count, seconds, entry) called before each program
     (seconds and entry None) and after it (its compile seconds and report entry).
     Returns a JSON-able dict; `fits` is False when any program exceeds the chip's HBM.
@@ -383,6 +384,7 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
                 "ring_bytes_per_s": topo.ring_bytes_per_s or None, "hop_latency_s": hop_latency_s,
                 "model": "ring algorithms over one port's bandwidth; see dgemma_jax/perf/collectives.py"},
     }
+    chosen = None   # param_formats="compiler": the parameters' formats the first program chose
     for index, name in enumerate(programs):
         if progress is not None:
             progress(name, index, len(programs), None, None)
@@ -406,10 +408,12 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
             fn, make_args = engine_programs(engine, max_new_tokens)[name]
             pos, kw = make_args(args)
             if param_formats == "compiler":  # f(params, donated kwargs, other kwargs)
-                from jax.experimental.layout import Format, Layout  # deferred: this measurement alone
+                if chosen is None:   # the first program picks the layouts (Layout.AUTO), as the server's tick
+                    from jax.experimental.layout import Format, Layout  # deferred: this measurement alone
 
-                auto = jax.tree.map(lambda s: Format(Layout.AUTO, s.sharding), pos[0])
-                fn, split = engine.with_param_formats(fn, auto, kw)
+                    chosen = jax.tree.map(lambda s: Format(Layout.AUTO, s.sharding), pos[0])
+                    report["param_formats_from"] = name
+                fn, split = engine.with_param_formats(fn, chosen, kw)
                 pos, kw = (pos[0], *split), {}
         entry: dict[str, Any] = {}
         t0 = time.perf_counter()
@@ -419,6 +423,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
                 compiled, entry["memory_peak"] = compile_with_peak(lowered, compiler_options, explain_memory)
             else:
                 compiled = lowered.compile(compiler_options=dict(compiler_options or {}) or None)
+            if param_formats == "compiler" and report.get("param_formats_from") == name:
+                chosen = compiled.input_formats[0][0]   # the other programs compile for these
         except Exception as e:  # the TPU compiler reports a program that does not fit
             msg = str(e)
             if "No such compile option" in msg:

@@ -9,6 +9,7 @@ import sys
 import threading
 
 from dgemma_jax.compile_cache import CompileCounter
+from dgemma_jax.engine.placement import PARAM_LAYOUTS
 from dgemma_jax.errors import UsageError
 from dgemma_jax.cli_run import (PROFILE_HELP, checkpoint_flags, compiled_flag, load_model_for_cli, mesh_flags,
                                 runtime_for, use_compiled)
@@ -94,7 +95,8 @@ def cmd_serve(args) -> int:
                                     runtime=runtime_for(args), adapters=adapters,
                                     slots=args.slots, context=context, max_queue=args.max_queue,
                                     prefill_chunk=args.prefill_chunk, prefix_reuse=args.prefix_reuse,
-                                    policy=args.schedule)
+                                    policy=args.schedule, param_layouts=args.param_layouts)
+    del params   # the engine holds them (moved to the tick's layouts at start-up on a TPU: one copy, not two)
     compiles = CompileCounter()
     scheduler.start(wait=False)
     listening = threading.Event()
@@ -184,6 +186,10 @@ def add_command(sub, positive) -> None:
                         "a request whose images would pass it waits; default 100,000,000, about 0.3-1 GB of "
                         "memory)")
     mesh_flags(s, rules="serving")
+    s.add_argument("--param-layouts", choices=PARAM_LAYOUTS, default="auto", dest="param_layouts",
+                   help="'compiler': at start-up the weights move to the layouts the TPU compiler prefers for the "
+                        "denoise tick (else the tick re-lays the attention weights out at every call); 'default': "
+                        "as loaded; 'auto' (default): 'compiler' on a TPU without --lora, else 'default'")
     s.add_argument("--served-model-name", dest="served_model_name", default=None,
                    help="the model id clients send (default: the checkpoint's name)")
     s.add_argument("--lora", action="append", type=_lora_spec, default=None, metavar="NAME=PATH",

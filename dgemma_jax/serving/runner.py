@@ -13,9 +13,9 @@ import jax
 import numpy as np
 
 from dgemma_jax.engine import Engine
+from dgemma_jax.engine.placement import PARAM_LAYOUTS
 from dgemma_jax.engine.programs import compiled_memory
 from dgemma_jax.sampling import slots as slots_lib
-
 
 class TickResult(NamedTuple):
     """What one call of the tick program tells the host (numpy, one transfer): ticks run; per slot
@@ -37,9 +37,24 @@ class SlotRunner:
 
     `programs` holds each start-up program's progress ("pending", "compiling", "ready" with its
     seconds, "failed"); `memory` each compiled program's device memory (`compiled_memory`) by name;
-    `image_compiles` counts the image prefills compiled on first use (a new image shape)."""
+    `image_compiles` counts the image prefills compiled on first use (a new image shape).
 
-    def __init__(self, engine: Engine, slots: int, context: int, prefill_widths: tuple[int, ...]):
+    param_layouts: where the engine's parameters are laid out for the server: "compiler" re-lays them out
+    at start-up in the layouts the compiler prefers for the tick (`Engine.compile_in_compiler_layouts`:
+    on a TPU the tick otherwise re-lays the attention weights out at every call; the prefills then take
+    the tick's layouts), "default" leaves them as placed, "auto" (default) is "compiler" on a TPU
+    without LoRA adapter rows, else "default"."""
+
+    def __init__(self, engine: Engine, slots: int, context: int, prefill_widths: tuple[int, ...],
+                 param_layouts: str = "auto"):
+        if param_layouts not in PARAM_LAYOUTS:
+            raise ValueError(f"param_layouts={param_layouts!r} is invalid: one of {', '.join(PARAM_LAYOUTS)}")
+        if param_layouts == "auto":
+            tpu = engine.runtime.platform == "tpu" and not engine.adapter_rows
+            param_layouts = "compiler" if tpu else "default"
+        if param_layouts == "compiler" and engine.adapter_rows:
+            raise ValueError("param_layouts='compiler' with LoRA adapter rows is not supported: use 'default'")
+        self.param_layouts = param_layouts
         self.engine, self.slots, self.context = engine, int(slots), int(context)
         self.prefill_widths = tuple(sorted(set(prefill_widths)))
         self.programs: dict[str, dict[str, Any]] = {"slot_tick": {"state": "pending"}}
@@ -58,17 +73,23 @@ class SlotRunner:
     def start(self, tick_args: dict) -> None:
         """Allocate the slots' cache and state, then compile the tick (for `tick_args`, the
         scheduler's idle arguments) and the prefill widths side by side (XLA compiles them in
-        parallel threads), each program's progress in `programs`. Raises what a compile raised."""
+        parallel threads), each program's progress in `programs`. Raises what a compile raised. With
+        `param_layouts` "compiler" the tick compiles first, alone, and the parameters move to its
+        layouts before the other programs compile for them."""
         self.cache = self.engine.new_cache(self.slots, self.context)
         self.state = self.engine.new_slots(self.slots)
         jobs = {"slot_tick": functools.partial(self.compile_tick, tick_args)}
+        if self.param_layouts == "compiler":
+            self._tick = self._timed("slot_tick", functools.partial(self._compile_tick_in_its_layouts, tick_args))
+            del jobs["slot_tick"]
         jobs.update({f"prefill_slot_{w}": functools.partial(self.prefill_program, w) for w in self.prefill_widths})
         jobs.update(read_row=self._compile_read_row, write_row=self._compile_write_row)
         with concurrent.futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="dgemma-compile") as pool:
             done = {name: pool.submit(self._timed, name, job) for name, job in jobs.items()}
         for future in done.values():
             future.result()
-        self._tick = done["slot_tick"].result()
+        if "slot_tick" in done:
+            self._tick = done["slot_tick"].result()
         self._read_row, self._write_row = done["read_row"].result(), done["write_row"].result()
 
     def progress(self) -> str:
@@ -93,6 +114,15 @@ class SlotRunner:
                                                         state=self.state, **args).compile()
         self.memory["slot_tick"] = compiled_memory(compiled)
         return compiled
+
+    def _compile_tick_in_its_layouts(self, args: dict):
+        """The tick compiled with the parameters in the layouts the compiler prefers for it, and the
+        engine's parameters moved to them; a callable run as the compiled tick is."""
+        formats, compiled, call = self.engine.compile_in_compiler_layouts(
+            self.engine.programs.slot_tick, dict(cache=self.cache, state=self.state, **args))
+        self.engine.place_params(formats)
+        self.memory["slot_tick"] = compiled_memory(compiled)
+        return call
 
     def _compile_read_row(self):
         compiled = self.engine.programs.read_row.lower(self.cache, np.int32(0)).compile()

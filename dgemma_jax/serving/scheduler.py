@@ -138,7 +138,7 @@ class Scheduler:
     def __init__(self, engine: Engine, tokenizer: Any, *, slots: int = 8, context: int | None = None,
                  max_queue: int = 256, default_sampler: SamplerConfig | None = None, prefill_chunk: int = 512,
                  prefix_reuse: bool = True, ticks_per_call: int = 16, policy: str = "preempt",
-                 adapter_names: Sequence[str] = ()):
+                 adapter_names: Sequence[str] = (), param_layouts: str = "auto"):
         """engine: its sampler gives the canvas length, EOS ids and stability threshold of every
         request, and its `max_denoising_steps` the most steps a request may ask for.
         default_sampler: a request's settings when it names none (default: the engine's).
@@ -151,7 +151,8 @@ class Scheduler:
         decoding (it returns when a canvas settles; otherwise a call runs one tick, so a new request
         is admitted at the next tick). A cancelled request leaves at the end of the call.
         policy: "preempt" or "fcfs" (`serving/planner.py`).
-        adapter_names: the names of the engine's stacked LoRA adapters 1, 2, ... (`Request.adapter`)."""
+        adapter_names: the names of the engine's stacked LoRA adapters 1, 2, ... (`Request.adapter`).
+        param_layouts: "auto", "default" or "compiler": the parameters' layouts (`SlotRunner`)."""
         cfg, smp = engine.config, engine.sampler
         self.default_sampler = default_sampler or smp
         shared = batch_wide() + ("accept", "stop")   # the tick's own: settings a request cannot set
@@ -173,7 +174,7 @@ class Scheduler:
         self.prefill_widths = (min(SMALL_PREFILL, big), big)   # (short prompts and tails, whole chunks)
         self.prefix_reuse = bool(prefix_reuse)
         # the device side: the slots' cache and state, the compiled tick and prefills
-        self.runner = SlotRunner(engine, self.slots, self.context, self.prefill_widths)
+        self.runner = SlotRunner(engine, self.slots, self.context, self.prefill_widths, param_layouts)
         self.ticks_per_call = int(ticks_per_call)
         # the books: the queue, the slots' sequences, what each cache row holds (guarded by _cond)
         self.plan = Planner(self.slots, self.context, smp.canvas_length, prefix_reuse=self.prefix_reuse,
