@@ -157,7 +157,8 @@ def cmd_compile(args) -> int:
                                     moe_dispatch=args.moe_dispatch, progress=progress, devices=devices,
                                     quantize=args.quantize, images=args.images, layers=args.layers,
                                     compiler_options=options, explain_memory=args.explain_memory,
-                                    rl=dict(num_samples=args.rl_samples, updates=args.rl_updates))
+                                    rl=dict(num_samples=args.rl_samples, updates=args.rl_updates),
+                                    param_formats=_param_formats(args.param_layouts, programs))
     except (RuntimeError, ValueError) as e:
         raise UsageError(str(e)) from None
     if args.save:
@@ -203,12 +204,21 @@ def _compile_progress(name, index, count, seconds, entry):
     sys.stderr.flush()
 
 
+def _param_formats(choice: str, programs) -> str:
+    """`dgemma compile --param-layouts`: auto is what the programs run with, "compiler" where the server's
+    tick is among them (`dgemma serve` on a TPU places its weights in the tick's layouts), else "default"."""
+    if choice == "auto":
+        return "compiler" if "slot_tick" in programs else "default"
+    return choice
+
+
 def _print_compile_report(r):
     gb = 1e9
     print(f"{r['preset']} on {r['topology']} ({r['chips']} chips, mesh {r['mesh']}, rules {r['rules']}), "
           f"batch {r['batch']}, context {r['context']}, {r['dtype']}"
           f"{' weights int8' if r.get('quantize') == 'int8' else ''}, moe {r['moe_dispatch']}, "
-          f"layers {r.get('layers', 'unrolled')}")
+          f"layers {r.get('layers', 'unrolled')}"
+          + (f", weights in the layouts {r['param_formats_from']} prefers" if r.get("param_formats_from") else ""))
     print(f"{'program':>13} {'compile s':>9} {'args GB':>8} {'temp GB':>8} {'total GB':>8} {'limit GB':>8} "
           f"{'GFLOP':>9} {'GB counted':>10} {'GB HBM':>8} {'proj ms':>8}  fits")
     for name, e in r["programs"].items():
@@ -301,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add the released vision tower and compile an image prefill with this many images "
                         "(280 soft tokens each) in the prompt: prefill_slot_images beside the server's programs, "
                         "else prefill_images")
+    s.add_argument("--param-layouts", choices=["auto", "default", "compiler"], default="auto", dest="param_layouts",
+                   help="the weights' memory layouts: compiler = those the TPU compiler prefers for the first program "
+                        "(slot_tick when asked for), the others compiled for them, as dgemma serve places them on a "
+                        "TPU; default = as loaded; auto (default): compiler with slot_tick, else default")
     s.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an XLA compiler option for the TPU compile (repeatable), recorded in the report")
     s.add_argument("--explain-memory", type=int, default=0, metavar="N",

@@ -256,8 +256,13 @@ class Engine:
         give = {k: v for k, v in kwargs.items() if k in donated}
         keep = {k: v for k, v in kwargs.items() if k not in donated}
         shardings = lambda tree: jax.tree.map(lambda s: getattr(s, "sharding", None), tree)  # noqa: E731
-        fn = jax.jit(lambda params, give, keep: raw(params, **give, **keep),
-                     in_shardings=(formats, shardings(give), shardings(keep)), donate_argnums=(1,))
+
+        def run(params, give, keep):
+            return raw(params, **give, **keep)
+
+        # named as the program (its compiled name and persistent-cache key: jit_slot_tick-...)
+        run.__name__ = run.__qualname__ = getattr(raw, "__name__", None) or getattr(raw, "func").__name__
+        fn = jax.jit(run, in_shardings=(formats, shardings(give), shardings(keep)), donate_argnums=(1,))
         return fn, (give, keep)
 
     def compile_in_compiler_layouts(self, program, kwargs: dict):

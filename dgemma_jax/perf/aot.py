@@ -338,11 +338,12 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
     commit) the report's "rl" block projects one RL step: the rollout (prefill + canvases x (steps x
     denoise_step + commit)) plus the update.
     param_formats: "default" (the parameters in the default layouts, as `Engine` places them) or
-    "compiler", as `dgemma serve` runs on a TPU (`serving.runner.SlotRunner`): the first program of
-    `programs` compiled with its parameters (its first argument) in the layouts the TPU compiler prefers
-    (`Engine.with_param_formats`, `Layout.AUTO`; the other inputs and the donation as the engine's), and
-    the other programs for those layouts, so that the first makes no relayout copy of a weight at its
-    start (a temporary, and HBM traffic at every call).
+    "compiler", as `dgemma serve` runs on a TPU (`serving.runner.SlotRunner`): "slot_tick" if asked for,
+    else the first program, compiled with its parameters (its first argument) in the layouts the TPU
+    compiler prefers (`Engine.with_param_formats`, `Layout.AUTO`; the other inputs and the donation as
+    the engine's), and the other programs for those layouts (the engine's own programs, given
+    parameters in them), so that it makes no relayout copy of a weight at its start (a temporary, and
+    HBM traffic at every call).
     progress: optional callable(name, index, count, seconds, entry) called before each program
     (seconds and entry None) and after it (its compile seconds and report entry).
     Returns a JSON-able dict; `fits` is False when any program exceeds the chip's HBM.
@@ -385,6 +386,8 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
                 "model": "ring algorithms over one port's bandwidth; see dgemma_jax/perf/collectives.py"},
     }
     chosen = None   # param_formats="compiler": the parameters' formats the first program chose
+    if param_formats == "compiler":   # the server's tick chooses (serving.runner), when it is compiled
+        programs = tuple(sorted(programs, key=lambda n: n != "slot_tick"))
     for index, name in enumerate(programs):
         if progress is not None:
             progress(name, index, len(programs), None, None)
@@ -407,14 +410,18 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
                             compilation_cache=False)   # the caller decides (dgemma compile: off, or --save DIR)
             fn, make_args = engine_programs(engine, max_new_tokens)[name]
             pos, kw = make_args(args)
-            if param_formats == "compiler":  # f(params, donated kwargs, other kwargs)
-                if chosen is None:   # the first program picks the layouts (Layout.AUTO), as the server's tick
-                    from jax.experimental.layout import Format, Layout  # deferred: this measurement alone
+            if param_formats == "compiler" and chosen is None:
+                # the first program picks the layouts (Layout.AUTO), as the server's tick does: f(params,
+                # donated kwargs, other kwargs)
+                from jax.experimental.layout import Format, Layout  # deferred: this measurement alone
 
-                    chosen = jax.tree.map(lambda s: Format(Layout.AUTO, s.sharding), pos[0])
-                    report["param_formats_from"] = name
-                fn, split = engine.with_param_formats(fn, chosen, kw)
+                auto = jax.tree.map(lambda s: Format(Layout.AUTO, s.sharding), pos[0])
+                fn, split = engine.with_param_formats(fn, auto, kw)
                 pos, kw = (pos[0], *split), {}
+                report["param_formats_from"] = name
+            elif param_formats == "compiler":   # the others compile for its layouts (the parameters' own)
+                pos = (jax.tree.map(lambda s, f: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=f), pos[0], chosen),
+                       *pos[1:])
         entry: dict[str, Any] = {}
         t0 = time.perf_counter()
         try:
