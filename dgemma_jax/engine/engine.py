@@ -291,10 +291,17 @@ class Engine:
         return compiled.input_formats[0][0], compiled, call
 
     def place_params(self, formats) -> None:
-        """Lay this engine's parameters out in `formats` (a `Format` per leaf, e.g. from
-        `compile_in_compiler_layouts`), leaf by leaf: each old array is freed once nothing else holds it
-        (a caller keeping the parameters it gave the engine keeps both copies). Every program compiles
-        for the layouts its arguments come in, so the engine's programs then take the new layouts."""
+        """Lay this engine's parameters out in other memory layouts, leaf by leaf: each old array is
+        freed once nothing else holds it (a caller keeping the parameters it gave the engine keeps both
+        copies). Every program compiles for the layouts its arguments come in, so the engine's programs
+        then take the new layouts.
+
+        Args:
+          formats: a `jax.experimental.layout.Format` per parameter leaf (e.g. from
+            `compile_in_compiler_layouts`); a leaf already in its format is kept as it is.
+        Returns:
+          None: `params` is replaced in place.
+        """
         leaves, tree = jax.tree.flatten(self.params)
         wanted = tree.flatten_up_to(formats)
         self.params = None
