@@ -34,3 +34,27 @@ def test_the_serving_docs_tables_are_the_committed_projections():
             rows = json.load(f)
         table = serve_projection.markdown_rows(rows)
         assert table.count("\n") >= 3 and table in doc, (name, table)
+
+
+def test_commit_passes_of_canvases_settling_at_independent_times():
+    """`commit_passes_per_tick` against a simulation of `slots._commit_settled`'s pass count (ceil of the most
+    canvases settled in one group over commit_rows of a group), each slot settling a canvas in a tick with
+    probability 1 / S: exact for one slot; for many slots far above the C / S of slots in step (the same
+    where a pass commits one row of a single group)."""
+    import numpy as np
+    from dgemma_jax.sampling.slots import commit_rows
+
+    assert serve_projection.commit_passes_per_tick(1, 1, 16) == 1 / 16
+    assert abs(serve_projection.commit_passes_per_tick(2, 1, 2) - 1.0) < 1e-12   # 0 1 2 settled: 1/4 1/2 1/4
+    rng = np.random.default_rng(0)
+    for slots, groups, steps in ((32, 8, 16), (32, 2, 16), (64, 8, 16), (8, 8, 16), (8, 1, 32)):
+        per, k = slots // groups, commit_rows(slots // groups)
+        settled = rng.random((200_000, groups, per)) < 1 / steps
+        simulated = np.ceil(settled.sum(-1).max(-1) / k).mean()
+        got = serve_projection.commit_passes_per_tick(slots, groups, steps)
+        assert abs(got - simulated) < 0.01, (slots, groups, steps, got, simulated)
+        in_step = -(-slots // (groups * k)) / steps          # C = ceil(N / K) passes per S ticks
+        if groups == 1 and k == 1:   # one row a pass, one group: a pass per settled canvas either way
+            assert abs(got - in_step) < 1e-12
+        else:
+            assert got > 2 * in_step
