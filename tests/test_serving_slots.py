@@ -527,3 +527,8 @@ def test_a_server_with_its_weights_in_other_layouts_gives_the_same_answers(bundl
     with pytest.raises(ValueError, match="param_layouts='tiled' is invalid"):
         Scheduler.for_model(cfg, params, tok, sampler, slots=2, param_layouts="tiled")
     assert Scheduler.for_model(cfg, params, tok, sampler, slots=2).runner.param_layouts == "default"   # auto, CPU
+    from dgemma_jax.engine.placement import resolve_param_layouts
+    assert resolve_param_layouts("auto", "tpu", adapter_rows=False) == "compiler"
+    assert resolve_param_layouts("auto", "tpu", adapter_rows=True) == "default"   # LoRA rows: as placed
+    with pytest.raises(ValueError, match="adapter rows"):
+        resolve_param_layouts("compiler", "tpu", adapter_rows=True)

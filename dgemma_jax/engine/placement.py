@@ -16,6 +16,18 @@ from dgemma_jax.runtime import Runtime
 PARAM_LAYOUTS = ("auto", "default", "compiler")
 
 
+def resolve_param_layouts(choice: str, platform: str | None, adapter_rows: bool) -> str:
+    """One of `PARAM_LAYOUTS` made concrete: "auto" is "compiler" on a TPU without LoRA adapter rows (their
+    row indices ride in the parameters' tree), else "default"; a bad choice is a ValueError naming them."""
+    if choice not in PARAM_LAYOUTS:
+        raise ValueError(f"param_layouts={choice!r} is invalid: one of {', '.join(PARAM_LAYOUTS)}")
+    if choice == "auto":
+        return "compiler" if platform == "tpu" and not adapter_rows else "default"
+    if choice == "compiler" and adapter_rows:
+        raise ValueError("param_layouts='compiler' with LoRA adapter rows is not supported: use 'default'")
+    return choice
+
+
 def layers_for(config: ModelConfig, params, layers: str, shardings=None):
     """`params` in the layer layout `layers` ("unrolled" or "scan", `model.layout`): converted once,
     here, so that no program copies weights per call. Concrete arrays are stacked by one jitted copy

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from dgemma_jax.engine import Engine
-from dgemma_jax.engine.placement import PARAM_LAYOUTS
+from dgemma_jax.engine.placement import resolve_param_layouts
 from dgemma_jax.engine.programs import compiled_memory
 from dgemma_jax.sampling import slots as slots_lib
 
@@ -47,14 +47,7 @@ class SlotRunner:
 
     def __init__(self, engine: Engine, slots: int, context: int, prefill_widths: tuple[int, ...],
                  param_layouts: str = "auto"):
-        if param_layouts not in PARAM_LAYOUTS:
-            raise ValueError(f"param_layouts={param_layouts!r} is invalid: one of {', '.join(PARAM_LAYOUTS)}")
-        if param_layouts == "auto":
-            tpu = engine.runtime.platform == "tpu" and not engine.adapter_rows
-            param_layouts = "compiler" if tpu else "default"
-        if param_layouts == "compiler" and engine.adapter_rows:
-            raise ValueError("param_layouts='compiler' with LoRA adapter rows is not supported: use 'default'")
-        self.param_layouts = param_layouts
+        self.param_layouts = resolve_param_layouts(param_layouts, engine.runtime.platform, engine.adapter_rows)
         self.engine, self.slots, self.context = engine, int(slots), int(context)
         self.prefill_widths = tuple(sorted(set(prefill_widths)))
         self.programs: dict[str, dict[str, Any]] = {"slot_tick": {"state": "pending"}}
