@@ -17,6 +17,7 @@ from dgemma_jax.engine.placement import resolve_param_layouts
 from dgemma_jax.engine.programs import compiled_memory
 from dgemma_jax.sampling import slots as slots_lib
 
+
 class TickResult(NamedTuple):
     """What one call of the tick program tells the host (numpy, one transfer): ticks run; per slot
     [N] whether its canvas settled, its tokens [N, L] (EOS-truncated), whether they end in EOS, its
