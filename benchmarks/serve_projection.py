@@ -43,6 +43,9 @@ from dgemma_jax.perf.report import write  # noqa: E402
 from dgemma_jax.sampling.slots import COMMIT_SCOPE, commit_rows  # noqa: E402
 
 
+CANVAS = 256   # tokens a canvas settles (the 26B's canvas_length)
+
+
 def slot_groups(n: int, mesh: dict, rules: str) -> int:
     """The slot groups of N slots: the mesh's shards of the batch axis (`Runtime.shards`), 1 when they
     do not divide N."""
@@ -78,7 +81,7 @@ def staggered(row: dict) -> dict:
     passes = commit_passes_per_tick(n, slot_groups(n, row["mesh"], row["rules"]), s)
     per = s * (row["step_ms"] + row["ici_ms"]) + s * passes * (row["commit_ms"] + row["commit_ici_ms"])
     return {"commit_passes_per_tick_staggered": round(passes, 3),
-            "tokens_per_s_total_staggered": round(n * 256 / (per / 1e3), 1)}
+            "tokens_per_s_total_staggered": round(n * CANVAS / (per / 1e3), 1)}
 
 
 def split(report: dict) -> dict:
@@ -171,7 +174,7 @@ def main(argv=None):
             rows.append({"slots": n, "fits": False, "error": {k: p.get("error") for k, p in progs.items()}})
             continue
         for s in [int(x) for x in args.steps.split(",")]:
-            rows.append(rows_for(rep, s, 256))
+            rows.append(rows_for(rep, s, CANVAS))
             print(rows[-1], flush=True)
     for r in rows:
         r.update(topology=args.topology, mesh=rep["mesh"], rules=args.rules, context=args.context,

@@ -67,8 +67,9 @@ def rows_share_programs(config: ModelConfig, runtime: Runtime) -> bool:
 
 
 def _sharding_of(a) -> jax.sharding.Sharding:
-    """Where an engine's array lives: its own sharding, or the default device for a host (numpy) array."""
-    return a.sharding if isinstance(a, jax.Array) else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    """Where an engine's array lives: its own sharding (an array's, or an AOT ShapeDtypeStruct's), or the
+    default device for a host (numpy) array."""
+    return getattr(a, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
 class Engine:
@@ -265,25 +266,39 @@ class Engine:
         fn = jax.jit(run, in_shardings=(formats, shardings(give), shardings(keep)), donate_argnums=(1,))
         return fn, (give, keep)
 
-    def compile_in_compiler_layouts(self, program, kwargs: dict):
-        """Compile one of this engine's programs with its parameters in the layouts the compiler
-        prefers for it (`Layout.AUTO`): on a TPU the weights' tiled layouts differ between programs,
-        and a program given them in other layouts re-lays them out (reads and writes them) at every call.
+    def lower_in_compiler_layouts(self, program, kwargs: dict):
+        """Lower one of this engine's programs with its parameters' layouts left to the compiler
+        (`Layout.AUTO`): on a TPU the weights' tiled layouts differ between programs, and a program given
+        them in other layouts re-lays them out (reads and writes them) at every call.
 
         Args:
           program: one of this engine's jitted programs.
           kwargs: its keyword arguments (their shardings are kept, their layouts the default).
         Returns:
-          (formats, compiled, call): the parameters' formats the compiler chose (a pytree of
-          `jax.experimental.layout.Format`, for `place_params`), the compiled program, and
-          call(params, **kwargs) running it as `program` is called (params in `formats`).
+          (lowered, (donated, other)): the lowered f(params, donated, other) of `with_param_formats`
+          and `kwargs` split as it takes them.
         """
         from jax.experimental.layout import Format, Layout  # deferred: placement only
 
         auto = jax.tree.map(lambda a: Format(Layout.AUTO, _sharding_of(a)), self.params)
-        fn, (give, keep) = self.with_param_formats(program, auto, kwargs)
+        fn, split = self.with_param_formats(program, auto, kwargs)
         spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_sharding_of(a)), self.params)
-        compiled = fn.lower(spec, give, keep).compile()
+        return fn.lower(spec, *split), split
+
+    def compile_in_compiler_layouts(self, program, kwargs: dict):
+        """Compile one of this engine's programs with its parameters in the layouts the compiler prefers
+        for it (`lower_in_compiler_layouts`).
+
+        Args:
+          program: one of this engine's jitted programs.
+          kwargs: its keyword arguments.
+        Returns:
+          (formats, compiled, call): the parameters' formats the compiler chose (a pytree of
+          `jax.experimental.layout.Format`, for `place_params`), the compiled program, and
+          call(params, **kwargs) running it as `program` is called (params in `formats`).
+        """
+        lowered, (give, keep) = self.lower_in_compiler_layouts(program, kwargs)
+        compiled = lowered.compile()
 
         def call(params, **kw):
             return compiled(params, {k: v for k, v in kw.items() if k in give}, {k: v for k, v in kw.items() if k in keep})

@@ -26,6 +26,7 @@ with a `Runtime` for the TPU platform on the topology's mesh: the same jits a TP
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Any
@@ -389,6 +390,7 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
     if param_formats == "compiler":   # the server's tick chooses (serving.runner), when it is compiled
         programs = tuple(sorted(programs, key=lambda n: n != "slot_tick"))
     for index, name in enumerate(programs):
+        lower = None   # param_formats="compiler": the first program's lowering with Layout.AUTO parameters
         if progress is not None:
             progress(name, index, len(programs), None, None)
         kernels = KernelFlops()  # a fresh observer: a fresh trace of this program
@@ -411,27 +413,22 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
             fn, make_args = engine_programs(engine, max_new_tokens)[name]
             pos, kw = make_args(args)
             if param_formats == "compiler" and chosen is None:
-                # the first program picks the layouts (Layout.AUTO), as the server's tick does: f(params,
-                # donated kwargs, other kwargs)
-                from jax.experimental.layout import Format, Layout  # deferred: this measurement alone
-
-                auto = jax.tree.map(lambda s: Format(Layout.AUTO, s.sharding), pos[0])
-                fn, split = engine.with_param_formats(fn, auto, kw)
-                pos, kw = (pos[0], *split), {}
-                report["param_formats_from"] = name
+                # the first program picks the layouts (Layout.AUTO), as the server's tick does
+                lower = functools.partial(engine.lower_in_compiler_layouts, fn, kw)
             elif param_formats == "compiler":   # the others compile for its layouts (the parameters' own)
                 pos = (jax.tree.map(lambda s, f: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=f), pos[0], chosen),
                        *pos[1:])
         entry: dict[str, Any] = {}
         t0 = time.perf_counter()
         try:
-            lowered = fn.lower(*pos, **kw)
+            lowered = lower()[0] if lower is not None else fn.lower(*pos, **kw)
             if explain_memory > 0:
                 compiled, entry["memory_peak"] = compile_with_peak(lowered, compiler_options, explain_memory)
             else:
                 compiled = lowered.compile(compiler_options=dict(compiler_options or {}) or None)
-            if param_formats == "compiler" and report.get("param_formats_from") == name:
+            if lower is not None:
                 chosen = compiled.input_formats[0][0]   # the other programs compile for these
+                report["param_formats_from"] = name
         except Exception as e:  # the TPU compiler reports a program that does not fit
             msg = str(e)
             if "No such compile option" in msg:
