@@ -28,7 +28,7 @@ from jax.sharding import Mesh, PartitionSpec
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 # Logical names used outside the parameters.
-CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
+CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")   # model/cache.py: [B, K, S, H]
 ACTIVATION_AXES = ("batch", "seq", "embed")
 
 # Every logical axis name the model's parameters, KV cache and activations carry, and what it labels

@@ -24,7 +24,7 @@ from dgemma_jax.config import RUNTIME_CHOICES
 from dgemma_jax.axis_rules import axes_of, check_rules, spec_for
 
 MOE_DISPATCH = ("auto", "dense", "ragged", "capacity", "gmm")
-ATTN_KERNELS = ("auto", "xla", "splash")
+ATTN_KERNELS = ("auto", "xla", "pallas")
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 LAYER_LAYOUTS = ("auto", "unrolled", "scan")
 # what Runtime(layers="auto") runs per platform. XLA:CPU runs the unrolled step faster
@@ -71,7 +71,7 @@ class Runtime:
       interpreter; not "auto"'s choice yet: projected slower than "ragged" on the 26B's serving tick).
       moe_capacity_factor, moe_shard_rows_factor: their buffer sizes.
     attn_kernel: how the denoiser's canvas attends to the cache where the mask allows: "auto" = the
-      fused Pallas kernel (model/flash.py) when compiling for TPU, XLA elsewhere; "xla"; "splash" =
+      fused Pallas kernel (model/flash.py) when compiling for TPU, XLA elsewhere; "xla"; "pallas" =
       the kernel on any backend (interpreted off TPU).
     attn_key_block: keys per block when attending over a longer key set (blocks merged by
       log-sum-exp, so no score array larger than one block is live).
@@ -157,7 +157,7 @@ class Runtime:
 
     def use_kernel(self) -> bool:
         """Whether the attention kernel is wanted where its mask allows (see `attn_kernel`)."""
-        return self.attn_kernel == "splash" or (self.attn_kernel == "auto" and self.platform == "tpu")
+        return self.attn_kernel == "pallas" or (self.attn_kernel == "auto" and self.platform == "tpu")
 
     def local(self) -> "Runtime":
         """The same choices without placement: what runs inside a per-shard (`shard_map`) body."""

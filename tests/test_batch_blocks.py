@@ -96,10 +96,10 @@ def test_fixed_key_blocks_make_masked_keys_past_a_row_change_no_bit():
     last 128 masked); one softmax over all keys (not fixed blocks) is not what makes that hold."""
     rng = np.random.RandomState(0)
     q = jnp.asarray(rng.randn(2, 8, 4, 16), jnp.float32)
-    k = jnp.asarray(rng.randn(2, 192, 2, 16), jnp.float32)
-    v = jnp.asarray(rng.randn(2, 192, 2, 16), jnp.float32)
+    k = jnp.asarray(rng.randn(2, 2, 192, 16), jnp.float32)   # [B, K, S, H]
+    v = jnp.asarray(rng.randn(2, 2, 192, 16), jnp.float32)
     seen = jnp.asarray(np.arange(192)[None, None, :] < np.array([40, 64])[:, None, None])
-    short = attend(q, [(k[:, :64], v[:, :64], seen[..., :64])], 64, fixed_blocks=True)
+    short = attend(q, [(k[:, :, :64], v[:, :, :64], seen[..., :64])], 64, fixed_blocks=True)
     long = attend(q, [(k, v, seen)], 64, fixed_blocks=True)
     np.testing.assert_array_equal(np.asarray(short), np.asarray(long))
     np.testing.assert_allclose(np.asarray(attend(q, [(k, v, seen)], None)), np.asarray(long), atol=1e-5)

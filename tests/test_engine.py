@@ -327,7 +327,7 @@ def test_a_cache_passed_in_is_donated_only_when_asked(params):
                 np.asarray(cache.keys[0])
             continue
         # every layer's entry still there: 64 slots a global layer, the ring a sliding one (model/cache.py)
-        assert [np.asarray(k).shape[1] for k in cache.keys] == [layer_slots(CFG, i, 64) for i in range(CFG.num_layers)]
+        assert [np.asarray(k).shape[2] for k in cache.keys] == [layer_slots(CFG, i, 64) for i in range(CFG.num_layers)]
         assert cache.max_length == 64 and int(np.asarray(cache.lengths)[0]) == 0
         again = eng.generate(tokens, rng=3, max_new_tokens=CFG.canvas_length, cache=cache)   # reusable
         np.testing.assert_array_equal(np.asarray(again.tokens), results[-1])

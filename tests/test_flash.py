@@ -1,4 +1,4 @@
-"""The cache-attention kernel (model/flash.py, Pallas splash attention; interpreted on CPU) gives what
+"""The cache-attention kernel (model/flash.py, Pallas flash attention; interpreted on CPU) gives what
 the XLA path gives: alone, merged with the canvas's keys, in the model, in gradients and sharded."""
 
 import functools
@@ -19,7 +19,8 @@ SLOTS = 256
 
 
 def _qkv(rng, b=2, t=32, n=8, kh=2, s=256, h=128):
-    q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h)))
+    """q [B, T, N, H]; k, v in the cache's layout [B, K, S, H]."""
+    q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((b, t, n, h), (b, kh, s, h), (b, kh, s, h)))
     return q, k, v
 
 
@@ -42,12 +43,12 @@ def test_cache_attention_is_softmax_attention_with_its_log_sum_exp():
     assert out.shape == q.shape and lse.shape == q.shape[:3]
     qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
     for n in range(8):
-        s = qn[0, :, n] @ kn[0, valid[0], n // 4].T
+        s = qn[0, :, n] @ kn[0, n // 4, valid[0]].T
         m = s.max(-1, keepdims=True)
         p = np.exp(s - m)
         np.testing.assert_allclose(np.asarray(lse[0, :, n]), (m + np.log(p.sum(-1, keepdims=True)))[:, 0],
                                    rtol=1e-5, atol=1e-4)
-        np.testing.assert_allclose(np.asarray(out[0, :, n]), p @ vn[0, valid[0], n // 4] / p.sum(-1, keepdims=True),
+        np.testing.assert_allclose(np.asarray(out[0, :, n]), p @ vn[0, n // 4, valid[0]] / p.sum(-1, keepdims=True),
                                    rtol=1e-4, atol=1e-5)
     assert np.all(np.asarray(lse[1]) <= -1e29)  # row 1 sees no slot: marked as carrying no mass
 
@@ -103,7 +104,7 @@ def test_model_denoise_through_the_kernel_equals_xla(state, monkeypatch):
     params, cache, canvas = state
     ref = np.asarray(denoise(params, CFG, canvas, cache, runtime=Runtime(attn_kernel="xla")))
     seen = _spy(monkeypatch)
-    out = np.asarray(denoise(params, CFG, canvas, cache, runtime=Runtime(attn_kernel="splash")))
+    out = np.asarray(denoise(params, CFG, canvas, cache, runtime=Runtime(attn_kernel="pallas")))
     assert len(seen) == CFG.num_layers  # every layer's cache part went through the kernel
     _close(out, ref)
     # the default ("auto") keeps XLA off TPU: bit-identical to "xla"
@@ -158,10 +159,10 @@ def test_kernel_runs_per_head_shard(monkeypatch):
 
     ref = run("xla")
     assert seen == []
-    out = run("splash")
+    out = run("pallas")
     assert seen == [(1, cfg.canvas_length, 2, 128)] * cfg.num_layers  # traced once per layer, per shard
     _close(out, ref)
     # and the unsharded kernel agrees with the unsharded XLA path on the same (replicated) cache
-    un = np.asarray(denoise(params, cfg, canvas, cache, runtime=Runtime(attn_kernel="splash")))
+    un = np.asarray(denoise(params, cfg, canvas, cache, runtime=Runtime(attn_kernel="pallas")))
     un_ref = np.asarray(denoise(params, cfg, canvas, cache, runtime=Runtime(attn_kernel="xla")))
     _close(un, un_ref)

@@ -175,14 +175,14 @@ def test_kv_head_replicas_change_nothing(model, data, batched):
     logits, cache = prefill(params, cfg, tokens, lengths, init_cache(cfg, 2, M, kv_replicas=reps))
     np.testing.assert_allclose(np.asarray(logits), ref_logits, rtol=1e-5, atol=1e-5)  # only the matmul shapes differ
     for i, r in enumerate(reps):
-        assert cache.keys[i].shape[2] == cfg.layer_kv_heads(i) * r
+        assert cache.keys[i].shape[1] == cfg.layer_kv_heads(i) * r     # [B, K r, S, H]
         for kv_ref, kv in ((ref_cache.keys[i], cache.keys[i]), (ref_cache.values[i], cache.values[i])):
             kv, kv_ref = np.asarray(kv), np.asarray(kv_ref)
-            copies = kv.reshape(kv.shape[:2] + (-1, r) + kv.shape[3:])
-            np.testing.assert_array_equal(copies, np.repeat(copies[:, :, :, :1], r, axis=3))  # r exact copies
+            copies = kv.reshape(kv.shape[:1] + (-1, r) + kv.shape[2:])
+            np.testing.assert_array_equal(copies, np.repeat(copies[:, :, :1], r, axis=2))  # r exact copies
             # against the unreplicated cache: layers after the first see attention computed with other
             # matmul shapes, which round differently (measured up to 1.07e-6 at 1.9: under 5 float32 ulps)
-            np.testing.assert_allclose(kv, np.repeat(kv_ref, r, axis=2), rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(kv, np.repeat(kv_ref, r, axis=1), rtol=1e-6, atol=1e-6)
     out = denoise(params, cfg, canvas, cache)
     np.testing.assert_allclose(np.asarray(out), np.asarray(denoise(params, cfg, canvas, ref_cache)),
                                rtol=0, atol=1e-4)

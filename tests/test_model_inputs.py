@@ -104,10 +104,10 @@ def test_prefill_cache_from_another_config(model):
         prefill(params, cfg, tokens, None, init_cache(other, 2, 8))
     # same layer count, different head shapes: must not surface as a broadcasting error inside jit
     wide = cfg.replace(head_dim=32, global_head_dim=64)
-    with pytest.raises(ValueError, match=r"cache layer 0 .*needs \(2, 8, 2, 16\)"):
+    with pytest.raises(ValueError, match=r"cache layer 0 .*needs \(2, 2, 8, 16\) \[batch, kv_heads"):
         prefill(params, cfg, tokens, None, init_cache(wide, 2, 8))
     more_kv = cfg.replace(num_global_kv_heads=2)
-    with pytest.raises(ValueError, match=r"cache layer 5 .*needs \(2, 8, 1, 32\)"):
+    with pytest.raises(ValueError, match=r"cache layer 5 .*needs \(2, 1, 8, 32\)"):
         prefill(params, cfg, tokens, None, init_cache(more_kv, 2, 8))
     with pytest.raises(ValueError, match=r"cache must be a KVCache.*dict"):
         prefill(params, cfg, tokens, None, {"keys": ()})
@@ -171,10 +171,10 @@ def test_a_left_padded_prefill_equals_the_right_padded_and_each_row_alone(model)
         k = len(r)
         np.testing.assert_array_equal(np.asarray(ll)[b, 9 - k:], np.asarray(lr)[b, :k])
         for kr, kl in zip(cr.keys + cr.values, cl.keys + cl.values):
-            np.testing.assert_array_equal(np.asarray(kl)[b, :k], np.asarray(kr)[b, :k])
+            np.testing.assert_array_equal(np.asarray(kl)[b, :, :k], np.asarray(kr)[b, :, :k])
         alone, ca = prefill(params, cfg, r[None], None, init_cache(cfg, 1, 16))
         np.testing.assert_allclose(np.asarray(ll)[b, 9 - k:], np.asarray(alone)[0], atol=2e-5, rtol=2e-5)
-        np.testing.assert_allclose(np.asarray(cl.keys[-1])[b, :k], np.asarray(ca.keys[-1])[0, :k], atol=2e-5)
+        np.testing.assert_allclose(np.asarray(cl.keys[-1])[b, :, :k], np.asarray(ca.keys[-1])[0, :, :k], atol=2e-5)
     with pytest.raises(ValueError, match="padding must be 'right' or 'left'"):
         prefill(params, cfg, left, n, padding="middle")
 

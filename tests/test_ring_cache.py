@@ -49,7 +49,7 @@ def test_long_prompts_chunks_and_commits_equal_a_cache_of_every_position(name):
     ring = ring_size(cfg, S)
     assert ring == cfg.sliding_window + cfg.canvas_length < S // 3
     cache = dg.init_cache(cfg, 2, S)
-    assert [k.shape[1] for k in cache.keys] == [S if cfg.is_global(i) else ring for i in range(cfg.num_layers)]
+    assert [k.shape[2] for k in cache.keys] == [S if cfg.is_global(i) else ring for i in range(cfg.num_layers)]
     rng = np.random.default_rng(0)
     t = 100
     toks = rng.integers(2, cfg.vocab_size, (2, t)).astype(np.int32)

@@ -26,7 +26,7 @@ BAD = [
     (dict(moe_shard_rows_factor=-1.0), "moe_shard_rows_factor"),
     (dict(attn_key_block=0), "attn_key_block"),
     (dict(attn_key_block=True), "attn_key_block"),
-    (dict(attn_kernel="pallas"), "attn_kernel"),
+    (dict(attn_kernel="splash"), "attn_kernel"),
     (dict(remat=1), "remat"),
     (dict(platform="tpu7"), "platform"),
     (dict(mesh="expert=2"), "mesh"),
@@ -49,7 +49,7 @@ def test_default_platform_and_dispatch_follow_the_backend():
     for s in ("dense", "ragged", "capacity"):
         assert Runtime(platform="tpu", moe_dispatch=s).dispatch == s
     assert Runtime(platform="tpu").use_kernel() and not Runtime(platform="cpu").use_kernel()
-    assert Runtime(platform="cpu", attn_kernel="splash").use_kernel()
+    assert Runtime(platform="cpu", attn_kernel="pallas").use_kernel()
     assert not Runtime(platform="tpu", attn_kernel="xla").use_kernel()
 
 
@@ -142,13 +142,13 @@ def test_the_observer_hears_each_kernel_call_with_its_flops():
     cache = init_cache(cfg, 1, 256)
     canvas = jnp.zeros((1, 128), jnp.int32)
     seen = _Count()
-    rt = Runtime(platform="cpu", attn_kernel="splash", observer=seen)
+    rt = Runtime(platform="cpu", attn_kernel="pallas", observer=seen)
     jax.make_jaxpr(lambda p, c: api.denoise_logits(p, cfg, canvas, c.lengths, c, runtime=rt))(params, cache)
     # the global layer reads all 256 slots; the "block" sliding layer its ring (window + canvas: 256 slots)
     assert ring_size(cfg, 256) == 256
     assert sorted(f for _, f in seen.calls) == [4.0 * 128 * 2 * 128 * 256, 4.0 * 128 * 2 * 128 * 256]
     assert {n for n, _ in seen.calls} == {"cache_attention"}
-    assert rt != Runtime(platform="cpu", attn_kernel="splash")  # compared by identity: its own programs
+    assert rt != Runtime(platform="cpu", attn_kernel="pallas")  # compared by identity: its own programs
 
 
 def test_engine_runtime_and_shardings_must_agree():

@@ -395,7 +395,7 @@ def test_a_long_prompt_goes_into_its_slot_in_chunks_equal_to_one_prefill(bundled
     _, ref = dg.prefill(params, cfg, ids[None], None, dg.init_cache(cfg, 1, 64), logits="none")
     assert np.asarray(sch.runner.cache.lengths).tolist() == [0, 19, 0]
     for got, want in zip(sch.runner.cache.keys + sch.runner.cache.values, ref.keys + ref.values):
-        np.testing.assert_allclose(np.asarray(got)[1, :19], np.asarray(want)[0, :19], atol=2e-5)
+        np.testing.assert_allclose(np.asarray(got)[1, :, :19], np.asarray(want)[0, :, :19], atol=2e-5)
         assert not np.asarray(got)[[0, 2]].any()          # the other rows untouched
 
 

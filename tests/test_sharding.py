@@ -111,9 +111,9 @@ def test_kv_replicas_give_each_device_its_kv_head():
         shapes, shards = sh.cache_shape(1, 64), sh.cache(1, 64)
         q_per_device = sh.named((CFG.num_heads,), ("heads",)).shard_shape((CFG.num_heads,))[0]
         for i in range(CFG.num_layers):
-            heads = shapes.keys[i].shape[2]
+            heads = shapes.keys[i].shape[1]
             assert heads == CFG.layer_kv_heads(i) * want[i]
-            per_device = shards.keys[i].shard_shape(shapes.keys[i].shape)[2]
+            per_device = shards.keys[i].shard_shape(shapes.keys[i].shape)[1]
             # a device's kv heads serve exactly its query heads (none sliced out, none extra)
             assert per_device * (CFG.num_heads // heads) == q_per_device, (mesh_spec, i)
 

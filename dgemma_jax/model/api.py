@@ -23,7 +23,7 @@ from flax import errors as flax_errors
 from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model.cache import KVCache, check_replicas, init_cache, layer_slots, sliding_slots
+from dgemma_jax.model.cache import SLOT_AXIS, KVCache, check_replicas, init_cache, layer_shape, layer_slots, sliding_slots
 from dgemma_jax.model.layers import LORA_COLLECTION
 from dgemma_jax.model.layout import cache_layer_shapes, layer_plan
 from dgemma_jax.model.transformer import Transformer
@@ -230,14 +230,14 @@ def _check_cache(config: ModelConfig, cache: KVCache, batch: int):
         shapes = cache_layer_shapes(cache, config)
     else:
         shapes = [(tuple(k.shape), tuple(v.shape)) for k, v in zip(cache.keys, cache.values)]
-    ring = all(k[1] == layer_slots(config, i, cache.max_length) for i, (k, _) in enumerate(shapes))
+    ring = all(k[SLOT_AXIS] == layer_slots(config, i, cache.max_length) for i, (k, _) in enumerate(shapes))
     for i, (k, v) in enumerate(shapes):
-        want = (batch, layer_slots(config, i, cache.max_length, ring), config.layer_kv_heads(i) * cache.replicas(i),
-                config.layer_head_dim(i))
+        want = layer_shape(batch, layer_slots(config, i, cache.max_length, ring),
+                           config.layer_kv_heads(i) * cache.replicas(i), config.layer_head_dim(i))
         if k != want or v != want:
             raise ValueError(f"cache layer {i} holds keys {k} / values {v} but this model "
-                             f"needs {want} [batch, slots (max_length, or a sliding layer's ring), kv_heads "
-                             "(x replicas), head_dim]; create the cache with init_cache(config, ...) for this config")
+                             f"needs {want} [batch, kv_heads (x replicas), slots (max_length, or a sliding layer's "
+                             "ring), head_dim]; create the cache with init_cache(config, ...) for this config")
 
 
 # ---------------------------------------------------------------------------- passes

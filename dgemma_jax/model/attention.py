@@ -22,7 +22,7 @@ from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model import flash, masks
-from dgemma_jax.model.cache import ring_limit, slot_positions, window_slice, write_tokens
+from dgemma_jax.model.cache import HEAD_AXIS, ring_limit, slot_positions, window_slice, write_tokens
 from dgemma_jax.model.layout import LAYER_AXIS
 from dgemma_jax.model.layers import RMSNorm, adapter, apply_rope, param, project, rms_normalize, rope_inv_freq
 from dgemma_jax.axis_rules import CACHE_AXES
@@ -36,7 +36,7 @@ def attend(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array | Non
            fixed_blocks: bool = False) -> jax.Array:
     """Softmax attention of q [B, T, N, H] over several key/value sets sharing one softmax.
 
-    parts: (k [B, S, K, H], v [B, S, K, H], mask [B, T or 1, S] bool or None). Query head n reads
+    parts: (k [B, K, S, H], v [B, K, S, H] (the cache's layout), mask [B, T or 1, S] bool or None). Query head n reads
     kv head n // (N / K). Scores and the softmax are float32; fully masked rows give zeros.
     key_block: a part with more keys than this is attended block by block (see `_attend_blocks`).
     prior: (out [B, T, N, H], lse [B, T, N]) of keys attended elsewhere (the cache kernel,
@@ -45,11 +45,11 @@ def attend(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array | Non
     a query's result then depends only on the blocks holding keys it sees, not on how many fully
     masked blocks follow (each adds exact zeros), so a longer cache changes none of its bits.
     """
-    if prior is not None or (key_block is not None and (fixed_blocks or any(k.shape[1] > key_block
+    if prior is not None or (key_block is not None and (fixed_blocks or any(k.shape[2] > key_block
                                                                            for k, _, _ in parts))):
-        return _attend_blocks(q, parts, key_block or max(k.shape[1] for k, _, _ in parts), prior)
+        return _attend_blocks(q, parts, key_block or max(k.shape[2] for k, _, _ in parts), prior)
     b, t, n, h = q.shape
-    kh = parts[0][0].shape[2]
+    kh = parts[0][0].shape[1]
     qg = q.reshape(b, t, kh, n // kh, h)
     scores = [_scores(qg, k, mask) for k, _, mask in parts]
     m = scores[0].max(-1, keepdims=True)
@@ -68,7 +68,7 @@ def attend(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array | Non
 def _scores(qg, k, mask):
     # scores laid out [B, K, T, G, S]: the natural output order of the batched matmul (batch B, K;
     # free T, G of q; free S of k), so no score-sized transposes are needed
-    s = jnp.einsum("btkgh,bskh->bktgs", qg, k, preferred_element_type=jnp.float32)
+    s = jnp.einsum("btkgh,bksh->bktgs", qg, k, preferred_element_type=jnp.float32)
     return s if mask is None else jnp.where(mask[:, None, :, None, :], s, _NEG)
 
 
@@ -77,7 +77,7 @@ def _weighted(s, m, v):
     over the score tile is several times slower on XLA:CPU)."""
     p = jnp.exp(s - m)
     den = jnp.einsum("bktgs,s->bktg", p, jnp.ones((p.shape[-1],), jnp.float32))
-    num = jnp.einsum("bktgs,bskh->bktgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    num = jnp.einsum("bktgs,bksh->bktgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return num, den
 
 
@@ -94,7 +94,7 @@ def _attend_blocks(q, parts, key_block, prior=None):
     A `prior` (normalised output and log-sum-exp) enters as one more block. Same result as one
     softmax, up to rounding."""
     b, t, n, h = q.shape
-    kh = parts[0][0].shape[2]
+    kh = parts[0][0].shape[1]
     qg = q.reshape(b, t, kh, n // kh, h)
 
     def block_stats(k, v, mask):
@@ -108,9 +108,9 @@ def _attend_blocks(q, parts, key_block, prior=None):
 
     stats = []
     for k, v, mask in parts:
-        for lo in range(0, k.shape[1], key_block):
-            hi = min(lo + key_block, k.shape[1])
-            blk = (k[:, lo:hi], v[:, lo:hi], None if mask is None else mask[..., lo:hi])
+        for lo in range(0, k.shape[2], key_block):
+            hi = min(lo + key_block, k.shape[2])
+            blk = (k[:, :, lo:hi], v[:, :, lo:hi], None if mask is None else mask[..., lo:hi])
             if mask is None:
                 stats.append(block_stats(*blk))
             else:  # blocks no query sees (the unused end of a long cache) are skipped at run time
@@ -163,15 +163,16 @@ class Attention(nn.Module):
         q = apply_rope(self.q_norm(q), positions, self.inv_freq)
         k = apply_rope(self.k_norm(k_raw), positions, self.inv_freq)
         v = rms_normalize(v_raw, self.cfg.rms_norm_eps).astype(dt)
-        return q, k, v
+        # keys and values in the cache's order [B, K, T, H] (model/cache.py)
+        return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
     def _replicate(self, k, v, cache_k):
-        """k, v [B, T, K, H] -> [B, T, K r, H] when the cache stores each kv head r times (its head
+        """k, v [B, K, T, H] -> [B, K r, T, H] when the cache stores each kv head r times (its head
         count says so, see model/cache.py): the keys then line up head for head with the cache."""
-        r = cache_k.shape[-2] // self.kv_heads
+        r = cache_k.shape[HEAD_AXIS] // self.kv_heads
         if r == 1:
             return k, v
-        k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+        k, v = jnp.repeat(k, r, axis=1), jnp.repeat(v, r, axis=1)
         return self.rt.constrain(k, CACHE_AXES), self.rt.constrain(v, CACHE_AXES)
 
     def _out(self, y):
@@ -184,7 +185,7 @@ class Attention(nn.Module):
         image_span: None (text only) or (lo, hi) [B, T] from `masks.image_spans`: an image's tokens
         also see each other bidirectionally. Every key of such an image lies in this pass (its K/V
         are written before attending, or, on a sliding layer, attended as this pass's own keys).
-        group: the caches are stacked [G, B, S, K, H] (a scanned program) and this layer's is entry
+        group: the caches are stacked [G, B, K, S, H] (a scanned program) and this layer's is entry
         `group`: written in place and read through slices, never copied out whole."""
         t = x.shape[1]
         positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -195,20 +196,20 @@ class Attention(nn.Module):
             layer_k = jax.lax.dynamic_index_in_dim(cache_k, group, 0, keepdims=False)
             layer_v = jax.lax.dynamic_index_in_dim(cache_v, group, 0, keepdims=False)
         # a sliding layer's ring (model/cache.py); one holding more slots keeps every position (ring=False)
-        ring = self.window is not None and layer_k.shape[1] <= ring_limit(self.cfg)
+        ring = self.window is not None and layer_k.shape[2] <= ring_limit(self.cfg)
         axes = CACHE_AXES if group is None else (LAYER_AXIS,) + CACHE_AXES
         new_k = self.rt.constrain(write_tokens(cache_k, k, starts, num_new, group, ring), axes)
         new_v = self.rt.constrain(write_tokens(cache_v, v, starts, num_new, group, ring), axes)
         if ring:   # the ring before this pass (the earlier tokens) and this pass's own keys
             k, v = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
-            parts = [(layer_k, layer_v, slot_positions(starts, layer_k.shape[1])), (k, v, positions)]
+            parts = [(layer_k, layer_v, slot_positions(starts, layer_k.shape[2])), (k, v, positions)]
         else:      # every position: the cache with this pass's keys written into it
             if group is not None:
                 layer_k = jax.lax.dynamic_index_in_dim(new_k, group, 0, keepdims=False)
                 layer_v = jax.lax.dynamic_index_in_dim(new_v, group, 0, keepdims=False)
             else:
                 layer_k, layer_v = new_k, new_v
-            s = layer_k.shape[1]
+            s = layer_k.shape[2]
             size = (self.window - 1 + t) if self.window is not None else s
             if size < s:  # sliding layer: only the last window-1 committed tokens + the new ones matter
                 w0 = jnp.clip(starts - (self.window - 1), 0, s - size)
@@ -230,7 +231,7 @@ class Attention(nn.Module):
         positions = context_end[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
         q, k, v = self._qkv(x, positions)
         k, v = self._replicate(k, v, cache_k)
-        s = cache_k.shape[1]
+        s = cache_k.shape[2]
         kernel = self._kernel_wanted()
         keys, vals = cache_k, cache_v
         if self.window is not None and s > ring_limit(self.cfg):   # every position (ring=False): a window slice
@@ -247,7 +248,7 @@ class Attention(nn.Module):
         ctx_mask = masks.denoise_context_mask(positions, k_pos, context_end, self.window,
                                               self.cfg.denoise_window)
         n, h = q.shape[2:]
-        if kernel and flash.supported(l * (n // keys.shape[2]), keys.shape[1], h):
+        if kernel and flash.supported(l * (n // keys.shape[1]), keys.shape[2], h):
             prior = flash.head_parallel(self.rt, flash.cache_attention, q, keys, vals, ctx_mask[:, 0])
             if prior is not None:  # the cache through the fused kernel, the canvas's own keys here
                 return self._out(attend(q, [(k, v, None)], self.rt.attn_key_block, prior=prior,

@@ -12,6 +12,11 @@ A cache made with `init_cache(..., ring=False)` keeps every position in the slid
 its denoiser reads contexts that end before the row's end); a layer holding more slots than any ring
 (`ring_limit`) is read as such, through a window slice (slot = position).
 
+Layout: a layer's keys and values are [B, K, S, H] (batch, kv head, slot, head dim): one kv head's
+slots lie together, the order the canvas's attention reads them in (a [S, H] matrix per head for the
+fused cache kernel, `model.flash`, and for the XLA path's batched matmuls), so the denoise step reads
+the cache where it lies and never copies it into another order. `layer_shape` is that order in one place.
+
 KV-head replicas: layer i may store each of its K_i kv heads r_i times in a row (cache head j holds
 kv head j // r_i), so that a mesh splitting the query heads more ways than there are kv heads gives
 every device exactly the kv head its query heads read (no per-step slicing of a replicated cache;
@@ -32,9 +37,9 @@ from dgemma_jax.model.layout import stack_cache
 
 @struct.dataclass
 class KVCache:
-    """keys[i], values[i]: [B, S, K_i r_i, H_i] for layer i; lengths: [B] int32; kv_replicas: the
+    """keys[i], values[i]: [B, K_i r_i, S_i, H_i] for layer i; lengths: [B] int32; kv_replicas: the
     r_i (static; None = 1 everywhere). groups (static): 0 = one entry per layer (above); G > 0 = the
-    stacked layout of a scanned program (`model.layout.stack_cache`): keys[j] [G, B, S, K, H] for
+    stacked layout of a scanned program (`model.layout.stack_cache`): keys[j] [G, B, K, S, H] for
     each position j of the repeated layer group, then the remainder layers' own entries."""
 
     keys: tuple
@@ -55,6 +60,16 @@ class KVCache:
     @property
     def max_length(self) -> int:
         return self.length
+
+
+# the slot and kv-head axes of a cache leaf, counted from its end (a stacked leaf has a layer axis in front)
+SLOT_AXIS = -2
+HEAD_AXIS = -3
+
+
+def layer_shape(batch: int, slots: int, kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
+    """The shape of one layer's keys (or values): [batch, kv_heads, slots, head_dim]."""
+    return (int(batch), int(kv_heads), int(slots), int(head_dim))
 
 
 def ring_size(config: ModelConfig, max_length: int) -> int:
@@ -82,7 +97,7 @@ def layer_slots(config: ModelConfig, layer: int, max_length: int, ring: bool = T
 def sliding_slots(cache: KVCache) -> int:
     """The slots of the cache's sliding layers (its smallest layer entry; max_length when every
     layer holds every position)."""
-    return min(k.shape[-3] for k in cache.keys)
+    return min(k.shape[SLOT_AXIS] for k in cache.keys)
 
 
 def slot_positions(ends: jax.Array, size: int) -> jax.Array:
@@ -136,7 +151,7 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
       ring: the sliding layers hold a ring of `ring_size` slots (default); False: every position, as
         the global layers (what a denoiser reading contexts before the row's end needs: training).
     Returns:
-      a `KVCache`: per layer K/V [B, S_i, K * r, H] zeros (S_i = `layer_slots`: S for a global layer,
+      a `KVCache`: per layer K/V [B, K * r, S_i, H] zeros (S_i = `layer_slots`: S for a global layer,
       the ring for a sliding one) and lengths [B] zeros.
     """
     if batch_size < 1:
@@ -150,8 +165,8 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
     reps = check_replicas(config, kv_replicas)
     keys, values = [], []
     for i in range(config.num_layers):
-        shape = (batch_size, layer_slots(config, i, max_length, ring), config.layer_kv_heads(i) * reps[i],
-                 config.layer_head_dim(i))
+        shape = layer_shape(batch_size, layer_slots(config, i, max_length, ring), config.layer_kv_heads(i) * reps[i],
+                            config.layer_head_dim(i))
         keys.append(jnp.zeros(shape, dtype))
         values.append(jnp.zeros(shape, dtype))
     cache = KVCache(tuple(keys), tuple(values), jnp.zeros((batch_size,), jnp.int32), reps, length=int(max_length))
@@ -176,32 +191,36 @@ def cache_shape(config: ModelConfig, batch_size: int, max_length: int, dtype=Non
 
 def write_tokens(cache_kv: jax.Array, new_kv: jax.Array, starts: jax.Array, num_new: jax.Array,
                  group=None, ring: bool = False) -> jax.Array:
-    """Write new_kv [B, T, K, H] into cache_kv [B, S, K, H] at slots starts[b] + t for t < num_new[b].
+    """Write new_kv [B, K, T, H] into cache_kv [B, K, S, H] at slots starts[b] + t for t < num_new[b].
 
     Padding tokens (t >= num_new[b]) and slots beyond the cache are dropped, never written.
     ring: the cache is a sliding layer's ring (module docstring): position p goes to slot p mod S,
     and of a row's new tokens only its last S are written (the earlier ones would be overwritten).
-    group: cache_kv is a stacked layer cache [G, B, S, K, H] (a scanned program's, `model.layout`)
+    group: cache_kv is a stacked layer cache [G, B, K, S, H] (a scanned program's, `model.layout`)
     and the tokens go into its entry `group` (scattered in place: the other entries are not copied).
     """
-    b, t = new_kv.shape[:2]
-    s = cache_kv.shape[-3]
+    b, k, t = new_kv.shape[:3]
+    s = cache_kv.shape[SLOT_AXIS]
     offs = jnp.arange(t, dtype=jnp.int32)[None, :]
     slots = starts[:, None] + offs
     keep = offs < num_new[:, None]
     if ring:
         slots = jnp.mod(slots, s)
         keep &= offs >= num_new[:, None] - s
-    slots = jnp.where(keep, slots, s)  # out of range -> dropped
-    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+    slots = jnp.where(keep, slots, s)[:, None, :]  # out of range -> dropped
+    # one (row, kv head, slot) index per [H] vector: the update is new_kv as it is, and each write
+    # is one head's contiguous row of the cache (no other order of the cache is needed for it)
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None, None]
+    heads = jnp.arange(k, dtype=jnp.int32)[None, :, None]
+    upd = new_kv.astype(cache_kv.dtype)
     if group is not None:
-        return cache_kv.at[group, rows, slots].set(new_kv.astype(cache_kv.dtype), mode="drop")
-    return cache_kv.at[rows, slots].set(new_kv.astype(cache_kv.dtype), mode="drop")
+        return cache_kv.at[group, rows, heads, slots].set(upd, mode="drop")
+    return cache_kv.at[rows, heads, slots].set(upd, mode="drop")
 
 
 def window_slice(cache_kv: jax.Array, starts: jax.Array, size: int) -> jax.Array:
-    """Per-row slice cache_kv[b, starts[b] : starts[b] + size] -> [B, size, K, H]."""
-    return jax.vmap(lambda c, s0: jax.lax.dynamic_slice_in_dim(c, s0, size, axis=0))(cache_kv, starts)
+    """Per-row slice of the slots cache_kv[b, :, starts[b] : starts[b] + size] -> [B, K, size, H]."""
+    return jax.vmap(lambda c, s0: jax.lax.dynamic_slice_in_dim(c, s0, size, axis=1))(cache_kv, starts)
 
 
 def cache_row(cache: KVCache, row: int) -> KVCache:
@@ -228,11 +247,11 @@ def concat_rows(caches) -> KVCache:
 
     def pad(x, s):
         widths = [(0, 0)] * x.ndim
-        widths[x.ndim - 3] = (0, s - x.shape[-3])
+        widths[x.ndim + SLOT_AXIS] = (0, s - x.shape[SLOT_AXIS])
         return jnp.pad(x, widths)
 
     def cat(xs):
-        s = max(x.shape[-3] for x in xs)
+        s = max(x.shape[SLOT_AXIS] for x in xs)
         return jnp.concatenate([pad(x, s) for x in xs], axis=xs[0].ndim - 4)
 
     first = caches[0]

@@ -1,17 +1,21 @@
-"""The canvas's attention over the KV cache as ONE fused TPU kernel (Pallas splash attention).
+"""The canvas's attention over the KV cache as ONE fused TPU kernel (Pallas flash attention).
 
 Written in XLA, attention over a long cache materialises a [queries, keys] float32 score tile per
 key block, and the TPU compiler may keep it in HBM: on v5p-8 the 26B step's global layers then
 write and re-read ~0.5 GB of scores per layer at a 32k cache, more than their K/V. The kernel keeps
 each score tile in on-chip memory, so the cache part costs one read of K and V and nothing else.
 
-`cache_attention` runs jax's splash-attention kernel in its multi-query form, one call per batch
-row and KV head, with that head's G query heads folded into the query rows ([T G, H] queries
-against [S, H] keys): every query block then sees each K/V block once, so K and V are read once per
-step. Which slots a row may see comes in as per-slot segment ids (a query-independent mask: the
-denoiser's global layers and its "block" sliding window). The kernel returns the normalised output
-and the log-sum-exp of each query's scores; `attention.attend` merges that with the canvas's own
-keys by log-sum-exp, exactly as it merges key blocks.
+`cache_attention` runs jax's Pallas flash-attention kernel (`jax.experimental.pallas.ops.tpu.
+flash_attention`, its forward pass with the softmax statistics) with each KV head's G query heads
+folded into the query rows ([T G, H] queries against that head's [S, H] keys): every query block
+then sees each K/V block once, so K and V are read once per step, straight from the cache's
+[B, K, S, H] layout (model/cache.py; no copy into another order). Which slots a row may see comes in
+as per-slot segment ids (a query-independent mask: the denoiser's global layers and its "block"
+sliding window). The kernel returns the normalised output and each query's softmax statistics
+(max and sum, whose log-sum-exp `attention.attend` uses to merge the canvas's own keys, exactly as
+it merges key blocks). Its running statistics and accumulator live in on-chip scratch.
+(jax's splash-attention kernel, used before, returns them as HBM outputs: ~25 MB a layer more
+traffic at 32 slots on a v6e-8, ~0.4 ms of the 26B's step.)
 
 Off TPU the same kernel runs in Pallas's interpreter (tests compare it with the XLA path on CPU).
 Gradients come from the XLA formulation (a `custom_vjp`), so LoRA training through the kernel is
@@ -21,6 +25,7 @@ kernel as one opaque call; `cache_attention` tells the runtime's observer its FL
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -46,48 +51,48 @@ def supported(rows: int, keys: int, head_dim: int) -> bool:
     return rows % 128 == 0 and keys % 128 == 0 and head_dim % 128 == 0
 
 
-def _kernel(rows: int, keys: int, interpret: bool):
-    # deferred: the Pallas TPU ops load Mosaic machinery that only the kernel path needs
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk, splash_attention_mask as sm
-
-    block_q = _divisor(rows, 1024)
-    block_kv = _divisor(keys, 1024)
-    sizes = sk.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=_divisor(block_kv, 512))
-    mask = sm.MultiHeadMask([sm.FullMask((rows, keys))])
-    return sk, sk.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, save_residuals=True,
-                                  interpret=interpret)
+def _block_sizes(rows: int, keys: int):
+    """(block_q, block_k_major, block_k): query rows and keys a grid step holds, keys a matmul takes."""
+    block_k_major = _divisor(keys, 1024)
+    return _divisor(rows, 1024), block_k_major, _divisor(block_k_major, 512)
 
 
 def _reference(q, k, v, valid):
     """The same contract in plain XLA (used for the gradient): out [B, T, N, H] f32, lse [B, T, N]."""
     b, t, n, h = q.shape
-    kh = k.shape[2]
+    kh = k.shape[1]
     qg = q.reshape(b, t, kh, n // kh, h)
-    s = jnp.einsum("btkgh,bskh->bktgs", qg, k, preferred_element_type=jnp.float32)
+    s = jnp.einsum("btkgh,bksh->bktgs", qg, k, preferred_element_type=jnp.float32)
     s = jnp.where(valid[:, None, None, None, :], s, -jnp.inf)
     lse = jax.nn.logsumexp(s, axis=-1)
     p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
-    out = jnp.einsum("bktgs,bskh->bktgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bktgs,bksh->bktgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     lse = jnp.where(jnp.isfinite(lse), lse, _NEG)
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h), lse.transpose(0, 2, 1, 3).reshape(b, t, n)
 
 
 def _kernel_call(q, k, v, valid, interpret):
+    # deferred: the Pallas TPU ops load Mosaic machinery that only the kernel path needs
+    from jax.experimental.pallas import tpu as pltpu  # (deferred, as above)
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa  # (deferred, as above)
+
     b, t, n, h = q.shape
-    s, kh = k.shape[1], k.shape[2]
+    kh, s = k.shape[1], k.shape[2]
     g = n // kh
-    sk, kern = _kernel(t * g, s, interpret)
     # [B, K, T G, H] queries: row t * G + j is query t of the head's j-th query head
-    qr = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, 1, t * g, h)
-    kr, vr = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, H]: a bitcast when K = 1
-    q_seg = jnp.ones((t * g,), jnp.int32)
-
-    def one(qh, kk, vv, ok):
-        out, (lse,) = kern(qh, kk, vv, sk.SegmentIds(q=q_seg, kv=ok.astype(jnp.int32)))
-        return out[0], lse[0]
-
-    per_head = jax.vmap(one, in_axes=(0, 0, 0, None))
-    out, lse = jax.vmap(per_head)(qr, kr, vr, valid)  # [B, K, T G, H], [B, K, T G]
+    qr = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
+    seg = fa.SegmentIds(q=jnp.ones((b, t * g), jnp.int32), kv=valid.astype(jnp.int32))
+    bq, bkm, bk = _block_sizes(t * g, s)
+    # off TPU: Pallas's HLO interpreter (interpret=True for every pallas_call traced inside; the
+    # kernel takes no interpret argument of its own)
+    with pltpu.force_tpu_interpret_mode(True) if interpret else contextlib.nullcontext():
+        # the forward pass with its softmax statistics (row max m, row sum l), no scaling: the
+        # kernel's own entry point (jax is pinned in setup.py) without its gradient wrapper,
+        # which returns neither statistic
+        out, l, m = fa._flash_attention_impl(
+            qr, k.astype(q.dtype), v.astype(q.dtype), ab=None, segment_ids=seg, save_residuals=True, causal=False,
+            sm_scale=1.0, block_b=1, block_q=bq, block_k_major=bkm, block_k=bk, debug=False)
+    lse = m + jnp.log(l)                              # [B, K, T G]
     out = out.reshape(b, kh, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
     lse = lse.reshape(b, kh, t, g).transpose(0, 2, 1, 3).reshape(b, t, n)
     # a row that sees no slot: the kernel's masked value; mark it like the XLA path (no mass)
@@ -116,12 +121,12 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 def kernel_flops(q_shape, k_shape) -> float:
     """FLOPs of one kernel call: q k^T and p v, 2 x 2 x queries x heads x keys x head_dim."""
     b, t, n, h = q_shape
-    return 4.0 * b * t * n * h * k_shape[1]
+    return 4.0 * b * t * n * h * k_shape[2]
 
 
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
                     rt: Runtime | None = None) -> tuple[jax.Array, jax.Array]:
-    """Softmax attention of q [B, T, N, H] over k, v [B, S, K, H] where valid [B, S] (bool).
+    """Softmax attention of q [B, T, N, H] over k, v [B, K, S, H] (the cache's layout) where valid [B, S] (bool).
 
     Query head n reads KV head n // (N / K); no score scaling (Gemma 4's q/k norms take that role).
     Returns (out [B, T, N, H] float32, normalised over the visible slots, and lse [B, T, N] float32,
@@ -131,9 +136,9 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
     """
     interpret = rt.kernel_interpreted if rt is not None else jax.default_backend() != "tpu"
     b, t, n, h = q.shape
-    if not supported(t * (n // k.shape[2]), k.shape[1], h):
+    if not supported(t * (n // k.shape[1]), k.shape[2], h):
         raise ValueError(f"cache_attention needs query rows, keys and head_dim in multiples of 128; got "
-                         f"T x G = {t * (n // k.shape[2])}, S = {k.shape[1]}, H = {h}")
+                         f"T x G = {t * (n // k.shape[1])}, S = {k.shape[2]}, H = {h}")
     if rt is not None:
         rt.kernel_call("cache_attention", kernel_flops(q.shape, k.shape))
     return _attend(q, k, v, valid, bool(interpret))
@@ -142,7 +147,7 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
 def head_parallel(rt: Runtime, fn, q, k, v, valid):
     """Run the attention kernel `fn(q, k, v, valid, rt=) -> (out, lse)` per head shard.
 
-    q [B, T, N, H]; k, v [B, S, K, H] (cache layout); valid [B, S]. A Pallas kernel is one opaque
+    q [B, T, N, H]; k, v [B, K, S, H] (cache layout); valid [B, S]. A Pallas kernel is one opaque
     call the partitioner cannot split, so on a mesh it runs inside a `shard_map` over the batch
     and head axes, each device on its own query heads and the KV heads they read. Returns None
     when the layout does not allow it (query and KV heads split over different mesh axes, or the
@@ -154,7 +159,7 @@ def head_parallel(rt: Runtime, fn, q, k, v, valid):
     mesh = rt.mesh
     qs = rt.spec(q.shape, ("batch", None, "heads", None))
     ks = rt.spec(k.shape, CACHE_AXES)
-    if ks[1] is not None or ks[3] is not None or axes_of(qs[0]) != axes_of(ks[0]) or axes_of(qs[2]) != axes_of(ks[2]):
+    if ks[2] is not None or ks[3] is not None or axes_of(qs[0]) != axes_of(ks[0]) or axes_of(qs[2]) != axes_of(ks[1]):
         return None
     inner = rt.local()
     return jax.shard_map(

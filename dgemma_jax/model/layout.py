@@ -25,8 +25,8 @@ collection, int8 {"int8", "scale"} pairs) exactly, both ways. The engine convert
 its jitted programs never copy weights.
 
 The KV cache has the same two layouts (`stack_cache` / `unstack_cache`): stacked, `keys[j]` for
-j < P is [G, B, S, K_j, H_j] (group position j of every group) and `keys[P + r]` the r-th remainder
-layer's [B, S, K, H]; `KVCache.groups` = G says which (0 = one entry per layer).
+j < P is [G, B, K_j, S, H_j] (group position j of every group) and `keys[P + r]` the r-th remainder
+layer's [B, K, S, H]; `KVCache.groups` = G says which (0 = one entry per layer).
 """
 
 from __future__ import annotations

@@ -99,7 +99,8 @@ class _Attention(nn.Module):
         q = _rope_2d(_Norm(self.cfg, "head_dim", name="q_norm")(q), pos, v)
         k = _rope_2d(_Norm(self.cfg, "head_dim", name="k_norm")(k), pos, v)
         val = rms_normalize(val, v.rms_norm_eps).astype(x.dtype)
-        out = attend(q, [(k, val, key_valid[:, None, :])])  # no 1/sqrt(H): the q/k norms take that role
+        # keys and values as `attend` takes them, [N, K, P, H]; no 1/sqrt(H): the q/k norms take that role
+        out = attend(q, [(k.transpose(0, 2, 1, 3), val.transpose(0, 2, 1, 3), key_valid[:, None, :])])
         return o(out)
 
 

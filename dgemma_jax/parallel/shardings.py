@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import _boxed_init, logical_axes, param_shapes
-from dgemma_jax.model.cache import KVCache, cache_shape, init_cache, layer_slots
+from dgemma_jax.model.cache import KVCache, cache_shape, init_cache, layer_shape, layer_slots
 from dgemma_jax.model.layers import dtype_of, is_quantized
 from dgemma_jax.model.layout import stack_cache
 from dgemma_jax.axis_rules import CACHE_AXES, rules_for
@@ -89,8 +89,8 @@ class Shardings:
         """The cache's NamedShardings; layers="scan": the stacked layout (`model.layout`, the stacked
         axis replicated)."""
         c, reps = self.config, self.kv_replicas
-        keys = tuple(self.named((batch, layer_slots(c, i, length), c.layer_kv_heads(i) * reps[i], c.layer_head_dim(i)),
-                                CACHE_AXES) for i in range(c.num_layers))
+        keys = tuple(self.named(layer_shape(batch, layer_slots(c, i, length), c.layer_kv_heads(i) * reps[i],
+                                            c.layer_head_dim(i)), CACHE_AXES) for i in range(c.num_layers))
         out = KVCache(keys, keys, self.named((batch,), ("batch",)), reps, length=int(length))
         return stack_cache(out, c) if layers == "scan" else out
 

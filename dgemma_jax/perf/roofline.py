@@ -31,7 +31,7 @@ import jax
 
 from dgemma_jax.config import SLIDING, ModelConfig
 from dgemma_jax.model.api import param_shapes
-from dgemma_jax.model.cache import ring_size
+from dgemma_jax.model.cache import SLOT_AXIS, ring_size
 from dgemma_jax.model.layers import itemsize
 
 # the parameter each matrix product multiplies by, by report part ("experts_topk": every expert's
@@ -132,7 +132,7 @@ def denoise_step_bytes_per_chip(config: ModelConfig, shardings, batch: int, cont
     shapes, cshard = shardings.cache_shape(batch, context), shardings.cache(batch, context)
     cache = 0.0
     for i in range(config.num_layers):
-        slots = shapes.keys[i].shape[-3]   # a sliding layer's ring, a global layer's context
+        slots = shapes.keys[i].shape[SLOT_AXIS]   # a sliding layer's ring, a global layer's context
         frac = min(config.sliding_window - 1, slots) / slots if config.layer_types[i] == SLIDING else 1.0
         for leaf, sh in ((shapes.keys[i], cshard.keys[i]), (shapes.values[i], cshard.values[i])):
             cache += frac * shard_bytes(leaf, sh)

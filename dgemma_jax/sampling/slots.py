@@ -28,7 +28,7 @@ from flax import struct
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.api import take_rows
-from dgemma_jax.model.cache import KVCache
+from dgemma_jax.model.cache import SLOT_AXIS, KVCache
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
 from dgemma_jax.sampling.generate import canvas_start, commit, finish_canvas, prefill
@@ -200,19 +200,24 @@ def commit_slots(params, config: ModelConfig, cache: KVCache, rows: jax.Array, t
         b = _batch_axis(x)
         # a sliding layer's ring (fewer slots than the rows' length): the L positions may wrap round its
         # end, so the row's whole ring goes back (it is the window plus one canvas, model/cache.py)
-        whole = x.ndim > 1 and x.shape[b + 1] < cache.max_length
+        whole = x.ndim > 1 and x.shape[SLOT_AXIS] < cache.max_length
         x = _grouped(x, g)
         part = part.reshape(part.shape[:b] + (g, k) + part.shape[b + 1:])
         if x.ndim == 2:                                   # lengths [G, N / G]
             return x.at[jnp.arange(g)[:, None], rows].set(part).reshape(-1)
         at = jnp.zeros_like(starts) if whole else starts
-        size = part.shape[b + 2] if whole else width
+        size = part.shape[SLOT_AXIS] if whole else width
+        slot_axis = x.ndim - 1 + SLOT_AXIS                # within one group's leaf
+
+        def put(xg, pg, r, s):                            # row r's slots from s on := pg
+            index = [jnp.zeros((), jnp.int32)] * xg.ndim
+            index[b], index[slot_axis] = r, s
+            return jax.lax.dynamic_update_slice(xg, pg, index)
+
         for j in range(k):                                # K static: one in-place update of L positions a row
-            piece = jax.vmap(lambda p, s: jax.lax.dynamic_slice_in_dim(p, s, size, b + 1),   # noqa: B023
+            piece = jax.vmap(lambda p, s: jax.lax.dynamic_slice_in_dim(p, s, size, slot_axis),  # noqa: B023
                              in_axes=(b, 0), out_axes=b)(jax.lax.index_in_dim(part, j, b + 1), at[:, j])
-            x = jax.vmap(lambda xg, pg, r, s: jax.lax.dynamic_update_slice(
-                xg, pg, [jnp.zeros((), jnp.int32)] * b + [r, s] + [jnp.zeros((), jnp.int32)] * (xg.ndim - b - 2)),
-                in_axes=(b, b, 0, 0), out_axes=b)(x, piece, rows[:, j], at[:, j])
+            x = jax.vmap(put, in_axes=(b, b, 0, 0), out_axes=b)(x, piece, rows[:, j], at[:, j])
         return x.reshape(x.shape[:b] + (-1,) + x.shape[b + 2:])
 
     return jax.tree.map(write_back, cache, sub)
@@ -242,7 +247,7 @@ def _rows_of(x, rows):
 
 
 def _batch_axis(x) -> int:
-    """The batch axis of a cache leaf: lengths [B]; keys / values [B, S, K, H] or, stacked, [G, B, S, K, H]."""
+    """The batch axis of a cache leaf: lengths [B]; keys / values [B, K, S, H] or, stacked, [G, B, K, S, H]."""
     return 0 if x.ndim == 1 else x.ndim - 4
 
 
