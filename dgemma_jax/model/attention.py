@@ -158,13 +158,13 @@ class Attention(nn.Module):
         dt = x.dtype
         with jax.named_scope("qkv_proj"):
             q = project("btd,dnh->btnh", x, self.q, adapter(self, "q"))
-            # keys and values straight in the cache's order [B, K, T, H] (model/cache.py)
-            k_raw = project("btd,dkh->bkth", x, self.k, adapter(self, "k"))
-            v_raw = k_raw if self.is_global else project("btd,dkh->bkth", x, self.v, adapter(self, "v"))
+            k_raw = project("btd,dkh->btkh", x, self.k, adapter(self, "k"))
+            v_raw = k_raw if self.is_global else project("btd,dkh->btkh", x, self.v, adapter(self, "v"))
         q = apply_rope(self.q_norm(q), positions, self.inv_freq)
-        k = apply_rope(self.k_norm(k_raw), positions, self.inv_freq, heads_first=True)
+        k = apply_rope(self.k_norm(k_raw), positions, self.inv_freq)
         v = rms_normalize(v_raw, self.cfg.rms_norm_eps).astype(dt)
-        return q, k, v
+        # keys and values in the cache's order [B, K, T, H] (model/cache.py)
+        return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
     def _replicate(self, k, v, cache_k):
         """k, v [B, K, T, H] -> [B, K r, T, H] when the cache stores each kv head r times (its head

@@ -229,15 +229,14 @@ def rope_inv_freq(head_dim: int, theta: float, proportion: float = 1.0) -> np.nd
     return np.concatenate([inv, np.zeros(head_dim // 2 - n_rot, np.float32)])
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, heads_first: bool = False) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Half-split (NeoX) rotary embedding: dim i rotates with dim i + H/2.
 
-    x: [B, T, heads, H] ([B, heads, T, H] with heads_first, the KV cache's order); positions: [B, T] int.
+    x: [B, T, heads, H]; positions: [B, T] int.
     """
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
-    heads = (slice(None), None) if heads_first else (slice(None), slice(None), None)
-    cos = jnp.cos(angles)[heads].astype(x.dtype)
-    sin = jnp.sin(angles)[heads].astype(x.dtype)
+    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
