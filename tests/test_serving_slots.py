@@ -121,6 +121,33 @@ def test_committing_k_slots_equals_a_commit_over_every_row_and_leaves_the_rest(l
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def test_a_commit_writes_a_global_layers_new_slots_not_its_whole_row(monkeypatch):
+    """`commit_slots` writes back into the slots' cache only the canvas's L new slots of a row of a
+    global layer (the whole row only for a sliding layer's ring, whose L positions may wrap round its
+    end): a whole 4,096-slot row per layer is what a write-back that takes another axis for the slots
+    costs (found on the 26B's compiled tick when the cache's order changed). Traced, not run: the
+    write-back's updates are recorded by their shapes."""
+    from dgemma_jax.model.cache import SLOT_AXIS, ring_size
+    from dgemma_jax.sampling.slots import commit_slots
+
+    cfg = _config("tiny-6layer")
+    n, l = 4, cfg.canvas_length
+    length = ring_size(cfg, 1 << 20) + 2 * l        # longer than a sliding layer's ring
+    params = dg.init_params(cfg, 3)
+    cache = dg.cache_shape(cfg, n, length)
+    seen = []
+    real = jax.lax.dynamic_update_slice
+    monkeypatch.setattr(jax.lax, "dynamic_update_slice",
+                        lambda x, update, index: seen.append((x.shape, update.shape)) or real(x, update, index))
+    jax.eval_shape(lambda c: commit_slots(params, cfg, c, np.array([[3, 1]], np.int32),
+                                          np.zeros((1, 2, l), np.int32), np.array([[True, True]])), cache)
+    writes = [(x, u) for x, u in seen if len(x) == 4]        # a group's [rows, kv heads, slots, head dim]
+    whole = {x[SLOT_AXIS] for x, u in writes if u[SLOT_AXIS] == x[SLOT_AXIS]}
+    assert {x[SLOT_AXIS] for x, u in writes} == {length, ring_size(cfg, length)}, writes
+    assert all(u[SLOT_AXIS] == l for x, u in writes if x[SLOT_AXIS] == length), writes   # the global layer
+    assert whole == {ring_size(cfg, length)}, writes                                       # the rings, whole
+
+
 def test_a_commit_by_slot_group_writes_each_row_its_own_canvas():
     """`_commit_settled` on a mesh whose data axis splits 4 slots in two groups commits each settled row
     (one per group here) with its own canvas, exactly as one group does without a mesh."""
