@@ -364,12 +364,15 @@ def test_the_lora_rl_step_and_its_rollout_compile_for_v5p_8(tmp_path):
     assert "RL step projected" in r.stdout and "not a measurement" in r.stdout
 
 
-def test_parameters_in_the_compilers_layouts_drop_the_weights_relayout_copies_from_the_peak():
+def test_parameters_in_the_compilers_layouts_and_the_defaults_hold_no_weight_relayout_copy():
     """param_formats="compiler" compiles an engine program with its parameters in the layouts the TPU compiler
-    prefers: the relayout copies of weights that the default layouts cost (made at the program's start
-    and held as temporaries, `perf.memory_peak`) go, and the temporaries shrink. On 3 layers of the bench
-    config, the int4 serving tick for a v5e-1 with the Pallas grouped matmul (the 26B's:
-    benchmarks/results/param_formats_int4_v5e-1.json)."""
+    prefers. On 3 layers of the bench config, the int4 serving tick for a v5e-1 with the Pallas grouped matmul
+    (the 26B's: benchmarks/results/param_formats_int4_v5e-1.json), the default layouts made a relayout copy of
+    a weight at the program's start while the cache was stored [batch, slot, kv head, head dim] (measured:
+    temporaries 19.3 vs 16.5 MB, traffic 48.5 vs 46.7 MB); with the cache in the attention kernel's order
+    neither layout makes one (`perf.memory_peak`), and the default layouts now move less (measured: traffic
+    39.9 MB default vs 41.4 compiler, temporaries 12.3 vs 13.5 MB). The prefill, compiled for the tick's
+    layouts as `dgemma serve` runs it (serving.runner), moves the same either way (24.4 MB)."""
     from dgemma_jax.config import ModelConfig
     from dgemma_jax.perf.aot import compile_report
 
@@ -384,12 +387,9 @@ def test_parameters_in_the_compilers_layouts_drop_the_weights_relayout_copies_fr
         copies = [b for b in tick["memory_peak"]["largest"] if b["op"].startswith("copy of params")]
         got[mode] = (tick["memory"]["temp_size_in_bytes"], sum(b["bytes"] for b in copies), len(copies))
         traffic[mode] = (tick["hbm_bytes"], rep["programs"]["prefill_slot"]["hbm_bytes"])
-    assert got["default"][2] >= 1 and got["compiler"][2] == 0, got   # a weight relaid out, then none
-    assert got["compiler"][0] < 0.9 * got["default"][0], got           # measured: 16.5 vs 19.3 MB
-    # ... and the tick's HBM traffic at every call (measured: 46.7 vs 48.5 MB); the prefill, compiled for
-    # the tick's layouts as `dgemma serve` runs it (serving.runner), moves no more (24.4 MB both)
-    assert traffic["compiler"][0] < 0.98 * traffic["default"][0], traffic
-    assert traffic["compiler"][1] <= traffic["default"][1], traffic
+    assert got["default"][2] == 0 and got["compiler"][2] == 0, got   # no weight relaid out (default: 1 before)
+    assert got["default"][0] < 14e6 and traffic["default"][0] < 42e6, (got, traffic)   # 19.3 / 48.5 MB before
+    assert traffic["compiler"][1] == traffic["default"][1], traffic
     assert rep["param_formats_from"] == "slot_tick" and "projected_seconds" in rep["programs"]["prefill_slot"]
     with pytest.raises(ValueError, match="param_formats='fast' is invalid"):
         compile_report(cfg, "v5e-1", context=512, prompt=32, programs=("slot_tick",), param_formats="fast")
