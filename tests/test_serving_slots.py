@@ -441,7 +441,7 @@ def test_a_prompt_continued_from_a_rows_prefix_equals_its_own_prefill(bundled):
     _, ref = dg.prefill(params, cfg, b[None], None, dg.init_cache(cfg, 1, 64), logits="none")
     assert int(np.asarray(sch.runner.cache.lengths)[0]) == len(b)
     for got, want in zip(sch.runner.cache.keys + sch.runner.cache.values, ref.keys + ref.values):
-        np.testing.assert_allclose(np.asarray(got)[0, :len(b)], np.asarray(want)[0, :len(b)], atol=2e-5)
+        np.testing.assert_allclose(np.asarray(got)[0, :, :len(b)], np.asarray(want)[0, :, :len(b)], atol=2e-5)
 
 
 @pytest.mark.parametrize("mesh", ["expert=4", "data=2,expert=2"])
