@@ -209,7 +209,8 @@ def test_attend_blocks_fully_masked_rows_are_zero():
     from dgemma_jax.model.attention import attend
 
     rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((1, 3, 4, 8), (1, 2, 10, 8), (1, 2, 10, 8)))   # k, v [B, K, S, H]
+    # q [B, T, N, H]; k, v [B, K, S, H]
+    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((1, 3, 4, 8), (1, 2, 10, 8), (1, 2, 10, 8)))
     mask = jnp.asarray(np.array([[[True] * 10, [False] * 10, [True] * 3 + [False] * 7]]))
     whole, blocks = attend(q, [(k, v, mask)]), attend(q, [(k, v, mask)], key_block=4)
     np.testing.assert_allclose(np.asarray(blocks), np.asarray(whole), rtol=1e-6, atol=1e-6)
