@@ -64,7 +64,7 @@ def test_default_mesh_puts_every_chip_on_the_model(tmp_path):
 
 
 def test_tpu_step_attends_to_the_cache_through_the_kernel():
-    """Compiled for TPU, the global layer's cache attention is the Pallas kernel (model/flash.py),
+    """Compiled for TPU, each layer's attention is the Pallas kernel (model/flash.py),
     run per head shard; its FLOPs, which the compiler cannot see, are counted from its shapes and
     account for what the compiler no longer counts."""
     from dgemma_jax import ModelConfig
@@ -75,8 +75,9 @@ def test_tpu_step_attends_to_the_cache_through_the_kernel():
                                  programs=("denoise_step",))["programs"]["denoise_step"]
             for mode in ("auto", "xla")}
     kernel, xla = reps["auto"], reps["xla"]
-    # one global layer; 4 query heads over tensor=2: 2 per chip; 128 canvas queries, 256 slots, head_dim 128
-    assert kernel["kernel_flops"] == 4 * 1 * 128 * 2 * 128 * 256
+    # every layer; 4 query heads over tensor=2: 2 per chip; 128 canvas queries over 256 slots (the global
+    # layer's cache, a sliding layer's ring) and the 128 canvas keys; head_dim 128 (global), 16 (sliding)
+    assert kernel["kernel_flops"] == 4 * 1 * 128 * 2 * (128 + 5 * 16) * (256 + 128)
     assert kernel["flops"] == kernel["hlo_dot_flops"] + kernel["kernel_flops"]
     assert xla["kernel_flops"] == 0 and xla["flops"] == xla["hlo_dot_flops"]
     assert kernel["flops"] == pytest.approx(xla["flops"], rel=0.02)
@@ -94,8 +95,9 @@ def test_the_cache_kernel_moves_no_statistics_through_hbm():
     cfg = ModelConfig.preset("tiny-6layer", global_head_dim=128, head_dim=128, canvas_length=128, sliding_window=128)
     step = compile_report(cfg, "v5e-1", context=256, prompt=16, batch=2,
                           programs=("denoise_step",))["programs"]["denoise_step"]
-    # every layer through the kernel: 2 rows x 128 queries x 4 heads x 128 dims x 256 slots x 4, six layers
-    assert step["kernel_flops"] == 6 * 4 * 2 * 128 * 4 * 128 * 256
+    # every layer through the kernel: 2 rows x 128 queries x 4 heads x 128 dims x (256 slots + 128 canvas
+    # keys) x 4, six layers
+    assert step["kernel_flops"] == 6 * 4 * 2 * 128 * 4 * 128 * (256 + 128)
     assert step["hbm_bytes_by_op"].get("custom-call", 0) < 1e6, step["hbm_bytes_by_op"]
     assert step["hbm_bytes_by_op"].get("copy", 0) == 0, step["hbm_bytes_by_op"]
 

@@ -7,8 +7,8 @@
   pass (the earlier tokens) and to their own keys, two key sets under one softmax, so a pass longer
   than the ring needs no more slots.
 * `denoise` (bidirectional): the canvas attends to the read-only committed context in the cache
-  plus the whole canvas. The two key sets are attended separately and merged with one shared
-  softmax (log-sum-exp), so the cache is never concatenated or copied.
+  plus the whole canvas. The two key sets share one softmax without being concatenated (the cache
+  is never copied); on TPU one fused kernel (model/flash.py) attends to both.
 
 No 1/sqrt(H) scaling and no logit softcap: the q/k RMSNorms take that role. Global layers have no
 V projection: K = rope(k_norm(x Wk)), V = v_norm(x Wk).
@@ -32,22 +32,18 @@ _NEG = -1e30
 
 
 def attend(q: jax.Array, parts: list[tuple[jax.Array, jax.Array, jax.Array | None]],
-           key_block: int | None = None, prior: tuple[jax.Array, jax.Array] | None = None,
-           fixed_blocks: bool = False) -> jax.Array:
+           key_block: int | None = None, fixed_blocks: bool = False) -> jax.Array:
     """Softmax attention of q [B, T, N, H] over several key/value sets sharing one softmax.
 
     parts: (k [B, K, S, H], v [B, K, S, H] (the cache's layout), mask [B, T or 1, S] bool or None). Query head n reads
     kv head n // (N / K). Scores and the softmax are float32; fully masked rows give zeros.
     key_block: a part with more keys than this is attended block by block (see `_attend_blocks`).
-    prior: (out [B, T, N, H], lse [B, T, N]) of keys attended elsewhere (the cache kernel,
-    `model.flash`), merged into the same softmax; lse <= -1e29 marks a row that saw no key there.
     fixed_blocks: attend block by block even when every part fits one block (`Runtime.attn_fixed_blocks`):
     a query's result then depends only on the blocks holding keys it sees, not on how many fully
     masked blocks follow (each adds exact zeros), so a longer cache changes none of its bits.
     """
-    if prior is not None or (key_block is not None and (fixed_blocks or any(k.shape[2] > key_block
-                                                                           for k, _, _ in parts))):
-        return _attend_blocks(q, parts, key_block or max(k.shape[2] for k, _, _ in parts), prior)
+    if key_block is not None and (fixed_blocks or any(k.shape[2] > key_block for k, _, _ in parts)):
+        return _attend_blocks(q, parts, key_block)
     b, t, n, h = q.shape
     kh = parts[0][0].shape[1]
     qg = q.reshape(b, t, kh, n // kh, h)
@@ -87,12 +83,11 @@ def _finish(num, den, q):
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h).astype(q.dtype)
 
 
-def _attend_blocks(q, parts, key_block, prior=None):
+def _attend_blocks(q, parts, key_block):
     """`attend` over key blocks of at most `key_block` keys: each block's softmax statistics (its
     max, exp-sum and weighted values) are computed on their own and merged by log-sum-exp, so one
     block's scores are the largest score array alive, and a block that no query sees is skipped.
-    A `prior` (normalised output and log-sum-exp) enters as one more block. Same result as one
-    softmax, up to rounding."""
+    Same result as one softmax, up to rounding."""
     b, t, n, h = q.shape
     kh = parts[0][0].shape[1]
     qg = q.reshape(b, t, kh, n // kh, h)
@@ -115,12 +110,6 @@ def _attend_blocks(q, parts, key_block, prior=None):
                 stats.append(block_stats(*blk))
             else:  # blocks no query sees (the unused end of a long cache) are skipped at run time
                 stats.append(jax.lax.cond(jnp.any(blk[2]), block_stats, empty, *blk))
-    if prior is not None:
-        out, lse = prior
-        seen = (lse > 0.1 * _NEG).reshape(b, t, kh, n // kh).transpose(0, 2, 1, 3)
-        lse = jnp.maximum(lse, 0.1 * _NEG).reshape(b, t, kh, n // kh).transpose(0, 2, 1, 3)
-        out = out.astype(jnp.float32).reshape(b, t, kh, n // kh, h).transpose(0, 2, 1, 3, 4)
-        stats.append((lse[..., None], jnp.where(seen[..., None], out, 0.0), seen.astype(jnp.float32)))
     top = stats[0][0]
     for m, _, _ in stats[1:]:
         top = jnp.maximum(top, m)
@@ -248,11 +237,11 @@ class Attention(nn.Module):
         ctx_mask = masks.denoise_context_mask(positions, k_pos, context_end, self.window,
                                               self.cfg.denoise_window)
         n, h = q.shape[2:]
-        if kernel and flash.supported(l * (n // keys.shape[1]), keys.shape[2], h):
-            prior = flash.head_parallel(self.rt, flash.cache_attention, q, keys, vals, ctx_mask[:, 0])
-            if prior is not None:  # the cache through the fused kernel, the canvas's own keys here
-                return self._out(attend(q, [(k, v, None)], self.rt.attn_key_block, prior=prior,
-                                              fixed_blocks=self.rt.attn_fixed_blocks))
+        if kernel and flash.supported(l * (n // keys.shape[1]), l, keys.shape[2], h):
+            # canvas and cache under one softmax in the fused kernel
+            y = flash.head_parallel(self.rt, flash.denoise_attention, q, k, v, keys, vals, ctx_mask[:, 0])
+            if y is not None:
+                return self._out(y)
         y = attend(q, [(keys, vals, ctx_mask), (k, v, None)], self.rt.attn_key_block,
                    fixed_blocks=self.rt.attn_fixed_blocks)
         return self._out(y)
