@@ -257,7 +257,7 @@ def jax_pieces(cfg, params, prompt, quick, res):
     out = {"sampler": {k: getattr(sampler, k) for k in ("canvas_length", "max_denoising_steps", "t_max", "t_min",
                                                         "entropy_bound", "confidence_threshold",
                                                         "stability_threshold", "eos_ids", "pad_id")},
-           "moe_dispatch_resolved": Runtime().dispatch}
+           "moe_dispatch_resolved": Runtime().dispatch()}
     res["dgemma_jax"] = out
     compile_ = out.setdefault("compile", {})
     memory = out.setdefault("memory", {})

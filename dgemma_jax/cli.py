@@ -299,8 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rl-updates", type=_positive(int), default=1, help="rl_step: rl.updates_per_rollout")
     s.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     s.add_argument("--moe-dispatch", choices=["auto", "ragged", "capacity", "dense", "gmm"], default="auto",
-                   help="MoE dispatch the programs are compiled with (auto: ragged on TPU; gmm: the Pallas "
-                        "grouped-matmul kernel)")
+                   help="MoE dispatch the programs are compiled with (auto: on TPU gmm for int4 experts, ragged "
+                        "otherwise; gmm: the Pallas grouped-matmul kernel)")
     s.add_argument("--layers", choices=["auto", "unrolled", "scan"], default="auto",
                    help="layer layout (Runtime.layers): scan = one repeated layer group compiled and scanned "
                         "(auto: Runtime.LAYER_DEFAULTS, unrolled; the entry points' own choice on TPU is "

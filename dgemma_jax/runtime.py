@@ -66,9 +66,10 @@ class Runtime:
     mesh, rules: the device mesh and the logical-axis rule set (`axis_rules.rules_for`: pairs or a
       mapping, checked against the mesh: an unknown logical or mesh axis is an error); None / () =
       one device, no placement constraints.
-    moe_dispatch: "auto" (capacity buffers on CPU, grouped matmuls elsewhere), "dense", "ragged",
-      "capacity" or "gmm" (the Pallas grouped-matmul kernel, model/gmm.py; off TPU in Pallas's
-      interpreter; not "auto"'s choice yet: projected slower than "ragged" on the 26B's serving tick).
+    moe_dispatch: "auto" (capacity buffers on CPU, grouped matmuls elsewhere: on TPU the Pallas kernel
+      for int4 experts, `dispatch`), "dense", "ragged", "capacity" or "gmm" (the Pallas grouped-matmul
+      kernel, model/gmm.py; off TPU in Pallas's interpreter; in bfloat16 projected slower than "ragged"
+      on the 26B's serving tick, so "auto" keeps "ragged" there).
       moe_capacity_factor, moe_shard_rows_factor: their buffer sizes.
     attn_kernel: how the denoiser's canvas attends to the cache where the mask allows: "auto" = the
       fused Pallas kernel (model/flash.py) when compiling for TPU, XLA elsewhere; "xla"; "pallas" =
@@ -143,12 +144,16 @@ class Runtime:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ derived choices
-    @property
-    def dispatch(self) -> str:
-        """The MoE dispatch strategy "auto" stands for on this platform."""
+    def dispatch(self, int4: bool = False) -> str:
+        """The MoE dispatch strategy to run: `moe_dispatch`, or what "auto" stands for on this platform:
+        "capacity" on CPU; on TPU the grouped-matmul kernel ("gmm") for int4 expert kernels (`int4`), which
+        it reads as stored (XLA's grouped matmul sums their groups through HBM in float32: the 26B's
+        one-chip int4 tick projects 76.0 -> 43.2 ms with the kernel, docs/tpu.md), else "ragged"."""
         if self.moe_dispatch != "auto":
             return self.moe_dispatch
-        return "capacity" if self.platform == "cpu" else "ragged"
+        if self.platform == "cpu":
+            return "capacity"
+        return "gmm" if int4 and self.platform == "tpu" else "ragged"
 
     @property
     def kernel_interpreted(self) -> bool:

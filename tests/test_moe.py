@@ -259,9 +259,9 @@ def test_capacity_for():
 
 
 def test_auto_dispatch_resolves():
-    assert Runtime().dispatch == ("capacity" if jax.default_backend() == "cpu" else "ragged")
+    assert Runtime().dispatch() == ("capacity" if jax.default_backend() == "cpu" else "ragged")
     for s in ("dense", "ragged", "capacity"):
-        assert Runtime(moe_dispatch=s).dispatch == s
+        assert Runtime(moe_dispatch=s).dispatch() == s
 
 
 # ---------------------------------------------------------------------------------------------- the module

@@ -106,9 +106,10 @@ def test_the_gmm_dispatch_on_an_expert_mesh_equals_dense():
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_the_kernel_is_opt_in():
-    assert Runtime(moe_dispatch="gmm").dispatch == "gmm"
-    assert Runtime(platform="tpu").dispatch == "ragged" and Runtime(platform="cpu").dispatch == "capacity"
+def test_auto_runs_the_kernel_for_int4_experts_on_tpu_only():
+    assert Runtime(moe_dispatch="gmm").dispatch() == "gmm"
+    assert Runtime(platform="tpu").dispatch(int4=True) == "gmm"
+    assert Runtime(platform="tpu").dispatch() == "ragged" and Runtime(platform="cpu").dispatch(int4=True) == "capacity"
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8", "bf16"])

@@ -44,10 +44,14 @@ def test_invalid_runtime_names_the_field(kwargs, field):
 def test_default_platform_and_dispatch_follow_the_backend():
     rt = Runtime()
     assert rt.platform == jax.default_backend()
-    assert Runtime(platform="cpu").dispatch == "capacity"
-    assert Runtime(platform="tpu").dispatch == "ragged" and Runtime(platform="gpu").dispatch == "ragged"
+    assert Runtime(platform="cpu").dispatch() == "capacity" == Runtime(platform="cpu").dispatch(int4=True)
+    assert Runtime(platform="tpu").dispatch() == "ragged" and Runtime(platform="gpu").dispatch() == "ragged"
+    # int4 experts: the Pallas grouped-matmul kernel on TPU (a Mosaic kernel: TPU only)
+    assert Runtime(platform="tpu").dispatch(int4=True) == "gmm"
+    assert Runtime(platform="gpu").dispatch(int4=True) == "ragged"
     for s in ("dense", "ragged", "capacity"):
-        assert Runtime(platform="tpu", moe_dispatch=s).dispatch == s
+        rt = Runtime(platform="tpu", moe_dispatch=s)
+        assert rt.dispatch() == s == rt.dispatch(int4=True)
     assert Runtime(platform="tpu").use_kernel() and not Runtime(platform="cpu").use_kernel()
     assert Runtime(platform="cpu", attn_kernel="pallas").use_kernel()
     assert not Runtime(platform="tpu", attn_kernel="xla").use_kernel()
@@ -150,6 +154,25 @@ def test_the_observer_hears_each_kernel_call_with_its_flops():
     assert sorted(f for _, f in seen.calls) == [4.0 * 128 * 2 * 128 * (256 + 128)] * 2
     assert {n for n, _ in seen.calls} == {"denoise_attention"}
     assert rt != Runtime(platform="cpu", attn_kernel="pallas")  # compared by identity: its own programs
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_auto_traces_int4_experts_through_the_grouped_matmul_kernel_for_tpu(quantize):
+    """Runtime(platform="tpu") with the default dispatch: the model's int4 expert kernels go through the
+    Pallas grouped matmul (the observer hears it, twice a layer: gate_up and down); int8 and bfloat16
+    experts keep XLA's grouped matmul."""
+    from dgemma_jax import quantize_params
+
+    params = init_params(CFG, 0)
+    if quantize:
+        params = quantize_params(CFG, params, quantize)
+    cache = init_cache(CFG, 1, 64)
+    canvas = jnp.zeros((1, CFG.canvas_length), jnp.int32)
+    seen = _Count()
+    rt = Runtime(platform="tpu", observer=seen)
+    jax.make_jaxpr(lambda p, c: api.denoise_logits(p, CFG, canvas, c.lengths, c, runtime=rt))(params, cache)
+    matmuls = [n for n, _ in seen.calls if n == "grouped_matmul"]
+    assert len(matmuls) == (2 * CFG.num_layers if quantize == "int4" else 0)
 
 
 def test_engine_runtime_and_shardings_must_agree():

@@ -19,10 +19,11 @@ Dispatch strategies (all dropless, all equal to the dense oracle):
              int8 / int4 kernels as stored and widens and scales them on chip, and scales each
              pair's output row by its combine weight before it leaves the chip; LoRA adapters take
              the "ragged" path. Off TPU the kernel runs in Pallas's interpreter (tests).
-* "auto"     "capacity" on CPU, "ragged" elsewhere (`Runtime.dispatch`). "gmm" is opt-in: compiled for
-             the 26B's serving tick it moved more HBM bytes than "ragged" in bfloat16 (v6e-8, 32 slots:
-             55.9 vs 48.1 GB a step) and its int4 tick on a v5e-1 moved fewer (37.1 vs 63.1 GB) but
-             did not fit (16.17 GB of 15.75; benchmarks/results/gmm_kernel_projection.json).
+* "auto"     "capacity" on CPU; on TPU "gmm" for int4 expert kernels, "ragged" otherwise
+             (`Runtime.dispatch`). Compiled for the 26B's int4 serving tick on a v5e-1 "gmm" moves
+             35.3 GB against 62.3 (43.2 vs 76.0 ms projected, 15.04 GB per chip: it fits); in bfloat16
+             it moved more than "ragged" (v6e-8, 32 slots: 55.9 vs 48.1 GB a step, older code;
+             benchmarks/results/gmm_kernel_projection.json), so "auto" keeps "ragged" there.
 
 int8 (`model.quant`): an expert kernel may be an int8 pair {"int8" [E, ., .], "scale" [E, 1, .]}; every
 strategy reads the int8 values, casts them to the activation dtype inside its matmul and scales the
@@ -56,6 +57,7 @@ from jax.sharding import PartitionSpec
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model import gmm, layout
+from dgemma_jax.model.per_group import PerGroup
 from dgemma_jax.model.layers import (GATED_MLP_AXES, QUANT_SCALE, adapter, dequantize, gated_mlp,
                                      gelu_tanh, is_int4, is_quantized, kernel_shape, ones_param, param, project,
                                      quant_values, rms_normalize)
@@ -350,11 +352,19 @@ def dispatch(cfg: ModelConfig, rt: Runtime, z, weights, experts, gate_up, down, 
     return y.astype(jnp.float32)
 
 
+def int4_experts(kernel) -> bool:
+    """Whether the expert kernel (an array, a quantized pair, or a scanned layer's `PerGroup` of them)
+    is int4: what `Runtime.dispatch` needs to resolve "auto"."""
+    if isinstance(kernel, PerGroup):
+        kernel = kernel.arrays[0]
+    return is_int4(kernel)
+
+
 def _dispatch_here(cfg, rt, z, weights, experts, gate_up, down, adapters, offset, shards):
     """`dispatch` on these kernels (arrays or quantized pairs), in z's dtype. The ragged grouped matmuls
     read int4 pairs as they are (`_ragged`); the dense and capacity strategies (CPU, tests) dequantize
     them to z's dtype here, on the experts held here (inside the expert-parallel body)."""
-    strategy = rt.dispatch
+    strategy = rt.dispatch(int4_experts(gate_up))
     if strategy == "gmm" and adapters is not None:  # the kernel adds no LoRA term
         strategy = "ragged"
     if strategy not in ("ragged", "gmm"):
@@ -410,7 +420,7 @@ class MoE(nn.Module):
         # float kernels in the activation dtype; int8 kernels stay int8 (cast inside each matmul)
         gate_up, down = (w if is_quantized(w) else w.astype(z.dtype) for w in (gate_up, down))
         adapters = {k: ab for k in ("gate_up", "down") if (ab := adapter(self, k)) is not None} or None
-        with jax.named_scope(f"experts_{self.rt.dispatch}"):
+        with jax.named_scope(f"experts_{self.rt.dispatch(int4_experts(gate_up))}"):
             beside = None if dense is None else DenseBeside(dense[0].reshape(-1, d), dense[1], GATED_MLP_AXES,
                                                             gated_mlp)
             y = expert_parallel(self.rt, lambda rt, *a, **k: dispatch(cfg, rt, *a, **k), zf, weights, experts,

@@ -376,7 +376,7 @@ def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | No
         "param_formats": param_formats,
         "preset": cfg.name, "topology": topology_name, "chips": len(devs), "mesh": dict(sh.mesh.shape),
         "rules": rules, "batch": batch, "context": context, "prompt": prompt, "dtype": cfg.param_dtype,
-        "moe_dispatch": runtime.dispatch, "attn_kernel": attn_kernel, "layers": runtime.layers,
+        "moe_dispatch": runtime.dispatch(int4=quantize == "int4"), "attn_kernel": attn_kernel, "layers": runtime.layers,
         "hbm_limit_bytes": topo.hbm_bytes, "programs": {}, "fits": True,
         "quantize": quantize, "images": images, "compiler_options": dict(compiler_options or {}),
         "vision_param_bytes": roofline.tree_bytes({k: v for k, v in args["params"].items()
