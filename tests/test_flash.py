@@ -176,3 +176,46 @@ def test_kernel_runs_per_head_shard(monkeypatch):
     un = np.asarray(denoise(params, cfg, canvas, cache, runtime=Runtime(attn_kernel="pallas")))
     un_ref = np.asarray(denoise(params, cfg, canvas, cache, runtime=Runtime(attn_kernel="xla")))
     _close(un, un_ref)
+
+
+def _attention_primitives(rt):
+    """Primitive counts of a TPU-traced denoiser pass under the attention's name scopes, kernel bodies
+    (pallas_call) counted as one call each and not entered."""
+    import collections
+
+    from jax.extend import core as jcore
+
+    cfg = ModelConfig.preset("tiny-2layer", hidden_size=128, num_heads=2, head_dim=128, num_kv_heads=1,
+                             global_head_dim=128, canvas_length=128, sliding_window=128)
+    cache = init_cache(cfg, 1, 256)
+    canvas = jnp.zeros((1, 128), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda p, c: api.denoise_logits(p, cfg, canvas, c.lengths, c, runtime=rt))(
+        api.param_shapes(cfg), cache)
+    found = collections.Counter()
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "pallas_call":
+                found["pallas_call"] += 1
+                continue
+            if "attn" in str(e.source_info.name_stack):
+                found[e.primitive.name] += 1
+            for v in e.params.values():
+                for sub in v if isinstance(v, (list, tuple)) else [v]:
+                    if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                        walk(getattr(sub, "jaxpr", sub))
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+def test_on_tpu_no_softmax_of_the_denoiser_runs_outside_the_kernel():
+    """Traced for TPU, each layer's attention is one kernel call and no softmax piece (exp, row max) is
+    left to XLA: canvas and cache share the kernel's softmax. (With jax's flash kernel, before, the
+    canvas's own keys were attended and merged in XLA: 6 exps and 2 row maxes here.) The XLA path,
+    the control, has them."""
+    fused = _attention_primitives(Runtime(platform="tpu"))
+    assert fused["pallas_call"] == 2  # two layers
+    assert fused["exp"] == 0 and fused["reduce_max"] == 0, fused
+    xla = _attention_primitives(Runtime(platform="tpu", attn_kernel="xla"))
+    assert xla["pallas_call"] == 0 and xla["exp"] > 0 and xla["reduce_max"] > 0, xla
