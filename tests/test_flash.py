@@ -77,6 +77,10 @@ def test_denoise_attention_rejects_shapes_it_cannot_tile():
     _, k, v = _qkv(rng, s=32)
     with pytest.raises(ValueError, match="S = 200"):
         flash.denoise_attention(q, k, v, kc, vc, jnp.ones((2, 200), bool))
+    q, kc, vc = _qkv(rng, h=64)  # a 64-wide head
+    _, k, v = _qkv(rng, s=32, h=64)
+    with pytest.raises(ValueError, match="H = 64"):
+        flash.denoise_attention(q, k, v, kc, vc, jnp.ones((2, 256), bool))
 
 
 def _close(out, ref):

@@ -52,11 +52,11 @@ def _block(n: int) -> int | None:
 
 
 def supported(rows: int, canvas: int, keys: int, head_dim: int) -> bool:
-    """Shapes the kernel takes: query rows (T x G), canvas keys, cache keys and head_dim each either
-    whole 128-lane tiles or (canvas keys, head_dim) fewer than 128 in whole 8-row tiles; at least 128
-    query rows."""
+    """Shapes the kernel takes: at least 128 query rows (T x G) in whole tiles, cache slots and head_dim
+    in whole 128-lane tiles (a narrower head would leave lanes idle and make the TPU compiler relay the
+    cache out: small configs keep XLA), canvas keys in whole 128-lane tiles or fewer than 128."""
     return (rows >= _LANES and _block(rows) is not None and _block(canvas) is not None
-            and keys % _LANES == 0 and _block(head_dim) is not None)
+            and keys % _LANES == 0 and head_dim % _LANES == 0)
 
 
 def _lanes(x, n: int):
@@ -187,9 +187,9 @@ def denoise_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Arr
     b, t, n, h = q.shape
     kh, s = cache_k.shape[1], cache_k.shape[2]
     if not supported(t * (n // kh), t, s, h):
-        raise ValueError(f"denoise_attention needs query rows (T x G >= 128), canvas keys and head_dim in "
-                         f"whole 128-lane tiles (or under 128 in whole 8-row tiles) and cache slots in whole "
-                         f"128-lane tiles; got T x G = {t * (n // kh)}, T = {t}, S = {s}, H = {h}")
+        raise ValueError(f"denoise_attention needs query rows (T x G >= 128) and canvas keys in whole 128-lane "
+                         f"tiles (or canvas keys under 128 in whole 8-row tiles), and cache slots and head_dim in "
+                         f"whole 128-lane tiles; got T x G = {t * (n // kh)}, T = {t}, S = {s}, H = {h}")
     if rt is not None:
         rt.kernel_call("denoise_attention", kernel_flops(q.shape, t, s))
     return _attend(q, k, v, cache_k, cache_v, valid, bool(interpret))
