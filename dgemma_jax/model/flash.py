@@ -145,9 +145,17 @@ def _kernel_call(q, k, v, cache_k, cache_v, valid, interpret):
 
 def _reference(q, k, v, cache_k, cache_v, valid):
     """The same contract in plain XLA (the gradient's): one softmax over [cache where valid ; canvas]."""
-    from dgemma_jax.model.attention import attend  # (deferred: attention imports this module)
-
-    return attend(q, [(cache_k, cache_v, valid[:, None]), (k, v, None)])
+    b, t, n, h = q.shape
+    qg = q.reshape(b, t, k.shape[1], n // k.shape[1], h)
+    scores = lambda keys: jnp.einsum("btkgh,bksh->bktgs", qg, keys, preferred_element_type=jnp.float32)  # noqa: E731
+    s_cache = jnp.where(valid[:, None, None, None, :], scores(cache_k), _NEG)
+    s_own = scores(k)
+    m = jax.lax.stop_gradient(jnp.maximum(s_cache.max(-1), s_own.max(-1)))[..., None]
+    p_cache, p_own = jnp.exp(s_cache - m), jnp.exp(s_own - m)
+    weighted = lambda p, vals: jnp.einsum("bktgs,bksh->bktgh", p.astype(vals.dtype), vals,  # noqa: E731
+                                          preferred_element_type=jnp.float32)
+    out = (weighted(p_cache, cache_v) + weighted(p_own, v)) / (p_cache.sum(-1) + p_own.sum(-1))[..., None]
+    return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h).astype(q.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
