@@ -114,8 +114,8 @@ def cmd_compile(args) -> int:
     if args.topology not in aot.TOPOLOGIES:
         raise UsageError(f"unknown --topology {args.topology!r}; choose one of {', '.join(aot.TOPOLOGIES)}")
     programs = tuple(p.strip() for p in args.programs.split(",") if p.strip())
-    known = ("prefill", "denoise_step", "commit", "generate", "lora_step", "rl_step", "slot_tick", "prefill_slot",
-             "prefill_images", "prefill_slot_images")
+    known = ("prefill", "denoise_step", "commit", "commit_step", "generate", "lora_step", "rl_step", "slot_tick",
+             "prefill_slot", "prefill_images", "prefill_slot_images")
     bad = [p for p in programs if p not in known]
     if bad:
         raise UsageError(f"unknown program(s) {bad}; choose from {', '.join(known)}")
@@ -286,8 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--context", type=_positive(int), default=32768, help="KV cache tokens per row")
     s.add_argument("--prompt", type=_positive(int), default=2048, help="tokens per prefill call")
     s.add_argument("--steps", type=_positive(int), default=16, help="denoising steps per canvas for projections")
-    s.add_argument("--programs", default="prefill,denoise_step,commit,generate",
-                   help="comma list of prefill, denoise_step, commit, generate, lora_step (a LoRA training "
+    s.add_argument("--programs", default="prefill,denoise_step,commit_step,generate",
+                   help="comma list of prefill, denoise_step, commit (a canvas's causal pass on its own), "
+                        "commit_step (a canvas's commit and the next one's first step in one pass, as generate "
+                        "runs them on a TPU; the projection's commit when compiled), generate, lora_step (a LoRA training "
                         "step on a batch of --batch rows of --prompt + canvases up to --context; use --rules training), "
                         "rl_step (GRPO's LoRA update on --batch rollout rows, likewise; with prefill, denoise_step, "
                         "commit and generate, the rollout of those rows: one RL step's projected time), "

@@ -27,6 +27,7 @@ MOE_DISPATCH = ("auto", "dense", "ragged", "capacity", "gmm")
 ATTN_KERNELS = ("auto", "xla", "pallas")
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 LAYER_LAYOUTS = ("auto", "unrolled", "scan")
+COMMIT_PASSES = ("auto", "fused", "separate")
 # what Runtime(layers="auto") runs per platform. XLA:CPU runs the unrolled step faster
 # (benchmarks/results/scan_layers.json); on TPU the scan compiles in about half the time but each call
 # moves 1.02-1.25x the unrolled program's HBM bytes (benchmarks/results/compile_time.json): a program
@@ -81,6 +82,12 @@ class Runtime:
       cache length its batch gets, and the blocks beyond its keys add exact zeros, `Engine`'s
       `batch_invariant`).
     remat: recompute each block in the backward pass (training memory).
+    commit_pass: how `generate_fused` commits a canvas: "fused" = in one pass over the layers with the
+      next canvas's first step (`loop.commit_and_step`: the weights read once for both, so the commit
+      costs its FLOPs only where a step is bound by reading them; the first canvas's step carries a
+      commit of no tokens); "separate" = its own causal pass (`generate.canvas_end`); "auto" = "fused"
+      on an accelerator, "separate" on CPU, where a pass is bound by its FLOPs and the fused one
+      would add the first canvas's empty commit to every call (`fuse_commit`).
     layers: how the layers are laid out in the program (`model.scanned`, `model.layout`): "unrolled" (one traced
       block per layer), "scan" (a `lax.scan` over the repeated layer group, 5 sliding + 1 global on
       the 26B: one group compiled instead of 30 layers; parameters and cache stacked per group
@@ -107,6 +114,7 @@ class Runtime:
     remat: bool = False
     observer: Any = None
     layers: str = "auto"
+    commit_pass: str = "auto"
 
     def __post_init__(self):
         if self.platform is None:
@@ -137,6 +145,8 @@ class Runtime:
             bad("remat", self.remat, "must be True or False")
         if self.layers not in LAYER_LAYOUTS:
             bad("layers", self.layers, f"must be one of {LAYER_LAYOUTS}")
+        if self.commit_pass not in COMMIT_PASSES:
+            bad("commit_pass", self.commit_pass, f"must be one of {COMMIT_PASSES}")
         # "auto" resolved here, once (`resolve_layers`): `layers` is always "unrolled" or "scan" after this
         object.__setattr__(self, "layers", resolve_layers(self.layers, self.platform))
 
@@ -154,6 +164,13 @@ class Runtime:
         if self.platform == "cpu":
             return "capacity"
         return "gmm" if int4 and self.platform == "tpu" else "ragged"
+
+    def fuse_commit(self) -> bool:
+        """Whether `generate_fused` commits a canvas in one pass with the next one's first step
+        (`commit_pass`)."""
+        if self.commit_pass != "auto":
+            return self.commit_pass == "fused"
+        return self.platform != "cpu"
 
     @property
     def kernel_interpreted(self) -> bool:

@@ -367,6 +367,7 @@ class Engine:
                 denoise_step=gen_program(("denoise_step",), functools.partial(denoise_step, **gfull), donate=()),
                 canvas_end=gen_program(("canvas_end",), functools.partial(gen.canvas_end, **gfull)),
                 canvas_step=gen_program(("canvas_step",), functools.partial(gen.canvas_step, **gfull)),
+                commit_step=gen_program(("commit_step",), functools.partial(gen.commit_and_first_step, **gfull)),
                 prefill_slot=program(("prefill_slot",), functools.partial(slots_lib.prefill_slot, **model)),
                 slot_tick=program(("slot_tick",), functools.partial(slots_lib.slot_tick, **full),
                                   donate=("cache", "state")),

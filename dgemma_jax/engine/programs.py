@@ -22,6 +22,9 @@ class Programs:
     denoise_step(params, cache=, context_end=, keys=, state=, seed=None, pinned=None, knobs=None) -> LoopState
     canvas_end(params, cache=, argmax=, finished=, last=) -> (tokens, finished, cache)
     canvas_step(params, cache=, keys=, index=, last=, finished=, seed_canvas=None, pinned=None): one canvas
+    commit_step(params, cache=, tokens=, active=, canvas=) -> (LoopState, cache): a canvas's commit and the
+      next canvas's first step in one pass (`generate.commit_and_first_step`, what `generate_fused` runs
+      where the runtime fuses the commit)
     prefill_slot(params, cache=, slot=, tokens= [1, W], length= [1], start=, images=None) -> cache
     slot_tick(params, cache=, state=, keys=, canvas_index=, begin=, active=, last=, keep=, knobs=,
       max_ticks=, seed=None, pinned=None, hold=None, end=None) -> `slots.TickOutput`
@@ -37,6 +40,7 @@ class Programs:
     denoise_step: Any
     canvas_end: Any
     canvas_step: Any
+    commit_step: Any
     prefill_slot: Any
     slot_tick: Any
     read_row: Any

@@ -125,6 +125,15 @@ def denoise_features(params, config: ModelConfig, canvas, context_end, cache: KV
     return _apply(config, runtime, variables(params), canvas, context_end, cache, soft, method="denoise_features")
 
 
+def commit_denoise_features(params, config: ModelConfig, tokens, num_new, canvas, cache: KVCache, soft=None,
+                            runtime: Runtime | None = None):
+    """The causal pass writing tokens [B, T] (row b's first num_new[b]) and the denoiser's pass over
+    the next canvas [B, L] after them, in one pass over the layers (`Transformer.commit_denoise_features`):
+    (the canvas's [B, L, D] up to the final norm, the cache with the tokens written)."""
+    return _apply(config, runtime, variables(params), tokens, num_new, canvas, cache, soft,
+                  method="commit_denoise_features")
+
+
 def soft_embed_pass(params, config: ModelConfig, logits, adapters=None, runtime: Runtime | None = None):
     """Self-conditioning soft embedding of logits [B, L, V]: [B, L, D]."""
     return _apply(config, runtime, variables(params, adapters), logits, method="soft_embed")

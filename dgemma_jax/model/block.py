@@ -6,6 +6,7 @@ the scan over the repeated layer group (`model.scanned`), both build it.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
@@ -61,3 +62,25 @@ class Block(nn.Module):
         a = self.attn.denoise(self.pre_attn_norm(x), context_end, cache_k, cache_v)
         x1 = x + self.post_attn_norm(a)
         return self._ffw(x1, self.decoder_scalar)
+
+    def commit_denoise(self, xc, starts, num_new, xd, cache_k, cache_v, group=None):
+        """`encode` of xc [B, T, D] (the causal pass writing a row's settled canvas) and `denoise` of xd
+        [B, L, D] (the row's next canvas, after it: positions starts + num_new on) in one layer.
+
+        The canvas attends to the cache with this layer's new tokens written into it, exactly as a
+        denoising pass after the committing pass would; the feed-forward part, which reads most of the
+        layer's weights, runs once over both, each token with its own mode's layer scalar (the tokens
+        joined along the sequence axis, so every row stays where it lies on a mesh). Returns (xc, xd,
+        cache_k, cache_v)."""
+        a, cache_k, cache_v = self.attn.encode(self.pre_attn_norm(xc), starts, num_new, cache_k, cache_v, None, group)
+        layer_k, layer_v = cache_k, cache_v
+        if group is not None:
+            layer_k = jax.lax.dynamic_index_in_dim(cache_k, group, 0, keepdims=False)
+            layer_v = jax.lax.dynamic_index_in_dim(cache_v, group, 0, keepdims=False)
+        ad = self.attn.denoise(self.pre_attn_norm(xd), starts + num_new, layer_k, layer_v)
+        t = xc.shape[1]
+        x1 = jnp.concatenate([xc + self.post_attn_norm(a), xd + self.post_attn_norm(ad)], axis=1)
+        scalar = jnp.concatenate([jnp.broadcast_to(self.encoder_scalar, (t,)),
+                                  jnp.broadcast_to(self.decoder_scalar, (xd.shape[1],))])[:, None]
+        y = self._ffw(x1, scalar)
+        return y[:, :t], y[:, t:], cache_k, cache_v

@@ -74,6 +74,34 @@ def encode_layers(model, x, starts, num_new, cache: KVCache, span=None):
     return x, (new if cache.groups else layout.unstack_cache(new, model.cfg))
 
 
+def commit_denoise_layers(model, xc, starts, num_new, xd, cache: KVCache):
+    """`Block.commit_denoise`'s layers, scanned: (xd [B, L, D] after every layer, the new cache in the
+    layout it was given), the stacked caches written in place as `encode_layers` writes them."""
+    plan, c, fns = _scan_parts(model, cache, "commit_denoise")
+    sliced, whole = layout.split_per_group(_groups(model))
+
+    def body(carry, xs):
+        hc, hd, ks, vs = carry
+        g, groups = xs
+        groups = layout.join_per_group(groups, whole, g)
+        ks, vs = list(ks), list(vs)
+        for j in range(plan.period):
+            block_vars = {col: t[f"blocks_{j}"] for col, t in groups.items()}
+            hc, hd, ks[j], vs[j] = fns[j](block_vars, hc, starts, num_new, hd, ks[j], vs[j], g)
+        return (hc, hd, tuple(ks), tuple(vs)), None
+
+    p = plan.period
+    with jax.named_scope(layout.LAYER_LOOP_SCOPE):
+        (xc, xd, ks, vs), _ = jax.lax.scan(body, (xc, xd, c.keys[:p], c.values[:p]),
+                                           (jnp.arange(plan.groups, dtype=jnp.int32), sliced))
+    keys, values = list(ks) + list(c.keys[p:]), list(vs) + list(c.values[p:])
+    for r, i in enumerate(plan.remainder):
+        xc, xd, keys[p + r], values[p + r] = model.blocks[i].commit_denoise(xc, starts, num_new, xd, keys[p + r],
+                                                                            values[p + r])
+    new = c.replace(keys=tuple(keys), values=tuple(values))
+    return xd, (new if cache.groups else layout.unstack_cache(new, model.cfg))
+
+
 def denoise_layers(model, x, context_end, cache: KVCache):
     """The denoiser's layers, scanned: x [B, L, D] after every layer (the cache is only read)."""
     plan, c, fns = _scan_parts(model, cache, "denoise")

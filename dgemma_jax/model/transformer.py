@@ -44,7 +44,8 @@ class Transformer(nn.Module):
         cfg = self.cfg
         self.embedding = param(self, "embedding", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg,
                                init=nn.initializers.normal(1.0))
-        block = nn.remat(Block, methods=["encode", "denoise"], static_argnums=()) if self.rt.remat else Block
+        methods = ["encode", "denoise", "commit_denoise"]
+        block = nn.remat(Block, methods=methods, static_argnums=()) if self.rt.remat else Block
         self.blocks = [block(cfg, self.rt, i) for i in range(cfg.num_layers)]
         self.final_norm = RMSNorm(cfg)
         self.sc_norm = RMSNorm(cfg)
@@ -117,6 +118,16 @@ class Transformer(nn.Module):
             x = run(x, context_end, c.keys[i], c.values[i])
         return x
 
+    def _commit_denoise_layers(self, xc, starts, num_new, xd, cache: KVCache):
+        if scanned.scanning(self):
+            return scanned.commit_denoise_layers(self, xc, starts, num_new, xd, cache)
+        c = layout.unstack_cache(cache, self.cfg)
+        keys, values = list(c.keys), list(c.values)
+        for i, run in enumerate(scanned.unrolled_blocks(self, "commit_denoise")):
+            xc, xd, keys[i], values[i] = run(xc, starts, num_new, xd, keys[i], values[i])
+        new = c.replace(keys=tuple(keys), values=tuple(values))
+        return xd, (layout.stack_cache(new, self.cfg) if cache.groups else new)
+
     def image_features(self, pixel_values, position_ids):
         """Images -> text-width soft tokens, the valid ones of all images compacted to the front.
 
@@ -168,14 +179,26 @@ class Transformer(nn.Module):
         """The denoiser up to the final norm: [B, L, D] (the head is applied by the fused sampler)."""
         return self.final_norm(self._denoise_trunk(canvas, context_end, cache, soft_embedding))
 
-    def _denoise_trunk(self, canvas, context_end, cache: KVCache, soft_embedding=None):
+    def commit_denoise_features(self, tokens, num_new, canvas, cache: KVCache, soft_embedding=None):
+        """`encode` of tokens [B, T] (no head) and then `denoise_features` of the next canvas [B, L] at
+        positions cache.lengths + num_new on, as ONE pass over the layers (`Block.commit_denoise`:
+        each layer's weights read once for both). Returns (the canvas's [B, L, D] up to the final
+        norm, the new cache): what the two passes give, in one."""
+        starts = cache.lengths
+        x, new_cache = self._commit_denoise_layers(self._embed(tokens), starts, num_new,
+                                                   self._denoise_input(canvas, soft_embedding), cache)
+        return self.final_norm(x), new_cache.replace(lengths=(starts + num_new).astype(jnp.int32))
+
+    def _denoise_input(self, canvas, soft_embedding=None):
         e = self._embed(canvas)
         if soft_embedding is None:
             sc = jnp.zeros_like(e)
         else:
             sc = self.sc_mlp(self.sc_norm(soft_embedding.astype(e.dtype)))
-        x = rms_normalize(e + sc, self.cfg.rms_norm_eps).astype(e.dtype)
-        return self._denoise_layers(x, context_end, cache)
+        return rms_normalize(e + sc, self.cfg.rms_norm_eps).astype(e.dtype)
+
+    def _denoise_trunk(self, canvas, context_end, cache: KVCache, soft_embedding=None):
+        return self._denoise_layers(self._denoise_input(canvas, soft_embedding), context_end, cache)
 
     def init_all(self, tokens, cache: KVCache):
         """Touches every parameter (used only by `init_params`)."""

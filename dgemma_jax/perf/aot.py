@@ -52,6 +52,7 @@ from dgemma_jax.perf.hlo_flops import dot_flops
 from dgemma_jax.perf.memory_peak import compile_with_peak
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
+from dgemma_jax.sampling.generate import canvas_start
 from dgemma_jax.sampling.loop import RowKnobs, init_state, row_keys
 from dgemma_jax.sampling.slots import idle_slots
 from dgemma_jax.training import lora as lora_lib
@@ -184,8 +185,9 @@ def program_inputs(config: ModelConfig, sampler, shardings, batch: int, context:
         v, per = config.vision, ImageSettings().max_patches
         pictures = (jax.ShapeDtypeStruct((images, per, v.patch_dim), jnp.float32, sharding=rep),
                     jax.ShapeDtypeStruct((images, per, 2), jnp.int32, sharding=rep))
+    next_canvas = rep_tree(jax.eval_shape(lambda: canvas_start(config, sampler, row_keys(jax.random.key(0), batch), 0)))
     return dict(params=params, cache=cache, keys=keys, state=state, tokens=tokens, lengths=lengths, images=pictures,
-                canvas=canvas, active=active, slot=slot)
+                canvas=canvas, active=active, slot=slot, next_canvas=next_canvas)
 
 
 class KernelFlops:
@@ -233,6 +235,9 @@ def engine_programs(engine: Engine, max_new_tokens: int) -> dict:
                                                          keys=a["keys"], state=a["state"]))),
         "commit": (programs.commit,
                    lambda a: ((a["params"],), dict(cache=a["cache"], tokens=a["canvas"], active=a["active"]))),
+        "commit_step": (programs.commit_step,
+                        lambda a: ((a["params"],), dict(cache=a["cache"], tokens=a["canvas"], active=a["active"],
+                                                        canvas=a["next_canvas"]))),
         "generate": (engine.fused_program(max_new_tokens),
                      lambda a: ((a["params"],), dict(prompt_tokens=a["tokens"], prompt_lengths=a["lengths"],
                                                      cache=a["cache"], keys=a["keys"]))),
@@ -310,7 +315,7 @@ def _cost(compiled) -> dict:
 
 def compile_report(preset: str | ModelConfig, topology_name: str, mesh: str | None = None, rules: str = "latency",
                    batch: int = 1, context: int = 32768, prompt: int = 2048, steps_per_canvas: int = 16,
-                   programs=("prefill", "denoise_step", "commit", "generate"), dtype: str | None = None,
+                   programs=("prefill", "denoise_step", "commit_step", "generate"), dtype: str | None = None,
                    moe_dispatch: str = "auto", attn_kernel: str = "auto", sampler=None, devices=None,
                    max_new_tokens: int | None = None, progress=None, quantize: str | None = None,
                    hop_latency_s: float = coll.DEFAULT_HOP_LATENCY_S, images: int = 0,
@@ -509,17 +514,24 @@ def combine_reports(reports: list[dict]) -> dict:
 
 def _add_projections(report: dict) -> None:
     """The report's "projection" (per canvas: steps_per_canvas denoise steps and a commit, from the
-    compiled denoise_step and commit) and "rl" (`_rl_projection`), from its programs' entries."""
+    compiled denoise_step and commit; where "commit_step" was compiled, the commit in one pass with a
+    step as `generate_fused` runs it on an accelerator: steps_per_canvas - 1 steps and that pass) and
+    "rl" (`_rl_projection`), from its programs' entries."""
     step = report["programs"].get("denoise_step", {})
     steps_per_canvas, canvas_length, batch = report["steps_per_canvas"], report["canvas_length"], report["batch"]
     commit = report["programs"].get("commit", {})
+    fused = "projected_seconds" in report["programs"].get("commit_step", {})
+    steps = steps_per_canvas
+    if fused:   # the commit pass and one step are the one commit_step pass
+        commit, steps = report["programs"]["commit_step"], steps_per_canvas - 1
     if "projected_seconds" in step:
-        per_canvas = steps_per_canvas * step["projected_seconds"] + commit.get("projected_seconds", 0.0)
-        per_canvas_ici = (steps_per_canvas * step.get("projected_seconds_with_ici", step["projected_seconds"])
+        per_canvas = steps * step["projected_seconds"] + commit.get("projected_seconds", 0.0)
+        per_canvas_ici = (steps * step.get("projected_seconds_with_ici", step["projected_seconds"])
                           + commit.get("projected_seconds_with_ici", commit.get("projected_seconds", 0.0)))
         report["projection"] = {
             "label": PROJECTION_LABEL,
             "steps_per_canvas": steps_per_canvas,
+            "commit": "with a step, one pass (commit_step)" if fused else "its own pass (commit)",
             "denoise_step_ms": 1e3 * step["projected_seconds"],
             "denoise_step_ici_ms": 1e3 * step.get("ici_seconds", 0.0),
             "denoise_step_ms_with_ici": 1e3 * step.get("projected_seconds_with_ici", step["projected_seconds"]),

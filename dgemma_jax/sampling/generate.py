@@ -4,7 +4,9 @@ A canvas has three parts, each written once: `canvas_start` (noise or a seed, as
 `loop.denoise_step` (one pass; `loop.denoise_canvas` loops it to the end) and `canvas_end` (EOS
 truncation and the commit). `canvas_step` is the three in a row. Every driver runs these:
 * `generate_fused`: the whole generation is one traceable program (an outer `lax.while_loop` over
-  canvases, each a `canvas_step`).
+  canvases): each a `canvas_step`, or, where the runtime fuses the commit (`Runtime.commit_pass`,
+  on an accelerator), a canvas's commit and the next canvas's first step in one pass over the
+  layers (`commit_and_first_step`: each layer's weights read once for both).
 * the engine's streaming drivers (`engine.drivers`: `iter_canvases`, `iter_steps`): host loops over
   the jitted `canvas_step`, or over `canvas_start`, `denoise_step` and `canvas_end`, yielding each
   canvas or step.
@@ -34,7 +36,7 @@ from dgemma_jax.model.cache import KVCache
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling import ops
 from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.sampling.loop import Canvas, denoise_canvas, init_state, initial_canvas
+from dgemma_jax.sampling.loop import Canvas, commit_and_step, denoise_canvas, init_state, initial_canvas
 
 
 @struct.dataclass
@@ -177,6 +179,17 @@ def canvas_end(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCac
     return toks, finished_after, cache
 
 
+def commit_and_first_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, tokens: jax.Array,
+                          active: jax.Array, canvas: Canvas, runtime: Runtime | None = None):
+    """The commit of the previous canvases tokens [B, L] for the `active` rows (others write nothing)
+    and the first denoising step of `canvas` (`canvas_start`) after them, in one pass over the layers
+    (`loop.commit_and_step`). Returns (the canvas's `LoopState` after its first step, the cache with
+    the tokens written): `commit` and then `loop.denoise_step`, with each layer's weights read once."""
+    n = jnp.where(active, tokens.shape[1], 0).astype(jnp.int32)
+    return commit_and_step(params, config, sampler, cache, tokens, n, canvas.keys, canvas.state, canvas.seed,
+                           canvas.pinned, runtime=runtime)
+
+
 def canvas_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, keys: jax.Array, index,
                 last, finished: jax.Array, seed_canvas=None, pinned=None, runtime: Runtime | None = None):
     """One canvas of a generation: `canvas_start`, `denoise_canvas`, `canvas_end`.
@@ -220,18 +233,43 @@ def generate_fused(params, config: ModelConfig, sampler: SamplerConfig, prompt_t
     steps = jnp.zeros((b, n_canvas), jnp.int32)
     finished = jnp.zeros((b,), bool)
 
-    def body(carry):
-        c, cache, out, steps, finished, bad = carry
-        cache, toks, n_steps, finished, bad_c = canvas_step(params, config, sampler, cache, keys, c,
-                                                            c + 1 >= n_canvas, finished, seed_canvas, pinned, runtime)
-        out = jax.lax.dynamic_update_slice_in_dim(out, toks, c * l, axis=1)
-        steps = jax.lax.dynamic_update_slice_in_dim(steps, n_steps[:, None], c, axis=1)
-        return c + 1, cache, out, steps, finished, bad | bad_c
+    rt = runtime if runtime is not None else Runtime()
+    none = jnp.zeros((b,), bool)
 
     def cond(carry):
-        c, _, _, _, finished, _ = carry
+        c, finished = carry[0], carry[4]
         return (c < n_canvas) & ~jnp.all(finished)
 
-    c, cache, out, steps, finished, bad = jax.lax.while_loop(
-        cond, body, (jnp.zeros((), jnp.int32), cache, out, steps, finished, jnp.zeros((b,), bool)))
+    def record(c, out, steps, toks, state):
+        out = jax.lax.dynamic_update_slice_in_dim(out, toks, c * l, axis=1)
+        return out, jax.lax.dynamic_update_slice_in_dim(steps, state[:, None], c, axis=1)
+
+    if not rt.fuse_commit():   # each canvas committed by its own causal pass (`canvas_step`)
+        def body(carry):
+            c, cache, out, steps, finished, bad = carry
+            cache, toks, n_steps, finished, bad_c = canvas_step(params, config, sampler, cache, keys, c,
+                                                                c + 1 >= n_canvas, finished, seed_canvas, pinned,
+                                                                runtime)
+            out, steps = record(c, out, steps, toks, n_steps)
+            return c + 1, cache, out, steps, finished, bad | bad_c
+
+        c, cache, out, steps, finished, bad = jax.lax.while_loop(
+            cond, body, (jnp.zeros((), jnp.int32), cache, out, steps, finished, none))
+        return GenerateOutput(out[:, :max_new_tokens], steps, finished, c, cache, bad)
+
+    def fused_body(carry):
+        c, cache, out, steps, finished, bad, toks, go_on = carry
+        # canvas c's first step in one pass with the commit of canvas c - 1's rows that go on (none at
+        # c = 0: a commit of no tokens writes nothing), then its other steps
+        canvas = canvas_start(config, sampler, keys, c, finished, seed_canvas, pinned)
+        first, cache = commit_and_first_step(params, config, sampler, cache, toks, go_on, canvas, runtime)
+        state = denoise_canvas(params, config, sampler, cache, canvas.replace(state=first), runtime=runtime).state
+        toks, finished = finish_canvas(sampler, state.argmax, finished)
+        out, steps = record(c, out, steps, toks, state.steps)
+        # a row that emitted an EOS, and every row after the last canvas, commits nothing
+        return c + 1, cache, out, steps, finished, bad | state.nonfinite, toks, ~finished & (c + 1 < n_canvas)
+
+    c, cache, out, steps, finished, bad, _, _ = jax.lax.while_loop(
+        cond, fused_body, (jnp.zeros((), jnp.int32), cache, out, steps, finished, none,
+                           jnp.full((b, l), sampler.pad_id, jnp.int32), none))
     return GenerateOutput(out[:, :max_new_tokens], steps, finished, c, cache, bad)

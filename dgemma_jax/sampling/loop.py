@@ -33,7 +33,7 @@ import numpy as np
 from flax import struct
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model.api import denoise_features
+from dgemma_jax.model.api import commit_denoise_features, denoise_features
 from dgemma_jax.model.cache import KVCache
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.runtime import Runtime
@@ -295,8 +295,31 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
       `sampler.stop` says (by default: stable and confident) or the row's step budget is spent.
     """
     runtime = runtime if runtime is not None else Runtime()
-    knobs = knobs if knobs is not None else RowKnobs.of(sampler, keys.shape[0])
     h = denoise_features(params, config, state.canvas, context_end, cache, state.soft, runtime=runtime)
+    new = _advance(params, config, sampler, h, keys, state, seed, pinned, knobs, runtime)
+    return (new, h) if with_features else new
+
+
+def commit_and_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, tokens: jax.Array,
+                    num_new: jax.Array, keys: jax.Array, state: LoopState, seed: jax.Array | None = None,
+                    pinned: jax.Array | None = None, knobs: RowKnobs | None = None,
+                    runtime: Runtime | None = None) -> tuple[LoopState, KVCache]:
+    """The commit of tokens [B, T] (row b's first num_new[b]; `generate.commit`) and then `denoise_step`
+    of the next canvas's `state` against the cache it leaves, in ONE pass over the layers
+    (`model.api.commit_denoise_features`: the layers' weights read once for both). Returns (the next
+    `LoopState`, the cache with the tokens written): what the commit and the step give, one after
+    the other."""
+    runtime = runtime if runtime is not None else Runtime()
+    h, cache = commit_denoise_features(params, config, tokens, num_new, state.canvas, cache, state.soft,
+                                       runtime=runtime)
+    return _advance(params, config, sampler, h, keys, state, seed, pinned, knobs, runtime), cache
+
+
+def _advance(params, config: ModelConfig, sampler: SamplerConfig, h: jax.Array, keys: jax.Array, state: LoopState,
+             seed, pinned, knobs: RowKnobs | None, runtime: Runtime) -> LoopState:
+    """A denoising step from its pass's final-normed hidden state h [B, L, D]: the head and sampler,
+    the accept and stop rules, every unfinished row advanced (`denoise_step`)."""
+    knobs = knobs if knobs is not None else RowKnobs.of(sampler, keys.shape[0])
     step_keys = denoise_step_keys(keys, state.step)  # [B, 2]
     column = jnp.broadcast_to(jnp.minimum(state.step, knobs.temperatures.shape[1] - 1), keys.shape[:1])
     temp = jnp.take_along_axis(knobs.temperatures, column[:, None], axis=1)[:, :, None]
@@ -330,7 +353,7 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
         steps=state.steps + active.astype(jnp.int32),
         nonfinite=state.nonfinite | (active & nonfinite_rows(h, soft)),
     )
-    return (new, h) if with_features else new
+    return new
 
 
 def loop_running(state: LoopState, sampler: SamplerConfig) -> jax.Array:
