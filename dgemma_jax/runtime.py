@@ -189,6 +189,13 @@ class Runtime:
         if self.observer is not None:
             self.observer.kernel_call(name, flops)
 
+    def observed_times(self, times: float) -> "Runtime":
+        """This runtime with its observer told `times` x each kernel call's FLOPs: a call traced once in
+        a loop body that runs n times (times = n), or in each of n branches of which one runs (1 / n)."""
+        if self.observer is None or times == 1:
+            return self
+        return self.replace(observer=_Times(self.observer, times))
+
     # ------------------------------------------------------------------ placement
     def shards(self, size: int, logical: str) -> int:
         """How many pieces a dimension of `size` named `logical` is split into on this mesh (1 without one)."""
@@ -221,3 +228,13 @@ def split_choices(fields: dict) -> tuple[dict, dict]:
     `model.overrides`, or a config stored by a version whose ModelConfig held the choices."""
     model = {k: v for k, v in fields.items() if k not in RUNTIME_CHOICES}
     return model, {k: v for k, v in fields.items() if k in RUNTIME_CHOICES}
+
+
+class _Times:
+    """An observer wrapper: each kernel call's FLOPs times `times` (`Runtime.observed_times`)."""
+
+    def __init__(self, observer, times: float):
+        self.observer, self.times = observer, times
+
+    def kernel_call(self, name: str, flops: float) -> None:
+        self.observer.kernel_call(name, flops * self.times)

@@ -64,6 +64,11 @@ def has_per_group(tree) -> bool:
     return any(_is_per_group(x) for x in jax.tree.leaves(tree, is_leaf=_is_per_group))
 
 
+def per_group_branches(tree) -> int:
+    """How many branches `per_group_switch` traces for `tree` (its `PerGroup`s' group count; one runs)."""
+    return len(next(x for x in jax.tree.leaves(tree, is_leaf=_is_per_group) if _is_per_group(x)).arrays)
+
+
 def per_group_switch(fn, tree, *args):
     """fn(tree with each `PerGroup` as its group's array, *args), run in the `lax.switch` branch of
     the group being run: each branch hands fn the arrays it reads as they are, so an opaque kernel

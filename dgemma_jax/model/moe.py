@@ -343,9 +343,11 @@ def dispatch(cfg: ModelConfig, rt: Runtime, z, weights, experts, gate_up, down, 
     and hands its output out in z's dtype (the switch's result crosses HBM); float32 after it.
     """
     if layout.has_per_group((gate_up, down)):
+        # every branch is traced and one runs: each branch's kernel calls count 1 / branches
+        branch_rt = rt.observed_times(1 / layout.per_group_branches((gate_up, down)))
         y = layout.per_group_switch(
-            lambda kernels, z, weights, experts: _dispatch_here(cfg, rt, z, weights, experts, *kernels, adapters,
-                                                                offset, shards),
+            lambda kernels, z, weights, experts: _dispatch_here(cfg, branch_rt, z, weights, experts, *kernels,
+                                                                adapters, offset, shards),
             (gate_up, down), z, weights, experts)
     else:
         y = _dispatch_here(cfg, rt, z, weights, experts, gate_up, down, adapters, offset, shards)

@@ -138,9 +138,7 @@ def _groups(model):
 def _scan_parts(model, cache: KVCache, method: str):
     """(layer plan, the cache stacked, one callable per group position running `method`)."""
     plan = layout.check_scannable(model.cfg)
-    rt = model.rt
-    if rt.observer is not None and plan.groups > 1:   # a kernel traced once in the body runs once per group
-        rt = rt.replace(observer=_Repeated(rt.observer, plan.groups))
+    rt = model.rt.observed_times(plan.groups)   # a kernel traced once in the body runs once per group
     return plan, layout.stack_cache(cache, model.cfg), [_block_fn(model, j, method, rt) for j in range(plan.period)]
 
 
@@ -154,12 +152,3 @@ def _block_fn(model, position: int, method: str, rt):
 
     return jax.checkpoint(run) if model.rt.remat else run
 
-
-class _Repeated:
-    """An observer wrapper: a kernel call traced once in a scan body runs `times` times."""
-
-    def __init__(self, observer, times: int):
-        self.observer, self.times = observer, times
-
-    def kernel_call(self, name: str, flops: float) -> None:
-        self.observer.kernel_call(name, flops * self.times)
