@@ -22,7 +22,7 @@ from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model import flash, masks
-from dgemma_jax.model.cache import HEAD_AXIS, ring_limit, slot_positions, window_slice, write_tokens
+from dgemma_jax.model.cache import HEAD_AXIS, group_entry, ring_limit, slot_positions, window_slice, write_tokens
 from dgemma_jax.model.layout import LAYER_AXIS
 from dgemma_jax.model.layers import RMSNorm, adapter, apply_rope, param, project, rms_normalize, rope_inv_freq
 from dgemma_jax.axis_rules import CACHE_AXES
@@ -180,10 +180,7 @@ class Attention(nn.Module):
         positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         q, k, v = self._qkv(x, positions)
         k, v = self._replicate(k, v, cache_k)
-        layer_k, layer_v = cache_k, cache_v
-        if group is not None:
-            layer_k = jax.lax.dynamic_index_in_dim(cache_k, group, 0, keepdims=False)
-            layer_v = jax.lax.dynamic_index_in_dim(cache_v, group, 0, keepdims=False)
+        layer_k, layer_v = group_entry(cache_k, group), group_entry(cache_v, group)
         # a sliding layer's ring (model/cache.py); one holding more slots keeps every position (ring=False)
         ring = self.window is not None and layer_k.shape[2] <= ring_limit(self.cfg)
         axes = CACHE_AXES if group is None else (LAYER_AXIS,) + CACHE_AXES
@@ -193,11 +190,7 @@ class Attention(nn.Module):
             k, v = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
             parts = [(layer_k, layer_v, slot_positions(starts, layer_k.shape[2])), (k, v, positions)]
         else:      # every position: the cache with this pass's keys written into it
-            if group is not None:
-                layer_k = jax.lax.dynamic_index_in_dim(new_k, group, 0, keepdims=False)
-                layer_v = jax.lax.dynamic_index_in_dim(new_v, group, 0, keepdims=False)
-            else:
-                layer_k, layer_v = new_k, new_v
+            layer_k, layer_v = group_entry(new_k, group), group_entry(new_v, group)
             s = layer_k.shape[2]
             size = (self.window - 1 + t) if self.window is not None else s
             if size < s:  # sliding layer: only the last window-1 committed tokens + the new ones matter

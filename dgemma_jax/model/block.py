@@ -6,12 +6,12 @@ the scan over the repeated layer group (`model.scanned`), both build it.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.attention import Attention
+from dgemma_jax.model.cache import group_entry
 from dgemma_jax.model.layers import GatedMLP, RMSNorm, ones_param
 from dgemma_jax.model.moe import MoE
 from dgemma_jax.axis_rules import ACTIVATION_AXES
@@ -63,7 +63,7 @@ class Block(nn.Module):
         x1 = x + self.post_attn_norm(a)
         return self._ffw(x1, self.decoder_scalar)
 
-    def commit_denoise(self, xc, starts, num_new, xd, cache_k, cache_v, group=None):
+    def commit_denoise(self, xc, xd, starts, num_new, cache_k, cache_v, group=None):
         """`encode` of xc [B, T, D] (the causal pass writing a row's settled canvas) and `denoise` of xd
         [B, L, D] (the row's next canvas, after it: positions starts + num_new on) in one layer.
 
@@ -73,11 +73,8 @@ class Block(nn.Module):
         joined along the sequence axis, so every row stays where it lies on a mesh). Returns (xc, xd,
         cache_k, cache_v)."""
         a, cache_k, cache_v = self.attn.encode(self.pre_attn_norm(xc), starts, num_new, cache_k, cache_v, None, group)
-        layer_k, layer_v = cache_k, cache_v
-        if group is not None:
-            layer_k = jax.lax.dynamic_index_in_dim(cache_k, group, 0, keepdims=False)
-            layer_v = jax.lax.dynamic_index_in_dim(cache_v, group, 0, keepdims=False)
-        ad = self.attn.denoise(self.pre_attn_norm(xd), starts + num_new, layer_k, layer_v)
+        ad = self.attn.denoise(self.pre_attn_norm(xd), starts + num_new, group_entry(cache_k, group),
+                               group_entry(cache_v, group))
         t = xc.shape[1]
         x1 = jnp.concatenate([xc + self.post_attn_norm(a), xd + self.post_attn_norm(ad)], axis=1)
         scalar = jnp.concatenate([jnp.broadcast_to(self.encoder_scalar, (t,)),

@@ -218,6 +218,12 @@ def write_tokens(cache_kv: jax.Array, new_kv: jax.Array, starts: jax.Array, num_
     return cache_kv.at[rows, heads, slots].set(upd, mode="drop")
 
 
+def group_entry(cache_kv: jax.Array, group) -> jax.Array:
+    """A layer's cache: cache_kv itself, or entry `group` of a stacked layer cache [G, B, K, S, H] (a
+    scanned program's, `model.layout`), read as a slice."""
+    return cache_kv if group is None else jax.lax.dynamic_index_in_dim(cache_kv, group, 0, keepdims=False)
+
+
 def window_slice(cache_kv: jax.Array, starts: jax.Array, size: int) -> jax.Array:
     """Per-row slice of the slots cache_kv[b, :, starts[b] : starts[b] + size] -> [B, K, size, H]."""
     return jax.vmap(lambda c, s0: jax.lax.dynamic_slice_in_dim(c, s0, size, axis=1))(cache_kv, starts)

@@ -45,61 +45,35 @@ def unrolled_blocks(model, method: str) -> list:
     return out
 
 
-def encode_layers(model, x, starts, num_new, cache: KVCache, span=None):
-    """The causal pass's layers, scanned: (x [B, T, D], the new cache in the layout it was given).
-    Each layer writes its tokens into entry g of the stacked caches; layers after the last whole
-    group run unrolled."""
-    extra = () if span is None else (span,)
-    plan, c, fns = _scan_parts(model, cache, "encode")
+def writing_layers(model, method: str, hs: tuple, args: tuple, extra: tuple, cache: KVCache):
+    """The layers of a pass that writes the cache (the causal pass `encode`, `commit_denoise`), scanned:
+    each block's `method` called as
+    method(*hs, *args, cache_k, cache_v, *extra, group) -> (*hs, cache_k, cache_v), writing its entry of
+    the stacked caches in place; the layers after the last whole group unrolled. Returns (hs after
+    every layer, the new cache in the layout it was given)."""
+    plan, c, fns = _scan_parts(model, cache, method)
     sliced, whole = layout.split_per_group(_groups(model))
+    n = len(hs)
 
     def body(carry, xs):
-        h, ks, vs = carry
+        hs, ks, vs = carry[:n], list(carry[n]), list(carry[n + 1])
         g, groups = xs
         groups = layout.join_per_group(groups, whole, g)
-        ks, vs = list(ks), list(vs)
         for j in range(plan.period):
             block_vars = {col: t[f"blocks_{j}"] for col, t in groups.items()}
-            h, ks[j], vs[j] = fns[j](block_vars, h, starts, num_new, ks[j], vs[j], span, g)
-        return (h, tuple(ks), tuple(vs)), None
+            *hs, ks[j], vs[j] = fns[j](block_vars, *hs, *args, ks[j], vs[j], *extra, g)
+        return (*hs, tuple(ks), tuple(vs)), None
 
     p = plan.period
     with jax.named_scope(layout.LAYER_LOOP_SCOPE):
-        (x, ks, vs), _ = jax.lax.scan(body, (x, c.keys[:p], c.values[:p]),
-                                      (jnp.arange(plan.groups, dtype=jnp.int32), sliced))
-    keys, values = list(ks) + list(c.keys[p:]), list(vs) + list(c.values[p:])
+        out, _ = jax.lax.scan(body, (*hs, c.keys[:p], c.values[:p]),
+                              (jnp.arange(plan.groups, dtype=jnp.int32), sliced))
+    hs, keys, values = out[:n], list(out[n]) + list(c.keys[p:]), list(out[n + 1]) + list(c.values[p:])
     for r, i in enumerate(plan.remainder):
-        x, keys[p + r], values[p + r] = model.blocks[i].encode(x, starts, num_new, keys[p + r], values[p + r], *extra)
+        *hs, keys[p + r], values[p + r] = getattr(model.blocks[i], method)(*hs, *args, keys[p + r], values[p + r],
+                                                                           *extra)
     new = c.replace(keys=tuple(keys), values=tuple(values))
-    return x, (new if cache.groups else layout.unstack_cache(new, model.cfg))
-
-
-def commit_denoise_layers(model, xc, starts, num_new, xd, cache: KVCache):
-    """`Block.commit_denoise`'s layers, scanned: (xd [B, L, D] after every layer, the new cache in the
-    layout it was given), the stacked caches written in place as `encode_layers` writes them."""
-    plan, c, fns = _scan_parts(model, cache, "commit_denoise")
-    sliced, whole = layout.split_per_group(_groups(model))
-
-    def body(carry, xs):
-        hc, hd, ks, vs = carry
-        g, groups = xs
-        groups = layout.join_per_group(groups, whole, g)
-        ks, vs = list(ks), list(vs)
-        for j in range(plan.period):
-            block_vars = {col: t[f"blocks_{j}"] for col, t in groups.items()}
-            hc, hd, ks[j], vs[j] = fns[j](block_vars, hc, starts, num_new, hd, ks[j], vs[j], g)
-        return (hc, hd, tuple(ks), tuple(vs)), None
-
-    p = plan.period
-    with jax.named_scope(layout.LAYER_LOOP_SCOPE):
-        (xc, xd, ks, vs), _ = jax.lax.scan(body, (xc, xd, c.keys[:p], c.values[:p]),
-                                           (jnp.arange(plan.groups, dtype=jnp.int32), sliced))
-    keys, values = list(ks) + list(c.keys[p:]), list(vs) + list(c.values[p:])
-    for r, i in enumerate(plan.remainder):
-        xc, xd, keys[p + r], values[p + r] = model.blocks[i].commit_denoise(xc, starts, num_new, xd, keys[p + r],
-                                                                            values[p + r])
-    new = c.replace(keys=tuple(keys), values=tuple(values))
-    return xd, (new if cache.groups else layout.unstack_cache(new, model.cfg))
+    return tuple(hs), (new if cache.groups else layout.unstack_cache(new, model.cfg))
 
 
 def denoise_layers(model, x, context_end, cache: KVCache):

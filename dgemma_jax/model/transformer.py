@@ -99,17 +99,6 @@ class Transformer(nn.Module):
         return emb.astype(dt) * jnp.asarray(self.cfg.embed_scale, jnp.float32).astype(dt)
 
     # -------------------------------------------------------------- the layers
-    def _encode_layers(self, x, starts, num_new, cache: KVCache, span=None):
-        if scanned.scanning(self):
-            return scanned.encode_layers(self, x, starts, num_new, cache, span)
-        extra = () if span is None else (span,)  # image spans: the text-only program stays as before
-        c = layout.unstack_cache(cache, self.cfg)
-        keys, values = list(c.keys), list(c.values)
-        for i, run in enumerate(scanned.unrolled_blocks(self, "encode")):
-            x, keys[i], values[i] = run(x, starts, num_new, keys[i], values[i], *extra)
-        new = c.replace(keys=tuple(keys), values=tuple(values))
-        return x, (layout.stack_cache(new, self.cfg) if cache.groups else new)
-
     def _denoise_layers(self, x, context_end, cache: KVCache):
         if scanned.scanning(self):
             return scanned.denoise_layers(self, x, context_end, cache)
@@ -118,15 +107,18 @@ class Transformer(nn.Module):
             x = run(x, context_end, c.keys[i], c.values[i])
         return x
 
-    def _commit_denoise_layers(self, xc, starts, num_new, xd, cache: KVCache):
+    def _writing_layers(self, method: str, hs: tuple, args: tuple, extra: tuple, cache: KVCache):
+        """The layers of a pass that writes the cache (`encode`, `commit_denoise`): each block's `method`
+        called as method(*hs, *args, cache_k, cache_v, *extra) -> (*hs, cache_k, cache_v); scanned
+        where the runtime scans (`scanned.writing_layers`). Returns (hs, the cache in its layout)."""
         if scanned.scanning(self):
-            return scanned.commit_denoise_layers(self, xc, starts, num_new, xd, cache)
+            return scanned.writing_layers(self, method, hs, args, extra, cache)
         c = layout.unstack_cache(cache, self.cfg)
         keys, values = list(c.keys), list(c.values)
-        for i, run in enumerate(scanned.unrolled_blocks(self, "commit_denoise")):
-            xc, xd, keys[i], values[i] = run(xc, starts, num_new, xd, keys[i], values[i])
+        for i, run in enumerate(scanned.unrolled_blocks(self, method)):
+            *hs, keys[i], values[i] = run(*hs, *args, keys[i], values[i], *extra)
         new = c.replace(keys=tuple(keys), values=tuple(values))
-        return xd, (layout.stack_cache(new, self.cfg) if cache.groups else new)
+        return tuple(hs), (layout.stack_cache(new, self.cfg) if cache.groups else new)
 
     def image_features(self, pixel_values, position_ids):
         """Images -> text-width soft tokens, the valid ones of all images compacted to the front.
@@ -159,7 +151,7 @@ class Transformer(nn.Module):
         if image_features is not None:
             x = self._place_images(x, image_features, image_tokens)
             span = masks.image_spans(image_tokens, starts)
-        x, new_cache = self._encode_layers(x, starts, num_new, cache, span)
+        (x,), new_cache = self._writing_layers("encode", (x,), (starts, num_new), (span,), cache)
         new_cache = new_cache.replace(lengths=(starts + num_new).astype(jnp.int32))
         if logits_mode == "none":
             return None, new_cache
@@ -185,8 +177,9 @@ class Transformer(nn.Module):
         each layer's weights read once for both). Returns (the canvas's [B, L, D] up to the final
         norm, the new cache): what the two passes give, in one."""
         starts = cache.lengths
-        x, new_cache = self._commit_denoise_layers(self._embed(tokens), starts, num_new,
-                                                   self._denoise_input(canvas, soft_embedding), cache)
+        (_, x), new_cache = self._writing_layers("commit_denoise",
+                                                 (self._embed(tokens), self._denoise_input(canvas, soft_embedding)),
+                                                 (starts, num_new), (), cache)
         return self.final_norm(x), new_cache.replace(lengths=(starts + num_new).astype(jnp.int32))
 
     def _denoise_input(self, canvas, soft_embedding=None):
