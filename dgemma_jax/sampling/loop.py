@@ -295,6 +295,7 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
       `sampler.stop` says (by default: stable and confident) or the row's step budget is spent.
     """
     runtime = runtime if runtime is not None else Runtime()
+    knobs = knobs if knobs is not None else RowKnobs.of(sampler, keys.shape[0])
     h = denoise_features(params, config, state.canvas, context_end, cache, state.soft, runtime=runtime)
     new = _advance(params, config, sampler, h, keys, state, seed, pinned, knobs, runtime)
     return (new, h) if with_features else new
@@ -310,16 +311,16 @@ def commit_and_step(params, config: ModelConfig, sampler: SamplerConfig, cache: 
     `LoopState`, the cache with the tokens written): what the commit and the step give, one after
     the other."""
     runtime = runtime if runtime is not None else Runtime()
+    knobs = knobs if knobs is not None else RowKnobs.of(sampler, keys.shape[0])
     h, cache = commit_denoise_features(params, config, tokens, num_new, state.canvas, cache, state.soft,
                                        runtime=runtime)
     return _advance(params, config, sampler, h, keys, state, seed, pinned, knobs, runtime), cache
 
 
 def _advance(params, config: ModelConfig, sampler: SamplerConfig, h: jax.Array, keys: jax.Array, state: LoopState,
-             seed, pinned, knobs: RowKnobs | None, runtime: Runtime) -> LoopState:
+             seed, pinned, knobs: RowKnobs, runtime: Runtime) -> LoopState:
     """A denoising step from its pass's final-normed hidden state h [B, L, D]: the head and sampler,
     the accept and stop rules, every unfinished row advanced (`denoise_step`)."""
-    knobs = knobs if knobs is not None else RowKnobs.of(sampler, keys.shape[0])
     step_keys = denoise_step_keys(keys, state.step)  # [B, 2]
     column = jnp.broadcast_to(jnp.minimum(state.step, knobs.temperatures.shape[1] - 1), keys.shape[:1])
     temp = jnp.take_along_axis(knobs.temperatures, column[:, None], axis=1)[:, :, None]
