@@ -6,22 +6,24 @@
     --param-formats compiler (default): the parameters in the layouts the compiler prefers for the tick,
     as `dgemma serve` places them on a TPU (`serving.runner.SlotRunner`); default: as loaded)
 
-For each slot count N it compiles the 26B's `slot_tick` (one denoising step of every slot per loop
-trip) and `commit_slots` (K = max(1, N // 8) settled canvases committed in one causal pass) for the
-topology, with the TPU compiler (`dgemma_jax.perf.aot.compile_report`, no TPU needed), and writes one
-row per (N, steps per canvas S):
+For each slot count N it compiles the 26B's `slot_tick` for the topology, with the TPU compiler
+(`dgemma_jax.perf.aot.compile_report`, no TPU needed). The program holds a tick that commits (its first,
+under `slots.COMMIT_SCOPE`: K = G x max(1, N / G // 8) settled canvases written, G slot groups, in the
+same pass over the layers as every slot's step) and the plain tick of its loop, and writes one row
+per (N, steps per canvas S):
 
-- step_ms: the tick's projected time without its collectives (max of HBM traffic / bandwidth and
-  FLOPs / peak, from the compiled HLO); floor_ms: its roofline floor (the bytes and FLOPs a step
-  must move and do, perf/roofline.py); ici_ms: the tick's collectives under the project's ICI model
-  (ring algorithms over one port's bandwidth, a fixed latency per ring hop; perf/collectives.py).
-- commit_ms / commit_ici_ms: the same for one commit call.
+- step_ms: the plain tick's projected time without its collectives (max of HBM traffic / bandwidth
+  and FLOPs / peak, from the compiled HLO); floor_ms: its roofline floor (the bytes and FLOPs a step
+  must move and do, perf/roofline.py); ici_ms: its collectives under the project's ICI model (ring
+  algorithms over one port's bandwidth, a fixed latency per ring hop; perf/collectives.py).
+- commit_tick_ms / commit_tick_ici_ms: the same for the tick that commits; commit_ms / commit_ici_ms:
+  what it costs over a plain tick (the commit's share of the pass).
 - tokens_per_s_total = N * L / (S * (step_ms + ici_ms) + C * (commit_ms + commit_ici_ms)), C = ceil(N / K)
-  commit calls per S ticks: each of the N slots settles one canvas every S ticks, K of them in the same
+  commit ticks per S ticks: each of the N slots settles one canvas every S ticks, K of them in the same
   tick (slots in step, the best case for the commits); `..._overlapped` with every collective hidden
-  under the HBM-bound work; `..._staggered` with the canvases settling at independent times, so that a
-  commit pass runs in most ticks (`commit_passes_per_tick`: S x that many per S ticks instead of C).
-- gb_per_chip: the larger program's memory per chip (XLA's memory analysis); fits: under the chip's HBM.
+  under the HBM-bound work; `..._staggered` with the canvases settling at independent times, so that
+  most ticks commit (`commit_passes_per_tick`: S x that many per S ticks instead of C).
+- gb_per_chip: the program's memory per chip (XLA's memory analysis); fits: under the chip's HBM.
 
 Projections from the TPU compiler's output, not measurements on a TPU.
 """
@@ -56,17 +58,18 @@ def slot_groups(n: int, mesh: dict, rules: str) -> int:
 
 
 def commit_k(report: dict) -> int:
-    """Settled canvases one commit pass writes: `commit_rows` of each slot group, the groups being the
-    mesh's shards of the batch axis (`slots._commit_settled`)."""
+    """Settled canvases one tick commits: `commit_rows` of each slot group, the groups being the mesh's
+    shards of the batch axis (`slots.slot_tick`)."""
     n = report["batch"]
     groups = slot_groups(n, report["mesh"], report["rules"])
     return groups * commit_rows(n // groups)
 
 
 def commit_passes_per_tick(slots: int, groups: int, steps: int) -> float:
-    """Expected commit passes a tick runs when the slots' canvases settle independently, each in a given
-    tick with probability 1 / steps (slots admitted at different times): `slots._commit_settled` runs
-    ceil(M / k) passes, M the most canvases settled in one group, k = commit_rows(slots / groups)."""
+    """Expected ticks that commit, per tick, when the slots' canvases settle independently, each in a
+    given tick with probability 1 / steps (slots admitted at different times): M canvases settled in a
+    group take ceil(M / k) calls' first ticks, k = commit_rows(slots / groups) (`slots.slot_tick`: the
+    rows past k wait a call), the group with the most setting the count."""
     per, p = slots // groups, 1.0 / steps
     k = commit_rows(per)
     pmf = [math.comb(per, i) * p ** i * (1 - p) ** (per - i) for i in range(per + 1)]
@@ -76,7 +79,7 @@ def commit_passes_per_tick(slots: int, groups: int, steps: int) -> float:
 
 def staggered(row: dict) -> dict:
     """A row's throughput with the slots' canvases settling at independent times (`commit_passes_per_tick`)
-    instead of K at a time: S ticks then run S x passes commit passes, not ceil(N / K)."""
+    instead of K at a time: of S ticks, S x passes commit, not ceil(N / K)."""
     n, s = row["slots"], row["steps_per_canvas"]
     passes = commit_passes_per_tick(n, slot_groups(n, row["mesh"], row["rules"]), s)
     per = s * (row["step_ms"] + row["ici_ms"]) + s * passes * (row["commit_ms"] + row["commit_ici_ms"])
@@ -85,22 +88,24 @@ def staggered(row: dict) -> dict:
 
 
 def split(report: dict) -> dict:
-    """The tick program's work split into its denoising step and its commit pass (the ops under
-    `slots.COMMIT_SCOPE`): HBM bytes and collectives by their source scope; FLOPs in the ratio of
-    the two passes' useful FLOPs (a step of N rows; a commit of K rows, its trunk only: no head)."""
+    """The tick program's work split into its plain tick ("step") and its committing tick
+    ("commit_tick", the ops under `slots.COMMIT_SCOPE`: every slot's step and K canvases' commit in one
+    pass): HBM bytes and collectives by their source scope; FLOPs in the ratio of the two ticks'
+    useful FLOPs (a step of N rows; that and a commit of K rows, its trunk only: no head)."""
     cfg = ModelConfig.preset(report["preset"])
     topo = aot.topology(report["topology"])
     n, tick = report["batch"], report["programs"]["slot_tick"]
     k = commit_k(report)
     step_f = roofline.denoise_step_flops(cfg, n, report["context"])
-    commit_f = roofline.denoise_step_flops_by_part(cfg, k, report["context"])["trunk"]   # a commit has no head
-    flops = {"step": tick["flops"] * step_f / (step_f + commit_f), "commit": tick["flops"] * commit_f / (step_f + commit_f)}
+    commit_f = step_f + roofline.denoise_step_flops_by_part(cfg, k, report["context"])["trunk"]   # no head
+    flops = {"step": tick["flops"] * step_f / (step_f + commit_f),
+             "commit_tick": tick["flops"] * commit_f / (step_f + commit_f)}
     in_commit = lambda scope: COMMIT_SCOPE in scope  # noqa: E731
     commit_bytes = sum(v for s, v in tick["hbm_bytes_by_scope"].items() if in_commit(s))
-    hbm = {"step": tick["hbm_bytes"] - commit_bytes, "commit": commit_bytes}
+    hbm = {"step": tick["hbm_bytes"] - commit_bytes, "commit_tick": commit_bytes}
     out = {}
-    for part in ("step", "commit"):
-        items = [c for c in tick["collectives"] if in_commit(c.get("scope", "")) == (part == "commit")]
+    for part in ("step", "commit_tick"):
+        items = [c for c in tick["collectives"] if in_commit(c.get("scope", "")) == (part == "commit_tick")]
         ici = coll.ici_seconds(items, topo.ring_bytes_per_s, report["ici"]["hop_latency_s"])["seconds"] \
             if topo.ring_bytes_per_s else 0.0
         out[part] = {"seconds": max(flops[part] / topo.bf16_flops, hbm[part] / topo.hbm_bw), "ici_seconds": ici,
@@ -115,18 +120,22 @@ def rows_for(report: dict, steps: int, canvas: int) -> dict:
     k = commit_k(report)
     calls = math.ceil(n / k)
     step, ici = parts["step"]["seconds"], parts["step"]["ici_seconds"]
-    c, c_ici = parts["commit"]["seconds"], parts["commit"]["ici_seconds"]
+    ct, ct_ici = parts["commit_tick"]["seconds"], parts["commit_tick"]["ici_seconds"]
+    c, c_ici = max(ct - step, 0.0), max(ct_ici - ici, 0.0)   # what a committing tick costs over a plain one
     per = steps * (step + ici) + calls * (c + c_ici)
     per_overlapped = steps * max(step, ici) + calls * max(c, c_ici)
     floor = tick["roofline_floor_seconds"]
     return {"slots": n, "steps_per_canvas": steps, "step_ms": round(1e3 * step, 3),
             "floor_ms": round(1e3 * floor, 3), "ici_ms": round(1e3 * ici, 3),
             "commit_rows": k, "commit_ms": round(1e3 * c, 3), "commit_ici_ms": round(1e3 * c_ici, 3),
+            "commit_tick_ms": round(1e3 * ct, 3), "commit_tick_ici_ms": round(1e3 * ct_ici, 3),
+            "commit_tick_over_floor": round(ct / floor, 2),
             "tokens_per_s_total": round(n * canvas / per, 1),
             "tokens_per_s_total_overlapped": round(n * canvas / per_overlapped, 1),
             "gb_per_chip": round(tick["total_bytes"] / 1e9, 2), "fits": bool(tick["fits"]),
             "step_over_floor": round(step / floor, 2),
             "step_hbm_gb": round(parts["step"]["hbm_bytes"] / 1e9, 2),
+            "commit_tick_hbm_gb": round(parts["commit_tick"]["hbm_bytes"] / 1e9, 2),
             "required_gb": round(tick["required_bytes"] / 1e9, 2),
             "hbm_gb_by_op": {k2: round(v / 1e9, 2) for k2, v in sorted(tick["hbm_bytes_by_op"].items(),
                                                                        key=lambda kv: -kv[1])[:8]},
@@ -184,7 +193,7 @@ def main(argv=None):
     write(rows, args.out)
     print(markdown_rows(rows))   # docs/serving.md's table rows
     details = os.path.splitext(args.out)[0] + "_programs.json"
-    write({"label": "projection from the TPU compiler's output (slot_tick and commit_slots of the step-level "
+    write({"label": "projection from the TPU compiler's output (slot_tick of the step-level "
                     "engine, the 26B's shapes, weights " + (args.quantize or "bfloat16") + "), not a measurement on a TPU",
            "command": "python benchmarks/serve_projection.py " + " ".join(argv or sys.argv[1:]),
            "ici": rep["ici"], "programs": reports}, details)

@@ -37,7 +37,7 @@ def test_the_serving_docs_tables_are_the_committed_projections():
 
 
 def test_commit_passes_of_canvases_settling_at_independent_times():
-    """`commit_passes_per_tick` against a simulation of `slots._commit_settled`'s pass count (ceil of the most
+    """`commit_passes_per_tick` against a simulation of the committing ticks `slots.slot_tick` runs (ceil of the most
     canvases settled in one group over commit_rows of a group), each slot settling a canvas in a tick with
     probability 1 / S: exact for one slot; for many slots far above the C / S of slots in step (the same
     where a pass commits one row of a single group)."""

@@ -71,9 +71,9 @@ def with_rows(params, rows) -> dict:
 def take_rows(params, index) -> dict:
     """`params` for a batch made of rows `index` [K] of the batch they were given for: per-row adapter
     indices (`with_adapters(..., rows)`) follow the rows; anything else is returned as it is."""
-    entry = params.get(ADAPTERS_KEY) if isinstance(params, dict) else None
-    if not (isinstance(entry, dict) and set(entry) == {"pairs", "rows"}):
+    if not has_row_adapters(params):
         return params
+    entry = params[ADAPTERS_KEY]
     return {**params, ADAPTERS_KEY: {"pairs": entry["pairs"], "rows": entry["rows"][index]}}
 
 
@@ -132,6 +132,23 @@ def commit_denoise_features(params, config: ModelConfig, tokens, num_new, canvas
     (the canvas's [B, L, D] up to the final norm, the cache with the tokens written)."""
     return _apply(config, runtime, variables(params), tokens, num_new, canvas, cache, soft,
                   method="commit_denoise_features")
+
+
+def commit_rows_denoise_features(params, config: ModelConfig, tokens, rows, num_new, canvas, cache: KVCache, soft=None,
+                                 runtime: Runtime | None = None):
+    """The causal pass writing tokens [G K, T] into rows `rows` [G, K] of the cache (its N rows in G
+    groups; row g's k-th writes its first num_new[g K + k]) and the denoiser's pass over every row's
+    canvas [N, L] after its committed tokens, in one pass over the layers
+    (`Transformer.commit_rows_denoise_features`): (the canvases' [N, L, D] up to the final norm, the
+    new cache)."""
+    return _apply(config, runtime, variables(params), tokens, rows, num_new, canvas, cache, soft,
+                  method="commit_rows_denoise_features")
+
+
+def has_row_adapters(params) -> bool:
+    """Whether `params` carry per-row LoRA adapter indices (`with_adapters(..., rows)`: a server's slots)."""
+    entry = params.get(ADAPTERS_KEY) if isinstance(params, dict) else None
+    return isinstance(entry, dict) and set(entry) == {"pairs", "rows"}
 
 
 def soft_embed_pass(params, config: ModelConfig, logits, adapters=None, runtime: Runtime | None = None):

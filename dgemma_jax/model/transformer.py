@@ -23,7 +23,7 @@ from flax import linen as nn
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model import masks
 from dgemma_jax.model import layout, scanned
-from dgemma_jax.model.cache import KVCache
+from dgemma_jax.model.cache import KVCache, group_rows, put_group_rows
 from dgemma_jax.model.layers import (QUANT_SCALE, QUANT_VALUES, GatedMLP, RMSNorm, dtype_of, is_quantized,
                                      param, rms_normalize, softcap)
 from dgemma_jax.model.block import Block
@@ -181,6 +181,20 @@ class Transformer(nn.Module):
                                                  (self._embed(tokens), self._denoise_input(canvas, soft_embedding)),
                                                  (starts, num_new), (), cache)
         return self.final_norm(x), new_cache.replace(lengths=(starts + num_new).astype(jnp.int32))
+
+    def commit_rows_denoise_features(self, tokens, rows, num_new, canvas, cache: KVCache, soft_embedding=None):
+        """`encode` of tokens [G K, T] (no head) into rows `rows` [G, K] of the cache (its N rows in G
+        groups of N / G consecutive rows: row g N / G + rows[g, k]; num_new [G K] each writes, 0 for
+        none) and `denoise_features` of every row's canvas [N, L] after its committed tokens, as ONE
+        pass over the layers (`Block.commit_rows_denoise`). Returns (the canvases' [N, L, D] up to the
+        final norm, the new cache): what a commit of those rows and then a denoising pass give."""
+        starts = group_rows(cache.lengths, rows)
+        lengths = put_group_rows(cache.lengths, (starts + num_new).astype(cache.lengths.dtype), rows, starts,
+                                 tokens.shape[1], False)
+        (_, x), new_cache = self._writing_layers(
+            "commit_rows_denoise", (self._embed(tokens), self._denoise_input(canvas, soft_embedding)),
+            (rows, starts, num_new, lengths), (), cache)
+        return self.final_norm(x), new_cache.replace(lengths=lengths)
 
     def _denoise_input(self, canvas, soft_embedding=None):
         e = self._embed(canvas)

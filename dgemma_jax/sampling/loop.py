@@ -33,7 +33,7 @@ import numpy as np
 from flax import struct
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model.api import commit_denoise_features, denoise_features
+from dgemma_jax.model.api import commit_denoise_features, commit_rows_denoise_features, denoise_features
 from dgemma_jax.model.cache import KVCache
 from dgemma_jax.model.layers import dtype_of
 from dgemma_jax.runtime import Runtime
@@ -304,16 +304,24 @@ def denoise_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVC
 def commit_and_step(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCache, tokens: jax.Array,
                     num_new: jax.Array, keys: jax.Array, state: LoopState, seed: jax.Array | None = None,
                     pinned: jax.Array | None = None, knobs: RowKnobs | None = None,
-                    runtime: Runtime | None = None) -> tuple[LoopState, KVCache]:
+                    runtime: Runtime | None = None, rows: jax.Array | None = None) -> tuple[LoopState, KVCache]:
     """The commit of tokens [B, T] (row b's first num_new[b]; `generate.commit`) and then `denoise_step`
     of the next canvas's `state` against the cache it leaves, in ONE pass over the layers
     (`model.api.commit_denoise_features`: the layers' weights read once for both). Returns (the next
     `LoopState`, the cache with the tokens written): what the commit and the step give, one after
-    the other."""
+    the other.
+
+    rows: None, or [G, K]: a server's slots (`slots.slot_tick`), where tokens [G K, T] go into those
+    rows of each of the cache's G groups of rows (`model.api.commit_rows_denoise_features`) and
+    every row's canvas steps."""
     runtime = runtime if runtime is not None else Runtime()
     knobs = knobs if knobs is not None else RowKnobs.of(sampler, keys.shape[0])
-    h, cache = commit_denoise_features(params, config, tokens, num_new, state.canvas, cache, state.soft,
-                                       runtime=runtime)
+    if rows is None:
+        h, cache = commit_denoise_features(params, config, tokens, num_new, state.canvas, cache, state.soft,
+                                           runtime=runtime)
+    else:
+        h, cache = commit_rows_denoise_features(params, config, tokens, rows, num_new, state.canvas, cache,
+                                                state.soft, runtime=runtime)
     return _advance(params, config, sampler, h, keys, state, seed, pinned, knobs, runtime), cache
 
 

@@ -22,7 +22,8 @@ class TickResult(NamedTuple):
     """What one call of the tick program tells the host (numpy, one transfer): ticks run; per slot
     [N] whether its canvas settled, its tokens [N, L] (EOS-truncated), whether they end in EOS, its
     denoising steps, whether it met non-finite logits; the canvases' argmax [N, L] when asked for
-    (previews), else None."""
+    (previews), else None; per slot [N] whether its row is still owed a commit after the call
+    (`SlotRunner.owed`)."""
 
     ticks: int
     settled: np.ndarray
@@ -31,6 +32,15 @@ class TickResult(NamedTuple):
     steps: np.ndarray
     nonfinite: np.ndarray
     argmax: np.ndarray | None
+    owed: np.ndarray
+
+
+class SavedRow(NamedTuple):
+    """A slot's row in host memory (`SlotRunner.save_row`): its cache row, and the canvas [L] it is
+    still owed (written by the tick after it is restored), or None."""
+
+    row: Any
+    owed: np.ndarray | None
 
 
 class SlotRunner:
@@ -44,7 +54,11 @@ class SlotRunner:
     at start-up in the layouts the compiler prefers for the tick (`Engine.compile_in_compiler_layouts`:
     on a TPU the tick otherwise re-lays the attention weights out at every call; the prefills then take
     the tick's layouts), "default" leaves them as placed, "auto" (default) is "compiler" on a TPU
-    without LoRA adapter rows, else "default"."""
+    without LoRA adapter rows, else "default".
+
+    owed, owed_tokens: [N] rows owed a commit and [N, L] their canvases: a canvas that settled and goes
+    into its row is written by the next tick call, with that tick's step (`slots.slot_tick`'s
+    `commit`); until then nothing else may write or read the row (`owes`)."""
 
     def __init__(self, engine: Engine, slots: int, context: int, prefill_widths: tuple[int, ...],
                  param_layouts: str = "auto"):
@@ -59,6 +73,8 @@ class SlotRunner:
         self.cache = None
         self.state = None
         self.slot_adapter = np.zeros(self.slots, np.int32)   # each slot's LoRA adapter (0: the base model)
+        self.owed = np.zeros(self.slots, bool)
+        self.owed_tokens = np.zeros((self.slots, engine.sampler.canvas_length), np.int32)
         self._tick = None
         self._prefills: dict[Any, Any] = {}
         self._read_row = self._write_row = None
@@ -105,7 +121,7 @@ class SlotRunner:
     def compile_tick(self, args: dict):
         """The tick compiled for these arguments (the scheduler's, without the cache and state)."""
         compiled = self.engine.programs.slot_tick.lower(self.engine.params_for(self.slot_adapter), cache=self.cache,
-                                                        state=self.state, **args).compile()
+                                                        state=self.state, **self._owed_args(), **args).compile()
         self.memory["slot_tick"] = compiled_memory(compiled)
         return compiled
 
@@ -113,7 +129,7 @@ class SlotRunner:
         """The tick compiled with the parameters in the layouts the compiler prefers for it, and the
         engine's parameters moved to them; a callable run as the compiled tick is."""
         formats, compiled, call = self.engine.compile_in_compiler_layouts(
-            self.engine.programs.slot_tick, dict(cache=self.cache, state=self.state, **args))
+            self.engine.programs.slot_tick, dict(cache=self.cache, state=self.state, **self._owed_args(), **args))
         self.engine.place_params(formats)
         self.memory["slot_tick"] = compiled_memory(compiled)
         return call
@@ -162,19 +178,41 @@ class SlotRunner:
         pixels = self.engine.place(np.asarray(images.pixel_values, np.float32), np.asarray(images.position_ids, np.int32))
         self.cache = self.prefill_program(width, pixels)(params, images=tuple(pixels), **kw)
 
-    def save_row(self, slot: int):
-        """Slot `slot`'s cache row (its keys, values and length) copied to host memory (numpy)."""
-        return jax.device_get(self._read_row(self.cache, np.int32(slot)))
+    def owes(self, slot: int) -> bool:
+        """Whether slot `slot`'s row is still owed a settled canvas (the next tick call writes it)."""
+        return bool(self.owed[slot])
 
-    def restore_row(self, slot: int, row) -> None:
-        """Put a row `save_row` gave (from any slot) into slot `slot`."""
-        self.cache = self._write_row(self.cache, np.int32(slot), row)
+    def forget_owed(self, slot: int) -> None:
+        """Slot `slot`'s row is no longer owed its canvas (a new prompt keeps none of it)."""
+        self.owed[slot] = False
+
+    def save_row(self, slot: int) -> SavedRow:
+        """Slot `slot`'s cache row (its keys, values and length) copied to host memory (numpy), with the
+        canvas it is still owed. The slot keeps both: its row may be reused for a prefix."""
+        return SavedRow(jax.device_get(self._read_row(self.cache, np.int32(slot))),
+                        self.owed_tokens[slot].copy() if self.owed[slot] else None)
+
+    def restore_row(self, slot: int, saved: SavedRow) -> None:
+        """Put a row `save_row` gave (from any slot) into slot `slot`, owed what it was owed."""
+        self.cache = self._write_row(self.cache, np.int32(slot), saved.row)
+        self.owed[slot] = saved.owed is not None
+        if saved.owed is not None:
+            self.owed_tokens[slot] = saved.owed
+
+    def _owed_args(self) -> dict:
+        return dict(commit=self.owed.copy(), commit_tokens=self.owed_tokens.copy())
 
     def tick(self, args: dict, previews: bool) -> TickResult:
-        """One call of the compiled tick on the slots' cache and state (both replaced by its output)."""
-        out = self._tick(self.engine.params_for(self.slot_adapter), cache=self.cache, state=self.state, **args)
+        """One call of the compiled tick on the slots' cache and state (both replaced by its output); the
+        rows owed a commit go in with it, and the canvases it leaves owed are kept for the next call."""
+        out = self._tick(self.engine.params_for(self.slot_adapter), cache=self.cache, state=self.state,
+                         **self._owed_args(), **args)
         self.cache, self.state = out.cache, out.state
-        fetched = (out.ticks, out.settled, out.tokens, out.eos, out.steps, out.nonfinite)
+        fetched = (out.ticks, out.settled, out.tokens, out.eos, out.steps, out.nonfinite, out.owed, out.committed)
         fetched += (out.argmax,) if previews else ()
-        ticks, settled, tokens, eos, steps, nonfinite, *argmax = jax.device_get(fetched)   # one transfer
-        return TickResult(int(ticks), settled, tokens, eos, steps, nonfinite, argmax[0] if previews else None)
+        ticks, settled, tokens, eos, steps, nonfinite, owed, committed, *argmax = jax.device_get(fetched)   # one transfer
+        self.owed &= ~committed
+        self.owed |= owed
+        self.owed_tokens[owed] = tokens[owed]
+        return TickResult(int(ticks), settled, tokens, eos, steps, nonfinite, argmax[0] if previews else None,
+                          self.owed.copy())

@@ -10,8 +10,9 @@
 The worker loops over ticks (`sampling.slots.slot_tick`). Each tick advances every busy slot by one
 pass of its own: a slot being admitted gets its next prompt chunk (a batch-1 prefill into its cache
 row; at most one chunk per slot per tick, so a long prompt never stalls the others), every other busy
-slot one denoising step of its own canvas, and a canvas that settles is committed in that tick and
-its slot starts the next one on the next tick. No slot waits for another slot's canvas. While every
+slot one denoising step of its own canvas; a canvas that settles is committed by the next call's
+first tick (`slots.slot_tick`, on an accelerator in the same pass as that tick's step), where its
+slot's next canvas takes its first step. No slot waits for another slot's canvas. While every
 slot is busy decoding (nothing can be admitted) one call of the tick program runs up to
 `ticks_per_call` ticks and returns when a canvas settles; otherwise a call is one tick. A choice
 (one of a request's `n`) ends at EOS, at `max_tokens`, at a stop string, or when its client is gone
@@ -182,6 +183,7 @@ class Scheduler:
                             can_rewind=lambda row, keep: rewind_ok(cfg, self.context, row, keep))
         self._knobs = None
         self._scores = None   # the structured walker's token scores (`_token_scores`), made on first use
+        self._owed_from = [0] * self.slots   # where the canvas each row is owed (`SlotRunner.owed`) begins
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -389,11 +391,15 @@ class Scheduler:
                 self.runner.slot_adapter[d.slot] = d.choice.request.adapter
                 t0 = time.perf_counter()
                 self.runner.restore_row(d.slot, d.choice.saved)
+                if d.choice.saved.owed is not None:   # the row it holds ends with the canvas it is owed
+                    self._owed_from[d.slot] = len(self.plan.rows[d.slot]) - self.canvas_length
                 d.choice.saved = None
                 self.stats["preempt_restore_ms"] += round(1e3 * (time.perf_counter() - t0), 3)
                 self.stats["restores"] += 1
             else:
                 c, req = d.choice, d.choice.request
+                if self.runner.owes(d.slot) and d.reuse <= self._owed_from[d.slot]:
+                    self.runner.forget_owed(d.slot)   # the prompt keeps none of the canvas the row is owed
                 self.runner.slot_adapter[d.slot] = req.adapter
                 c.chunks = self.plan_chunks(np.asarray(req.prompt_ids, np.int32), req.images, start=d.reuse)
                 self.stats["prefix_tokens_reused"] += d.reuse
@@ -428,12 +434,14 @@ class Scheduler:
                 self._free(s, "cancelled")
         prefilled = False
         for c in self.plan.busy:
-            if c is not None and c.chunks:
+            # a row still owed its last holder's canvas (kept for prefix reuse) takes no prompt before
+            # the tick below writes that canvas
+            if c is not None and c.chunks and not self.runner.owes(c.slot):
                 self._prefill_chunk(c)
                 prefilled = True
         busy = list(self.plan.busy)
         active = np.array([c is not None and not c.chunks for c in busy], bool)
-        if not active.any():
+        if not active.any() and not self.runner.owed.any():
             self.stats["ticks"] += 1
             return
         previews = any(c is not None and c.request.provisional for c in busy)
@@ -452,12 +460,14 @@ class Scheduler:
                 c.walker.start(self.canvas_length, owed)   # holds the grammar's forced text at once
                 c.complete = c.walker.ended or c.walker.held >= owed
         args = self._tick_args(busy, begin, active, 1 if one else self.ticks_per_call)
-        ticks, settled, tokens, eos, steps, nonfinite, argmax = self.runner.tick(args, previews or any(structured))
+        ticks, settled, tokens, eos, steps, nonfinite, argmax, owed = self.runner.tick(args, previews or any(structured))
         self.stats["slot_steps"] += int(active.sum()) * ticks
         self.stats["tick_calls"] += 1
         self.stats["ticks"] += ticks - 1     # the last tick is counted below, after its events
         for s, c in enumerate(busy):
             if not active[s]:
+                continue
+            if c.begin and owed[s] and not settled[s]:   # its row's commit waits for the next call: so does its canvas
                 continue
             c.begin = False
             if previews and c.request.provisional:   # every step's preview, the settling one too
@@ -519,7 +529,8 @@ class Scheduler:
             self.stats["nonfinite_canvases"] += 1
             log.warning("slot %d met non-finite logits: the model's weights or activations hold NaN/Inf, so this "
                         "answer is not the model's (check the checkpoint)", s)
-        if (not eos and not last) or keep:   # what slot_tick committed into the row
+        if (not eos and not last) or keep:   # what the next slot_tick call commits into the row
+            self._owed_from[s] = len(self.plan.rows[s])
             self.plan.rows[s] = np.concatenate([self.plan.rows[s], tokens.astype(np.int64)])
             self.stats["commits"] += 1
         owed = c.request.max_tokens - c.canvas * l
