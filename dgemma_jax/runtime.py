@@ -87,7 +87,9 @@ class Runtime:
       costs its FLOPs only where a step is bound by reading them; the first canvas's step carries a
       commit of no tokens); "separate" = its own causal pass (`generate.canvas_end`); "auto" = "fused"
       on an accelerator, "separate" on CPU, where a pass is bound by its FLOPs and the fused one
-      would add the first canvas's empty commit to every call (`fuse_commit`).
+      would add the first canvas's empty commit to every call (`fuse_commit`). The server's tick
+      (`slots.slot_tick`) follows it too: its committing tick writes the owed canvases in its step's
+      pass, or (separate; and always with per-row LoRA adapters) with the commit's pass before it.
     layers: how the layers are laid out in the program (`model.scanned`, `model.layout`): "unrolled" (one traced
       block per layer), "scan" (a `lax.scan` over the repeated layer group, 5 sliding + 1 global on
       the 26B: one group compiled instead of 30 layers; parameters and cache stacked per group
@@ -166,8 +168,8 @@ class Runtime:
         return "gmm" if int4 and self.platform == "tpu" else "ragged"
 
     def fuse_commit(self) -> bool:
-        """Whether `generate_fused` commits a canvas in one pass with the next one's first step
-        (`commit_pass`)."""
+        """Whether `generate_fused` and the server's tick commit a canvas in one pass with the next
+        step (`commit_pass`)."""
         if self.commit_pass != "auto":
             return self.commit_pass == "fused"
         return self.platform != "cpu"

@@ -81,8 +81,10 @@ def test_one_pass_gives_what_the_commit_and_then_the_step_give(case):
     np.testing.assert_array_equal(f_state.argmax, s_state.argmax)
     np.testing.assert_array_equal(f_state.canvas, s_state.canvas)
     np.testing.assert_array_equal(f_state.done, s_state.done)
+    # the soft embedding sums probabilities x the table: float32 last-bit differences of the joined
+    # projections come out ~1e-4 relative in it
     np.testing.assert_allclose(np.asarray(f_state.soft, np.float32), np.asarray(s_state.soft, np.float32),
-                               rtol=1e-4, atol=1e-4)
+                               rtol=2e-4, atol=1e-3)
 
 
 def _generate(params, cfg, rt, max_new):

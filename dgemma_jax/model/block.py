@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
-from dgemma_jax.model.attention import Attention
+from dgemma_jax.model.attention import Attention, join_tokens, split_tokens, token_positions
 from dgemma_jax.model.cache import SLOT_AXIS, group_entry, group_rows, put_group_rows, ring_limit
 from dgemma_jax.model.layers import GatedMLP, RMSNorm, ones_param
 from dgemma_jax.model.moe import MoE
@@ -68,12 +68,16 @@ class Block(nn.Module):
         [B, L, D] (the row's next canvas, after it: positions starts + num_new on) in one layer.
 
         The canvas attends to the cache with this layer's new tokens written into it, exactly as a
-        denoising pass after the committing pass would; the feed-forward part, which reads most of the
-        layer's weights, runs once over both (`_joined_ffw`). Returns (xc, xd, cache_k, cache_v)."""
-        a, cache_k, cache_v = self.attn.encode(self.pre_attn_norm(xc), starts, num_new, cache_k, cache_v, None, group)
-        ad = self.attn.denoise(self.pre_attn_norm(xd), starts + num_new, group_entry(cache_k, group),
-                               group_entry(cache_v, group))
-        return (*self._joined_ffw(xc + self.post_attn_norm(a), xd + self.post_attn_norm(ad)), cache_k, cache_v)
+        denoising pass after the committing pass would; the projections and the feed-forward part,
+        the layer's weights, run once over both (`_joint`). Returns (xc, xd, cache_k, cache_v)."""
+        context_end = starts + num_new
+
+        def attend(qkv_c, pc, qkv_d, pd):
+            yc, k, v = self.attn.encode_attend(qkv_c, pc, starts, num_new, cache_k, cache_v, None, group)
+            return yc, self.attn.denoise_attend(qkv_d, pd, context_end, group_entry(k, group),
+                                                group_entry(v, group)), k, v
+
+        return self._joint(xc, xd, starts, context_end, xc.shape[0], attend)
 
     def commit_rows_denoise(self, xc, xd, rows, starts, num_new, context_end, cache_k, cache_v, group=None):
         """`commit_denoise` for a server's slots: `encode` of xc [G K, T, D] into rows `rows` [G, K] of
@@ -82,29 +86,37 @@ class Block(nn.Module):
 
         The K rows of each group are read out of the layer's cache, written, and their new slots put
         back in place (a sliding layer's ring: the whole row) before the canvases attend to it; the
-        feed-forward part runs once over both, each group's commit tokens beside its own rows' canvases
-        (so on a mesh whose data axis splits the slots no row leaves its group's devices). Returns
-        (xc, xd, cache_k, cache_v)."""
-        g, k = rows.shape
-        sub_k = group_rows(group_entry(cache_k, group), rows)
-        sub_v = group_rows(group_entry(cache_v, group), rows)
-        a, sub_k, sub_v = self.attn.encode(self.pre_attn_norm(xc), starts, num_new, sub_k, sub_v)
-        whole = self.attn.window is not None and sub_k.shape[SLOT_AXIS] <= ring_limit(self.cfg)   # a ring
-        cache_k = put_group_rows(cache_k, sub_k, rows, starts, xc.shape[1], whole, group)
-        cache_v = put_group_rows(cache_v, sub_v, rows, starts, xc.shape[1], whole, group)
-        ad = self.attn.denoise(self.pre_attn_norm(xd), context_end, group_entry(cache_k, group),
-                               group_entry(cache_v, group))
-        xc1, xd1 = xc + self.post_attn_norm(a), xd + self.post_attn_norm(ad)
-        (t, d), (n, l) = xc.shape[1:], xd.shape[:2]
-        yc, yd = self._joined_ffw(xc1.reshape(g, k * t, d), xd1.reshape(g, (n // g) * l, d))
-        return yc.reshape(g * k, t, d), yd.reshape(n, l, d), cache_k, cache_v
+        projections and the feed-forward part run once over both, each group's commit tokens beside
+        its own rows' canvases (so on a mesh whose data axis splits the slots no row leaves its
+        group's devices). Returns (xc, xd, cache_k, cache_v)."""
+        width = xc.shape[1]
 
-    def _joined_ffw(self, xc, xd):
-        """The feed-forward part once over the commit's tokens xc [B, T, D] and the canvases' xd [B, L, D],
-        joined along the sequence axis (every batch row stays where it lies on a mesh), each token with
-        its own mode's layer scalar: the layer's dense and expert weights read once for both."""
-        t = xc.shape[1]
-        scalar = jnp.concatenate([jnp.broadcast_to(self.encoder_scalar, (t,)),
-                                  jnp.broadcast_to(self.decoder_scalar, (xd.shape[1],))])[:, None]
-        y = self._ffw(jnp.concatenate([xc, xd], axis=1), scalar)
-        return y[:, :t], y[:, t:]
+        def attend(qkv_c, pc, qkv_d, pd):
+            sub_k = group_rows(group_entry(cache_k, group), rows)
+            sub_v = group_rows(group_entry(cache_v, group), rows)
+            yc, sub_k, sub_v = self.attn.encode_attend(qkv_c, pc, starts, num_new, sub_k, sub_v)
+            whole = self.attn.window is not None and sub_k.shape[SLOT_AXIS] <= ring_limit(self.cfg)   # a ring
+            k = put_group_rows(cache_k, sub_k, rows, starts, width, whole, group)
+            v = put_group_rows(cache_v, sub_v, rows, starts, width, whole, group)
+            return yc, self.attn.denoise_attend(qkv_d, pd, context_end, group_entry(k, group),
+                                                group_entry(v, group)), k, v
+
+        return self._joint(xc, xd, starts, context_end, rows.shape[0], attend)
+
+    def _joint(self, xc, xd, starts, context_end, groups: int, attend):
+        """A layer over the commit's tokens xc [B_c, T, D] at starts and the canvases' xd [B_d, L, D] at
+        context_end, in G row groups: their q/k/v projections, output projection and feed-forward part
+        each once over both sets of tokens, joined per group (`attention.join_tokens`: every row stays
+        where it lies on a mesh), each token with its own mode's layer scalar; `attend`(qkv_c,
+        positions_c, qkv_d, positions_d) -> (yc, yd, cache_k, cache_v) writes the commit and attends
+        (the canvases after the commit). Returns (xc, xd, cache_k, cache_v)."""
+        pc, pd = token_positions(starts, xc.shape[1]), token_positions(context_end, xd.shape[1])
+        qkv_c, qkv_d = self.attn.joint_qkv([(self.pre_attn_norm(xc), pc), (self.pre_attn_norm(xd), pd)], groups)
+        yc, yd, cache_k, cache_v = attend(qkv_c, pc, qkv_d, pd)
+        ac, ad = self.attn.joint_out([yc, yd], groups)
+        x1 = [xc + self.post_attn_norm(ac), xd + self.post_attn_norm(ad)]
+        shapes = [x.shape[:2] for x in x1]
+        scalar = jnp.concatenate([jnp.broadcast_to(self.encoder_scalar, ((shapes[0][0] // groups) * shapes[0][1],)),
+                                  jnp.broadcast_to(self.decoder_scalar, ((shapes[1][0] // groups) * shapes[1][1],))])
+        yc, yd = split_tokens(self._ffw(join_tokens(x1, groups), scalar[:, None]), shapes, groups)
+        return yc, yd, cache_k, cache_v
