@@ -394,9 +394,11 @@ def test_parameters_in_the_compilers_layouts_and_the_defaults_hold_no_weight_rel
     (the 26B's: benchmarks/results/param_formats_int4_v5e-1.json), the default layouts made a relayout copy of
     a weight at the program's start while the cache was stored [batch, slot, kv head, head dim] (measured:
     temporaries 19.3 vs 16.5 MB, traffic 48.5 vs 46.7 MB); with the cache in the attention kernel's order
-    neither layout makes one (`perf.memory_peak`), and the default layouts now move less (measured: traffic
-    39.9 MB default vs 41.4 compiler, temporaries 12.3 vs 13.5 MB). The prefill, compiled for the tick's
-    layouts as `dgemma serve` runs it (serving.runner), moves the same either way (24.4 MB)."""
+    neither layout makes one (`perf.memory_peak`), and the default layouts move no more than the compiler's.
+    Since the tick commits in the pass of its first tick, the program holds that tick and the plain one
+    (measured: traffic 65.3 MB either way, temporaries 21.5 MB default vs 22.3 compiler; a relayout copy
+    added ~7 MB of temporaries and ~9 MB of traffic to the default layouts' program). The prefill, compiled
+    for the tick's layouts as `dgemma serve` runs it (serving.runner), moves the same either way (24.4 MB)."""
     from dgemma_jax.config import ModelConfig
     from dgemma_jax.perf.aot import compile_report
 
@@ -412,7 +414,9 @@ def test_parameters_in_the_compilers_layouts_and_the_defaults_hold_no_weight_rel
         got[mode] = (tick["memory"]["temp_size_in_bytes"], sum(b["bytes"] for b in copies), len(copies))
         traffic[mode] = (tick["hbm_bytes"], rep["programs"]["prefill_slot"]["hbm_bytes"])
     assert got["default"][2] == 0 and got["compiler"][2] == 0, got   # no weight relaid out (default: 1 before)
-    assert got["default"][0] < 14e6 and traffic["default"][0] < 42e6, (got, traffic)   # 19.3 / 48.5 MB before
+    assert got["default"][0] <= got["compiler"][0] and traffic["default"][0] <= traffic["compiler"][0] + 1e6, \
+        (got, traffic)
+    assert got["default"][0] < 24e6 and traffic["default"][0] < 70e6, (got, traffic)   # measured 21.5 / 65.3 MB
     assert traffic["compiler"][1] == traffic["default"][1], traffic
     assert rep["param_formats_from"] == "slot_tick" and "projected_seconds" in rep["programs"]["prefill_slot"]
     with pytest.raises(ValueError, match="param_formats='fast' is invalid"):
