@@ -72,10 +72,10 @@ def canvas_keys(keys: jax.Array, index) -> jax.Array:
 def commit(params, config: ModelConfig, cache: KVCache, tokens: jax.Array, active: jax.Array,
            runtime: Runtime | None = None) -> KVCache:
     """Causal pass writing `tokens` [B, L] into the cache for the `active` rows (others write nothing)."""
-    return encode_pass(params, config, tokens, cache.lengths, _committed(tokens, active), cache, runtime=runtime)[1]
+    return encode_pass(params, config, tokens, cache.lengths, committed_counts(tokens, active), cache, runtime=runtime)[1]
 
 
-def _committed(tokens: jax.Array, active: jax.Array) -> jax.Array:
+def committed_counts(tokens: jax.Array, active: jax.Array) -> jax.Array:
     """[B] int32 tokens each row commits: all L of `tokens` [B, L] for the `active` rows, none elsewhere."""
     return jnp.where(active, tokens.shape[1], 0).astype(jnp.int32)
 
@@ -189,7 +189,7 @@ def commit_and_first_step(params, config: ModelConfig, sampler: SamplerConfig, c
     and the first denoising step of `canvas` (`canvas_start`) after them, in one pass over the layers
     (`loop.commit_and_step`). Returns (the canvas's `LoopState` after its first step, the cache with
     the tokens written): `commit` and then `loop.denoise_step`, with each layer's weights read once."""
-    return commit_and_step(params, config, sampler, cache, tokens, _committed(tokens, active), canvas.keys,
+    return commit_and_step(params, config, sampler, cache, tokens, committed_counts(tokens, active), canvas.keys,
                            canvas.state, canvas.seed, canvas.pinned, runtime=runtime)
 
 

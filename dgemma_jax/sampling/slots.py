@@ -34,7 +34,7 @@ from dgemma_jax.model.api import has_row_adapters, take_rows
 from dgemma_jax.model.cache import SLOT_AXIS, KVCache, batch_axis, group_rows, put_group_rows
 from dgemma_jax.runtime import Runtime
 from dgemma_jax.sampling.config import SamplerConfig
-from dgemma_jax.sampling.generate import _committed, canvas_start, commit, finish_canvas, prefill
+from dgemma_jax.sampling.generate import committed_counts, canvas_start, commit, finish_canvas, prefill
 from dgemma_jax.sampling.loop import Canvas, RowKnobs, commit_and_step, denoise_step, where_rows
 
 
@@ -121,8 +121,9 @@ def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCach
     (every position held): it settles in this call without another step.
     commit, commit_tokens: [N] rows owed a commit (an earlier call's `owed`) and [N, L] their canvases.
     The first tick writes up to `commit_rows(N / G)` of them in each of the G slot groups (G the
-    mesh's shards of the batch axis: no row leaves its group's devices); a row still owed after it
-    does not step (its next canvas waits for its context) and the call returns after that tick.
+    mesh's shards of the batch axis: no row leaves its group's devices); a busy row still owed after
+    it does not step (its next canvas waits for its context), and the call then returns after that
+    tick.
     """
     rt = runtime if runtime is not None else Runtime()
     n, width = keys.shape[0], sampler.canvas_length
@@ -145,7 +146,7 @@ def slot_tick(params, config: ModelConfig, sampler: SamplerConfig, cache: KVCach
         toks = jnp.take_along_axis(commit_tokens.reshape(g, n // g, width), rows[:, :, None], axis=1)
         if rt.fuse_commit() and not has_row_adapters(params):   # one pass over the layers
             new, c = commit_and_step(params, config, sampler, c, toks.reshape(g * k, width),
-                                     _committed(toks.reshape(g * k, width), writes.reshape(-1)), canvas.keys, lp,
+                                     committed_counts(toks.reshape(g * k, width), writes.reshape(-1)), canvas.keys, lp,
                                      seed=seed, pinned=pinned, knobs=knobs, runtime=runtime, rows=rows)
         else:   # the commit's causal pass, then the step (per-row LoRA adapters: rows of either pass differ)
             c = commit_slots(params, config, c, rows, toks, writes, runtime)
