@@ -230,8 +230,7 @@ class Attention(nn.Module):
         t = q.shape[1]
         k, v = self._replicate(k, v, cache_k)
         layer_k, layer_v = group_entry(cache_k, group), group_entry(cache_v, group)
-        # a sliding layer's ring (model/cache.py); one holding more slots keeps every position (ring=False)
-        ring = self.window is not None and layer_k.shape[2] <= ring_limit(self.cfg)
+        ring = self.is_ring(layer_k.shape[2])
         axes = CACHE_AXES if group is None else (LAYER_AXIS,) + CACHE_AXES
         new_k = self.rt.constrain(write_tokens(cache_k, k, starts, num_new, group, ring), axes)
         new_v = self.rt.constrain(write_tokens(cache_v, v, starts, num_new, group, ring), axes)
@@ -270,7 +269,7 @@ class Attention(nn.Module):
         s = cache_k.shape[2]
         kernel = self._kernel_wanted()
         keys, vals = cache_k, cache_v
-        if self.window is not None and s > ring_limit(self.cfg):   # every position (ring=False): a window slice
+        if self.window is not None and not self.is_ring(s):   # every position (ring=False): a window slice
             size = self.window - 1
             if kernel:  # one more (always masked) slot: a whole number of kernel tiles
                 size = self.window
@@ -291,6 +290,11 @@ class Attention(nn.Module):
                 return y
         return attend(q, [(keys, vals, ctx_mask), (k, v, None)], self.rt.attn_key_block,
                       fixed_blocks=self.rt.attn_fixed_blocks)
+
+    def is_ring(self, slots: int) -> bool:
+        """Whether this layer's cache of `slots` slots is a sliding layer's ring (model/cache.py); a
+        sliding layer holding more slots keeps every position (ring=False)."""
+        return self.window is not None and slots <= ring_limit(self.cfg)
 
     def _kernel_wanted(self) -> bool:
         """Whether the canvas should attend to the cache through `model.flash` (`Runtime.attn_kernel`):

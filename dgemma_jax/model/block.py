@@ -11,7 +11,7 @@ from flax import linen as nn
 
 from dgemma_jax.config import ModelConfig
 from dgemma_jax.model.attention import Attention, join_tokens, split_tokens, token_positions
-from dgemma_jax.model.cache import SLOT_AXIS, group_entry, group_rows, put_group_rows, ring_limit
+from dgemma_jax.model.cache import SLOT_AXIS, group_entry, group_rows, put_group_rows
 from dgemma_jax.model.layers import GatedMLP, RMSNorm, ones_param
 from dgemma_jax.model.moe import MoE
 from dgemma_jax.axis_rules import ACTIVATION_AXES
@@ -95,9 +95,9 @@ class Block(nn.Module):
             sub_k = group_rows(group_entry(cache_k, group), rows)
             sub_v = group_rows(group_entry(cache_v, group), rows)
             yc, sub_k, sub_v = self.attn.encode_attend(qkv_c, pc, starts, num_new, sub_k, sub_v)
-            whole = self.attn.window is not None and sub_k.shape[SLOT_AXIS] <= ring_limit(self.cfg)   # a ring
-            k = put_group_rows(cache_k, sub_k, rows, starts, width, whole, group)
-            v = put_group_rows(cache_v, sub_v, rows, starts, width, whole, group)
+            ring = self.attn.is_ring(sub_k.shape[SLOT_AXIS])   # its whole row goes back: the new slots may wrap
+            k = put_group_rows(cache_k, sub_k, rows, starts, width, ring, group)
+            v = put_group_rows(cache_v, sub_v, rows, starts, width, ring, group)
             return yc, self.attn.denoise_attend(qkv_d, pd, context_end, group_entry(k, group),
                                                 group_entry(v, group)), k, v
 
